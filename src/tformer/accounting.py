@@ -1,0 +1,115 @@
+"""What a model costs, computed from its config alone: parameters, FLOPs, KV-cache bytes.
+
+The parameter count by component equals ``sum(p.numel())`` of the built model exactly (the tests
+check every preset). For a bias-free MHA block with a 4d GELU MLP, a layer holds
+4d² in attention (W_Q, W_K, W_V, W_O) and 8d² in the MLP: 12d² per layer, two-thirds in the MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tformer.config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """Parameters by component. ``per_layer_*`` are for one block; totals multiply by ``n_layers``."""
+
+    embedding: int          # token embedding (also the LM head when tied)
+    positions: int          # learned position table (0 for the other schemes)
+    per_layer_attention: int
+    per_layer_ffn: int
+    per_layer_norms: int
+    n_layers: int
+    final_norm: int
+    lm_head: int            # 0 when tied to the embedding
+
+    @property
+    def per_layer(self) -> int:
+        return self.per_layer_attention + self.per_layer_ffn + self.per_layer_norms
+
+    @property
+    def layers(self) -> int:
+        return self.n_layers * self.per_layer
+
+    @property
+    def non_embedding(self) -> int:
+        """Kaplan et al.'s N: everything but the token and position embeddings (and a separate head)."""
+        return self.layers + self.final_norm
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.positions + self.layers + self.final_norm + self.lm_head
+
+    def table(self) -> str:
+        rows = [
+            ("token embedding", self.embedding),
+            ("position embedding", self.positions),
+            (f"attention ({self.n_layers} x {self.per_layer_attention:,})", self.n_layers * self.per_layer_attention),
+            (f"feed-forward ({self.n_layers} x {self.per_layer_ffn:,})", self.n_layers * self.per_layer_ffn),
+            (f"norms ({self.n_layers} x {self.per_layer_norms:,})", self.n_layers * self.per_layer_norms),
+            ("final norm", self.final_norm),
+            ("LM head (untied)", self.lm_head),
+            ("total", self.total),
+        ]
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{name:<{width}}  {value:>15,}" for name, value in rows)
+
+
+def _norm_params(c: TransformerConfig) -> int:
+    return c.d_model * (2 if (c.norm == "layernorm" and c.bias) else 1)
+
+
+def count_parameters(config: TransformerConfig, cross_attention: bool = False) -> ParameterCount:
+    """Parameters of a decoder (or encoder) built from ``config``, by component.
+
+    Args:
+        cross_attention: count an extra cross-attention sub-layer (and its norm) per block.
+    """
+    c = config
+    d, hs = c.d_model, c.head_dim
+    q_dim, kv_dim = c.n_heads * hs, c.n_kv_heads * hs
+    attn = d * (q_dim + 2 * kv_dim) + (q_dim + 2 * kv_dim) * c.qkv_bias  # W_Q, W_K, W_V (+ biases)
+    attn += q_dim * d + d * c.bias                                        # W_O
+    if c.ffn == "swiglu":
+        ffn = 3 * d * c.d_ff + (2 * c.d_ff + d) * c.bias
+    else:
+        ffn = 2 * d * c.d_ff + (c.d_ff + d) * c.bias
+    norms = 2 * _norm_params(c)
+    if cross_attention:
+        attn += d * (q_dim + 2 * kv_dim) + (q_dim + 2 * kv_dim) * c.qkv_bias + q_dim * d + d * c.bias
+        norms += _norm_params(c)
+    return ParameterCount(
+        embedding=c.vocab_size * d,
+        positions=c.context_length * d if c.positions == "learned" else 0,
+        per_layer_attention=attn,
+        per_layer_ffn=ffn,
+        per_layer_norms=norms,
+        n_layers=c.n_layers,
+        final_norm=_norm_params(c) if c.norm_placement == "pre" else 0,
+        lm_head=0 if c.tie_embeddings else c.vocab_size * d,
+    )
+
+
+def training_flops_per_token(config: TransformerConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token: ``6 N + 12 L T (n_heads · head_dim)`` (PaLM, appendix B).
+
+    ``6N``: forward (2 FLOPs per multiply-add per parameter) plus backward (twice the forward),
+    with N the non-embedding parameters plus the LM-head matrix (it is a matmul for every token,
+    tied or not). ``12 L T d_attn``: the attention scores and the weighted sum, which no parameter
+    counts. ``seq_len`` defaults to the context length.
+    """
+    c = config
+    T = c.context_length if seq_len is None else seq_len
+    n = count_parameters(c).non_embedding + c.vocab_size * c.d_model
+    return 6 * n + 12 * c.n_layers * T * c.n_heads * c.head_dim
+
+
+def kv_cache_bytes(config: TransformerConfig, n_tokens: int, batch_size: int = 1, bytes_per_element: int = 4) -> int:
+    """Bytes of a KV cache: ``2 · L · n · h_kv · d_head · bytes`` per sequence (keys and values).
+
+    GQA/MQA shrink it by ``n_heads / n_kv_heads`` against MHA.
+    """
+    c = config
+    return 2 * c.n_layers * n_tokens * c.n_kv_heads * c.head_dim * bytes_per_element * batch_size

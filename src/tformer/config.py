@@ -1,0 +1,192 @@
+"""One validated configuration for every architectural switch, plus named presets.
+
+Every model in tformer is built from a :class:`TransformerConfig`. Changing the
+architecture (positions, norms, heads, feed-forward, attention backend) means
+changing a field here, never editing a model class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+POSITIONS = ("none", "learned", "sinusoidal", "rope", "alibi")
+NORMS = ("layernorm", "rmsnorm")
+NORM_PLACEMENTS = ("pre", "post")
+FFN_KINDS = ("mlp", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+BACKENDS = ("auto", "math", "torch", "flash")
+
+
+def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is not known; choose one of {', '.join(valid)}.")
+
+
+@dataclass
+class TransformerConfig:
+    """All switches of a transformer. Unset derived fields (``None``) are filled in ``__post_init__``.
+
+    Args:
+        vocab_size: number of token ids.
+        context_length: the longest sequence the model is built for (learned positions
+            have exactly this many rows; RoPE/sinusoidal tables are precomputed to it).
+        n_layers: number of blocks.
+        d_model: width of the residual stream.
+        n_heads: number of query heads.
+        n_kv_heads: number of key/value heads; ``n_heads`` is MHA, 1 is MQA, in between is GQA.
+            Defaults to ``n_heads``.
+        head_dim: width of one head; defaults to ``d_model // n_heads``.
+        d_ff: hidden width of the feed-forward; defaults to ``4 * d_model`` for ``mlp`` and to
+            ``8/3 * d_model`` rounded up to ``ffn_multiple_of`` for ``swiglu`` (same parameters).
+        positions: ``none``, ``learned``, ``sinusoidal`` (added to the embedding), ``rope``
+            (rotates q and k) or ``alibi`` (a linear bias on the scores).
+        rope_base: the base θ of the RoPE frequencies.
+        norm: ``layernorm`` or ``rmsnorm``; ``norm_eps`` its epsilon.
+        norm_placement: ``pre`` (x + f(norm(x)), GPT-2/Llama) or ``post`` (norm(x + f(x)), Vaswani/BERT).
+        ffn: ``mlp`` (Linear, activation, Linear) or ``swiglu`` (gated, Llama).
+        activation: non-linearity of the ``mlp`` (``gelu`` is the exact erf form).
+        bias: biases on every Linear and norm.
+        qkv_bias: biases on the q/k/v projections only (Qwen2); defaults to ``bias``.
+        dropout: dropout on residual branches and embeddings; ``attn_dropout`` on attention weights.
+        tie_embeddings: the LM head shares the token-embedding matrix.
+        causal: decoder (True) or encoder (False) self-attention.
+        attention_backend: ``auto``, ``math`` (explicit softmax), ``torch`` (PyTorch's fused
+            kernel) or ``flash`` (tformer's tiled kernel).
+        sliding_window: if set, each query sees only the last ``sliding_window`` keys (Mistral).
+        init_std: standard deviation of the weight init (GPT-2: 0.02).
+    """
+
+    vocab_size: int = 256
+    context_length: int = 64
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int | None = None
+    ffn_multiple_of: int = 64
+    positions: str = "learned"
+    rope_base: float = 10000.0
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    norm_placement: str = "pre"
+    ffn: str = "mlp"
+    activation: str = "gelu"
+    bias: bool = True
+    qkv_bias: bool | None = None
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    tie_embeddings: bool = True
+    causal: bool = True
+    attention_backend: str = "auto"
+    sliding_window: int | None = None
+    init_std: float = 0.02
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "context_length", "n_layers", "d_model", "n_heads"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{f}={value!r} must be a positive integer.")
+        _choice("positions", self.positions, POSITIONS)
+        _choice("norm", self.norm, NORMS)
+        _choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        _choice("ffn", self.ffn, FFN_KINDS)
+        _choice("activation", self.activation, ACTIVATIONS)
+        _choice("attention_backend", self.attention_backend, BACKENDS)
+
+        if self.head_dim is None:
+            if self.d_model % self.n_heads != 0:
+                raise ValueError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                    f"choose n_heads dividing d_model (e.g. {_divisors_hint(self.d_model)}) "
+                    f"or set head_dim explicitly."
+                )
+            self.head_dim = self.d_model // self.n_heads
+        elif self.head_dim < 1:
+            raise ValueError(f"head_dim={self.head_dim} must be a positive integer.")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
+                f"n_kv_heads must divide n_heads (n_heads for MHA, 1 for MQA, a divisor for GQA)."
+            )
+        if self.positions == "rope" and self.head_dim % 2 != 0:
+            raise ValueError(f"positions='rope' needs an even head_dim, got head_dim={self.head_dim}.")
+        if self.positions == "sinusoidal" and self.d_model % 2 != 0:
+            raise ValueError(f"positions='sinusoidal' needs an even d_model, got d_model={self.d_model}.")
+        if self.d_ff is None:
+            if self.ffn == "mlp":
+                self.d_ff = 4 * self.d_model
+            else:
+                hidden = int(2 * (4 * self.d_model) / 3)
+                m = self.ffn_multiple_of
+                self.d_ff = m * ((hidden + m - 1) // m)
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
+        for f in ("dropout", "attn_dropout"):
+            p = getattr(self, f)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{f}={p} must be in [0, 1).")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be a positive integer or None.")
+        if self.rope_base <= 0:
+            raise ValueError(f"rope_base={self.rope_base} must be positive.")
+
+    # ------------------------------------------------------------------ presets and (de)serialisation
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "TransformerConfig":
+        """Build a named preset, optionally overriding fields: ``from_name("tiny", dropout=0.1)``."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}.")
+        return cls.from_dict({**PRESETS[name], "name": name, **overrides})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TransformerConfig":
+        """Build from a dict, refusing unknown keys with the list of valid ones."""
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - valid)
+        if unknown:
+            raise ValueError(
+                f"unknown config key(s) {', '.join(unknown)}; valid keys are: {', '.join(sorted(valid))}."
+            )
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def n_kv_groups(self) -> int:
+        """Query heads per key/value head (1 for MHA, n_heads for MQA)."""
+        return self.n_heads // self.n_kv_heads
+
+
+def _divisors_hint(n: int) -> str:
+    return ", ".join(str(k) for k in range(1, min(n, 64) + 1) if n % k == 0 and k > 1)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # nanoGPT's CPU shakespeare shape.
+    "tiny": dict(n_layers=4, n_heads=4, d_model=128, context_length=64, vocab_size=256),
+    # nanoGPT's shakespeare_char shape.
+    "shakespeare-char": dict(n_layers=6, n_heads=6, d_model=384, context_length=256, vocab_size=65),
+    # GPT-2 small: learned positions, LayerNorm, tanh-GELU, biases, tied head.
+    "gpt2-124m": dict(
+        vocab_size=50257, context_length=1024, n_layers=12, n_heads=12, d_model=768,
+        activation="gelu_tanh", positions="learned", norm="layernorm", bias=True,
+    ),
+    # A small Llama-shaped model: RoPE, GQA, RMSNorm, SwiGLU, no biases, untied head.
+    "llama-style": dict(
+        vocab_size=32000, context_length=2048, n_layers=8, n_heads=8, n_kv_heads=2, d_model=512,
+        positions="rope", norm="rmsnorm", norm_eps=1e-6, ffn="swiglu", bias=False,
+        tie_embeddings=False, rope_base=10000.0,
+    ),
+    # A BERT-sized encoder (bidirectional, post-norm).
+    "bert-mini": dict(
+        vocab_size=30522, context_length=512, n_layers=4, n_heads=4, d_model=256,
+        norm_placement="post", causal=False, norm_eps=1e-12, activation="gelu",
+    ),
+}

@@ -1,0 +1,136 @@
+"""Decoder-only language model (GPT / Llama family): predict token t+1 from tokens <= t.
+
+    ids (B, T) -> token embedding (+ learned/sinusoidal positions) -> n_layers x Block
+        -> final norm -> LM head -> logits (B, T, vocab)
+
+Which GPT or Llama it is comes entirely from the :class:`TransformerConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tformer.attention.masks import padding_mask
+from tformer.config import TransformerConfig
+from tformer.layers import Block, make_norm
+from tformer.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
+
+Tensor = torch.Tensor
+
+
+class DecoderLM(nn.Module):
+    """A causal language model.
+
+    Args:
+        config: every architectural switch. ``config.causal`` must be True.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        if not config.causal:
+            raise ValueError("DecoderLM needs causal=True; use an encoder model for bidirectional attention.")
+        self.config = c = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos_emb = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(
+            c.positions, lambda *_: None)(c.context_length, c.d_model)
+        rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base) if c.positions == "rope" else None
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c, rope=rope) for _ in range(c.n_layers))
+        # Post-norm blocks end in a norm already; pre-norm stacks need one before the head.
+        self.final_norm = make_norm(c) if c.norm_placement == "pre" else nn.Identity()
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # one matrix reads and writes tokens (Press & Wolf)
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layers),
+        # so the stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("out_proj.weight", "ffn.down.weight")):
+                nn.init.normal_(p, mean=0.0, std=c.init_std / math.sqrt(2 * c.n_layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.init_std
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, LearnedPositions):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def forward(
+        self,
+        ids: Tensor,
+        targets: Tensor | None = None,
+        *,
+        attention_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        start_pos: int = 0,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Next-token logits, and the mean cross-entropy if ``targets`` are given.
+
+        Args:
+            ids: ``(B, T)`` token ids.
+            targets: ``(B, T)`` next-token ids; ``-100`` marks positions to ignore.
+            attention_mask: ``(B, m)`` 1 for real tokens, 0 for padding, over every key
+                (``m = start_pos + T`` with a KV cache).
+            positions: ``(T,)`` or ``(B, T)`` absolute positions; default ``start_pos + arange(T)``.
+            start_pos: tokens already in the KV cache (set up by the inference module).
+        Returns:
+            ``(logits (B, T, vocab), loss or None)``.
+        Raises:
+            ValueError: for ids of the wrong shape or outside the vocabulary, or positions past
+                the context of a learned/sinusoidal table.
+        """
+        x = self.embed(ids, positions, start_pos)
+        mask = padding_mask(attention_mask) if attention_mask is not None else None
+        if positions is None and self.config.positions == "rope":
+            positions = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device)
+        for block in self.blocks:
+            x = block(x, mask=mask, positions=positions, start_pos=start_pos)
+        logits = self.lm_head(self.final_norm(x))                               # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+    def embed(self, ids: Tensor, positions: Tensor | None = None, start_pos: int = 0) -> Tensor:
+        """Token (+ absolute position) embeddings: ``(B, T)`` ids -> ``(B, T, C)``."""
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be a (batch, seq_len) integer tensor, got {ids.dtype} {tuple(ids.shape)}.")
+        if ids.numel() and (int(ids.max()) >= self.config.vocab_size or int(ids.min()) < 0):
+            raise ValueError(
+                f"token ids must be in [0, {self.config.vocab_size}); got range "
+                f"[{int(ids.min())}, {int(ids.max())}]. Is the tokenizer the one this model was built for?"
+            )
+        x = self.tok_emb(ids)                                                    # (B, T, C)
+        if self.pos_emb is not None:
+            if positions is None:
+                positions = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device)
+            x = x + self.pos_emb(positions)
+        return self.drop(x)
+
+    @torch.no_grad()
+    def attention_maps(self, ids: Tensor, attention_mask: Tensor | None = None) -> list[Tensor]:
+        """Self-attention weights of every layer, ``n_layers x (B, n_heads, T, T)``, from the math backend.
+
+        What they show is where each head reads from; not, by themselves, why the model predicts
+        what it does (values and later layers transform what is read).
+        """
+        x = self.embed(ids)
+        mask = padding_mask(attention_mask) if attention_mask is not None else None
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        maps = []
+        for block in self.blocks:
+            x, w = block(x, mask=mask, positions=positions, return_weights=True)
+            maps.append(w)
+        return maps
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Distinct parameters (a tied head counts once)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)

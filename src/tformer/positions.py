@@ -1,0 +1,134 @@
+"""Where a token is: the four position schemes, each applied where it acts.
+
+- ``learned`` and ``sinusoidal`` produce a vector that is *added to the token embedding*.
+- ``rope`` *rotates* q and k inside attention (Su et al., 2021), so q·k depends on p - r only.
+- ``alibi`` adds ``-slope_h * |p - r|`` to the attention *scores* (Press et al., 2022).
+
+Every scheme takes absolute positions (an offset, or a ``(B, T)`` tensor of them), so that cached
+decoding and left-padded batches see exactly the positions a full recomputation would.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+Tensor = torch.Tensor
+
+
+def sinusoidal_table(length: int, d_model: int, base: float = 10000.0) -> Tensor:
+    """Vaswani et al.: PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(p / base^(2i/d)).
+
+    Returns:
+        ``(length, d_model)`` float32 table.
+    """
+    pos = torch.arange(length, dtype=torch.float64).unsqueeze(1)               # (L, 1)
+    inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (d/2,)
+    angles = pos * inv_freq                                                    # (L, d/2)
+    table = torch.empty(length, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.float()
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoidal vectors, added to the embedding. No parameters."""
+
+    def __init__(self, context_length: int, d_model: int):
+        super().__init__()
+        self.register_buffer("table", sinusoidal_table(context_length, d_model), persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """positions ``(T,)`` or ``(B, T)`` -> ``(T, C)`` or ``(B, T, C)``."""
+        _check_range(positions, self.table.shape[0], "sinusoidal")
+        return self.table[positions]
+
+
+class LearnedPositions(nn.Module):
+    """One trained vector per position (GPT-2, BERT), added to the embedding."""
+
+    def __init__(self, context_length: int, d_model: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(context_length, d_model))
+
+    def forward(self, positions: Tensor) -> Tensor:
+        _check_range(positions, self.weight.shape[0], "learned")
+        return self.weight[positions]
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE: rotate each pair (x_i, x_{i + hs/2}) of q and k by angle p · base^(-2i/hs).
+
+    The pairing is the "rotate half" layout used by GPT-NeoX and Llama in HuggingFace, so their
+    weights load without permutation. Tables are precomputed to ``context_length`` and extended
+    on demand.
+    """
+
+    def __init__(self, head_dim: int, context_length: int, base: float = 10000.0):
+        super().__init__()
+        self.head_dim, self.base = head_dim, base
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self._build(context_length)
+
+    def _build(self, length: int) -> None:
+        angles = torch.arange(length, dtype=torch.float64).unsqueeze(1) * self.inv_freq  # (L, hs/2)
+        angles = torch.cat([angles, angles], dim=-1)                                      # (L, hs)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate ``x (B, nh, T, hs)`` by ``positions`` ``(T,)`` or ``(B, T)``."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            self._build(2 * int(positions.max()) + 1)
+            self.cos, self.sin = self.cos.to(x.device), self.sin.to(x.device)
+        if positions.device != self.cos.device:
+            positions = positions.to(self.cos.device)
+        cos, sin = self.cos[positions], self.sin[positions]                 # (T, hs) or (B, T, hs)
+        if cos.dim() == 3:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                   # (B, 1, T, hs)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)        # rotate_half(x)
+        return x * cos + rotated * sin
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """Press et al.'s head slopes: the geometric sequence 2^(-8/n), 2^(-16/n), ... for n a power
+    of two; otherwise the slopes of the next lower power of two, then every other slope of the
+    next higher power of two (the paper's recipe, as in BLOOM).
+    """
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = power_of_two(n_heads)
+    else:
+        lower = 2 ** math.floor(math.log2(n_heads))
+        slopes = power_of_two(lower) + power_of_two(2 * lower)[0::2][: n_heads - lower]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """ALiBi score bias ``-slope_h * |p_q - p_k|``.
+
+    Args:
+        slopes: ``(H,)``; q_positions: ``(n,)``; k_positions: ``(m,)``.
+    Returns:
+        ``(H, n, m)`` float32 bias. (Under a causal mask only ``p_k <= p_q`` matters, where this is
+        the paper's ``slope * (p_k - p_q)``; the absolute value makes it usable bidirectionally.)
+    """
+    distance = (q_positions[:, None] - k_positions[None, :]).abs().float()  # (n, m)
+    return -slopes[:, None, None].float() * distance
+
+
+def _check_range(positions: Tensor, length: int, kind: str) -> None:
+    if positions.numel() and int(positions.max()) >= length:
+        raise ValueError(
+            f"position {int(positions.max())} is beyond context_length={length} of the {kind} "
+            f"position table; shorten the input or build the model with a larger context_length."
+        )
