@@ -1,0 +1,107 @@
+"""Saving and loading models: weights as safetensors, config as JSON, every write atomic.
+
+A checkpoint is a folder::
+
+    model.safetensors   the weights (a tied LM head is stored once, as the embedding)
+    config.json         TransformerConfig.to_dict() plus {"model": class name}
+    tokenizer.json      the tokenizer (see tformer.training.tokenizer), when there is one
+
+Every file is written to a temporary name in the same folder, flushed to disk and renamed over
+the old one (``os.replace`` is atomic on POSIX), so a run killed at any instant leaves either the
+old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tformer.config import TransformerConfig
+
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)`` then atomically move ``tmp_path`` to ``path``.
+
+    Args:
+        path: the final file.
+        write: writes the complete file to the path it is given.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+    atomic_write(path, write)
+
+
+def save_model(directory: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Write ``model.safetensors`` and ``config.json`` for a model that has a ``.config``."""
+    directory = Path(directory)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_embeddings", False):
+        state.pop("lm_head.weight", None)  # the same tensor as tok_emb.weight
+    atomic_write(directory / WEIGHTS, lambda tmp: save_file(state, tmp))
+    atomic_write_json(directory / CONFIG, {**model.config.to_dict(), "model": type(model).__name__})
+
+
+def load_config(directory: str | os.PathLike) -> tuple[TransformerConfig, str]:
+    """Read ``config.json``: ``(config, model class name)``."""
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise ValueError(f"{directory} is not a tformer checkpoint: {CONFIG} is missing. "
+                         f"Pass the folder that `tformer train --out` wrote.")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}. The checkpoint is damaged; retrain or restore it.") from e
+    kind = data.pop("model", "DecoderLM")
+    return TransformerConfig.from_dict(data), kind
+
+
+def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch.nn.Module:
+    """Build the model a checkpoint folder describes and load its weights.
+
+    Raises:
+        ValueError: the folder, its config or its weights are missing, unreadable or do not fit.
+    """
+    from tformer.models.decoder import DecoderLM
+
+    config, kind = load_config(directory)
+    models = {"DecoderLM": DecoderLM}
+    if kind not in models:
+        raise ValueError(f"checkpoint model {kind!r} is not known; known: {', '.join(models)}.")
+    model = models[kind](config)
+    path = Path(directory) / WEIGHTS
+    if not path.is_file():
+        raise ValueError(f"{directory} has no {WEIGHTS}; the checkpoint is incomplete.")
+    try:
+        state = load_file(str(path), device=map_location)
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"cannot read {path}: {e}. The file is damaged; retrain or restore it.") from e
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{path} does not fit its config.json: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+    return model

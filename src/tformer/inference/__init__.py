@@ -1,0 +1,1 @@
+"""Inference: KV cache and generation."""

@@ -1,0 +1,1 @@
+"""Training: corpora, tokenizers, the optimisation loop, checkpoints."""
