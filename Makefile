@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 # pytest exits 5 when it collects no test: that is a failure here, not a pass.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	$(PY) -m pytest -p no:cacheprovider tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 clean:
