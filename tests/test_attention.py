@@ -196,3 +196,18 @@ def test_bad_requests_raise_clear_errors():
         sdpa(q, k, v, backend="torch", return_weights=True)
     with pytest.raises(ValueError, match="bool tensor"):
         sdpa(q, k, v, mask=torch.ones(3, 5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n,m,window,causal", [(8, 8, 3, True), (4, 10, 2, True), (9, 9, 4, False), (1, 12, 5, True)])
+def test_sliding_window_matches_explicit_band(n, m, window, causal, backend):
+    """Query at key position p = i + m - n sees keys j with p - window < j <= p (|p - j| < window if not causal)."""
+    q, k, v = _qkv(2, 2, n, m, 8, 8, seed=13)
+    band = torch.zeros(n, m, dtype=torch.bool)
+    for i in range(n):
+        p = i + m - n
+        for j in range(m):
+            band[i, j] = (p - window < j <= p) if causal else abs(p - j) < window
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
+    out = sdpa(q, k, v, causal=causal, window=window, backend=backend)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)

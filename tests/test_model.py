@@ -179,3 +179,31 @@ def test_bad_inputs_raise_clear_errors():
         model(torch.zeros(1, 4))
     with pytest.raises(ValueError, match="causal=True"):
         DecoderLM(_cfg(causal=False))
+
+
+def test_cross_attention_equals_torch_multiheadattention():
+    torch.manual_seed(7)
+    c = _cfg(causal=True, positions="rope")  # cross-attention ignores causality and positions
+    ours = MultiHeadAttention(c, cross=True)
+    ref = nn.MultiheadAttention(32, 4, bias=True, batch_first=True)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.kv_proj.weight]))
+        ref.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.kv_proj.bias]))
+        ref.out_proj.weight.copy_(ours.out_proj.weight)
+        ref.out_proj.bias.copy_(ours.out_proj.bias)
+    x, memory = torch.randn(2, 5, 32), torch.randn(2, 9, 32)
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[1, 6:] = False
+    expected, _ = ref(x, memory, memory, key_padding_mask=~pad, need_weights=False)
+    torch.testing.assert_close(ours(x, context=memory, mask=pad[:, None, None, :]), expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="context"):
+        ours(x)
+
+
+def test_block_with_cross_attention_runs_and_uses_the_context():
+    torch.manual_seed(8)
+    block = Block(_cfg(positions="none"), cross_attention=True)
+    x, memory = torch.randn(1, 4, 32), torch.randn(1, 6, 32)
+    a = block(x, context=memory)
+    b = block(x, context=memory + 1.0)
+    assert a.shape == (1, 4, 32) and not torch.allclose(a, b)
