@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tformer.interop.hf import load_hf
+from tformer.interop.hf import TFORMER_CONFIG, load_hf, load_tformer
 from tformer.models.encoder import EncoderModel
 
 Tensor = torch.Tensor
@@ -38,7 +38,8 @@ class SentenceEncoder:
     """Embed sentences with an encoder folder.
 
     Args:
-        folder: a sentence-transformers / HF BERT folder with ``tokenizer.json``.
+        folder: a sentence-transformers / HF BERT folder, or a tformer checkpoint converted from one,
+            with ``tokenizer.json``.
         max_length: truncate inputs to this many tokens; default ``max_seq_length`` from
             ``sentence_bert_config.json``, else the model's context length.
         pooling: ``mean`` or ``cls``; default from ``1_Pooling/config.json``, else ``mean``.
@@ -52,7 +53,9 @@ class SentenceEncoder:
         from tokenizers import Tokenizer
 
         folder = Path(folder)
-        self.model = model if model is not None else load_hf(folder)
+        if model is None:  # a tformer checkpoint (tformer convert --from-hf) or an HF folder
+            model = load_tformer(folder) if (folder / TFORMER_CONFIG).is_file() else load_hf(folder)
+        self.model = model
         if not isinstance(self.model, EncoderModel):
             raise ValueError(f"{folder} holds a {type(self.model).__name__}; sentence embeddings need an "
                              f"encoder (BERT family).")
