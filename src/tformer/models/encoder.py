@@ -107,7 +107,9 @@ class EncoderModel(nn.Module):
             ValueError: for ids of the wrong shape or outside the vocabulary, or bad token types.
         """
         x = self.embed(ids, token_type_ids=token_type_ids, positions=positions)
-        mask = padding_mask(attention_mask) if attention_mask is not None else None
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):  # a mask hiding nothing is dropped:
+            mask = padding_mask(attention_mask)                               # attention runs unmasked, faster
         if positions is None and self.config.positions == "rope":
             positions = torch.arange(ids.shape[1], device=ids.device)
         for block in self.blocks:
