@@ -53,3 +53,16 @@ def test_minilm_export_loads_in_sentence_transformers_and_embed_prints(tmp_path,
     assert "384-dim" in out and "cosine similarity" in out
     sims = [float(x) for x in out.strip().splitlines()[-3].split()[1:]]  # row [0]
     assert sims[1] > sims[2]  # the paraphrase is closer than the unrelated sentence
+
+
+def test_core_never_imports_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, tformer, tformer.interop, tformer.interop.sentence, tformer.cli; "
+            "tformer.cli.build_parser(); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'sentence_transformers')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stdout + result.stderr

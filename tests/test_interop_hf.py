@@ -215,6 +215,21 @@ def test_unexpected_tensor_is_refused(tmp_path):
         load_hf(tmp_path)
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_a_stored_tied_head_must_equal_the_embedding(tmp_path, same):
+    from safetensors.torch import load_file, save_file
+    tiny("gpt2").save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    wte = tensors["transformer.wte.weight"]
+    tensors["lm_head.weight"] = wte.clone() if same else wte + 1
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    if same:
+        load_hf(tmp_path)
+    else:
+        with pytest.raises(ValueError, match="tie_word_embeddings"):
+            load_hf(tmp_path)
+
+
 def test_export_refuses_inexpressible_config():
     from tformer import DecoderLM, TransformerConfig
     model = DecoderLM(TransformerConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=1, positions="rope",

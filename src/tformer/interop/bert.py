@@ -55,7 +55,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
 
 
 def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
-    src.drop("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.bias")
+    src.drop("embeddings.position_ids", "embeddings.token_type_ids")  # index buffers, no weights
     state = {ours: src.take(theirs) for ours, theirs in TOP}
     for i in range(c.n_layers):
         hf, ours = f"encoder.layer.{i}.", f"blocks.{i}."
@@ -67,7 +67,8 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     if src.has("cls.predictions.bias"):
         state.update({ours: src.take(theirs) for ours, theirs in MLM})
         state["mlm_head.embedding.weight"] = state["tok_emb.weight"]
-        src.drop("cls.predictions.decoder.weight")  # tied to the word embeddings
+        src.take_tied("cls.predictions.decoder.weight", state["tok_emb.weight"])
+        src.take_tied("cls.predictions.decoder.bias", state["mlm_head.bias"])
     if src.has("pooler.dense.weight"):
         state.update({ours: src.take(theirs) for ours, theirs in POOLER})
     return state

@@ -55,7 +55,11 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
         for ours, theirs, conv1d in LAYER:
             t = src.take(f"h.{i}.{theirs}")
             state[f"blocks.{i}.{ours}"] = t.t() if conv1d else t
-    state["lm_head.weight"] = state["tok_emb.weight"] if c.tie_embeddings else src.take("lm_head.weight")
+    if c.tie_embeddings:
+        src.take_tied("lm_head.weight", state["tok_emb.weight"])
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    else:
+        state["lm_head.weight"] = src.take("lm_head.weight")
     return state
 
 

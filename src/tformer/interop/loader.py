@@ -120,6 +120,13 @@ class TensorSource:
         for name in names:
             self.tensors.pop(name, None)
 
+    def take_tied(self, name: str, tied_to: Tensor) -> None:
+        """Consume a tied copy (``lm_head.weight`` next to a tied embedding) if the file stores one,
+        refusing it unless it really equals the matrix it is tied to."""
+        if name in self.tensors and not torch.equal(self.tensors.pop(name), tied_to):
+            raise ValueError(f"tensor {name!r} differs from the embedding it is tied to, but the config says "
+                             f"tie_word_embeddings=true; fix the config or the weights.")
+
     def check_consumed(self) -> None:
         if self.tensors:
             names = sorted(self.tensors)
