@@ -5,12 +5,14 @@ from tformer.attention.functional import choose_backend, scaled_dot_product_atte
 from tformer.attention.multihead import MultiHeadAttention
 from tformer.config import PRESETS, TransformerConfig
 from tformer.models.decoder import DecoderLM
+from tformer.models.encoder import EncoderModel
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
     "DecoderLM",
+    "EncoderModel",
     "MultiHeadAttention",
     "TransformerConfig",
     "choose_backend",

@@ -55,6 +55,10 @@ class TransformerConfig:
         attention_backend: ``auto``, ``math`` (explicit softmax), ``torch`` (PyTorch's fused
             kernel) or ``flash`` (tformer's tiled kernel).
         sliding_window: if set, each query sees only the last ``sliding_window`` keys (Mistral).
+        embedding_norm: a norm right after the (token + position + type) embedding sum
+            (BERT's embeddings LayerNorm, BLOOM's word_embeddings_layernorm).
+        type_vocab_size: number of token-type (segment) embeddings added to the input (BERT: 2);
+            0 means none.
         init_std: standard deviation of the weight init (GPT-2: 0.02).
     """
 
@@ -82,6 +86,8 @@ class TransformerConfig:
     causal: bool = True
     attention_backend: str = "auto"
     sliding_window: int | None = None
+    embedding_norm: bool = False
+    type_vocab_size: int = 0
     init_std: float = 0.02
     name: str = field(default="custom", compare=False)
 
@@ -133,6 +139,9 @@ class TransformerConfig:
                 raise ValueError(f"{f}={p} must be in [0, 1).")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be a positive integer or None.")
+        if isinstance(self.type_vocab_size, bool) or not isinstance(self.type_vocab_size, int) \
+                or self.type_vocab_size < 0:
+            raise ValueError(f"type_vocab_size={self.type_vocab_size!r} must be a non-negative integer (0 = none).")
         if self.rope_base <= 0:
             raise ValueError(f"rope_base={self.rope_base} must be positive.")
 

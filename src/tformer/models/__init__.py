@@ -1,5 +1,6 @@
 """Model families built from a TransformerConfig."""
 
 from tformer.models.decoder import DecoderLM
+from tformer.models.encoder import EncoderModel
 
-__all__ = ["DecoderLM"]
+__all__ = ["DecoderLM", "EncoderModel"]

@@ -38,6 +38,7 @@ class DecoderLM(nn.Module):
         self.pos_emb = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(
             c.positions, lambda *_: None)(c.context_length, c.d_model)
         rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base) if c.positions == "rope" else None
+        self.emb_norm = make_norm(c) if c.embedding_norm else None  # BLOOM's word_embeddings_layernorm
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c, rope=rope) for _ in range(c.n_layers))
         # Post-norm blocks end in a norm already; pre-norm stacks need one before the head.
@@ -113,6 +114,8 @@ class DecoderLM(nn.Module):
             if positions is None:
                 positions = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device)
             x = x + self.pos_emb(positions)
+        if self.emb_norm is not None:
+            x = self.emb_norm(x)
         return self.drop(x)
 
     @torch.no_grad()

@@ -1,0 +1,63 @@
+"""``tformer convert``: HuggingFace folder <-> tformer checkpoint folder.
+
+    tformer convert --from-hf HF_DIR --out CKPT_DIR     # config.json + *.safetensors -> tformer
+    tformer convert --to-hf CKPT_DIR --out HF_DIR       # tformer -> folder transformers loads
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+# Files that travel with the weights unchanged (tokenizer, sentence-transformers settings).
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+              "merges.txt", "sentence_bert_config.json", "modules.json", "1_Pooling/config.json")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="import/export HuggingFace checkpoints (GPT-2, Llama, Mistral, Qwen2, "
+                                       "BLOOM, BERT)",
+                       description="Convert a HuggingFace folder (config.json + safetensors, sharded or not) to "
+                                   "a tformer checkpoint, or a tformer checkpoint back to a HuggingFace folder "
+                                   "that transformers' from_pretrained loads.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="DIR", help="HuggingFace model folder to import")
+    src.add_argument("--to-hf", metavar="CKPT", help="tformer checkpoint folder to export")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument("--model-type", default=None,
+                   help="with --to-hf: HF family (gpt2, llama, mistral, qwen2, bloom, bert); default inferred")
+    p.add_argument("--max-shard-mb", type=float, default=None,
+                   help="with --to-hf: split weights into shards of at most this many MB plus an index")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tformer.interop.hf import load_hf, load_tformer, save_hf, save_tformer
+
+    if args.from_hf:
+        source = Path(args.from_hf)
+        model = load_hf(source)
+        out = save_tformer(model, args.out)
+    else:
+        source = Path(args.to_hf)
+        model = load_tformer(source)
+        shard = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None
+        out = save_hf(model, args.out, model_type=args.model_type, max_shard_bytes=shard)
+    copied = copy_side_files(source, out)
+    c = model.config
+    print(f"{type(model).__name__} ({c.name}): {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads "
+          f"({c.n_kv_heads} kv), {sum(p.numel() for p in model.parameters()):,} parameters -> {out}")
+    if copied:
+        print(f"copied {', '.join(copied)}")
+    return 0
+
+
+def copy_side_files(source: Path, out: Path) -> list[str]:
+    copied = []
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / name, out / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,114 @@
+"""BERT <-> tformer's :class:`~tformer.models.encoder.EncoderModel`: bidirectional, post-norm,
+token + position + token-type embeddings followed by a LayerNorm, exact-erf GELU.
+
+Optional parts follow the checkpoint: the masked-LM head (``cls.predictions.*``, tied to the word
+embeddings) and the pooler (``pooler.dense``, tanh on the [CLS] state).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tformer.config import TransformerConfig
+from tformer.interop.loader import TensorSource, refuse, require
+
+MODEL_TYPES = ("bert",)
+PREFIX = "bert."
+
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
+               "silu": "silu", "swish": "silu"}
+
+LAYER = [
+    ("attn.out_proj", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
+    ("ffn.up", "intermediate.dense"), ("ffn.down", "output.dense"), ("ffn_norm", "output.LayerNorm"),
+]
+TOP = [("tok_emb.weight", "embeddings.word_embeddings.weight"),
+       ("pos_emb.weight", "embeddings.position_embeddings.weight"),
+       ("type_emb.weight", "embeddings.token_type_embeddings.weight"),
+       ("emb_norm.weight", "embeddings.LayerNorm.weight"), ("emb_norm.bias", "embeddings.LayerNorm.bias")]
+MLM = [("mlm_head.dense.weight", "cls.predictions.transform.dense.weight"),
+       ("mlm_head.dense.bias", "cls.predictions.transform.dense.bias"),
+       ("mlm_head.norm.weight", "cls.predictions.transform.LayerNorm.weight"),
+       ("mlm_head.norm.bias", "cls.predictions.transform.LayerNorm.bias"),
+       ("mlm_head.bias", "cls.predictions.bias")]
+POOLER = [("pooler.weight", "pooler.dense.weight"), ("pooler.bias", "pooler.dense.bias")]
+QKV = ("query", "key", "value")
+
+
+def config_from_hf(hf: dict) -> TransformerConfig:
+    act = hf.get("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise refuse("hidden_act", act, f"known activations are {', '.join(ACTIVATIONS)}.")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise refuse("position_embedding_type", hf["position_embedding_type"],
+                     "only absolute (learned) positions are implemented.")
+    for flag in ("is_decoder", "add_cross_attention"):
+        if hf.get(flag, False):
+            raise refuse(flag, True, "only the bidirectional encoder is supported.")
+    return TransformerConfig(
+        vocab_size=hf["vocab_size"], context_length=hf.get("max_position_embeddings", 512),
+        n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
+        d_ff=hf["intermediate_size"], positions="learned", norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-12),
+        norm_placement="post", ffn="mlp", activation=ACTIVATIONS[act], bias=True, tie_embeddings=True,
+        causal=False, embedding_norm=True, type_vocab_size=hf.get("type_vocab_size", 2), name="bert",
+    )
+
+
+def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
+    src.drop("embeddings.position_ids", "embeddings.token_type_ids")  # index buffers, no weights
+    state = {ours: src.take(theirs) for ours, theirs in TOP}
+    for i in range(c.n_layers):
+        hf, ours = f"encoder.layer.{i}.", f"blocks.{i}."
+        for kind in ("weight", "bias"):
+            state[f"{ours}attn.qkv_proj.{kind}"] = torch.cat(
+                [src.take(f"{hf}attention.self.{p}.{kind}") for p in QKV])
+            for t, h in LAYER:
+                state[f"{ours}{t}.{kind}"] = src.take(f"{hf}{h}.{kind}")
+    if src.has("cls.predictions.bias"):
+        state.update({ours: src.take(theirs) for ours, theirs in MLM})
+        state["mlm_head.embedding.weight"] = state["tok_emb.weight"]
+        src.take_tied("cls.predictions.decoder.weight", state["tok_emb.weight"])
+        src.take_tied("cls.predictions.decoder.bias", state["mlm_head.bias"])
+    if src.has("pooler.dense.weight"):
+        state.update({ours: src.take(theirs) for ours, theirs in POOLER})
+    return state
+
+
+def config_to_hf(c: TransformerConfig, model_type: str, *, mlm: bool = False) -> dict:
+    act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[c.activation]
+    return {
+        "architectures": ["BertForMaskedLM" if mlm else "BertModel"], "model_type": "bert",
+        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "intermediate_size": c.d_ff, "hidden_act": act,
+        "max_position_embeddings": c.context_length, "type_vocab_size": c.type_vocab_size,
+        "layer_norm_eps": c.norm_eps, "position_embedding_type": "absolute", "tie_word_embeddings": True,
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "pad_token_id": 0,
+    }
+
+
+def check_exportable(c: TransformerConfig, model_type: str) -> None:
+    """Refuse a tformer config BERT cannot express, naming the field."""
+    require(c, model_type, positions="learned", norm="layernorm", norm_placement="post", ffn="mlp", bias=True,
+            qkv_bias=True, causal=False, embedding_norm=True, sliding_window=None, n_kv_heads=c.n_heads,
+            head_dim=c.d_model // c.n_heads)
+    if c.type_vocab_size < 1:
+        raise ValueError("cannot export as bert: it needs type_vocab_size >= 1, the model has 0.")
+
+
+def state_to_hf(state: dict, c: TransformerConfig) -> dict:
+    mlm = "mlm_head.bias" in state
+    p = PREFIX if mlm else ""  # BertForMaskedLM nests the encoder under bert.; BertModel does not
+    out = {p + theirs: state[ours] for ours, theirs in TOP}
+    q_dim = c.n_heads * c.head_dim
+    for i in range(c.n_layers):
+        hf, ours = f"{p}encoder.layer.{i}.", f"blocks.{i}."
+        for kind in ("weight", "bias"):
+            for name, t in zip(QKV, state[f"{ours}attn.qkv_proj.{kind}"].split(q_dim)):
+                out[f"{hf}attention.self.{name}.{kind}"] = t
+            for t, h in LAYER:
+                out[f"{hf}{h}.{kind}"] = state[f"{ours}{t}.{kind}"]
+    if mlm:
+        out.update({theirs: state[ours] for ours, theirs in MLM})
+    if "pooler.weight" in state and not mlm:
+        out.update({theirs: state[ours] for ours, theirs in POOLER})
+    return out

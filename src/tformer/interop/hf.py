@@ -1,0 +1,160 @@
+"""HuggingFace folders <-> tformer models, one small converter module per family.
+
+    load_hf(dir)              config.json + *.safetensors  ->  DecoderLM / EncoderModel
+    save_hf(model, dir)       tformer model                ->  a folder transformers' from_pretrained loads
+    save_tformer / load_tformer                               tformer's own folder (tformer_config.json + weights)
+
+Each family module (``gpt2``, ``llama`` for Llama/Mistral/Qwen2, ``bloom``, ``bert``) has
+``config_from_hf``, ``state_from_hf``, ``config_to_hf``, ``check_exportable`` and ``state_to_hf``.
+Anything a converter does not implement (scaled RoPE, an unknown activation, an unknown model_type,
+an unexpected tensor) is refused with a message naming it. ``transformers`` is never imported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+from tformer.config import TransformerConfig
+from tformer.interop import bert, bloom, gpt2, llama
+from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
+from tformer.models.decoder import DecoderLM
+from tformer.models.encoder import EncoderModel
+
+FAMILIES = {t: module for module in (gpt2, llama, bloom, bert) for t in module.MODEL_TYPES}
+TFORMER_CONFIG = "tformer_config.json"
+
+
+def family(model_type: str | None):
+    """The converter module for an HF ``model_type``."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"config.json field model_type={model_type!r} is not supported; "
+                         f"supported model types are {', '.join(FAMILIES)}.")
+    return FAMILIES[model_type]
+
+
+def config_from_hf(hf: dict) -> TransformerConfig:
+    """The :class:`TransformerConfig` of an HF ``config.json`` dict (refuses what it cannot express)."""
+    return family(hf.get("model_type")).config_from_hf(hf)
+
+
+def build_model(config: TransformerConfig, state: dict) -> nn.Module:
+    """An empty model of the right class for ``config`` with the optional parts ``state`` has."""
+    if config.causal:
+        return DecoderLM(config)
+    return EncoderModel(config, mlm_head="mlm_head.bias" in state, pooler="pooler.weight" in state)
+
+
+def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a HuggingFace model folder (``config.json`` and ``model.safetensors`` or a sharded index).
+
+    Args:
+        folder: the folder ``save_pretrained`` wrote.
+        dtype: parameter dtype of the returned model.
+    Returns:
+        A :class:`DecoderLM` (GPT-2, Llama, Mistral, Qwen2, BLOOM) or :class:`EncoderModel` (BERT) in
+        eval mode; ``model.config.name`` is the HF ``model_type``.
+    Raises:
+        ValueError: for an unsupported config field or model type, or missing/unexpected tensors.
+    """
+    hf = read_config(folder)
+    module = family(hf.get("model_type"))
+    config = module.config_from_hf(hf)
+    src = TensorSource(read_tensors(folder), prefix=module.PREFIX)
+    state = module.state_from_hf(src, config)
+    src.check_consumed()
+    model = build_model(config, state)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    return model.to(dtype).eval()
+
+
+def infer_model_type(config: TransformerConfig) -> str:
+    """The HF family a tformer config corresponds to (its ``name`` if that is one)."""
+    if config.name in FAMILIES:
+        return config.name
+    if not config.causal:
+        return "bert"
+    if config.positions == "alibi":
+        return "bloom"
+    if config.positions == "learned":
+        return "gpt2"
+    if config.positions == "rope":
+        if config.qkv_bias and not config.bias:
+            return "qwen2"
+        return "mistral" if config.sliding_window is not None else "llama"
+    raise ValueError(f"no HuggingFace family matches positions={config.positions!r}; pass model_type "
+                     f"explicitly (one of {', '.join(FAMILIES)}).")
+
+
+def save_hf(model: nn.Module, folder: str | Path, model_type: str | None = None,
+            max_shard_bytes: int | None = None) -> Path:
+    """Write ``model`` as a HuggingFace folder (config.json + safetensors) for ``from_pretrained``.
+
+    Args:
+        model: a :class:`DecoderLM` or :class:`EncoderModel`.
+        folder: output folder (created).
+        model_type: HF family; default inferred from the config (:func:`infer_model_type`).
+        max_shard_bytes: split the weights into shards with an index above this size.
+    Raises:
+        ValueError: if the family cannot express the model's config (names the field).
+    """
+    c = model.config
+    model_type = model_type or infer_model_type(c)
+    module = family(model_type)
+    module.check_exportable(c, model_type)
+    state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    kwargs = {"mlm": "mlm_head.bias" in state} if module is bert else {}
+    hf_config = {**module.config_to_hf(c, model_type, **kwargs), "dtype": str(next(model.parameters()).dtype)[6:]}
+    write_folder(folder, hf_config, module.state_to_hf(state, c), max_shard_bytes)
+    return Path(folder)
+
+
+def _aliases(model: nn.Module) -> set[str]:
+    """State-dict names that repeat an earlier tensor (a tied head): stored once, restored by the tie."""
+    seen, aliases = set(), set()
+    for name, t in model.state_dict().items():
+        (aliases.add(name) if t.data_ptr() in seen else seen.add(t.data_ptr()))
+    return aliases
+
+
+def save_tformer(model: nn.Module, folder: str | Path) -> Path:
+    """tformer's own checkpoint folder: ``tformer_config.json`` (the config and optional heads) and
+    ``model.safetensors`` (the state dict, a tied matrix stored once)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    aliases = _aliases(model)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}
+    meta = {"config": model.config.to_dict(), "kind": type(model).__name__,
+            "mlm_head": getattr(model, "mlm_head", None) is not None,
+            "pooler": getattr(model, "pooler", None) is not None}
+    (folder / TFORMER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def load_tformer(folder: str | Path) -> nn.Module:
+    """Load a folder written by :func:`save_tformer` (eval mode).
+
+    Raises:
+        ValueError: if the folder has no tformer_config.json or the weights do not fit.
+    """
+    folder = Path(folder)
+    if not (folder / TFORMER_CONFIG).is_file():
+        raise ValueError(f"{folder} has no {TFORMER_CONFIG}; is it a tformer checkpoint "
+                         f"(written by `tformer convert --from-hf`)?")
+    meta = json.loads((folder / TFORMER_CONFIG).read_text())
+    config = TransformerConfig.from_dict(meta["config"])
+    if meta.get("kind") == "EncoderModel":
+        model = EncoderModel(config, mlm_head=meta.get("mlm_head", False), pooler=meta.get("pooler", False))
+    else:
+        model = DecoderLM(config)
+    missing, unexpected = model.load_state_dict(read_tensors(folder), strict=False)
+    missing = set(missing) - _aliases(model)
+    if missing or unexpected:
+        raise ValueError(f"{folder}: weights do not fit the config (missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}).")
+    return model.eval()

@@ -1,0 +1,148 @@
+"""Llama family (Llama, Mistral, Qwen2) <-> tformer: RoPE, GQA, RMSNorm, SwiGLU, untied head.
+
+The three differ only in config: Qwen2 has biases on q/k/v (not on o or the MLP), Mistral a
+sliding window. HF stores q, k and v separately; tformer fuses them as [W_Q; W_K; W_V]. HF's RoPE
+is the rotate-half layout tformer uses, so q/k need no permutation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tformer.config import TransformerConfig
+from tformer.interop.loader import TensorSource, hf_get, refuse, require
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+PREFIX = "model."
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# tformer name (under blocks.{i}.) -> HF name (under layers.{i}.)
+LAYER = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("attn.out_proj.weight", "self_attn.o_proj.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("ffn.gate.weight", "mlp.gate_proj.weight"),
+    ("ffn.up.weight", "mlp.up_proj.weight"),
+    ("ffn.down.weight", "mlp.down_proj.weight"),
+]
+BIASES = [("attn.out_proj.bias", "self_attn.o_proj.bias"), ("ffn.gate.bias", "mlp.gate_proj.bias"),
+          ("ffn.up.bias", "mlp.up_proj.bias"), ("ffn.down.bias", "mlp.down_proj.bias")]
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def rope_theta(hf: dict) -> float:
+    """RoPE base from ``rope_parameters`` (transformers >= 5) or ``rope_theta``/``rope_scaling`` (older);
+    refuses any scaled RoPE, which tformer does not implement."""
+    params = hf.get("rope_parameters") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise refuse("rope_parameters.rope_type", rope_type, "only unscaled RoPE ('default') is implemented.")
+    if hf.get("rope_scaling") is not None:
+        raise refuse("rope_scaling", hf["rope_scaling"], "tformer implements unscaled RoPE only.")
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        raise refuse("partial_rotary_factor", factor, "tformer rotates the whole head.")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def sliding_window(hf: dict, model_type: str) -> int | None:
+    if model_type == "mistral":
+        return hf.get("sliding_window")
+    if model_type == "qwen2":
+        types = set(hf.get("layer_types") or [])
+        if hf.get("use_sliding_window") and types != {"full_attention"}:
+            if types == {"sliding_attention"}:
+                return hf["sliding_window"]
+            raise refuse("layer_types", hf.get("layer_types"),
+                         "a mix of sliding-window and full-attention layers is not implemented.")
+        return None
+    return None  # Llama has no window
+
+
+def config_from_hf(hf: dict) -> TransformerConfig:
+    model_type = hf["model_type"]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise refuse("hidden_act", hf["hidden_act"], "the Llama-family converter supports SwiGLU (silu) only.")
+    if model_type == "qwen2":
+        qkv_bias, bias = True, False
+    else:
+        qkv_bias = bool(hf.get("attention_bias", False))
+        if bool(hf.get("mlp_bias", False)) != qkv_bias:
+            raise refuse("mlp_bias", hf.get("mlp_bias"), "tformer needs mlp_bias == attention_bias.")
+        bias = qkv_bias
+    d, nh = hf["hidden_size"], hf["num_attention_heads"]
+    return TransformerConfig(
+        vocab_size=hf["vocab_size"], context_length=hf.get("max_position_embeddings", 2048),
+        n_layers=hf["num_hidden_layers"], d_model=d, n_heads=nh,
+        n_kv_heads=hf_get(hf, "num_key_value_heads", default=nh), head_dim=hf_get(hf, "head_dim", default=d // nh),
+        d_ff=hf["intermediate_size"], positions="rope", rope_base=rope_theta(hf), norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6), norm_placement="pre", ffn="swiglu", bias=bias, qkv_bias=qkv_bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), causal=True,
+        sliding_window=sliding_window(hf, model_type), name=model_type,
+    )
+
+
+def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
+    src.drop(*[f"layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(c.n_layers)])  # old buffers
+    state = {"tok_emb.weight": src.take("embed_tokens.weight"), "final_norm.weight": src.take("norm.weight")}
+    for i in range(c.n_layers):
+        hf, ours = f"layers.{i}.", f"blocks.{i}."
+        state[ours + "attn.qkv_proj.weight"] = torch.cat([src.take(f"{hf}self_attn.{p}.weight") for p in QKV])
+        if c.qkv_bias:
+            state[ours + "attn.qkv_proj.bias"] = torch.cat([src.take(f"{hf}self_attn.{p}.bias") for p in QKV])
+        for t, h in LAYER + (BIASES if c.bias else []):
+            state[ours + t] = src.take(hf + h)
+    if c.tie_embeddings:
+        src.take_tied("lm_head.weight", state["tok_emb.weight"])
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    else:
+        state["lm_head.weight"] = src.take("lm_head.weight")
+    return state
+
+
+def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
+    hf = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+        "max_position_embeddings": c.context_length, "hidden_act": "silu", "rms_norm_eps": c.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_base}, "rope_theta": c.rope_base,
+        "tie_word_embeddings": c.tie_embeddings, "attention_dropout": 0.0,
+    }
+    if model_type == "llama":
+        hf.update(attention_bias=c.bias, mlp_bias=c.bias)
+    elif model_type == "mistral":
+        hf["sliding_window"] = c.sliding_window
+    else:  # qwen2
+        window = c.sliding_window is not None
+        hf.update(use_sliding_window=window, sliding_window=c.sliding_window, max_window_layers=c.n_layers,
+                  layer_types=[("sliding_attention" if window else "full_attention")] * c.n_layers)
+    return hf
+
+
+def check_exportable(c: TransformerConfig, model_type: str) -> None:
+    """Refuse a tformer config this HF family cannot express, naming the field."""
+    require(c, model_type, positions="rope", norm="rmsnorm", norm_placement="pre", ffn="swiglu", causal=True,
+            embedding_norm=False, type_vocab_size=0)
+    if model_type == "qwen2":
+        require(c, model_type, bias=False, qkv_bias=True)
+    elif model_type == "mistral":
+        require(c, model_type, bias=False, qkv_bias=False)
+    else:
+        require(c, model_type, sliding_window=None, qkv_bias=c.bias)
+
+
+def state_to_hf(state: dict, c: TransformerConfig) -> dict:
+    out = {PREFIX + "embed_tokens.weight": state["tok_emb.weight"], PREFIX + "norm.weight": state["final_norm.weight"]}
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    for i in range(c.n_layers):
+        hf, ours = f"{PREFIX}layers.{i}.", f"blocks.{i}."
+        for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
+            q, k, v = state[f"{ours}attn.qkv_proj.{kind}"].split([q_dim, kv_dim, kv_dim])
+            for name, t in zip(QKV, (q, k, v)):
+                out[f"{hf}self_attn.{name}.{kind}"] = t
+        for t, h in LAYER + (BIASES if c.bias else []):
+            out[hf + h] = state[ours + t]
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return out

