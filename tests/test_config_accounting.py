@@ -8,10 +8,9 @@ from tformer.cli import main as cli_main
 
 
 def _built_params(config):
-    if not config.causal:
-        config = TransformerConfig.from_dict({**config.to_dict(), "causal": True})
+    from tformer.models.encoder import EncoderModel
     with torch.device("meta"):  # no memory for gpt2-sized weights
-        model = DecoderLM(config)
+        model = DecoderLM(config) if config.causal else EncoderModel(config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -25,10 +24,21 @@ def test_accounting_equals_built_model_for_every_preset(name):
     dict(ffn="swiglu"), dict(norm="rmsnorm"), dict(bias=False), dict(n_kv_heads=1), dict(n_kv_heads=2),
     dict(tie_embeddings=False), dict(norm_placement="post"), dict(positions="rope"), dict(positions="alibi"),
     dict(bias=False, qkv_bias=True), dict(head_dim=16), dict(d_ff=100, activation="relu"),
+    dict(embedding_norm=True),
 ])
 def test_accounting_equals_built_model_for_variants(overrides):
     c = TransformerConfig.from_name("tiny", **overrides)
     assert count_parameters(c).total == _built_params(c)
+
+
+@pytest.mark.parametrize("heads", [dict(), dict(mlm_head=True, pooler=True)])
+def test_accounting_equals_built_encoder(heads):
+    from tformer.models.encoder import EncoderModel
+    c = TransformerConfig.from_name("bert-mini", type_vocab_size=2, embedding_norm=True)
+    model = EncoderModel(c, **heads)
+    extra = (c.d_model * c.d_model + c.d_model + 2 * c.d_model + c.vocab_size if heads.get("mlm_head") else 0) \
+        + (c.d_model * c.d_model + c.d_model if heads.get("pooler") else 0)  # dense+norm+bias, pooler
+    assert count_parameters(c).total + extra == sum(p.numel() for p in model.parameters())
 
 
 def test_gpt2_small_has_124m_parameters():

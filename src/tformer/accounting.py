@@ -18,6 +18,8 @@ class ParameterCount:
 
     embedding: int          # token embedding (also the LM head when tied)
     positions: int          # learned position table (0 for the other schemes)
+    token_types: int        # token-type (segment) embeddings, BERT
+    embedding_norm: int     # norm after the embedding sum (BERT, BLOOM)
     per_layer_attention: int
     per_layer_ffn: int
     per_layer_norms: int
@@ -35,17 +37,20 @@ class ParameterCount:
 
     @property
     def non_embedding(self) -> int:
-        """Kaplan et al.'s N: everything but the token and position embeddings (and a separate head)."""
-        return self.layers + self.final_norm
+        """Kaplan et al.'s N: everything but the embeddings (and a separate head)."""
+        return self.embedding_norm + self.layers + self.final_norm
 
     @property
     def total(self) -> int:
-        return self.embedding + self.positions + self.layers + self.final_norm + self.lm_head
+        return (self.embedding + self.positions + self.token_types + self.embedding_norm
+                + self.layers + self.final_norm + self.lm_head)
 
     def table(self) -> str:
         rows = [
             ("token embedding", self.embedding),
             ("position embedding", self.positions),
+            ("token-type embedding", self.token_types),
+            ("embedding norm", self.embedding_norm),
             (f"attention ({self.n_layers} x {self.per_layer_attention:,})", self.n_layers * self.per_layer_attention),
             (f"feed-forward ({self.n_layers} x {self.per_layer_ffn:,})", self.n_layers * self.per_layer_ffn),
             (f"norms ({self.n_layers} x {self.per_layer_norms:,})", self.n_layers * self.per_layer_norms),
@@ -83,6 +88,8 @@ def count_parameters(config: TransformerConfig, cross_attention: bool = False) -
     return ParameterCount(
         embedding=c.vocab_size * d,
         positions=c.context_length * d if c.positions == "learned" else 0,
+        token_types=c.type_vocab_size * d,
+        embedding_norm=_norm_params(c) if c.embedding_norm else 0,
         per_layer_attention=attn,
         per_layer_ffn=ffn,
         per_layer_norms=norms,

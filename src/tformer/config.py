@@ -197,5 +197,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "bert-mini": dict(
         vocab_size=30522, context_length=512, n_layers=4, n_heads=4, d_model=256,
         norm_placement="post", causal=False, norm_eps=1e-12, activation="gelu",
+        type_vocab_size=2, embedding_norm=True,
     ),
 }

@@ -33,6 +33,9 @@ class DecoderLM(nn.Module):
         super().__init__()
         if not config.causal:
             raise ValueError("DecoderLM needs causal=True; use an encoder model for bidirectional attention.")
+        if config.type_vocab_size:
+            raise ValueError(f"DecoderLM has no token-type embeddings; set type_vocab_size=0 "
+                             f"(got {config.type_vocab_size}) or use EncoderModel.")
         self.config = c = config
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.pos_emb = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(
