@@ -26,22 +26,49 @@ def tiny(positions="learned", n_kv_heads=2, context_length=48, seed=0):
 TOK = CharTokenizer(CHARS)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and do not stall when other processes hold the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
 def test_greedy_same_tokens_with_and_without_cache(positions, n_kv_heads):
     model = tiny(positions, n_kv_heads)
     ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1))
-    cached = generate(model, ids, 20, temperature=0)
-    uncached = generate(model, ids, 20, temperature=0, use_cache=False)
-    chunked = generate(model, ids, 20, temperature=0, prefill_chunk=4)
-    assert cached.shape == (2, 29)
+    cached = generate(model, ids, 12, temperature=0)
+    uncached = generate(model, ids, 12, temperature=0, use_cache=False)
+    chunked = generate(model, ids, 12, temperature=0, prefill_chunk=4)
+    assert cached.shape == (2, 21)
     assert torch.equal(cached, uncached) and torch.equal(cached, chunked)
 
 
-def test_past_the_context_matches_the_uncached_window():
-    model = tiny("rope", context_length=16)
-    ids = torch.randint(0, 61, (1, 5), generator=torch.Generator().manual_seed(1))
-    assert torch.equal(generate(model, ids, 30, temperature=0), generate(model, ids, 30, temperature=0, use_cache=False))
+@pytest.mark.parametrize("overflow", ["window", "shift"])
+@pytest.mark.parametrize("positions", ["learned", "alibi"])
+def test_past_the_context_cached_equals_uncached(overflow, positions):
+    model = tiny(positions, context_length=12)
+    ids, mask = left_pad([[1, 2, 3, 4, 5], [6, 7]])
+    kw = dict(temperature=0, attention_mask=mask, overflow=overflow)
+    cached = generate(model, ids, 30, **kw)
+    assert torch.equal(cached, generate(model, ids, 30, use_cache=False, **kw))
+    alone = generate(model, ids[1:, 3:], 30, temperature=0, overflow=overflow)   # padding changes nothing
+    assert torch.equal(cached[1, 3:], alone[0])
+
+
+def test_window_overflow_is_nanogpt_crop():
+    """Reference: nanoGPT's loop, written out: logits of the last ``context`` tokens, argmax, append."""
+    model = tiny("learned", context_length=10)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    ref = ids
+    with torch.no_grad():
+        for _ in range(15):
+            nxt = model(ref[:, -10:])[0][:, -1].argmax(-1, keepdim=True)
+            ref = torch.cat([ref, nxt], dim=1)
+    assert torch.equal(generate(model, ids, 15, temperature=0), ref)
 
 
 @pytest.mark.parametrize("positions", POSITIONS)
@@ -86,10 +113,10 @@ def test_filter_logits_against_hand_computed_sets():
 def test_stop_tokens_end_each_sequence_and_pad():
     model = tiny()
     ids = torch.tensor([[1, 2, 3]])
-    free = generate(model, ids, 20, temperature=0)[0, 3:].tolist()
+    free = generate(model, ids, 12, temperature=0)[0, 3:].tolist()
     stop = free[5]
     first = free.index(stop)
-    out = generate(model, ids, 20, temperature=0, stop_tokens=[stop])
+    out = generate(model, ids, 12, temperature=0, stop_tokens=[stop])
     assert out[0, 3:].tolist() == free[:first + 1]                   # stop token kept, then ends
     prompts = [[1, 2, 3], [4, 5]]
     bids, mask = left_pad(prompts)
@@ -142,6 +169,7 @@ def test_training_mode_restored_and_cache_released():
     (dict(top_k=0), "top_k=0 must be >= 1"),
     (dict(max_new_tokens=-1), "max_new_tokens=-1 must be >= 0"),
     (dict(prefill_chunk=0), "prefill_chunk=0 must be >= 1"),
+    (dict(overflow="wrap"), "overflow='wrap' is not known"),
 ])
 def test_bad_arguments_raise_their_message(kwargs, message):
     model = tiny()

@@ -15,6 +15,15 @@ LAYOUTS = {"MHA": 4, "GQA": 2, "MQA": 1}
 ATOL = 1e-5
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and do not stall when other processes hold the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny(positions="learned", n_kv_heads=4, **kw):
     torch.manual_seed(0)
     c = TransformerConfig(vocab_size=61, context_length=32, n_layers=2, d_model=32, n_heads=4,

@@ -86,17 +86,24 @@ class _Stepper:
 
     Both return ``(B, vocab)`` logits for the next token. Owns the output buffer ``out (B, total)``
     and the per-sequence mask/positions; never reallocates during generation.
+
+    Past the context, ``overflow`` decides what the model sees: ``"window"`` recomputes the last
+    ``context_length`` tokens every step (nanoGPT's semantics, O(context) tokens per step);
+    ``"shift"`` keeps the last ``context_length // 2`` tokens, prefills them once and goes on with
+    the cache (amortised O(1) forward tokens per step; the model sees between half and all of
+    the context). With ``use_cache=False`` the same windows are recomputed from scratch.
     """
 
     def __init__(self, model, ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int,
-                 use_cache: bool, prefill_chunk: int | None):
+                 use_cache: bool, prefill_chunk: int | None, overflow: str):
         B, T = ids.shape
-        self.model, self.T = model, T
+        self.model, self.T, self.overflow = model, T, overflow
         self.context = model.config.context_length
         total = T + max_new_tokens
         self.out = torch.empty(B, total, dtype=torch.long, device=ids.device)   # (B, total)
         self.out[:, :T] = ids
         self.cur = T                                       # tokens written to ``out`` so far
+        self.offset = 0                                    # ``out`` index of the window's first token
         self.mask = self.positions = None
         if attention_mask is not None and not bool(attention_mask.all()):
             self.mask = torch.ones(B, total, dtype=torch.long, device=ids.device)
@@ -114,11 +121,12 @@ class _Stepper:
 
     def _run(self, start: int, end: int, start_pos: int) -> Tensor:
         """Logits of the token after ``out[:, start:end]``, with ``start_pos`` tokens cached before it."""
-        mask = self.mask[:, start - start_pos:end] if self.mask is not None else None
+        first = start - start_pos                    # ``out`` index of the first key the model sees
+        mask = self.mask[:, first:end] if self.mask is not None else None
         if self.positions is None:
-            positions = None
-        elif start_pos == 0 and start > 0:            # an uncached window cropped to the context
-            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+            positions = None                         # the model counts from 0 at ``first``
+        elif first > 0:                              # a window: positions restart at its first token
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, start_pos:]
         else:
             positions = self.positions[:, start:end]
         logits, _ = self.model(self.out[:, start:end], attention_mask=mask, positions=positions,
@@ -138,10 +146,14 @@ class _Stepper:
         pos = self.cur
         self.out[:, pos] = tokens
         self.cur += 1
-        if pos + 1 <= self.cache_len:                  # the cache has room: feed one token
-            return self._run(pos, pos + 1, pos)
-        # No cache, or past the context: recompute the last ``context`` tokens (nanoGPT's window).
-        return self._run(max(0, self.cur - self.context), self.cur, 0)
+        if self.cur - self.offset > self.context:    # the window is full
+            if self.overflow == "shift":
+                self.offset = self.cur - max(1, self.context // 2)
+                return self._run(self.offset, self.cur, 0)      # re-prefill the kept half
+            self.offset = self.cur - self.context
+        if self.cache_len and (self.overflow == "shift" or self.offset == 0):
+            return self._run(pos, pos + 1, pos - self.offset)   # feed one token to the cache
+        return self._run(self.offset, self.cur, 0)               # recompute the window
 
 
 # ------------------------------------------------------------------------------------- ids API
@@ -181,6 +193,7 @@ def generate_tokens(
     pad_id: int | None = None,
     use_cache: bool = True,
     prefill_chunk: int | None = None,
+    overflow: str = "window",
 ) -> Iterator[Tensor]:
     """Yield the ``(B,)`` new tokens of each step, as they are produced (see :func:`generate`).
 
@@ -192,6 +205,8 @@ def generate_tokens(
     _check_ids(model, ids, attention_mask, max_new_tokens)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1 (or None for one pass).")
+    if overflow not in ("window", "shift"):
+        raise ValueError(f"overflow={overflow!r} is not known; choose 'window' or 'shift'.")
     if max_new_tokens == 0:
         return
     B = ids.shape[0]
@@ -202,7 +217,7 @@ def generate_tokens(
         generators = [torch.Generator(device=ids.device).manual_seed(seed) for _ in range(B)]
     was_training = model.training
     model.eval()
-    stepper = _Stepper(model, ids, attention_mask, max_new_tokens, use_cache, prefill_chunk)
+    stepper = _Stepper(model, ids, attention_mask, max_new_tokens, use_cache, prefill_chunk, overflow)
     try:
         logits = stepper.first()
         finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
@@ -235,6 +250,7 @@ def generate(
     pad_id: int | None = None,
     use_cache: bool = True,
     prefill_chunk: int | None = None,
+    overflow: str = "window",
 ) -> Tensor:
     """Continue ``ids (B, T)`` by up to ``max_new_tokens`` tokens.
 
@@ -251,9 +267,11 @@ def generate(
         pad_id: fills a stopped sequence; default the first stop token.
         use_cache: KV cache (default) or full recomputation every step.
         prefill_chunk: run the prompt through the model this many tokens at a time.
+        overflow: past ``context_length``, ``"window"`` recomputes the last ``context_length``
+            tokens every step (nanoGPT); ``"shift"`` keeps the last half, re-prefills it once and
+            continues with the cache (much faster; the model sees half to all of the context).
     Returns:
         ``(B, T + n)`` ids, ``n <= max_new_tokens`` (fewer only when every row hit a stop token).
-        Past ``context_length`` each step sees the last ``context_length`` tokens, as nanoGPT.
     Raises:
         ValueError: bad sampling options, an empty prompt, a prompt longer than the context, a
             mask that is not left padding.
@@ -261,7 +279,7 @@ def generate(
     steps = list(generate_tokens(
         model, ids, max_new_tokens, attention_mask=attention_mask, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, stop_tokens=stop_tokens, pad_id=pad_id,
-        use_cache=use_cache, prefill_chunk=prefill_chunk))
+        use_cache=use_cache, prefill_chunk=prefill_chunk, overflow=overflow))
     if not steps:
         return ids.clone()
     return torch.cat([ids, torch.stack(steps, dim=1)], dim=1)
@@ -322,6 +340,7 @@ class _TextTracker:
 
 def _text_steps(model, tokenizer, prompts: list[str], max_new_tokens: int, stop: Sequence[str],
                 stop_tokens: Iterable[int] | None, kwargs: dict) -> Iterator[list[_TextTracker]]:
+    stats = kwargs.pop("stats", None)
     encoded = [tokenizer.encode(p) for p in prompts]
     if any(len(e) == 0 for e in encoded):
         raise ValueError("the prompt is empty; give at least one character of text.")
@@ -333,7 +352,9 @@ def _text_steps(model, tokenizer, prompts: list[str], max_new_tokens: int, stop:
     steps = generate_tokens(model, ids, max_new_tokens, attention_mask=mask if len(prompts) > 1 else None,
                             stop_tokens=stop_set or None, **kwargs)
     try:
-        for tok in steps:
+        for step, tok in enumerate(steps):
+            if stats is not None:
+                stats["new_tokens"] = (step + 1) * len(prompts)
             for tracker, t in zip(trackers, tok.tolist()):
                 if tracker.done:
                     continue
@@ -356,7 +377,8 @@ def generate_text(model, tokenizer, prompt: str | Sequence[str], max_new_tokens:
         tokenizer: with ``encode(str) -> list[int]`` and ``decode(list[int]) -> str``.
         stop: strings that end a completion; the completion is cut just before the first one.
         stop_tokens: token ids that end a completion (not included in the text).
-        **kwargs: sampling and cache options of :func:`generate`.
+        **kwargs: sampling and cache options of :func:`generate`; ``stats={}`` receives
+            ``new_tokens``, the tokens the model produced (all rows, including stopped ones).
     Returns:
         the completion text(s), without the prompt.
     """

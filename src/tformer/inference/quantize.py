@@ -1,0 +1,114 @@
+"""Int8 weight-only quantisation of the linear layers, with one scale per output channel.
+
+Decoding one token reads every weight once, so it is bound by memory bandwidth: storing weights
+in 1 byte instead of 4 cuts what each token reads by 4x. Each output row ``j`` of a weight gets
+its own scale ``s_j = max_k |W_jk| / 127`` and ``Q_jk = round(W_jk / s_j)`` in [-127, 127]; the
+layer computes ``y = (x Qᵀ) · s + b``. Activations stay in floating point ("weight-only"), so the
+only error is the rounding of each weight to its row's grid (at most ``s_j / 2``).
+
+Kernel: PyTorch's ``aten._weight_int8pack_mm`` (int8 weights, per-channel scales), which is fast
+with bfloat16 activations and ~10x slower with float32 ones on this CPU (measured; see
+benchmarks/generate.py), so the input is cast to bfloat16 for the matmul and the result cast back
+to the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+Tensor = torch.Tensor
+
+KERNEL_DTYPE = torch.bfloat16   # activation dtype of the int8 kernel
+
+
+def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8.
+
+    Args:
+        weight: ``(N, K)`` float weight.
+    Returns:
+        ``(q (N, K) int8, scales (N,) float32)`` with ``weight ≈ q * scales[:, None]``.
+    """
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                       # (N,)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+class Int8Linear(nn.Module):
+    """A drop-in for ``nn.Linear`` holding int8 weights and per-channel scales.
+
+    Args:
+        linear: the float layer to quantise (its bias is kept in floating point).
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scales = quantize_weight(linear.weight)
+        self.register_buffer("weight", q)                                       # (N, K) int8
+        self.register_buffer("scales", scales.to(KERNEL_DTYPE))                 # (N,)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)                   # (M, K)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)    # (M, N)
+        y = y.to(x.dtype).view(*shape[:-1], self.out_features)
+        return y + self.bias.to(x.dtype) if self.bias is not None else y
+
+    def dequantized(self) -> Tensor:
+        """The float weight this layer effectively uses, ``(N, K)`` float32."""
+        return self.weight.float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` by an :class:`Int8Linear`, in place.
+
+    A tied LM head becomes its own int8 copy; the token embedding keeps its float table (only one
+    row of it is read per token).
+
+    Returns:
+        the same model.
+    """
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, Int8Linear(child))
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weight one decode step reads: every linear layer (weight, scales, bias; a tied
+    matrix once) and norm. Embedding lookups read one row and are left out (negligible)."""
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, Int8Linear, nn.LayerNorm)) or type(m).__name__ == "RMSNorm":
+            for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+                if t is not None and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.nbytes
+    return total
+
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}
+
+
+def set_precision(model: nn.Module, precision: str) -> nn.Module:
+    """Cast ``model`` for inference, in place: ``fp32``, ``bf16``, ``fp16``, or ``int8`` (int8
+    weight-only linear layers, everything else in bfloat16, the int8 kernel's activation dtype).
+
+    Raises:
+        ValueError: for an unknown precision.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
+    model.to(PRECISIONS[precision])
+    if precision == "int8":
+        quantize_int8(model)
+    return model
