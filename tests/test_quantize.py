@@ -7,7 +7,8 @@ import torch.nn as nn
 
 from tformer import DecoderLM, TransformerConfig
 from tformer.inference.generate import generate
-from tformer.inference.quantize import Int8Linear, quantize_int8, quantize_weight, weight_bytes
+from tformer.inference.quantize import (DecodeLinear, Int8Linear, quantize_int8, quantize_weight, set_precision,
+                                        weight_bytes)
 
 # Greedy-token agreement of the int8 model with fp32 on the fixed prompts below, measured 1.0 (first
 # token and all 16 tokens of 8 prompts; max logit error 0.13 of 31) on
@@ -80,3 +81,31 @@ def test_int8_cached_equals_uncached_generation():
     model = quantize_int8(tiny())
     ids = torch.tensor([[1, 5, 9, 2]])
     assert torch.equal(generate(model, ids, 12, temperature=0), generate(model, ids, 12, temperature=0, use_cache=False))
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("bias", [True, False])
+def test_decode_linear_equals_nn_linear(dtype, atol, rows, bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 72, bias=bias)
+    x = torch.randn(rows, 1, 48)
+    ref = (x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0))   # float64 reference
+    fast = DecodeLinear(lin.to(dtype))
+    out = fast(x.to(dtype))
+    assert out.dtype == dtype and out.shape == (rows, 1, 72)
+    torch.testing.assert_close(out.double(), ref, atol=atol * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "int8"])
+def test_set_precision_generates_and_matches_fp32_in_fp32(precision):
+    ref = tiny()
+    model = set_precision(tiny(), precision)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        err = (model(ids)[0].float() - ref(ids)[0]).abs().max().item()
+    assert err < {"fp32": 1e-4, "bf16": 1.0, "fp16": 0.1, "int8": 1.0}[precision]
+    assert generate(model, ids, 5, temperature=0).shape == (1, 9)
+    with pytest.raises(ValueError, match="unknown precision 'int4'"):
+        set_precision(tiny(), "int4")

@@ -88,7 +88,7 @@ def weight_bytes(model: nn.Module) -> int:
     matrix once) and norm. Embedding lookups read one row and are left out (negligible)."""
     seen, total = set(), 0
     for m in model.modules():
-        if isinstance(m, (nn.Linear, Int8Linear, nn.LayerNorm)) or type(m).__name__ == "RMSNorm":
+        if isinstance(m, (nn.Linear, Int8Linear, DecodeLinear, nn.LayerNorm)) or type(m).__name__ == "RMSNorm":
             for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
                 if t is not None and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
@@ -96,13 +96,56 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+class DecodeLinear(nn.Module):
+    """``nn.Linear`` for inference, with the weight in the layout whose kernel reads it fastest.
+
+    Measured on this repository's 2-core AVX-512 machine (benchmarks/generate.py, one row ``x``):
+    float32 is fastest as ``x @ Wᵀ`` with ``Wᵀ`` stored contiguous ``(K, N)`` (``torch.mm``/
+    ``addmm``, ~10-30% over ``F.linear``); bfloat16/float16 as ``torch.mv(W, x)`` for one row
+    (~1.4x ``F.linear``) and ``F.linear`` for several. Same numbers, different kernels.
+
+    Args:
+        linear: the layer to wrap (its weight is copied only when transposed).
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        self.transposed = w.dtype == torch.float32
+        self.register_buffer("weight", w.t().contiguous() if self.transposed else w)   # (K, N) | (N, K)
+        self.register_buffer("bias", linear.bias.detach() if linear.bias is not None else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)                                      # (M, K)
+        if self.transposed:
+            y = torch.mm(x2, self.weight) if self.bias is None else torch.addmm(self.bias, x2, self.weight)
+        elif x2.shape[0] == 1:
+            y = torch.mv(self.weight, x2[0]).unsqueeze(0)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = torch.nn.functional.linear(x2, self.weight, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def use_decode_kernels(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.Linear`` by a :class:`DecodeLinear`, in place; returns the model."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, DecodeLinear(child))
+    return model
+
+
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}
 
 
-def set_precision(model: nn.Module, precision: str) -> nn.Module:
+def set_precision(model: nn.Module, precision: str, decode_kernels: bool = True) -> nn.Module:
     """Cast ``model`` for inference, in place: ``fp32``, ``bf16``, ``fp16``, or ``int8`` (int8
     weight-only linear layers, everything else in bfloat16, the int8 kernel's activation dtype).
 
+    Args:
+        decode_kernels: float linears become :class:`DecodeLinear` (faster one-row kernels).
     Raises:
         ValueError: for an unknown precision.
     """
@@ -111,4 +154,6 @@ def set_precision(model: nn.Module, precision: str) -> nn.Module:
     model.to(PRECISIONS[precision])
     if precision == "int8":
         quantize_int8(model)
+    elif decode_kernels:
+        use_decode_kernels(model)
     return model
