@@ -190,3 +190,21 @@ def test_bad_prompts_raise_their_message():
         generate(model, torch.ones(2, 3, dtype=torch.long), 1, attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
     with pytest.raises(ValueError, match="top_k=0"):
         list(stream_text(model, TOK, "abc", 3, top_k=0))
+
+
+def test_cli_generate_prints_text_and_speed(tmp_path, capsys):
+    from tformer.checkpoint import save_model
+    from tformer.cli import main
+
+    model = tiny()
+    save_model(tmp_path, model)
+    TOK.save(tmp_path / "tokenizer.json")
+    base = ["generate", "--ckpt", str(tmp_path), "--prompt", "hello", "--max-new-tokens", "12", "--temperature", "0"]
+    assert main(base) == 0
+    out, err = capsys.readouterr()
+    assert out.rstrip("\n") == generate_text(model, TOK, "hello", 12, temperature=0)
+    assert "12 tokens in" in err and "tokens/s" in err
+    assert main(base + ["--stream", "--dtype", "int8"]) == 0
+    assert "tokens/s (int8, KV cache" in capsys.readouterr().err
+    assert main(base + ["--top-p", "1.5"]) == 2
+    assert "top_p=1.5 must be in (0, 1]" in capsys.readouterr().err
