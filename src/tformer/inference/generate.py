@@ -198,8 +198,8 @@ def generate_tokens(
     """Yield the ``(B,)`` new tokens of each step, as they are produced (see :func:`generate`).
 
     A sequence that emitted a stop token gets ``pad_id`` afterwards; the iterator ends when every
-    sequence has stopped or after ``max_new_tokens`` steps. A caller may also stop early by
-    sending nothing more (``close()`` releases the KV cache).
+    sequence has stopped or after ``max_new_tokens`` steps. A caller may stop early: ``close()``
+    (or dropping the iterator) releases the KV cache. Arguments are checked at the first step.
     """
     check_sampling(temperature, top_k, top_p)
     _check_ids(model, ids, attention_mask, max_new_tokens)
