@@ -101,8 +101,9 @@ class DecodeLinear(nn.Module):
 
     Measured on this repository's 2-core AVX-512 machine (benchmarks/generate.py, one row ``x``):
     float32 is fastest as ``x @ Wᵀ`` with ``Wᵀ`` stored contiguous ``(K, N)`` (``torch.mm``/
-    ``addmm``, ~10-30% over ``F.linear``); bfloat16/float16 as ``torch.mv(W, x)`` for one row
-    (~1.4x ``F.linear``) and ``F.linear`` for several. Same numbers, different kernels.
+    ``addmm``, ~10-30% over ``F.linear``); bfloat16 as ``torch.mv(W, x)`` for one row (~1.4x
+    ``F.linear``) and ``F.linear`` for several; float16 as ``F.linear`` (its ``mv`` is ~3x slower).
+    Same numbers, different kernels.
 
     Args:
         linear: the layer to wrap (its weight is copied only when transposed).
@@ -120,7 +121,7 @@ class DecodeLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)                                      # (M, K)
         if self.transposed:
             y = torch.mm(x2, self.weight) if self.bias is None else torch.addmm(self.bias, x2, self.weight)
-        elif x2.shape[0] == 1:
+        elif x2.shape[0] == 1 and self.weight.dtype == torch.bfloat16:
             y = torch.mv(self.weight, x2[0]).unsqueeze(0)
             y = y if self.bias is None else y + self.bias
         else:
