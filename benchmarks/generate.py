@@ -150,12 +150,13 @@ def latency_curve(positions: list[int], reps: int = 3) -> dict:
     cached, uncached = [], []
     model(ids[:, :8], last_only=True)                                   # warm-up
     for p in positions:
-        # without a cache, token p costs a forward pass over all p tokens
+        # without a cache, the token at position p - 1 costs a forward pass over all p tokens
         uncached.append(statistics.median(timed(lambda: model(ids[:, :p], last_only=True)) for _ in range(reps)))
-        setup_kv_cache(model, 1, p + reps + 1)
-        model(ids[:, :p], last_only=True)
+        # with the cache, it costs one token's forward over p cached keys: time tokens p-reps .. p-1
+        setup_kv_cache(model, 1, p)
+        model(ids[:, :p - reps], last_only=True)
         cached.append(statistics.median(
-            timed(lambda i=i: model(ids[:, p + i:p + i + 1], start_pos=p + i, last_only=True)) for i in range(reps)))
+            timed(lambda t=t: model(ids[:, t:t + 1], start_pos=t, last_only=True)) for t in range(p - reps, p)))
         clear_kv_cache(model)
         print(f"  position {p}: cached {cached[-1] * 1e3:.1f} ms, uncached {uncached[-1] * 1e3:.1f} ms",
               file=sys.stderr, flush=True)
@@ -244,6 +245,7 @@ def main() -> None:
             lines.append(f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {r['e2e']:.1f} | {dec} | {ratio} | "
                          f"{r['roofline']:.0%} | {kernel} |")
         lines.append("")
+        save(lines)
     if "nanogpt" not in args.skip:
         rows = nanogpt_shapes(args)
         lines += [f"## nanoGPT shapes, fp32, {args.nanogpt_tokens} tokens from a 1-token prompt, "
@@ -251,6 +253,7 @@ def main() -> None:
                   "| shape | mode | tok/s |", "|---|---|---:|"]
         lines += [f"| {r['shape']} | {r['mode']} | {r['tps']:.0f} |" for r in rows]
         lines.append("")
+        save(lines)
     if "accuracy" not in args.skip:
         rows = accuracy(args.precisions)
         lines += ["## Accuracy against fp32 (GPT-2 124M shape, random weights; 8 prompts x 32 tokens, 32 greedy tokens)\n",
@@ -259,6 +262,7 @@ def main() -> None:
         lines += [f"| {r['precision']} | {r['max_err']:.4f} | {r['logit_scale']:.2f} | {r['first']:.0%} | {r['all']:.0%} |"
                   for r in rows]
         lines.append("")
+        save(lines)
     if "latency" not in args.skip:
         curve = latency_curve(args.positions)
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -270,10 +274,15 @@ def main() -> None:
                   "| no cache | " + " | ".join(f"{t * 1e3:.1f}" for t in curve["uncached"]) + " |",
                   "", "![latency](generate_latency.png)", ""]
     lines.append(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    print(save(lines))
+
+
+def save(lines: list[str]) -> str:
+    """Write what is measured so far to results/generate.md (a crash later keeps it)."""
     text = "\n".join(lines)
-    print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "generate.md").write_text(text + "\n", encoding="utf-8")
+    return text
 
 
 if __name__ == "__main__":
