@@ -6,10 +6,10 @@ its own scale ``s_j = max_k |W_jk| / 127`` and ``Q_jk = round(W_jk / s_j)`` in [
 layer computes ``y = (x Qᵀ) · s + b``. Activations stay in floating point ("weight-only"), so the
 only error is the rounding of each weight to its row's grid (at most ``s_j / 2``).
 
-Kernel: PyTorch's ``aten._weight_int8pack_mm`` (int8 weights, per-channel scales), which is fast
-with bfloat16 activations and ~10x slower with float32 ones on this CPU (measured; see
-benchmarks/generate.py), so the input is cast to bfloat16 for the matmul and the result cast back
-to the model's dtype.
+Kernel: PyTorch's ``aten._weight_int8pack_mm`` (int8 weights, per-channel scales). For one row on
+this CPU it read 22-29 GB/s of int8 weights with bfloat16 activations, but 2-3 GB/s with float32
+and ~1.2 GB/s with float16 ones (measured on the GPT-2 shapes), so the input is cast to bfloat16
+for the matmul and the result cast back to the model's dtype.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def weight_bytes(model: nn.Module) -> int:
 class DecodeLinear(nn.Module):
     """``nn.Linear`` for inference, with the weight in the layout whose kernel reads it fastest.
 
-    Measured on this repository's 2-core AVX-512 machine (benchmarks/generate.py, one row ``x``):
-    float32 is fastest as ``x @ Wᵀ`` with ``Wᵀ`` stored contiguous ``(K, N)`` (``torch.mm``/
+    Measured for one row ``x`` on the GPT-2 shapes, on this project's 2-core AVX-512 machine (and
+    end to end in benchmarks/generate.py, rows "F.linear"): float32 is fastest as ``x @ Wᵀ`` with ``Wᵀ`` stored contiguous ``(K, N)`` (``torch.mm``/
     ``addmm``, ~10-30% over ``F.linear``); bfloat16 as ``torch.mv(W, x)`` for one row (~1.4x
     ``F.linear``) and ``F.linear`` for several; float16 as ``F.linear`` (its ``mv`` is ~3x slower).
     Same numbers, different kernels.
