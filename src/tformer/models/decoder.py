@@ -75,6 +75,7 @@ class DecoderLM(nn.Module):
         attention_mask: Tensor | None = None,
         positions: Tensor | None = None,
         start_pos: int = 0,
+        last_only: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Next-token logits, and the mean cross-entropy if ``targets`` are given.
 
@@ -85,6 +86,8 @@ class DecoderLM(nn.Module):
                 (``m = start_pos + T`` with a KV cache).
             positions: ``(T,)`` or ``(B, T)`` absolute positions; default ``start_pos + arange(T)``.
             start_pos: tokens already in the KV cache (set up by the inference module).
+            last_only: compute logits for the last position only, ``(B, 1, vocab)`` (generation:
+                skips the LM head over the rest of the prompt).
         Returns:
             ``(logits (B, T, vocab), loss or None)``.
         Raises:
@@ -97,6 +100,8 @@ class DecoderLM(nn.Module):
             positions = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device)
         for block in self.blocks:
             x = block(x, mask=mask, positions=positions, start_pos=start_pos)
+        if last_only:
+            x = x[:, -1:]
         logits = self.lm_head(self.final_norm(x))                               # (B, T, vocab)
         loss = None
         if targets is not None:
@@ -136,6 +141,12 @@ class DecoderLM(nn.Module):
             x, w = block(x, mask=mask, positions=positions, return_weights=True)
             maps.append(w)
         return maps
+
+    def generate(self, ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
+        """Continue ``ids``; see :func:`tformer.inference.generate.generate` for the options."""
+        from tformer.inference.generate import generate
+
+        return generate(self, ids, max_new_tokens, **kwargs)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Distinct parameters (a tied head counts once)."""
