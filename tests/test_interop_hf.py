@@ -247,9 +247,10 @@ def test_config_mapping_reads_family_fields():
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "bloom"])
 def test_greedy_decoding_matches_hf_generate(kind, tmp_path):
-    """20 greedy tokens from tformer (full recomputation each step; no KV cache needed) are
-    token-identical to transformers' generate (which uses its KV cache). Mistral's window of 5 is
-    far shorter than the 26 tokens generated over, so the window is exercised while decoding."""
+    """20 greedy tokens from tformer's KV-cached generate, and from a full recomputation each step,
+    are token-identical to transformers' generate. Mistral's window of 5 is far shorter than the
+    26 tokens generated over, so the window is exercised while decoding."""
+    from tformer.inference.generate import generate
     hf_model = tiny(kind)
     hf_model.save_pretrained(tmp_path)
     ours = load_hf(tmp_path)
@@ -258,8 +259,10 @@ def test_greedy_decoding_matches_hf_generate(kind, tmp_path):
     with torch.no_grad():
         ref = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
                                 do_sample=False, pad_token_id=0)
+        cached = generate(ours, prompt, 20, temperature=0.0, use_cache=True)
         ids = prompt
         for _ in range(20):
             logits, _ = ours(ids)
             ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, ref)
     assert ref.shape == (2, 26) and torch.equal(ids, ref)
