@@ -34,7 +34,7 @@ Tensor = torch.Tensor
 # Chosen by measurement on a 2-core CPU at d_head 64 (see docs/readme-flash.md): big enough that
 # the matmuls are efficient, small enough that a (B·H, block_q, block_k) fp32 block stays a few MB.
 DEFAULT_BLOCK_Q = 256
-DEFAULT_BLOCK_K = 512
+DEFAULT_BLOCK_K = 256
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 
