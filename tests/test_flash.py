@@ -5,6 +5,8 @@ bf16 rounding (rtol 1.6e-2) of the fp32 result. Small block sizes are used so th
 several blocks that are not multiples of the block size.
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from tformer import DecoderLM, MultiHeadAttention, TransformerConfig, choose_backend
 from tformer import scaled_dot_product_attention as sdpa
-from tformer.attention.flash import SKIP, _Geometry, flash_attention
+from tformer.attention.flash import FULL, SKIP, _Geometry, flash_attention
 from tformer.positions import alibi_bias, alibi_slopes
 
 F64 = dict(atol=1e-10, rtol=1e-10)
@@ -173,11 +175,14 @@ def test_masked_blocks_are_skipped():
     assert _Geometry(1024, 1024, True, 100, 128, 128).visited() == 8 + 7           # diagonal + one below
     assert _Geometry(1024, 1024, False, 100, 128, 128).visited() == 8 + 2 * 7      # symmetric band
     assert _Geometry(100, 1024, True, None, 128, 128).visited() == 8                # decoding-like: last block row
-    geo = _Geometry(300, 200, True, 50, 32, 48)  # a skipped block really has no allowed pair
-    for i0, i1 in geo.q_blocks:
-        for j0, j1 in geo.k_blocks:
-            allowed = geo.structural(i0, i1, j0, j1, "cpu").any()
-            assert bool(allowed) == (geo.state(i0, i1, j0, j1) != SKIP)
+    for causal, window in itertools.product([True, False], [None, *range(1, 25)]):
+        geo = _Geometry(40, 33, causal, window, 7, 5)  # skipped exactly when no pair is allowed
+        for i0, i1 in geo.q_blocks:
+            for j0, j1 in geo.k_blocks:
+                allowed = geo.structural(i0, i1, j0, j1, "cpu").expand(i1 - i0, 1, j1 - j0)
+                state = geo.state(i0, i1, j0, j1)
+                assert bool(allowed.any()) == (state != SKIP)
+                assert bool(allowed.all()) == (state == FULL)
 
 
 def test_auto_chooses_and_explains():
