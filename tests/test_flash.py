@@ -186,22 +186,25 @@ def test_masked_blocks_are_skipped():
 
 
 def test_auto_chooses_and_explains():
-    q, k = torch.randn(1, 8, 1024, 64), torch.randn(1, 8, 1024, 64)
+    q, k = torch.randn(1, 8, 2048, 64), torch.randn(1, 8, 2048, 64)
     assert choose_backend(q, k, causal=True)[0] == "torch"
     assert choose_backend(q, k, causal=True, return_weights=True)[0] == "math"
     name, why = choose_backend(q, k, causal=True, alibi_slopes=alibi_slopes(8))
     assert name == "flash" and "ALiBi" in why
     name, why = choose_backend(q, k, causal=True, window=256)
     assert name == "flash" and "sliding-window" in why
-    name, why = choose_backend(q, k, causal=True, mask=torch.ones(1, 1, 1, 1024, dtype=torch.bool))
+    name, why = choose_backend(q, k, causal=True, mask=torch.ones(1, 1, 1, 2048, dtype=torch.bool))
     assert name == "flash" and "key padding" in why
-    assert choose_backend(q, k, mask=torch.ones(1, 1, 1, 1024, dtype=torch.bool))[0] == "torch"  # broadcast, not dense
+    assert choose_backend(q, k, mask=torch.ones(1, 1, 1, 2048, dtype=torch.bool))[0] == "torch"  # broadcast, not dense
     name, why = choose_backend(q, k, causal=True, window=256, dropout_p=0.1)
     assert name == "torch" and "dropout" in why
-    name, why = choose_backend(q, k, mask=torch.ones(1024, 1024, dtype=torch.bool))
+    name, why = choose_backend(q, k, mask=torch.ones(2048, 2048, dtype=torch.bool))
     assert name == "torch" and "passed in" in why
-    name, why = choose_backend(q[..., :64, :], k[..., :64, :], window=16)
+    name, why = choose_backend(q[..., :1024, :], k[..., :1024, :], window=16)
     assert name == "torch" and "FLASH_MIN_PAIRS" in why
+    assert choose_backend(q[..., :1, :], k, causal=True)[0] == "torch"  # one query sees all keys: no mask
+    name, why = choose_backend(q[..., :1100, :], k, causal=True)
+    assert name == "flash" and "n=1100 != m=2048" in why
     assert choose_backend(q, k, backend="flash") == ("flash", "requested explicitly")
 
 
