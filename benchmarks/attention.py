@@ -4,9 +4,10 @@
 own subprocess, which reports its peak resident memory (``getrusage(RUSAGE_SELF).ru_maxrss``, the
 kernel's own high-water mark, which sees every allocation torch makes). A baseline subprocess that
 allocates the same q, k, v and gradients and runs the same backend once at n = 128 (code, thread
-pools) is subtracted, so the figure is the memory the length-n attention call itself needs. Math points whose dense n x n tensors would not fit in the
-machine's available memory are skipped (and marked so). Also at one length (default 8k): ALiBi and
-a sliding window with flash against math with the dense bias / mask.
+pools) is subtracted, so the figure is the memory the length-n attention call itself needs. Math
+points whose dense n x n tensors would not fit in the machine's available memory are skipped (and
+marked so). Also at one length (default 8k): ALiBi and a sliding window with flash against math
+with the dense bias / mask.
 
 Run (only one benchmark at a time on the shared machine):
     flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src python benchmarks/attention.py
