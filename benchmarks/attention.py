@@ -9,8 +9,8 @@ points whose dense n x n tensors would not fit in the machine's available memory
 marked so). Also at one length (default 8k): ALiBi and a sliding window with flash against math
 with the dense bias / mask.
 
-Run (only one benchmark at a time on the shared machine):
-    flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src python benchmarks/attention.py
+Run (only one benchmark at a time on the shared machine; the committed results used PASSIVE):
+    flock /tmp/tformer-bench.lock env OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD/src python benchmarks/attention.py
 
 Writes benchmarks/results/attention.md and attention.png (memory vs n, log-log).
 """
@@ -93,10 +93,7 @@ def run_point(backend: str, n: int, feature: str, repeats: int, heads: int = HEA
 
 def _spawn(backend: str, n: int, feature: str, repeats: int, heads: int, baseline: bool) -> dict:
     cmd = [sys.executable, __file__, "--worker", backend, str(n), feature, str(repeats), str(heads), str(int(baseline))]
-    # Passive OpenMP waiting for every contender: on a shared, oversubscribed CPU the default
-    # spin-waiting makes kernels built from many small parallel ops (flash, math) stall.
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True)  # inherits OMP_WAIT_POLICY etc.
     if proc.returncode != 0:
         return {"backend": backend, "n": n, "feature": feature,
                 "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
@@ -230,8 +227,10 @@ def summary(by: dict, lengths: list[int]) -> list[str]:
     if "fwd_s" in t and "fwd_s" in f:
         out.append(f"- n=4096 causal forward: flash / PyTorch fused = {f['fwd_s'] / t['fwd_s']:.2f}x "
                    f"(fwd+bwd {f['fwd_bwd_s'] / t['fwd_bwd_s']:.2f}x).")
-    out.append("- Every subprocess ran with OMP_WAIT_POLICY=PASSIVE (all contenders alike): on this shared "
-               "2-core machine the default spin-waiting made flash's many small parallel ops up to ~10x slower.")
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP default: spin, then sleep)")
+    out.append(f"- Every subprocess ran with OMP_WAIT_POLICY={policy} (all contenders alike). Flash issues "
+               "many small parallel ops per block, so its times depend on it on a shared CPU: PASSIVE helps "
+               "when the cores are oversubscribed, hurts when they are not.")
     return out
 
 
