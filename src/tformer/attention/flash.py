@@ -72,8 +72,12 @@ def flash_attention(
         ``(..., Hq, n, d_v)`` in the dtype of ``q``; rows that may attend to nothing are zero.
 
     Raises:
-        ValueError: for dropout, bad block sizes, or masks/biases/slopes of an unusable shape.
+        ValueError: for inconsistent q/k/v shapes, dropout, bad block sizes, or masks/biases/slopes
+            of an unusable shape.
     """
+    from tformer.attention.functional import _check_shapes  # here: functional imports this module
+
+    _check_shapes(q, k, v)
     if dropout_p > 0:
         raise ValueError(
             f"the flash backend has no attention dropout (dropout_p={dropout_p}); use backend='torch' "
