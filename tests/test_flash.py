@@ -230,6 +230,8 @@ def test_flash_refuses_dropout_and_bad_inputs_clearly():
         flash_attention(q, k, v, alibi_slopes=torch.ones(3))
     with pytest.raises(ValueError, match="does not broadcast"):
         flash_attention(q, k, v, mask=torch.ones(1, 1, 3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_dropout=0"):
+        TransformerConfig(attention_backend="flash", attn_dropout=0.1)
     with pytest.raises(ValueError, match="share d_k"):
         flash_attention(q, k[..., :4], v)
     with pytest.raises(ValueError, match="block_q"):
