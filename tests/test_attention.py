@@ -11,7 +11,7 @@ from tformer import choose_backend, scaled_dot_product_attention as sdpa
 
 ATOL = 1e-6  # absolute
 RTOL = 1e-6  # relative: fp32 rounding differs with the order of the sums
-BACKENDS = ["math", "torch", "auto"]
+BACKENDS = ["math", "torch", "auto", "flash"]
 
 # (batch, heads, n, m, d_k, d_v): n == m, n < m, n > m, d_k != d_v, single query, single key.
 SHAPES = [
@@ -158,7 +158,7 @@ def test_fully_masked_row_gives_zeros_not_nan(backend):
     assert torch.equal(out[..., 1, :], torch.zeros(1, 2, 8)) and not torch.isnan(out).any()
 
 
-@pytest.mark.parametrize("backend", ["math", "torch"])
+@pytest.mark.parametrize("backend", ["math", "torch", "flash"])
 def test_gradients_match_torch(backend):
     shapes = [(2, 4, 5, 7, 8, 6)]
     for shape in shapes:
@@ -176,7 +176,7 @@ def test_gradients_match_torch(backend):
 def test_bf16_inputs_are_close_to_fp32():
     q, k, v = _qkv(1, 2, 16, 16, 32, 32, seed=12)
     ref = sdpa(q, k, v, causal=True, backend="math")
-    for backend in ["math", "torch"]:
+    for backend in ["math", "torch", "flash"]:
         out = sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, backend=backend)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=0)

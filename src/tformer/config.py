@@ -137,6 +137,9 @@ class TransformerConfig:
             p = getattr(self, f)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{f}={p} must be in [0, 1).")
+        if self.attention_backend == "flash" and self.attn_dropout > 0:
+            raise ValueError(f"attention_backend='flash' has no attention dropout (attn_dropout={self.attn_dropout}); "
+                             f"set attn_dropout=0 or use attention_backend='auto' or 'torch'.")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be a positive integer or None.")
         if isinstance(self.type_vocab_size, bool) or not isinstance(self.type_vocab_size, int) \

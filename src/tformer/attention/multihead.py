@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from tformer.attention.functional import scaled_dot_product_attention
 from tformer.config import TransformerConfig
-from tformer.positions import RotaryEmbedding, alibi_bias, alibi_slopes
+from tformer.positions import RotaryEmbedding, alibi_slopes
 
 Tensor = torch.Tensor
 
@@ -95,13 +95,10 @@ class MultiHeadAttention(nn.Module):
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(start_pos, k, v)             # (B, nkv, start_pos + T, hs)
 
-        bias = None
-        if self.alibi_slopes is not None:
-            m = k.shape[-2]
-            q_idx = torch.arange(m - T, m, device=x.device)
-            bias = alibi_bias(self.alibi_slopes, q_idx, torch.arange(m, device=x.device))  # (nh, T, m)
+        # ALiBi goes in as slopes: flash computes -slope * |p_q - p_k| per block, the other
+        # backends build the dense (nh, T, m) bias (queries at key positions m - T .. m - 1).
         result = scaled_dot_product_attention(
-            q, k, v, mask=mask, bias=bias, causal=self.causal, window=self.window,
+            q, k, v, mask=mask, causal=self.causal, window=self.window, alibi_slopes=self.alibi_slopes,
             dropout_p=self.attn_dropout if self.training else 0.0,
             backend=self.backend, return_weights=return_weights,
         )
