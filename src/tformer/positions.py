@@ -119,11 +119,12 @@ def alibi_bias(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tens
     Args:
         slopes: ``(H,)``; q_positions: ``(n,)``; k_positions: ``(m,)``.
     Returns:
-        ``(H, n, m)`` float32 bias. (Under a causal mask only ``p_k <= p_q`` matters, where this is
+        ``(H, n, m)`` bias, float64 if the slopes are float64, else float32. (Under a causal mask only ``p_k <= p_q`` matters, where this is
         the paper's ``slope * (p_k - p_q)``; the absolute value makes it usable bidirectionally.)
     """
-    distance = (q_positions[:, None] - k_positions[None, :]).abs().float()  # (n, m)
-    return -slopes[:, None, None].float() * distance
+    dtype = torch.float64 if slopes.dtype == torch.float64 else torch.float32
+    distance = (q_positions[:, None] - k_positions[None, :]).abs().to(dtype)  # (n, m)
+    return -slopes[:, None, None].to(dtype) * distance
 
 
 def _check_range(positions: Tensor, length: int, kind: str) -> None:

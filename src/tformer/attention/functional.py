@@ -213,10 +213,9 @@ def _dense_alibi(slopes: Tensor, q: Tensor, k: Tensor, bias: Tensor | None) -> T
     """The dense ``(Hq, n, m)`` ALiBi bias ``-slope_h * |p_q - p_k|`` (queries at key positions
     ``m - n .. m - 1``, as ``tformer.positions.alibi_bias``), plus ``bias``; fp64 stays fp64."""
     n, m = q.shape[-2], k.shape[-2]
-    dtype = torch.float64 if torch.float64 in (q.dtype, slopes.dtype) else torch.float32
-    p_q = torch.arange(m - n, m, device=q.device, dtype=dtype)
-    distance = (p_q[:, None] - torch.arange(m, device=q.device, dtype=dtype)[None, :]).abs()
-    dense = -slopes.to(dtype)[:, None, None] * distance                       # (Hq, n, m)
+    if q.dtype == torch.float64:
+        slopes = slopes.double()
+    dense = alibi_bias(slopes, torch.arange(m - n, m, device=q.device), torch.arange(m, device=q.device))  # (Hq, n, m)
     if q.dim() < 3 or k.dim() != q.dim():
         dense = dense.squeeze(0)  # no head dim: one slope
     return dense if bias is None else bias + dense
