@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order ``tformer --help`` lists them.
-COMMANDS = ["count"]
+COMMANDS = ["count", "train", "sample"]
 
 
 def build_parser() -> argparse.ArgumentParser:
