@@ -29,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 0.")
     folder = resolve_checkpoint(args.ckpt)
-    tok = load_tokenizer(folder)
     model = load_model(folder)
+    tok = load_tokenizer(folder)
     if tok.vocab_size != model.config.vocab_size:
         raise ValueError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but the model {model.config.vocab_size}; "
                          f"the checkpoint is inconsistent; use another checkpoint.")
