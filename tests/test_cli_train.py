@@ -135,6 +135,16 @@ def test_bad_inputs_give_one_clear_line(tmp_path, capsys):
     rc, _, err = _cli(capsys, "train", "--resume", "--out", str(tmp_path / "nothing-here"))
     _one_clear_line(rc, err, "nothing to resume")
 
+    # a checkpoint whose config no longer fits its weights
+    import json
+    import shutil
+    shutil.copytree(run, tmp_path / "edited")
+    cfg_path = next((tmp_path / "edited" / "ckpt").glob("step-*/config.json"))
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "d_model": 64}))
+    rc, _, err = _cli(capsys, "sample", "--ckpt", str(tmp_path / "edited"), "--prompt", "to")
+    _one_clear_line(rc, err, "does not fit its config.json")
+
     # and nothing was lost: the run still resumes with its own corpus
     rc, _, err = _cli(capsys, "train", "--resume", "--out", run, "--set", "max_steps=4")
     assert rc == 0, err

@@ -100,7 +100,12 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch
         state = load_file(str(path), device=map_location)
     except Exception as e:  # safetensors raises its own error types
         raise ValueError(f"cannot read {path}: {e}. The file is damaged; retrain or restore it.") from e
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of the wrong shape: weights and config.json disagree
+        first = str(e).strip().splitlines()[-1].strip()
+        raise ValueError(f"{path} does not fit its config.json ({first}); the checkpoint is damaged or its "
+                         f"config was edited; use the config it was saved with.") from e
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_embeddings)]
     if missing or unexpected:
         raise ValueError(f"{path} does not fit its config.json: missing {missing[:5]}, unexpected {unexpected[:5]}.")

@@ -44,6 +44,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 # but d_model=128 is slower (PyTorch's bf16 CPU attention backward dominates). So ``auto``
 # picks bf16 on CPU from this width up.
 AUTO_BF16_MIN_WIDTH = 256
+_DEFAULT_THREADS = torch.get_num_threads()
 
 
 @dataclass
@@ -62,7 +63,7 @@ class TrainConfig:
         weight_decay, beta1, beta2, grad_clip: AdamW and clipping (0 = no clipping).
         precision: ``auto`` (bf16 autocast where the hardware has bf16 — on CPU, AVX-512-BF16/AMX — and,
             on CPU, d_model >= 256, where it measured faster; else fp32), ``bf16``, ``fp32``.
-        compile: wrap the model in ``torch.compile``. threads: torch threads (0 = PyTorch's default).
+        compile: wrap the model in ``torch.compile``. threads: torch threads (0 = :func:`auto_threads`).
         device: ``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``.
         seed: model init, batch order and sampling.
         eval_interval, eval_batches: evaluate (and save, and sample) every so many steps on so many batches.
@@ -168,8 +169,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, model_config: TransformerConfig, corpus: Corpus, out_dir: Path,
                  preset: str, log=print):
         self.cfg, self.corpus, self.out_dir, self.preset, self.log = cfg, corpus, out_dir, preset, log
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.threads or auto_threads())
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         torch.manual_seed(cfg.seed)
         self.model = DecoderLM(model_config).to(self.device)
@@ -266,7 +266,7 @@ class Trainer:
         self.log(f"model: {self.model.num_parameters():,} parameters ({self.preset}), context {T}, "
                  f"vocab {self.model.config.vocab_size} ({self.corpus.tokenizer.kind}); corpus {len(self.corpus.train):,} "
                  f"train / {len(self.corpus.val):,} val tokens; {str(self.dtype).replace('torch.', '')} on {self.device}, "
-                 f"{torch.get_num_threads()} threads; measured matmul peak {peak / 1e9:.0f} GFLOP/s")
+                 f"{torch.get_num_threads()} thread(s); measured matmul peak {peak / 1e9:.0f} GFLOP/s")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         metrics = open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8")
         bar = _progress(cfg.max_steps, self.step, cfg.progress)
@@ -399,6 +399,20 @@ class Trainer:
         self.history.append(rec)
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
+
+
+def auto_threads() -> int:
+    """PyTorch's thread count, less the cores other processes keep busy (1-minute load average).
+
+    Intra-op threads that share a busy core wait on each other: on a 2-core machine with a load of
+    4, two threads ran a tiny-model step 4x slower than one thread did.
+    """
+    default = _DEFAULT_THREADS
+    try:
+        busy = round(os.getloadavg()[0])
+    except OSError:
+        busy = 0
+    return max(1, min(default, (os.cpu_count() or default) - busy))
 
 
 def _check_length(corpus: Corpus, context: int) -> None:
