@@ -8,10 +8,50 @@ import sys
 from tformer.config import PRESETS
 from tformer.training.trainer import MODEL_KEYS, TRAIN_KEYS
 
-EPILOG = f"""settings (--set KEY=VALUE, or KEY = VALUE in --config FILE.toml):
-  model:   {', '.join(MODEL_KEYS)}
-  trainer: {', '.join(TRAIN_KEYS)}
-  (see `TransformerConfig` and `TrainConfig` for what each means; vocab_size comes from the tokenizer)
+TRAIN_HELP = {
+    "data": "corpus file, folder or glob (same as --data; none = built-in stdlib corpus)",
+    "out_dir": "run folder (same as --out)",
+    "tokenizer": "char or bpe (byte-level BPE trained on the corpus)",
+    "bpe_vocab_size": "BPE vocabulary size (>= 256)",
+    "val_fraction": "share of the corpus (its tail) kept for validation",
+    "cache_dir": "tokenised-corpus cache (none = ~/.cache/tformer)",
+    "batch_size": "sequences per micro-batch",
+    "grad_accum": "micro-batches per optimizer step",
+    "max_steps": "optimizer steps of the run",
+    "decay_steps": "step where the cosine reaches min_lr (0 = max_steps)",
+    "lr": "peak learning rate", "min_lr": "final learning rate", "warmup_steps": "linear warmup steps",
+    "weight_decay": "AdamW weight decay (matrices only)", "beta1": "AdamW beta1", "beta2": "AdamW beta2",
+    "grad_clip": "gradient-norm clipping (0 = off)",
+    "precision": "auto, bf16 (autocast) or fp32",
+    "compile": "torch.compile the model (true/false)",
+    "threads": "torch threads (0 = the cores the load average leaves free)",
+    "device": "auto, cpu or cuda", "seed": "init, batch order and sampling seed",
+    "eval_interval": "evaluate, sample and save every N steps",
+    "eval_batches": "batches per split at each evaluation",
+    "log_interval": "progress bar / metrics.jsonl every N steps",
+    "sample_tokens": "tokens sampled at each evaluation (0 = none)",
+    "sample_prompt": "prompt of those samples",
+    "time_limit": "stop and save after this many seconds (0 = none)",
+    "progress": "show the progress bar (true/false)",
+}
+
+
+def _epilog() -> str:
+    import dataclasses
+
+    from tformer.config import PRESETS, TransformerConfig
+    from tformer.training.trainer import TrainConfig
+
+    train = "\n".join(f"  {f.name:<15} {TRAIN_HELP.get(f.name, '')} (default: {f.default!r})"
+                      for f in dataclasses.fields(TrainConfig))
+    tiny = TransformerConfig.from_name("tiny")
+    model = ", ".join(f"{k}={getattr(tiny, k)!r}" for k in MODEL_KEYS)
+    return f"""trainer settings (--set KEY=VALUE, or KEY = VALUE in --config FILE.toml):
+{train}
+
+model settings (TransformerConfig fields; values shown are the tiny preset's):
+  {model}
+  vocab_size always comes from the tokenizer. Presets: {', '.join(PRESETS)}.
 
 examples:
   tformer train                                    # tiny model on the built-in corpus (stdlib source)
@@ -29,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "a memory-mapped cache, trains with AdamW + warmup/cosine, evaluates and samples every "
                     "eval_interval steps, writes atomic checkpoints and metrics.jsonl to --out. "
                     "Ctrl-C saves a checkpoint and exits; --resume continues exactly.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", metavar="PATH", help="corpus: text file, folder or glob (default: built-in stdlib corpus)")
     p.add_argument("--preset", choices=list(PRESETS), default=None, help="model preset (default: tiny)")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file of settings (optional 'preset' key; "
@@ -84,8 +124,17 @@ def run(args: argparse.Namespace) -> int:
         settings["data"] = args.data
     if args.out is not None:
         settings["out_dir"] = args.out
-    trainer = Trainer.create(settings, preset=preset, resume=args.resume, log=lambda m: print(m, flush=True))
-    result = trainer.fit()
+    try:
+        trainer = Trainer.create(settings, preset=preset, resume=args.resume, log=lambda m: print(m, flush=True))
+    except KeyboardInterrupt:
+        print("\ninterrupted before training started; nothing was saved.", file=sys.stderr)
+        return 130
+    try:
+        result = trainer.fit()
+    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving this step
+        print(f"\naborted at step {trainer.step}; the last complete checkpoint (step {trainer.saved_step}) "
+              f"is kept in {trainer.out_dir}.", file=sys.stderr)
+        return 130
     if result["stopped"] == "int":
         return 130
     n = max(trainer.cfg.sample_tokens, 300)
