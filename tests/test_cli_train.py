@@ -164,3 +164,15 @@ def test_toml_config_and_set_casting(tmp_path, capsys):
     rc, _, err = _cli(capsys, "train", "--data", _corpus(tmp_path), "--out", str(tmp_path / "r9"),
                       "--set", "max_steps=lots")
     _one_clear_line(rc, err, "max_steps='lots'", "int")
+
+
+def test_bpe_run_saves_its_tokenizer_and_samples_non_ascii(tmp_path, capsys):
+    path = tmp_path / "bpe.txt"
+    path.write_bytes(("Grüße aus Köln, 日本語も. " * 40).encode() + b"\xff\xfe bad bytes\n" + b"more text\n" * 40)
+    run = str(tmp_path / "r")
+    rc, _, err = _cli(capsys, "train", "--data", str(path), "--out", run, *SMALL, "--set", "tokenizer=bpe",
+                      "--set", "bpe_vocab_size=300", "--set", "max_steps=3", "--set", f"cache_dir={tmp_path / 'c'}")
+    assert rc == 0, err
+    rc, out, err = _cli(capsys, "sample", "--ckpt", run, "--prompt", "Grüße 日本", "--max-new-tokens", "5")
+    assert rc == 0, err
+    assert out.startswith("Grüße 日本")
