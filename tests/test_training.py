@@ -21,7 +21,9 @@ TINY = dict(n_layers=1, d_model=32, n_heads=2, context_length=16, batch_size=4, 
 
 def _corpus(tmp_path, text=None):
     path = tmp_path / "corpus.txt"
-    path.write_text(text or "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(80)))
+    text = text or "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(80))
+    if not path.is_file() or path.read_text() != text:      # keep the mtime: the cache key includes it
+        path.write_text(text)
     return str(path)
 
 
@@ -181,3 +183,9 @@ def test_bf16_autocast_trains_close_to_fp32(tmp_path):
     la = [r["loss"] for r in a["history"] if "loss" in r]
     lb = [r["loss"] for r in b["history"] if "loss" in r]
     assert math.isclose(la[0], lb[0], abs_tol=0.05) and math.isclose(la[-1], lb[-1], abs_tol=0.05)
+
+
+def test_resume_reuses_the_tokenised_cache(tmp_path, monkeypatch):
+    _trainer(tmp_path, max_steps=2).fit()
+    monkeypatch.setattr(data_mod, "_build_cache", lambda *a: pytest.fail("re-tokenised the corpus on resume"))
+    assert _trainer(tmp_path, resume=True, max_steps=3).fit()["step"] == 3

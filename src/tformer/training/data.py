@@ -155,11 +155,21 @@ def load_corpus(
     files = resolve_corpus(data)
     if sum(p.stat().st_size for p in files) == 0:
         raise ValueError(f"corpus {data} is empty (0 bytes); give it some text.")
+    def trained_id(kind: str) -> str:
+        return f"{kind}-{bpe_vocab_size}" if kind == "bpe" else kind
+
+    root = Path(cache_dir or default_cache_dir())
     if isinstance(tokenizer, str):
-        tok_id = f"{tokenizer}-{bpe_vocab_size}" if tokenizer == "bpe" else tokenizer
-    else:
-        tok_id = hashlib.sha256(json.dumps(tokenizer.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-    cache = Path(cache_dir or default_cache_dir()) / _stat_key(files, tok_id)
+        cache = root / _stat_key(files, trained_id(tokenizer))
+    else:  # a given tokenizer (resume): reuse the cache of the run that trained it, if it is that one
+        cache = root / _stat_key(files, trained_id(tokenizer.kind))
+        try:
+            same = json.loads((cache / "tokenizer.json").read_text(encoding="utf-8")) == tokenizer.to_dict()
+        except (OSError, ValueError):
+            same = False
+        if not (same and (cache / "meta.json").is_file()):
+            tok_hash = hashlib.sha256(json.dumps(tokenizer.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+            cache = root / _stat_key(files, tok_hash)
     meta_path = cache / "meta.json"
     if not meta_path.is_file():
         _build_cache(files, tokenizer, bpe_vocab_size, cache, log)
