@@ -271,11 +271,12 @@ class Trainer:
         metrics = open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8")
         bar = _progress(cfg.max_steps, self.step, cfg.progress)
         stop = {"why": None}
+        eval_s = 0.0
         restore = _install_sigint(stop)
         try:
             if self.step == 0 and self.saved_step is None:
                 self._evaluate(metrics, bar)
-            window_t, window_steps, start = time.perf_counter(), 0, time.perf_counter()
+            window_t, window_steps, start, eval_s = time.perf_counter(), 0, time.perf_counter(), 0.0
             while self.step < cfg.max_steps:
                 if stop["why"]:
                     raise Stop
@@ -301,10 +302,12 @@ class Trainer:
                 if cfg.time_limit and self.elapsed + time.perf_counter() - start > cfg.time_limit:
                     stop["why"] = stop["why"] or "time"
                 if self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps or stop["why"] == "time":
-                    self.elapsed += time.perf_counter() - start
+                    t_eval = time.perf_counter()
+                    self.elapsed += t_eval - start
                     self._evaluate(metrics, bar)
                     self.save()
                     start = time.perf_counter()
+                    eval_s += start - t_eval
                     window_t, window_steps = start, 0
                 elif self.step % cfg.log_interval == 0:
                     window_t = time.perf_counter()
@@ -320,7 +323,8 @@ class Trainer:
             self.log(f"{why} at step {self.step}; checkpoint saved in {self.out_dir}; "
                      f"continue with: tformer train --resume --out {self.out_dir}")
         return {"step": self.step, "stopped": stop["why"], "best_val_loss": self.best_val,
-                "history": self.history, "peak_flops": peak, "out_dir": str(self.out_dir)}
+                "history": self.history, "peak_flops": peak, "out_dir": str(self.out_dir),
+                "eval_save_s": eval_s}
 
     def _train_step(self, lr: float) -> float:
         cfg = self.cfg
