@@ -77,9 +77,6 @@ def main() -> int:
         print(f"WARNING: machine busy before start (1-min load {load:.2f} > 1.0 on {os.cpu_count()} cores); "
               f"timings are pessimistic", flush=True)
     tmp = tempfile.mkdtemp(prefix="tformer-bench-")
-    peak32 = matmul_peak_flops(torch.float32)
-    peak16 = matmul_peak_flops(torch.bfloat16) if bf16_supported() else float("nan")
-    print(f"matmul peak: fp32 {peak32 / 1e9:.0f} GFLOP/s, bf16 {peak16 / 1e9:.0f} GFLOP/s", flush=True)
 
     # --- thread probe: alternate 1 and 2 threads, 3 rounds x 20 steps each
     probe = {1: [], 2: []}
@@ -90,6 +87,11 @@ def main() -> int:
             probe[n] += time_steps(tr, 20)[2:]
     med = {n: statistics.median(v) for n, v in probe.items()}
     threads = min(med, key=med.get)
+    torch.set_num_threads(threads)          # the peak is measured with the threads the runs use
+    peak32 = matmul_peak_flops(torch.float32)
+    peak16 = matmul_peak_flops(torch.bfloat16) if bf16_supported() else float("nan")
+    print(f"matmul peak ({threads} thread(s)): fp32 {peak32 / 1e9:.0f} GFLOP/s, bf16 {peak16 / 1e9:.0f} GFLOP/s",
+          flush=True)
     print(f"thread probe (median ms/iter): " + ", ".join(f"{n} thread(s) {1e3 * m:.1f}" for n, m in med.items())
           + f" -> {threads}", flush=True)
 
@@ -159,7 +161,7 @@ def write_report(small, large, steps, evals, args, threads, med, peak32, peak16,
         "",
         f"Machine: {os.cpu_count()} cores, torch {torch.__version__}; 1-min load {load:.2f} before, {load_end:.2f} after"
         + (" (**busy: other processes were running; timings are pessimistic**)" if max(load, load_end) > 1.0 else "") + ".",
-        f"Measured matmul peak (1024² fp32 / bf16 matmul probe): {peak32 / 1e9:.0f} / {peak16 / 1e9:.0f} GFLOP/s. "
+        f"Measured matmul peak (1024² fp32 / bf16 matmul probe, {threads} thread(s)): {peak32 / 1e9:.0f} / {peak16 / 1e9:.0f} GFLOP/s. "
         f"Thread probe (median ms/iter, small config): " + ", ".join(f"{k}: {1e3 * v:.1f}" for k, v in med.items())
         + f" -> {threads} thread(s).",
         "nanoGPT figures are quoted from the project's issue 3 (measured earlier on this kind of 2-core machine); "
