@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from tformer.config import PRESETS
-from tformer.training.trainer import MODEL_KEYS, TRAIN_KEYS
+from tformer.training.config import MODEL_KEYS, TRAIN_KEYS
 
 TRAIN_HELP = {
     "data": "corpus file, folder or glob (same as --data; none = built-in stdlib corpus)",
@@ -40,7 +40,7 @@ def _epilog() -> str:
     import dataclasses
 
     from tformer.config import PRESETS, TransformerConfig
-    from tformer.training.trainer import TrainConfig
+    from tformer.training.config import TrainConfig
 
     train = "\n".join(f"  {f.name:<15} {TRAIN_HELP.get(f.name, '')} (default: {f.default!r})"
                       for f in dataclasses.fields(TrainConfig))
