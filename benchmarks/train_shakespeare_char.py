@@ -40,6 +40,7 @@ SMALL = dict(n_layers=4, n_heads=4, d_model=128, context_length=64, dropout=0.0,
              eval_interval=250, eval_batches=20, val_fraction=0.1, tokenizer="char", sample_tokens=0)
 LARGE = dict(n_layers=6, n_heads=6, d_model=384, context_length=256, dropout=0.2, bias=False, batch_size=64, lr=1e-3,
              beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_batches=1, tokenizer="char", sample_tokens=0)
+SMALL_SEED = 1337  # TrainConfig's default seed
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -64,6 +65,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2000, help="iterations of the small run (default 2000)")
     ap.add_argument("--large-steps", type=int, default=3, help="timed steps per precision, large config")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="small run precision")
+    ap.add_argument("--extra-seeds", type=int, default=0,
+                    help="also train the small config with seeds 1..N (val loss only: run-to-run spread)")
     args = ap.parse_args()
     root = Path(__file__).resolve().parents[1]
     candidates = [root.parent / "shared/data/tinyshakespeare.txt", root.parent.parent / "shared/data/tinyshakespeare.txt"]
@@ -132,6 +135,13 @@ def main() -> int:
         fpt = training_flops_per_token(trs[p].model.config)
         large[p] = {"s_per_iter": s, "tokens_per_s": tps, "mfu": fpt * tps / (peak32 if p == "fp32" else peak16)}
         print(f"large {p}: {s:.2f} s/iter, {tps:,.0f} tok/s, MFU {100 * large[p]['mfu']:.1f}%", flush=True)
+    seeds = {SMALL_SEED: small["val_loss"]}
+    for seed in range(1, args.extra_seeds + 1):
+        r = trainer(data, f"{tmp}/seed{seed}", {**SMALL, "max_steps": args.steps, "decay_steps": args.steps},
+                    threads=threads, precision=args.precision, seed=seed).fit()
+        seeds[seed] = [h for h in r["history"] if "val_loss" in h][-1]["val_loss"]
+        print(f"seed {seed}: val loss {seeds[seed]:.4f} at {args.steps}", flush=True)
+    small["seeds"] = seeds
     load_end = os.getloadavg()[0]
 
     write_report(small, large, steps, evals, args, threads, med, peak32, peak16, load, load_end)
@@ -181,6 +191,10 @@ def write_report(small, large, steps, evals, args, threads, med, peak32, peak16,
         f"Wall breakdown: {small['train_s']:.1f} s in the {args.steps} steps (sum of per-step times), "
         f"{small['eval_save_s']:.1f} s in the {len(evals)} evaluations (20 batches per split) and checkpoints, the rest setup.",
         "",
+        "Val loss at the last iteration by seed (same data, same configuration; run-to-run spread): "
+        + ", ".join(f"seed {k}: {v:.4f}" for k, v in small["seeds"].items())
+        + (f"; mean {statistics.fmean(small['seeds'].values()):.4f}." if len(small["seeds"]) > 1 else "."),
+        "",
         "Goal: val loss ≤ 1.89 at 2000 iterations in ≤ half nanoGPT's wall (≤ 47.5 s): "
         f"val loss {'met' if small['val_loss'] <= 1.89 else 'NOT met'}, wall {'met' if small['wall_s'] <= 47.5 else 'NOT met'}. "
         "Wall = creating the run (corpus from the cache) + training + 9 evaluations + checkpoints.",
@@ -196,7 +210,8 @@ def write_report(small, large, steps, evals, args, threads, med, peak32, peak16,
         "",
         "Goal: ≥ 2× nanoGPT's tokens/s: " + ("met." if best["tokens_per_s"] >= 2 * n["large_tokens_per_s"] else "NOT met."),
         "",
-        "Reproduce: `flock /tmp/tformer-bench.lock env PYTHONPATH=src .venv/bin/python benchmarks/train_shakespeare_char.py`",
+        f"Reproduce: `flock /tmp/tformer-bench.lock env PYTHONPATH=src .venv/bin/python benchmarks/train_shakespeare_char.py"
+        + (f" --extra-seeds {args.extra_seeds}" if args.extra_seeds else "") + "`",
         "",
         "![loss curve](train_shakespeare_char_loss.png)",
     ]
