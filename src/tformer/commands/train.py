@@ -114,6 +114,14 @@ def parse_settings(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except OSError as e:  # a folder we cannot create or write, a disk that is full, ...
+        raise ValueError(f"{e.strerror or e}: {e.filename or ''}; check that path (permissions, free space) "
+                         f"or pass another --out / --set cache_dir=...") from e
+
+
+def _run(args: argparse.Namespace) -> int:
     from tformer.training.trainer import Trainer
 
     settings = read_toml(args.config) if args.config else {}
