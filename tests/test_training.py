@@ -78,9 +78,12 @@ def test_cache_is_reused_and_memory_mapped(tmp_path, monkeypatch):
 
 
 def test_default_corpus_is_stdlib_source_capped():
+    import sysconfig
     files = data_mod.default_corpus_files()
-    assert files == sorted(files, key=lambda p: (str(p.parent), p.name)) or len(files) > 0
-    assert all(f.suffix == ".py" for f in files)
+    assert len(files) > 10 and files == data_mod.default_corpus_files()          # deterministic
+    root = sysconfig.get_paths()["stdlib"]
+    assert all(f.suffix == ".py" and str(f).startswith(root) for f in files)
+    assert not any(part in ("site-packages", "test") for f in files for part in f.parts)
     assert sum(f.stat().st_size for f in files) <= data_mod.DEFAULT_CORPUS_BYTES
 
 
