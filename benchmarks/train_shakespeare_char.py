@@ -63,7 +63,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=None, help="tinyshakespeare.txt (default: ../shared/data/ next to the repo)")
     ap.add_argument("--steps", type=int, default=2000, help="iterations of the small run (default 2000)")
-    ap.add_argument("--large-steps", type=int, default=3, help="timed steps per precision, large config")
+    ap.add_argument("--large-steps", type=int, default=5, help="timed steps per precision, large config")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="small run precision")
     ap.add_argument("--extra-seeds", type=int, default=0,
                     help="also train the small config with seeds 1..N (val loss only: run-to-run spread)")
