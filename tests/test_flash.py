@@ -1,6 +1,7 @@
 """tformer's flash backend against the math backend and PyTorch's F.scaled_dot_product_attention.
 
-Tolerances: fp64 outputs and gradients to 1e-10 (atol and rtol), fp32 to 1e-5, bf16 inputs within
+Tolerances: fp64 outputs and gradients to 1e-10 (atol and rtol), fp32 to 1e-5 (scaled up where the scores
+are large, see test_outputs_and_gradients_equal_math), bf16 inputs within
 bf16 rounding (rtol 1.6e-2) of the fp32 result. Small block sizes are used so that n and m cover
 several blocks that are not multiples of the block size.
 """
@@ -39,7 +40,10 @@ def _out_and_grads(fn, tensors, seed=1):
     return [out, *grads]
 
 
-@settings(max_examples=int(os.environ.get("TFORMER_HYPOTHESIS_EXAMPLES", 30)), deadline=None)
+# Derandomized: CI explores the same examples every run. TFORMER_HYPOTHESIS_EXAMPLES=300 searches
+# more, TFORMER_HYPOTHESIS_RANDOM=1 draws new examples.
+@settings(max_examples=int(os.environ.get("TFORMER_HYPOTHESIS_EXAMPLES", 30)), deadline=None,
+          derandomize=os.environ.get("TFORMER_HYPOTHESIS_RANDOM") is None)
 @given(
     b=st.integers(1, 2), hkv=st.integers(1, 2), groups=st.sampled_from([1, 3]),
     n=st.integers(1, 300), m=st.integers(1, 300), dk=st.integers(1, 17), dv=st.integers(1, 9),
@@ -84,9 +88,13 @@ def test_outputs_and_gradients_equal_math(b, hkv, groups, n, m, dk, dv, causal, 
     # cancelling terms (both backends round differently; for m = 1, say, math's d(slopes) is exactly 0).
     terms = {"out": 1, "dq": m, "dk": n * groups, "dv": n * groups, "dbias": b,
              "dslopes": b * n * m * max(n, m) ** 2}
+    # Scores of magnitude S carry fp32 rounding of about S * 6e-8 into exp(): ALiBi over 300
+    # positions reaches S ~ 300, so the bound grows with S beyond 10.
+    s_max = (float(slopes.detach().max()) * max(n, m) if alibi else 0.0) + (float(bias.detach().abs().max()) if dense_bias else 0.0)
+    grow = max(1.0, s_max / 10)
     for name, a, r in zip(names, got, ref):
         assert torch.isfinite(a).all(), name
-        atol = 1e-5 * terms[name] ** 0.5
+        atol = 1e-5 * terms[name] ** 0.5 * grow
         torch.testing.assert_close(a, r, atol=atol, rtol=1e-5, msg=lambda s: f"{name}: {s}")
 
 

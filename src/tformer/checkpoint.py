@@ -100,8 +100,106 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch
         state = load_file(str(path), device=map_location)
     except Exception as e:  # safetensors raises its own error types
         raise ValueError(f"cannot read {path}: {e}. The file is damaged; retrain or restore it.") from e
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of the wrong shape: weights and config.json disagree
+        first = str(e).strip().splitlines()[-1].strip()
+        raise ValueError(f"{path} does not fit its config.json ({first}); the checkpoint is damaged or its "
+                         f"config was edited; use the config it was saved with.") from e
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_embeddings)]
     if missing or unexpected:
         raise ValueError(f"{path} does not fit its config.json: missing {missing[:5]}, unexpected {unexpected[:5]}.")
     return model
+
+
+# ------------------------------------------------------------------------------ training checkpoints
+# A training run folder (``tformer train --out DIR``) holds one folder per saved step and a pointer:
+#
+#     DIR/ckpt/step-0000250/   model.safetensors, config.json, tokenizer.json,
+#                              trainer.json (step, TrainConfig, corpus fingerprint),
+#                              optimizer.pt (optimizer state + torch RNG, tensors only)
+#     DIR/checkpoint.json      {"latest": "ckpt/step-0000250", "step": 250}
+#
+# A step folder is complete before the pointer moves to it (one atomic rename), so a run killed at
+# any instant leaves the pointer on the last complete checkpoint.
+
+POINTER, TRAINER_STATE, OPTIMIZER = "checkpoint.json", "trainer.json", "optimizer.pt"
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint folder for a run folder (its latest step) or a checkpoint folder itself.
+
+    Raises:
+        ValueError: the path is missing, unreadable, or not a tformer checkpoint.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint folder {path} does not exist; pass the --out folder of a `tformer train` run.")
+    if not path.is_dir() or not os.access(path, os.R_OK | os.X_OK):
+        raise ValueError(f"cannot read checkpoint folder {path}; pass a readable folder written by `tformer train`.")
+    if (path / POINTER).is_file():
+        try:
+            latest = json.loads((path / POINTER).read_text(encoding="utf-8"))["latest"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot read {path / POINTER}: {e}. The run folder is damaged; "
+                             f"pass a checkpoint folder under {path / 'ckpt'} instead.") from e
+        folder = path / latest
+        if not (folder / CONFIG).is_file():
+            raise ValueError(f"{path / POINTER} points to {folder}, which is not a complete checkpoint; "
+                             f"pass another folder under {path / 'ckpt'}.")
+        return folder
+    if (path / CONFIG).is_file():
+        return path
+    raise ValueError(f"{path} is not a tformer checkpoint (no {POINTER} or {CONFIG}); "
+                     f"pass the --out folder of a `tformer train` run.")
+
+
+def save_training_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, tokenizer,
+                             state: dict, optimizer_state: dict, keep: int = 2) -> Path:
+    """Write a complete step folder, then move the pointer to it; keep the newest ``keep`` folders.
+
+    Args:
+        state: JSON-able trainer state (step, configs, corpus fingerprint, ...).
+        optimizer_state: tensors/numbers only (loaded back with ``weights_only=True``).
+    Returns:
+        The step folder.
+    """
+    run_dir = Path(run_dir)
+    rel = f"ckpt/step-{step:07d}"
+    folder = run_dir / rel
+    pointer = run_dir / POINTER
+    if pointer.is_file() and json.loads(pointer.read_text(encoding="utf-8")).get("latest") == rel:
+        return folder                                       # this step is saved already
+    if folder.exists():                                     # a partial folder from a killed run
+        import shutil
+        shutil.rmtree(folder)
+    save_model(folder, model)
+    tokenizer.save(folder / "tokenizer.json")
+    atomic_write(folder / OPTIMIZER, lambda tmp: torch.save(optimizer_state, tmp))
+    atomic_write_json(folder / TRAINER_STATE, state)
+    atomic_write_json(pointer, {"latest": rel, "step": step})
+    steps = sorted((p for p in (run_dir / "ckpt").iterdir() if p.name.startswith("step-")), key=lambda p: p.name)
+    for old in steps[:-keep] if keep > 0 else []:
+        if old != folder:
+            import shutil
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def load_training_state(folder: str | os.PathLike) -> tuple[dict, dict]:
+    """``(trainer state, optimizer state)`` of a checkpoint folder; the latter via ``weights_only=True``.
+
+    Raises:
+        ValueError: the files are missing or damaged.
+    """
+    folder = Path(folder)
+    try:
+        state = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
+        opt = torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
+    except FileNotFoundError as e:
+        raise ValueError(f"{folder} has no trainer state ({e.filename}); it was saved for inference only "
+                         f"and cannot be resumed. Start a new run with another --out.") from e
+    except Exception as e:
+        raise ValueError(f"cannot read the trainer state in {folder}: {e}. The checkpoint is damaged; "
+                         f"restore it or start a new run with another --out.") from e
+    return state, opt

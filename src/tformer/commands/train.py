@@ -1,0 +1,153 @@
+"""``tformer train``: train a language model on a text corpus (default: Python's own standard library)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tformer.config import PRESETS
+from tformer.training.config import MODEL_KEYS, TRAIN_KEYS
+
+TRAIN_HELP = {
+    "data": "corpus file, folder or glob (same as --data; none = built-in stdlib corpus)",
+    "out_dir": "run folder (same as --out)",
+    "tokenizer": "char or bpe (byte-level BPE trained on the corpus)",
+    "bpe_vocab_size": "BPE vocabulary size (>= 256)",
+    "val_fraction": "share of the corpus (its tail) kept for validation",
+    "cache_dir": "tokenised-corpus cache (none = ~/.cache/tformer)",
+    "batch_size": "sequences per micro-batch",
+    "grad_accum": "micro-batches per optimizer step",
+    "max_steps": "optimizer steps of the run",
+    "decay_steps": "step where the cosine reaches min_lr (0 = max_steps)",
+    "lr": "peak learning rate", "min_lr": "final learning rate", "warmup_steps": "linear warmup steps",
+    "weight_decay": "AdamW weight decay (matrices only)", "beta1": "AdamW beta1", "beta2": "AdamW beta2",
+    "grad_clip": "gradient-norm clipping (0 = off)",
+    "precision": "auto, bf16 (autocast) or fp32",
+    "compile": "torch.compile the model (true/false)",
+    "threads": "torch threads (0 = the cores the load average leaves free)",
+    "device": "auto, cpu or cuda", "seed": "init, batch order and sampling seed",
+    "eval_interval": "evaluate, sample and save every N steps",
+    "eval_batches": "batches per split at each evaluation",
+    "log_interval": "progress bar / metrics.jsonl every N steps",
+    "sample_tokens": "tokens sampled at each evaluation (0 = none)",
+    "sample_prompt": "prompt of those samples",
+    "time_limit": "stop and save after this many seconds (0 = none)",
+    "progress": "show the progress bar (true/false)",
+}
+
+
+def _epilog() -> str:
+    import dataclasses
+
+    from tformer.config import PRESETS, TransformerConfig
+    from tformer.training.config import TrainConfig
+
+    train = "\n".join(f"  {f.name:<15} {TRAIN_HELP.get(f.name, '')} (default: {f.default!r})"
+                      for f in dataclasses.fields(TrainConfig))
+    tiny = TransformerConfig.from_name("tiny")
+    model = ", ".join(f"{k}={getattr(tiny, k)!r}" for k in MODEL_KEYS)
+    return f"""trainer settings (--set KEY=VALUE, or KEY = VALUE in --config FILE.toml):
+{train}
+
+model settings (TransformerConfig fields; values shown are the tiny preset's):
+  {model}
+  vocab_size always comes from the tokenizer. Presets: {', '.join(PRESETS)}.
+
+examples:
+  tformer train                                    # tiny model on the built-in corpus (stdlib source)
+  tformer train --data input.txt --out runs/mine --set max_steps=5000 --set tokenizer=bpe
+  tformer train --resume --out runs/mine --set max_steps=8000   # continue a run
+  tformer sample --ckpt runs/mine --prompt "def "
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a language model on a text corpus",
+        description="Train a decoder-only language model on a text file, a folder of text files or a glob "
+                    "(default: the running Python's standard-library source, no download). Tokenises once into "
+                    "a memory-mapped cache, trains with AdamW + warmup/cosine, evaluates and samples every "
+                    "eval_interval steps, writes atomic checkpoints and metrics.jsonl to --out. "
+                    "Ctrl-C saves a checkpoint and exits; --resume continues exactly.",
+        epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", metavar="PATH", help="corpus: text file, folder or glob (default: built-in stdlib corpus)")
+    p.add_argument("--preset", choices=list(PRESETS), default=None, help="model preset (default: tiny)")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file of settings (optional 'preset' key; "
+                                                          "keys flat or under [model]/[train])")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="settings",
+                   help="override one setting; repeatable (see the list below)")
+    p.add_argument("--out", metavar="DIR", help="run folder for checkpoints and metrics (default: runs/<preset>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.set_defaults(func=run)
+
+
+def read_toml(path: str) -> dict:
+    """Settings from a TOML file: flat keys, or tables [model] / [train]; 'preset' is allowed."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        raise ValueError("--config needs Python 3.11+ (tomllib); pass the settings with --set instead.") from None
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist; pass an existing FILE.toml to --config.") from None
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"cannot read config file {path}: {e}; fix the TOML syntax.") from None
+    flat = {}
+    for key, value in data.items():
+        if key in ("model", "train") and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def parse_settings(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r} is not KEY=VALUE; write e.g. --set max_steps=500.")
+        out[key.strip()] = value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except OSError as e:  # a folder we cannot create or write, a disk that is full, ...
+        raise ValueError(f"{e.strerror or e}: {e.filename or ''}; check that path (permissions, free space) "
+                         f"or pass another --out / --set cache_dir=...") from e
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tformer.training.trainer import Trainer
+
+    settings = read_toml(args.config) if args.config else {}
+    preset = args.preset or settings.pop("preset", None)
+    settings.pop("preset", None)
+    settings.update(parse_settings(args.settings))
+    if args.data is not None:
+        settings["data"] = args.data
+    if args.out is not None:
+        settings["out_dir"] = args.out
+    try:
+        trainer = Trainer.create(settings, preset=preset, resume=args.resume, log=lambda m: print(m, flush=True))
+    except KeyboardInterrupt:
+        print("\ninterrupted before training started; nothing was saved.", file=sys.stderr)
+        return 130
+    try:
+        result = trainer.fit()
+    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving this step
+        print(f"\naborted at step {trainer.step}; the last complete checkpoint (step {trainer.saved_step}) "
+              f"is kept in {trainer.out_dir}.", file=sys.stderr)
+        return 130
+    if result["stopped"] == "int":
+        return 130
+    n = max(trainer.cfg.sample_tokens, 300)
+    print(f"\ntrained {result['step']} steps; best val loss {result['best_val_loss']:.4f}; "
+          f"checkpoint in {result['out_dir']}\n--- generated text ({n} tokens) ---", flush=True)
+    sys.stdout.write(trainer.sample(n) + "\n")
+    print(f"--- more: tformer sample --ckpt {result['out_dir']} --prompt \"...\" ---")
+    return 0

@@ -1,0 +1,336 @@
+"""The training loop: batches -> loss -> AdamW step, with evaluation, sampling, metrics and checkpoints.
+
+    for step in range(start, max_steps):
+        lr = warmup + cosine(step)
+        grad_accum x (batch(seed, step, micro) -> forward under autocast -> backward)
+        clip gradients -> AdamW step
+        every log_interval: progress bar + metrics.jsonl;  every eval_interval: evaluate, sample, save
+
+Exact resume: the batch of step s is drawn from a generator seeded with (seed, s, micro), the
+learning rate is a function of s, and a checkpoint stores the weights, the optimizer state and the
+torch RNG; so k steps + resume + k steps repeat 2k steps bit for bit (fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tformer.accounting import training_flops_per_token
+from tformer.checkpoint import (POINTER, load_config, load_model, load_training_state, resolve_checkpoint,
+                                save_training_checkpoint)
+from tformer.config import TransformerConfig
+from tformer.inference.generate import generate
+from tformer.models.decoder import DecoderLM
+from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
+                                     TrainConfig, cast_value)
+from tformer.training.data import Corpus, corpus_fingerprint, get_batch, load_corpus, resolve_corpus
+from tformer.training.optim import lr_at, make_optimizer
+from tformer.training.perf import bf16_supported, matmul_peak_flops
+from tformer.training.tokenizer import load_tokenizer
+
+_DEFAULT_THREADS = torch.get_num_threads()
+
+
+class Stop(Exception):
+    """Raised inside the loop to end the run early (Ctrl-C or the time limit)."""
+
+
+class Trainer:
+    """One training run. Build it with :meth:`create` (new or resumed), then call :meth:`fit`."""
+
+    def __init__(self, cfg: TrainConfig, model_config: TransformerConfig, corpus: Corpus, out_dir: Path,
+                 preset: str, log=print):
+        self.cfg, self.corpus, self.out_dir, self.preset, self.log = cfg, corpus, out_dir, preset, log
+        torch.set_num_threads(cfg.threads or auto_threads())
+        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        torch.manual_seed(cfg.seed)
+        self.model = DecoderLM(model_config).to(self.device)
+        self.optimizer = make_optimizer(self.model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, self.device)
+        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_supported(self.device)
+                                                and (self.device != "cpu" or model_config.d_model >= AUTO_BF16_MIN_WIDTH))
+        self.dtype = torch.bfloat16 if use_bf16 else torch.float32
+        self.step, self.tokens_seen, self.elapsed = 0, 0, 0.0
+        self.best_val = float("inf")
+        self.saved_step: int | None = None
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ building a run
+    @classmethod
+    def create(cls, overrides: dict[str, Any] | None = None, *, preset: str | None = None, resume: bool = False,
+               log=print) -> "Trainer":
+        """A new run, or one resumed from ``out_dir``'s latest checkpoint.
+
+        Args:
+            overrides: TrainConfig and TransformerConfig fields (already typed, see :func:`cast_value`).
+            preset: model preset for a new run (default ``tiny``); on resume it must match the checkpoint's.
+            resume: continue the run in ``out_dir``.
+        Raises:
+            ValueError: every bad input (unknown keys, missing/empty/short corpus, incompatible or
+                unreadable checkpoint, a different corpus on resume), with the fix.
+        """
+        overrides = {k: cast_value(k, v) for k, v in (overrides or {}).items()}
+        model_kw = {k: v for k, v in overrides.items() if k in MODEL_KEYS}
+        train_kw = {k: v for k, v in overrides.items() if k in TRAIN_KEYS}
+        out_dir = Path(train_kw.get("out_dir") or f"runs/{preset or 'tiny'}")
+        if resume:
+            return cls._resume(out_dir, preset, model_kw, train_kw, log)
+        if (out_dir / POINTER).exists():
+            step = json.loads((out_dir / POINTER).read_text(encoding="utf-8")).get("step")
+            raise ValueError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
+                             f"or choose another --out to start a new run.")
+        cfg = TrainConfig(**{**train_kw, "out_dir": str(out_dir)})
+        corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer, bpe_vocab_size=cfg.bpe_vocab_size,
+                             val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir, log=log)
+        model_config = TransformerConfig.from_name(preset or "tiny", **model_kw,
+                                                   vocab_size=corpus.tokenizer.vocab_size)
+        _check_length(corpus, model_config.context_length)
+        return cls(cfg, model_config, corpus, out_dir, preset or "tiny", log)
+
+    @classmethod
+    def _resume(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
+        if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
+            raise ValueError(f"nothing to resume: {out_dir} holds no run; drop --resume to start one, "
+                             f"or pass the --out folder of an earlier run.")
+        folder = resolve_checkpoint(out_dir)
+        state, opt_state = load_training_state(folder)
+        saved, _ = load_config(folder)
+        asked = {"preset": preset} if preset and preset != saved.name else {}
+        asked.update({k: v for k, v in model_kw.items() if getattr(saved, k) != v})
+        for key in ("tokenizer", "bpe_vocab_size", "val_fraction", "seed"):
+            if key in train_kw and train_kw[key] != state["train_config"][key]:
+                asked[key] = train_kw[key]
+        if asked:
+            have = {k: (saved.name if k == "preset" else getattr(saved, k, state["train_config"].get(k))) for k in asked}
+            raise ValueError(f"the checkpoint in {folder} is incompatible with this run: it has "
+                             f"{_kv(have)} but this run asks for {_kv(asked)}; resume with the original settings "
+                             f"(drop these --preset/--set values) or start a new run with another --out.")
+        cfg = TrainConfig(**{**state["train_config"], **train_kw, "out_dir": str(out_dir)})
+        files = resolve_corpus(cfg.data)
+        if corpus_fingerprint(files) != state["corpus_fingerprint"]:
+            raise ValueError(f"the corpus {cfg.data or '(built-in)'} differs from the one the checkpoint in {folder} "
+                             f"was trained on; resume with the original --data ({state['train_config']['data'] or 'none: the built-in corpus'}) "
+                             f"or start a new run with another --out.")
+        corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(folder), val_fraction=cfg.val_fraction,
+                             cache_dir=cfg.cache_dir, log=log)
+        trainer = cls(cfg, saved, corpus, out_dir, saved.name, log)
+        trainer.model.load_state_dict(load_model(folder).state_dict())
+        trainer.optimizer.load_state_dict(opt_state["optimizer"])
+        torch.set_rng_state(opt_state["torch_rng"])
+        trainer.step, trainer.tokens_seen = state["step"], state["tokens_seen"]
+        trainer.elapsed, trainer.best_val = state["elapsed_s"], state["best_val_loss"]
+        trainer.saved_step = state["step"]
+        log(f"resumed {out_dir} at step {trainer.step} from {folder}")
+        return trainer
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        """Train until ``max_steps``, Ctrl-C or the time limit; returns a summary dict.
+
+        Raises:
+            ValueError: the loss became NaN/inf (the message names the step; the last checkpoint is kept).
+        """
+        cfg, T = self.cfg, self.model.config.context_length
+        decay = cfg.decay_steps or cfg.max_steps
+        tokens_per_step = cfg.batch_size * cfg.grad_accum * T
+        flops_per_token = training_flops_per_token(self.model.config, T)
+        peak = matmul_peak_flops(self.dtype, self.device)
+        self.log(f"model: {self.model.num_parameters():,} parameters ({self.preset}), context {T}, "
+                 f"vocab {self.model.config.vocab_size} ({self.corpus.tokenizer.kind}); corpus {len(self.corpus.train):,} "
+                 f"train / {len(self.corpus.val):,} val tokens; {str(self.dtype).replace('torch.', '')} on {self.device}, "
+                 f"{torch.get_num_threads()} thread(s); measured matmul peak {peak / 1e9:.0f} GFLOP/s")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        metrics = open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8")
+        bar = _progress(cfg.max_steps, self.step, cfg.progress)
+        stop = {"why": None}
+        eval_s = 0.0
+        restore = _install_sigint(stop)
+        try:
+            if self.step == 0 and self.saved_step is None:
+                self._evaluate(metrics, bar)
+            window_t, window_steps, start, eval_s = time.perf_counter(), 0, time.perf_counter(), 0.0
+            while self.step < cfg.max_steps:
+                if stop["why"]:
+                    raise Stop
+                lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, decay_steps=decay)
+                loss = self._train_step(lr)
+                self.step += 1
+                self.tokens_seen += tokens_per_step
+                window_steps += 1
+                if not math.isfinite(loss):
+                    kept = (f"the last good checkpoint (step {self.saved_step}) is kept in {self.out_dir}"
+                            if self.saved_step is not None else "no checkpoint had been saved yet")
+                    raise ValueError(f"the loss became {loss} at step {self.step}; {kept}. Lower the learning "
+                                     f"rate (--set lr=...), keep gradient clipping on, or use --set precision=fp32.")
+                if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
+                    dt = time.perf_counter() - window_t
+                    tok_s = window_steps * tokens_per_step / dt
+                    rec = {"step": self.step, "loss": loss, "lr": lr, "ms_per_step": 1e3 * dt / window_steps,
+                           "tokens_per_s": tok_s, "mfu": flops_per_token * tok_s / peak}
+                    self._record(metrics, rec)
+                    bar.set_postfix_str(f"loss {loss:.4f} lr {lr:.2e} {tok_s:,.0f} tok/s MFU {100 * rec['mfu']:.1f}%")
+                    window_steps = 0
+                bar.update(1)
+                if cfg.time_limit and self.elapsed + time.perf_counter() - start > cfg.time_limit:
+                    stop["why"] = stop["why"] or "time"
+                if self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps or stop["why"] == "time":
+                    t_eval = time.perf_counter()
+                    self.elapsed += t_eval - start
+                    self._evaluate(metrics, bar)
+                    self.save()
+                    start = time.perf_counter()
+                    eval_s += start - t_eval
+                    window_t, window_steps = start, 0
+                elif self.step % cfg.log_interval == 0:
+                    window_t = time.perf_counter()
+        except Stop:
+            pass
+        finally:
+            restore()
+            bar.close()
+            metrics.close()
+        if stop["why"]:
+            self.save()
+            why = "interrupted" if stop["why"] == "int" else f"time limit {cfg.time_limit:g} s reached"
+            self.log(f"{why} at step {self.step}; checkpoint saved in {self.out_dir}; "
+                     f"continue with: tformer train --resume --out {self.out_dir}")
+        return {"step": self.step, "stopped": stop["why"], "best_val_loss": self.best_val,
+                "history": self.history, "peak_flops": peak, "out_dir": str(self.out_dir),
+                "eval_save_s": eval_s}
+
+    def _train_step(self, lr: float) -> float:
+        cfg = self.cfg
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            x, y = get_batch(self.corpus.train, cfg.batch_size, self.model.config.context_length,
+                             (cfg.seed, 0, self.step, micro))
+            x, y = x.to(self.device), y.to(self.device)
+            with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+                _, loss = self.forward(x, y)
+            (loss / cfg.grad_accum).backward()
+            total += loss.detach()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(total) / cfg.grad_accum
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss over ``eval_batches`` fixed batches of each split (the same batches every time)."""
+        cfg, T = self.cfg, self.model.config.context_length
+        self.model.eval()
+        out = {}
+        for i, (name, data) in enumerate((("train", self.corpus.train), ("val", self.corpus.val))):
+            losses = []
+            for k in range(cfg.eval_batches):
+                x, y = get_batch(data, cfg.batch_size, T, (cfg.seed, 1 + i, k))
+                with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16,
+                                    enabled=self.dtype == torch.bfloat16):
+                    _, loss = self.forward(x.to(self.device), y.to(self.device))
+                losses.append(float(loss))
+            out[f"{name}_loss"] = sum(losses) / len(losses)
+        self.model.train()
+        return out
+
+    def sample(self, max_new_tokens: int, prompt: str | None = None, temperature: float = 0.8,
+               top_k: int | None = 40, seed: int | None = None) -> str:
+        """Text generated from ``prompt`` (default ``sample_prompt``) by the current model."""
+        tok = self.corpus.tokenizer
+        prompt = self.cfg.sample_prompt if prompt is None else prompt
+        try:
+            ids = tok.encode(prompt) if prompt else []
+        except ValueError:
+            ids = []
+        if not ids:
+            ids = [int(self.corpus.val[0])]
+        out = generate(self.model, torch.tensor([ids], device=self.device), max_new_tokens,
+                       temperature=temperature, top_k=top_k, seed=self.cfg.seed if seed is None else seed)
+        return tok.decode(out[0].tolist())
+
+    def save(self) -> Path:
+        """Write a checkpoint of the current step (atomically; see :mod:`tformer.checkpoint`)."""
+        state = {"step": self.step, "train_config": dataclasses.asdict(self.cfg), "preset": self.preset,
+                 "corpus_fingerprint": self.corpus.fingerprint, "tokens_seen": self.tokens_seen,
+                 "elapsed_s": self.elapsed, "best_val_loss": self.best_val, "torch": torch.__version__}
+        opt = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        folder = save_training_checkpoint(self.out_dir, self.step, self.model, self.corpus.tokenizer, state, opt)
+        self.saved_step = self.step
+        return folder
+
+    # ------------------------------------------------------------------ helpers
+    def _evaluate(self, metrics, bar) -> None:
+        losses = self.evaluate()
+        self.best_val = min(self.best_val, losses["val_loss"])
+        self._record(metrics, {"step": self.step, **losses})
+        bar.write(f"step {self.step}: train loss {losses['train_loss']:.4f}, val loss {losses['val_loss']:.4f}")
+        if self.cfg.sample_tokens:
+            text = self.sample(self.cfg.sample_tokens)
+            bar.write("  | " + "\n  | ".join(text.splitlines()[:8]))
+
+    def _record(self, metrics, rec: dict) -> None:
+        rec = {"time": round(time.time(), 3), **rec}
+        self.history.append(rec)
+        metrics.write(json.dumps(rec) + "\n")
+        metrics.flush()
+
+
+def auto_threads() -> int:
+    """PyTorch's thread count, less the cores other processes keep busy (1-minute load average).
+
+    Intra-op threads that share a busy core wait on each other: on a 2-core machine with a load of
+    4, two threads ran a tiny-model step 4x slower than one thread did.
+    """
+    default = _DEFAULT_THREADS
+    try:
+        busy = round(os.getloadavg()[0])
+    except OSError:
+        busy = 0
+    return max(1, min(default, (os.cpu_count() or default) - busy))
+
+
+def _check_length(corpus: Corpus, context: int) -> None:
+    need = context + 1
+    if len(corpus.val) < need or len(corpus.train) < need:
+        raise ValueError(
+            f"the corpus is too short: {corpus.n_tokens} tokens give a validation split of {len(corpus.val)} "
+            f"tokens, fewer than one context window ({need} tokens); use a longer corpus or a smaller context "
+            f"(--set context_length=N with N < {max(1, min(len(corpus.val), len(corpus.train)) - 1)}).")
+
+
+def _kv(d: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in d.items())
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, unit="step",
+                file=sys.stderr, leave=True)
+
+
+def _install_sigint(stop: dict):
+    """First Ctrl-C asks the loop to stop at the next step boundary (and save); a second one aborts."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        if stop["why"] == "int":
+            raise KeyboardInterrupt
+        stop["why"] = "int"
+        print("\nCtrl-C: stopping after this step and saving a checkpoint (press again to abort) ...", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    return lambda: signal.signal(signal.SIGINT, previous)
