@@ -114,7 +114,7 @@ def test_bad_inputs_give_one_clear_line(tmp_path, capsys):
     rc, _, err = _cli(capsys, "sample", "--ckpt", str(tmp_path / "no-such-run"), "--prompt", "x")
     _one_clear_line(rc, err, "does not exist")
     (tmp_path / "junk").mkdir()
-    (tmp_path / "junk" / "config.json").write_text("{not json")
+    (tmp_path / "junk" / "tformer_config.json").write_text("{not json")
     rc, _, err = _cli(capsys, "sample", "--ckpt", str(tmp_path / "junk"), "--prompt", "x")
     _one_clear_line(rc, err, "cannot read")
     (tmp_path / "junk2").mkdir()
@@ -139,11 +139,11 @@ def test_bad_inputs_give_one_clear_line(tmp_path, capsys):
     import json
     import shutil
     shutil.copytree(run, tmp_path / "edited")
-    cfg_path = next((tmp_path / "edited" / "ckpt").glob("step-*/config.json"))
-    cfg = json.loads(cfg_path.read_text())
-    cfg_path.write_text(json.dumps({**cfg, "d_model": 64}))
+    cfg_path = next((tmp_path / "edited" / "ckpt").glob("step-*/tformer_config.json"))
+    meta = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**meta, "config": {**meta["config"], "d_model": 64}}))
     rc, _, err = _cli(capsys, "sample", "--ckpt", str(tmp_path / "edited"), "--prompt", "to")
-    _one_clear_line(rc, err, "does not fit its config.json")
+    _one_clear_line(rc, err, "does not fit its tformer_config.json")
 
     # and nothing was lost: the run still resumes with its own corpus
     rc, _, err = _cli(capsys, "train", "--resume", "--out", run, "--set", "max_steps=4")

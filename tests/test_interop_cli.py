@@ -28,6 +28,33 @@ def test_convert_both_ways_gives_identical_logits(tmp_path, capsys):
         assert torch.equal(hf_model(ids).logits, back(ids).logits)
 
 
+def test_converted_hf_folder_generates_with_its_own_tokenizer(tmp_path, capsys):
+    """HF folder with a tokenizers tokenizer.json -> tformer convert -> tformer generate: greedy text equals
+    transformers' greedy generate decoded by the same tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["to be or not to be, that is the question"] * 20, trainers.BpeTrainer(
+        vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    torch.manual_seed(1)
+    hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=tok.get_vocab_size(), n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
+    hf_model.generation_config.eos_token_id = None
+    hf_model.save_pretrained(tmp_path / "hf")
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", str(tmp_path / "ckpt"), "--prompt", "to be",
+                 "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    ours = capsys.readouterr().out.rstrip("\n")
+    prompt = torch.tensor([tok.encode("to be").ids])
+    with torch.no_grad():
+        ref = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
+                                do_sample=False, pad_token_id=0)
+    assert ours == tok.decode(ref[0, prompt.shape[1]:].tolist())
+
+
 def test_convert_errors_are_one_line(tmp_path, capsys):
     assert main(["convert", "--from-hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err

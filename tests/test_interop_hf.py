@@ -18,7 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 transformers = pytest.importorskip("transformers", reason="the optional extra 'hf' (transformers) is not installed")
 
-from tformer.interop import config_from_hf, load_hf, load_tformer, save_hf, save_tformer  # noqa: E402
+from tformer.checkpoint import load_model, save_model  # noqa: E402
+from tformer.interop import config_from_hf, load_hf, save_hf  # noqa: E402
 
 TOL = 1e-4
 V = 100
@@ -138,8 +139,8 @@ def test_round_trip_gives_identical_logits(kind, tmp_path):
     hf_model = tiny(kind)
     hf_model.save_pretrained(tmp_path / "hf")
     ours = load_hf(tmp_path / "hf")
-    save_tformer(ours, tmp_path / "tf")                # and through tformer's own checkpoint
-    save_hf(load_tformer(tmp_path / "tf"), tmp_path / "back")
+    save_model(tmp_path / "tf", ours)                # and through tformer's own checkpoint
+    save_hf(load_model(tmp_path / "tf").eval(), tmp_path / "back")
     reloaded = transformers.AutoConfig.from_pretrained(tmp_path / "back")
     cls = type(hf_model)
     back = cls.from_pretrained(tmp_path / "back", config=reloaded)

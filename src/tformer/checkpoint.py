@@ -3,7 +3,7 @@
 A checkpoint is a folder::
 
     model.safetensors   the weights (a tied LM head is stored once, as the embedding)
-    config.json         TransformerConfig.to_dict() plus {"model": class name}
+    tformer_config.json {"model": class name, "config": TransformerConfig.to_dict(), "options": {...}}
     tokenizer.json      the tokenizer (see tformer.training.tokenizer), when there is one
 
 Every file is written to a temporary name in the same folder, flushed to disk and renamed over
@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from tformer.config import TransformerConfig
 
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
+WEIGHTS, CONFIG = "model.safetensors", "tformer_config.json"
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
@@ -56,28 +56,49 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write(path, write)
 
 
+def _aliases(model: torch.nn.Module) -> set[str]:
+    """State-dict names that repeat an earlier tensor (a tied LM head): stored once, restored by the tie."""
+    seen, aliases = set(), set()
+    for name, t in model.state_dict().items():
+        (aliases.add(name) if t.data_ptr() in seen else seen.add(t.data_ptr()))
+    return aliases
+
+
+def _options(model: torch.nn.Module) -> dict[str, bool]:
+    """Constructor switches beyond the config: the encoder's optional heads."""
+    return {name: getattr(model, name) is not None for name in ("mlm_head", "pooler") if hasattr(model, name)}
+
+
 def save_model(directory: str | os.PathLike, model: torch.nn.Module) -> None:
-    """Write ``model.safetensors`` and ``config.json`` for a model that has a ``.config``."""
+    """Write ``model.safetensors`` and ``tformer_config.json`` for a DecoderLM or EncoderModel."""
     directory = Path(directory)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_embeddings", False):
-        state.pop("lm_head.weight", None)  # the same tensor as tok_emb.weight
-    atomic_write(directory / WEIGHTS, lambda tmp: save_file(state, tmp))
-    atomic_write_json(directory / CONFIG, {**model.config.to_dict(), "model": type(model).__name__})
+    aliases = _aliases(model)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}
+    atomic_write(directory / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write_json(directory / CONFIG, {"model": type(model).__name__, "config": model.config.to_dict(),
+                                           "options": _options(model)})
+
+
+def _read_meta(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        hint = (" It looks like a HuggingFace folder: convert it with `tformer convert --from-hf DIR --out CKPT`."
+                if (Path(directory) / "config.json").is_file() else
+                " Pass the --out folder of `tformer train` or of `tformer convert --from-hf`.")
+        raise ValueError(f"{directory} is not a tformer checkpoint: {CONFIG} is missing.{hint}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+            raise ValueError("no 'config' object in it")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}. The checkpoint is damaged; retrain or restore it.") from e
+    return meta
 
 
 def load_config(directory: str | os.PathLike) -> tuple[TransformerConfig, str]:
-    """Read ``config.json``: ``(config, model class name)``."""
-    path = Path(directory) / CONFIG
-    if not path.is_file():
-        raise ValueError(f"{directory} is not a tformer checkpoint: {CONFIG} is missing. "
-                         f"Pass the folder that `tformer train --out` wrote.")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}. The checkpoint is damaged; retrain or restore it.") from e
-    kind = data.pop("model", "DecoderLM")
-    return TransformerConfig.from_dict(data), kind
+    """Read ``tformer_config.json``: ``(config, model class name)``."""
+    meta = _read_meta(directory)
+    return TransformerConfig.from_dict(meta["config"]), meta.get("model", "DecoderLM")
 
 
 def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch.nn.Module:
@@ -87,12 +108,14 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch
         ValueError: the folder, its config or its weights are missing, unreadable or do not fit.
     """
     from tformer.models.decoder import DecoderLM
+    from tformer.models.encoder import EncoderModel
 
-    config, kind = load_config(directory)
-    models = {"DecoderLM": DecoderLM}
+    meta = _read_meta(directory)
+    config, kind = TransformerConfig.from_dict(meta["config"]), meta.get("model", "DecoderLM")
+    models = {"DecoderLM": DecoderLM, "EncoderModel": EncoderModel}
     if kind not in models:
         raise ValueError(f"checkpoint model {kind!r} is not known; known: {', '.join(models)}.")
-    model = models[kind](config)
+    model = models[kind](config, **meta.get("options", {}))
     path = Path(directory) / WEIGHTS
     if not path.is_file():
         raise ValueError(f"{directory} has no {WEIGHTS}; the checkpoint is incomplete.")
@@ -102,20 +125,20 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch
         raise ValueError(f"cannot read {path}: {e}. The file is damaged; retrain or restore it.") from e
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a tensor of the wrong shape: weights and config.json disagree
+    except RuntimeError as e:  # a tensor of the wrong shape: weights and config disagree
         first = str(e).strip().splitlines()[-1].strip()
-        raise ValueError(f"{path} does not fit its config.json ({first}); the checkpoint is damaged or its "
+        raise ValueError(f"{path} does not fit its {CONFIG} ({first}); the checkpoint is damaged or its "
                          f"config was edited; use the config it was saved with.") from e
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_embeddings)]
+    missing = sorted(set(missing) - _aliases(model))
     if missing or unexpected:
-        raise ValueError(f"{path} does not fit its config.json: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+        raise ValueError(f"{path} does not fit its {CONFIG}: missing {missing[:5]}, unexpected {unexpected[:5]}.")
     return model
 
 
 # ------------------------------------------------------------------------------ training checkpoints
 # A training run folder (``tformer train --out DIR``) holds one folder per saved step and a pointer:
 #
-#     DIR/ckpt/step-0000250/   model.safetensors, config.json, tokenizer.json,
+#     DIR/ckpt/step-0000250/   model.safetensors, tformer_config.json, tokenizer.json,
 #                              trainer.json (step, TrainConfig, corpus fingerprint),
 #                              optimizer.pt (optimizer state + torch RNG, tensors only)
 #     DIR/checkpoint.json      {"latest": "ckpt/step-0000250", "step": 250}

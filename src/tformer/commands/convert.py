@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -33,15 +34,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tformer.interop.hf import load_hf, load_tformer, save_hf, save_tformer
+    from tformer.checkpoint import load_model, resolve_checkpoint, save_model
+    from tformer.interop.hf import load_hf, save_hf
 
     if args.from_hf:
         source = Path(args.from_hf)
         model = load_hf(source)
-        out = save_tformer(model, args.out)
+        save_model(args.out, model)
+        out = Path(args.out)
     else:
-        source = Path(args.to_hf)
-        model = load_tformer(source)
+        source = resolve_checkpoint(args.to_hf)
+        model = load_model(source)
         shard = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None
         out = save_hf(model, args.out, model_type=args.model_type, max_shard_bytes=shard)
     copied = copy_side_files(source, out)
@@ -54,10 +57,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def copy_side_files(source: Path, out: Path) -> list[str]:
+    """Copy the tokenizer and sentence-transformers files along (not tformer's own tokenizer format)."""
     copied = []
     for name in SIDE_FILES:
-        if (source / name).is_file():
+        if (source / name).is_file() and not _is_tformer_tokenizer(source / name):
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source / name, out / name)
             copied.append(name)
     return copied
+
+
+def _is_tformer_tokenizer(path: Path) -> bool:
+    """tformer's own tokenizer.json ({"kind": ...}) means nothing to HuggingFace."""
+    if path.name != "tokenizer.json":
+        return False
+    try:
+        return "kind" in json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False

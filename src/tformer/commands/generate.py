@@ -13,13 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint (KV-cached)",
                        description="Continue --prompt with the model in --ckpt. The text goes to stdout; "
                                    "the speed (tokens/s) to stderr.")
-    p.add_argument("--ckpt", required=True, help="checkpoint folder (config.json, model.safetensors, tokenizer.json)")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="most tokens to generate (default: 200)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling")
+    add_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text is cut before it")
     p.add_argument("--stream", action="store_true", help="print the text as it is produced")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
@@ -29,23 +23,48 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from tformer.checkpoint import load_model
+def add_arguments(p: argparse.ArgumentParser, prompt_default: str | None = None, top_k_default: int | None = None) -> None:
+    """The arguments ``generate`` and ``sample`` share."""
+    p.add_argument("--ckpt", metavar="DIR", required=True,
+                   help="run folder (--out of tformer train) or checkpoint folder "
+                        "(tformer_config.json, model.safetensors, tokenizer.json)")
+    p.add_argument("--prompt", required=prompt_default is None, default=prompt_default,
+                   help="the text to continue" + (f" (default: {prompt_default!r})" if prompt_default else ""))
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="most tokens to generate (default: 200)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=top_k_default, metavar="K",
+                   help=f"sample among the K most likely tokens (default: {top_k_default or 'all'})")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling")
+
+
+def run(args: argparse.Namespace, echo: bool = False) -> int:
+    """Generate; with ``echo`` the prompt is printed before its continuation."""
+    from tformer.checkpoint import load_model, resolve_checkpoint
     from tformer.inference.generate import generate_text, stream_text
     from tformer.inference.quantize import set_precision
     from tformer.training.tokenizer import load_tokenizer
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads {args.threads} must be >= 1.")
-        torch.set_num_threads(args.threads)
-    model = set_precision(load_model(args.ckpt).eval(), args.dtype)
-    tokenizer = load_tokenizer(args.ckpt)
+    threads, dtype, use_cache = getattr(args, "threads", None), getattr(args, "dtype", "fp32"), not getattr(args, "no_cache", False)
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads {threads} must be >= 1.")
+        torch.set_num_threads(threads)
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 0.")
+    folder = resolve_checkpoint(args.ckpt)
+    model = set_precision(load_model(folder).eval(), dtype)
+    tokenizer = load_tokenizer(folder)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                         f"{model.config.vocab_size}; the checkpoint is inconsistent; use another checkpoint.")
     stats: dict = {}
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   stop=args.stop, use_cache=not args.no_cache, stats=stats)
+                   stop=getattr(args, "stop", []), use_cache=use_cache, stats=stats)
     start = time.perf_counter()
-    if args.stream:
+    if echo:
+        sys.stdout.write(args.prompt)
+    if getattr(args, "stream", False):
         for piece in stream_text(model, tokenizer, args.prompt, args.max_new_tokens, **options):
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -55,6 +74,5 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     n = stats.get("new_tokens", 0)
     print(f"{n} tokens in {elapsed:.2f} s: {n / max(elapsed, 1e-9):.1f} tokens/s "
-          f"({args.dtype}, {'no cache' if args.no_cache else 'KV cache'}, "
-          f"{torch.get_num_threads()} threads)", file=sys.stderr)
+          f"({dtype}, {'KV cache' if use_cache else 'no cache'}, {torch.get_num_threads()} threads)", file=sys.stderr)
     return 0

@@ -2,7 +2,8 @@
 
     load_hf(dir)              config.json + *.safetensors  ->  DecoderLM / EncoderModel
     save_hf(model, dir)       tformer model                ->  a folder transformers' from_pretrained loads
-    save_tformer / load_tformer                               tformer's own folder (tformer_config.json + weights)
+
+tformer's own checkpoint folder is written and read by ``tformer.checkpoint.save_model/load_model``.
 
 Each family module (``gpt2``, ``llama`` for Llama/Mistral/Qwen2, ``bloom``, ``bert``) has
 ``config_from_hf``, ``state_from_hf``, ``config_to_hf``, ``check_exportable`` and ``state_to_hf``.
@@ -12,12 +13,10 @@ an unexpected tensor) is refused with a message naming it. ``transformers`` is n
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 
 from tformer.config import TransformerConfig
 from tformer.interop import bert, bloom, gpt2, llama
@@ -26,7 +25,6 @@ from tformer.models.decoder import DecoderLM
 from tformer.models.encoder import EncoderModel
 
 FAMILIES = {t: module for module in (gpt2, llama, bloom, bert) for t in module.MODEL_TYPES}
-TFORMER_CONFIG = "tformer_config.json"
 
 
 def family(model_type: str | None):
@@ -111,50 +109,3 @@ def save_hf(model: nn.Module, folder: str | Path, model_type: str | None = None,
     hf_config = {**module.config_to_hf(c, model_type, **kwargs), "dtype": str(next(model.parameters()).dtype)[6:]}
     write_folder(folder, hf_config, module.state_to_hf(state, c), max_shard_bytes)
     return Path(folder)
-
-
-def _aliases(model: nn.Module) -> set[str]:
-    """State-dict names that repeat an earlier tensor (a tied head): stored once, restored by the tie."""
-    seen, aliases = set(), set()
-    for name, t in model.state_dict().items():
-        (aliases.add(name) if t.data_ptr() in seen else seen.add(t.data_ptr()))
-    return aliases
-
-
-def save_tformer(model: nn.Module, folder: str | Path) -> Path:
-    """tformer's own checkpoint folder: ``tformer_config.json`` (the config and optional heads) and
-    ``model.safetensors`` (the state dict, a tied matrix stored once)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    aliases = _aliases(model)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}
-    meta = {"config": model.config.to_dict(), "kind": type(model).__name__,
-            "mlm_head": getattr(model, "mlm_head", None) is not None,
-            "pooler": getattr(model, "pooler", None) is not None}
-    (folder / TFORMER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
-
-
-def load_tformer(folder: str | Path) -> nn.Module:
-    """Load a folder written by :func:`save_tformer` (eval mode).
-
-    Raises:
-        ValueError: if the folder has no tformer_config.json or the weights do not fit.
-    """
-    folder = Path(folder)
-    if not (folder / TFORMER_CONFIG).is_file():
-        raise ValueError(f"{folder} has no {TFORMER_CONFIG}; is it a tformer checkpoint "
-                         f"(written by `tformer convert --from-hf`)?")
-    meta = json.loads((folder / TFORMER_CONFIG).read_text())
-    config = TransformerConfig.from_dict(meta["config"])
-    if meta.get("kind") == "EncoderModel":
-        model = EncoderModel(config, mlm_head=meta.get("mlm_head", False), pooler=meta.get("pooler", False))
-    else:
-        model = DecoderLM(config)
-    missing, unexpected = model.load_state_dict(read_tensors(folder), strict=False)
-    missing = set(missing) - _aliases(model)
-    if missing or unexpected:
-        raise ValueError(f"{folder}: weights do not fit the config (missing {sorted(missing)}, "
-                         f"unexpected {sorted(unexpected)}).")
-    return model.eval()

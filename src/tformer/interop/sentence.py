@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from tformer.interop.hf import TFORMER_CONFIG, load_hf, load_tformer
+from tformer.checkpoint import CONFIG, load_model
+from tformer.interop.hf import load_hf
 from tformer.models.encoder import EncoderModel
 
 Tensor = torch.Tensor
@@ -54,7 +55,7 @@ class SentenceEncoder:
 
         folder = Path(folder)
         if model is None:  # a tformer checkpoint (tformer convert --from-hf) or an HF folder
-            model = load_tformer(folder) if (folder / TFORMER_CONFIG).is_file() else load_hf(folder)
+            model = load_model(folder).eval() if (folder / CONFIG).is_file() else load_hf(folder)
         self.model = model
         if not isinstance(self.model, EncoderModel):
             raise ValueError(f"{folder} holds a {type(self.model).__name__}; sentence embeddings need an "

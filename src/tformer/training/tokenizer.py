@@ -152,8 +152,12 @@ def train_tokenizer(kind: str, chunks: Iterable[str], vocab_size: int = 1024):
 
 
 def tokenizer_from_dict(data: dict):
-    """Rebuild a tokenizer from :meth:`to_dict` output."""
+    """Rebuild a tokenizer from :meth:`to_dict` output, or from a HuggingFace ``tokenizer.json``
+    (the ``tokenizers`` library's own file, as ``tformer convert --from-hf`` copies it along)."""
     kind = data.get("kind")
+    if kind is None and "model" in data:
+        from tokenizers import Tokenizer
+        return BPETokenizer(Tokenizer.from_str(json.dumps(data)))
     if kind == "char":
         return CharTokenizer(data["chars"])
     if kind == "bpe":
