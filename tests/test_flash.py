@@ -86,14 +86,17 @@ def test_outputs_and_gradients_equal_math(b, hkv, groups, n, m, dk, dv, causal, 
         return
     # fp32: 1e-5, times sqrt(number of terms summed) for the gradients that are long fp32 sums of
     # cancelling terms (both backends round differently; for m = 1, say, math's d(slopes) is exactly 0).
-    terms = {"out": 1, "dq": m, "dk": n * groups, "dv": n * groups, "dbias": b,
-             "dslopes": b * n * m * max(n, m) ** 2}
+    # d(slopes) sums b·n·m terms of size up to max(n, m): an fp32 bound would be as large as the value
+    # itself, so it is checked in fp64 only (above, to 1e-10).
+    terms = {"out": 1, "dq": m, "dk": n * groups, "dv": n * groups, "dbias": b}
     # Scores of magnitude S carry fp32 rounding of about S * 6e-8 into exp(): ALiBi over 300
     # positions reaches S ~ 300, so the bound grows with S beyond 10.
     s_max = (float(slopes.detach().max()) * max(n, m) if alibi else 0.0) + (float(bias.detach().abs().max()) if dense_bias else 0.0)
     grow = max(1.0, s_max / 10)
     for name, a, r in zip(names, got, ref):
         assert torch.isfinite(a).all(), name
+        if name == "dslopes":
+            continue
         atol = 1e-5 * terms[name] ** 0.5 * grow
         torch.testing.assert_close(a, r, atol=atol, rtol=1e-5, msg=lambda s: f"{name}: {s}")
 

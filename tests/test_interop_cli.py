@@ -55,6 +55,40 @@ def test_converted_hf_folder_generates_with_its_own_tokenizer(tmp_path, capsys):
     assert ours == tok.decode(ref[0, prompt.shape[1]:].tolist())
 
 
+def test_generate_stops_at_the_converted_models_eos_like_hf(tmp_path, capsys):
+    """The eos_token_id of config.json travels through `tformer convert` and ends generation where
+    transformers' generate ends (the EOS itself is not printed)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(ord("a") + i): i for i in range(26)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(2)
+    cfg = transformers.GPT2Config(vocab_size=26, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    hf_model = transformers.GPT2LMHeadModel(cfg).eval()
+    prompt = torch.tensor([[0, 1, 2]])
+    hf_model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        free = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                 do_sample=False, pad_token_id=0)[0, 3:].tolist()
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])  # a token first produced at step k
+    hf_model.config.eos_token_id = hf_model.generation_config.eos_token_id = free[k]
+    hf_model.save_pretrained(tmp_path / "hf")
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    with torch.no_grad():
+        ref = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                do_sample=False, pad_token_id=0)[0, 3:].tolist()
+    assert ref == free[: k + 1]  # HF stops at the EOS
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", str(tmp_path / "ckpt"), "--prompt", "a b c",
+                 "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == tok.decode(free[:k])
+    assert main(["generate", "--ckpt", str(tmp_path / "ckpt"), "--prompt", "a b c", "--ignore-eos",
+                 "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == tok.decode(free)
+
+
 def test_convert_errors_are_one_line(tmp_path, capsys):
     assert main(["convert", "--from-hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err

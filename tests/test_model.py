@@ -207,3 +207,17 @@ def test_block_with_cross_attention_runs_and_uses_the_context():
     a = block(x, context=memory)
     b = block(x, context=memory + 1.0)
     assert a.shape == (1, 4, 32) and not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_left_padding_changes_nothing_for_the_real_tokens(positions):
+    """With an attention mask, positions count real tokens only: a left-padded row gives the logits
+    of the same tokens without padding."""
+    torch.manual_seed(9)
+    model = DecoderLM(_cfg(positions=positions)).eval()
+    ids = torch.randint(0, 50, (1, 7))
+    alone, _ = model(ids)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    mask = torch.tensor([[0, 0, 0] + [1] * 7])
+    logits, _ = model(padded, attention_mask=mask)
+    torch.testing.assert_close(logits[:, 3:], alone, atol=1e-5, rtol=0)

@@ -59,3 +59,18 @@ def test_corpus_with_invalid_utf8_trains_and_round_trips(tmp_path, kind):
     text = corpus.tokenizer.decode(ids)
     assert text == raw.decode("utf-8", "replace")                       # each bad byte -> U+FFFD
     assert corpus.tokenizer.encode(text) == [int(i) for i in ids]
+
+
+def test_a_huggingface_tokenizer_json_loads_as_is(tmp_path):
+    """A `tokenizers` file (as HF folders ship it, and `tformer convert` copies it) is read directly."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tformer.training.tokenizer import load_tokenizer
+
+    hf = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok.vocab_size == 3 and tok.kind == "tokenizers"
+    assert tok.encode("hello world") == hf.encode("hello world").ids == [0, 1]
+    assert tok.decode([1, 0]) == hf.decode([1, 0])

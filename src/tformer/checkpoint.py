@@ -69,14 +69,21 @@ def _options(model: torch.nn.Module) -> dict[str, bool]:
     return {name: getattr(model, name) is not None for name in ("mlm_head", "pooler") if hasattr(model, name)}
 
 
-def save_model(directory: str | os.PathLike, model: torch.nn.Module) -> None:
-    """Write ``model.safetensors`` and ``tformer_config.json`` for a DecoderLM or EncoderModel."""
+def save_model(directory: str | os.PathLike, model: torch.nn.Module, generation: dict | None = None) -> None:
+    """Write ``model.safetensors`` and ``tformer_config.json`` for a DecoderLM or EncoderModel.
+
+    Args:
+        generation: generation defaults to keep with the model, e.g. ``{"eos_token_id": [50256]}``.
+    """
     directory = Path(directory)
+    if any(getattr(m, "inference_only", False) for m in model.modules()):
+        raise ValueError("this model was converted for inference (set_precision / quantize_int8); "
+                         "save the model before converting it, and convert again after loading.")
     aliases = _aliases(model)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}
     atomic_write(directory / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     atomic_write_json(directory / CONFIG, {"model": type(model).__name__, "config": model.config.to_dict(),
-                                           "options": _options(model)})
+                                           "options": _options(model), "generation": generation or {}})
 
 
 def _read_meta(directory: str | os.PathLike) -> dict:
@@ -95,6 +102,11 @@ def _read_meta(directory: str | os.PathLike) -> dict:
     return meta
 
 
+def load_generation_defaults(directory: str | os.PathLike) -> dict:
+    """The generation defaults saved with a checkpoint (``{}`` if none), e.g. ``eos_token_id``."""
+    return _read_meta(resolve_checkpoint(directory)).get("generation", {})
+
+
 def load_config(directory: str | os.PathLike) -> tuple[TransformerConfig, str]:
     """Read ``tformer_config.json``: ``(config, model class name)``."""
     meta = _read_meta(directory)
@@ -102,7 +114,8 @@ def load_config(directory: str | os.PathLike) -> tuple[TransformerConfig, str]:
 
 
 def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch.nn.Module:
-    """Build the model a checkpoint folder describes and load its weights.
+    """Build the model a checkpoint folder (or a training run folder: its latest step) describes
+    and load its weights.
 
     Raises:
         ValueError: the folder, its config or its weights are missing, unreadable or do not fit.
@@ -110,6 +123,7 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch
     from tformer.models.decoder import DecoderLM
     from tformer.models.encoder import EncoderModel
 
+    directory = resolve_checkpoint(directory)
     meta = _read_meta(directory)
     config, kind = TransformerConfig.from_dict(meta["config"]), meta.get("model", "DecoderLM")
     models = {"DecoderLM": DecoderLM, "EncoderModel": EncoderModel}

@@ -31,7 +31,7 @@ import torch
 
 Tensor = torch.Tensor
 
-# Chosen by measurement on a 2-core CPU at d_head 64 (see docs/readme-flash.md): big enough that
+# Chosen by measurement on a 2-core CPU at d_head 64 (see docs/flash-attention.md): big enough that
 # the matmuls are efficient, small enough that a (B·H, block_q, block_k) fp32 block stays a few MB.
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256

@@ -37,7 +37,7 @@ EXTRA_BACKENDS: dict[str, Callable[..., Tensor]] = {}
 # "auto" prefers flash over a dense mask/bias only from this many query-key pairs on (about
 # n = m = 1448). Measured fwd+bwd, 8 heads, d 64, causal, 2 cores: at n = m = 1024 the fused kernel
 # with a dense window mask was faster (flash 1.47x its time), at 2048 flash was (0.86x; ALiBi: 0.87x
-# already at 1024); below this the dense tensor is small anyway (docs/readme-flash.md).
+# already at 1024); below this the dense tensor is small anyway (docs/flash-attention.md).
 FLASH_MIN_PAIRS = 2**21
 
 

@@ -37,10 +37,16 @@ def run(args: argparse.Namespace) -> int:
     from tformer.checkpoint import load_model, resolve_checkpoint, save_model
     from tformer.interop.hf import load_hf, save_hf
 
+    if args.max_shard_mb is not None and args.max_shard_mb <= 0:
+        raise ValueError(f"--max-shard-mb {args.max_shard_mb} must be > 0.")
+    source_arg = Path(args.from_hf or args.to_hf)
+    if source_arg.resolve() == Path(args.out).resolve():
+        raise ValueError(f"--out {args.out} is the source folder; write the converted model to a new folder.")
     if args.from_hf:
         source = Path(args.from_hf)
         model = load_hf(source)
-        save_model(args.out, model)
+        eos = eos_token_ids(source)
+        save_model(args.out, model, generation={"eos_token_id": eos} if eos else None)
         out = Path(args.out)
     else:
         source = resolve_checkpoint(args.to_hf)
@@ -75,3 +81,15 @@ def _is_tformer_tokenizer(path: Path) -> bool:
         return "kind" in json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
+
+
+def eos_token_ids(folder: Path) -> list[int]:
+    """End-of-sequence ids from ``generation_config.json``, else ``config.json`` (an int or a list)."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return []

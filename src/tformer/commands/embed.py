@@ -28,9 +28,15 @@ def run(args: argparse.Namespace) -> int:
 
     from tformer.interop.sentence import SentenceEncoder, minilm_path
 
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} must be >= 1.")
     sentences = list(args.sentences)
     if args.file:
-        stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
+        try:
+            stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise ValueError(f"cannot read --file {args.file}: {e.strerror}; pass a readable text file, "
+                             f"one sentence per line.") from e
         with stream:
             sentences += [line.strip() for line in stream if line.strip()]
     if not sentences:

@@ -16,6 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text is cut before it")
     p.add_argument("--stream", action="store_true", help="print the text as it is produced")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the end-of-sequence token saved with the checkpoint")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
                    help="weights: fp32, bf16, fp16, or int8 weight-only linears (default: fp32)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole window every token (slow)")
@@ -40,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser, prompt_default: str | None = None,
 
 def run(args: argparse.Namespace, echo: bool = False) -> int:
     """Generate; with ``echo`` the prompt is printed before its continuation."""
-    from tformer.checkpoint import load_model, resolve_checkpoint
+    from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
     from tformer.inference.generate import generate_text, stream_text
     from tformer.inference.quantize import set_precision
     from tformer.training.tokenizer import load_tokenizer
@@ -58,9 +60,10 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}; the checkpoint is inconsistent; use another checkpoint.")
+    eos = [] if getattr(args, "ignore_eos", False) else load_generation_defaults(folder).get("eos_token_id", [])
     stats: dict = {}
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   stop=getattr(args, "stop", []), use_cache=use_cache, stats=stats)
+                   stop=getattr(args, "stop", []), stop_tokens=eos or None, use_cache=use_cache, stats=stats)
     start = time.perf_counter()
     if echo:
         sys.stdout.write(args.prompt)

@@ -145,9 +145,11 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if result["stopped"] == "int":
         return 130
-    n = max(trainer.cfg.sample_tokens, 300)
     print(f"\ntrained {result['step']} steps; best val loss {result['best_val_loss']:.4f}; "
-          f"checkpoint in {result['out_dir']}\n--- generated text ({n} tokens) ---", flush=True)
-    sys.stdout.write(trainer.sample(n) + "\n")
+          f"checkpoint in {result['out_dir']}", flush=True)
+    if trainer.cfg.sample_tokens > 0:  # the final sample is a little longer than the ones at evaluations
+        n = max(trainer.cfg.sample_tokens, 300)
+        print(f"--- generated text ({n} tokens) ---", flush=True)
+        sys.stdout.write(trainer.sample(n) + "\n")
     print(f"--- more: tformer sample --ckpt {result['out_dir']} --prompt \"...\" ---")
     return 0

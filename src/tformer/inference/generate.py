@@ -158,6 +158,9 @@ class _Stepper:
 
 # ------------------------------------------------------------------------------------- ids API
 def _check_ids(model, ids: Tensor, attention_mask: Tensor | None, max_new_tokens: int) -> None:
+    if not getattr(model.config, "causal", False) or not hasattr(model, "lm_head"):
+        raise ValueError(f"generation needs a causal language model (DecoderLM); this is a "
+                         f"{type(model).__name__}. For an encoder use `tformer embed` or EncoderModel.encode.")
     if ids.dim() != 2:
         raise ValueError(f"ids must be (batch, seq_len), got shape {tuple(ids.shape)}.")
     if ids.shape[1] == 0 or ids.shape[0] == 0:
@@ -216,9 +219,10 @@ def generate_tokens(
     if seed is not None:  # one generator per row: a batched result equals each prompt alone
         generators = [torch.Generator(device=ids.device).manual_seed(seed) for _ in range(B)]
     was_training = model.training
-    model.eval()
-    stepper = _Stepper(model, ids, attention_mask, max_new_tokens, use_cache, prefill_chunk, overflow)
+    stepper = None
     try:
+        model.eval()
+        stepper = _Stepper(model, ids, attention_mask, max_new_tokens, use_cache, prefill_chunk, overflow)
         logits = stepper.first()
         finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
         for step in range(max_new_tokens):
@@ -232,7 +236,10 @@ def generate_tokens(
                 return
             logits = stepper.next(tok)
     finally:
-        stepper.close()
+        if stepper is not None:
+            stepper.close()
+        else:  # setup failed part-way: drop any cache it attached
+            clear_kv_cache(model)
         model.train(was_training)
 
 

@@ -43,6 +43,8 @@ class Int8Linear(nn.Module):
         linear: the float layer to quantise (its bias is kept in floating point).
     """
 
+    inference_only = True  # int8 weights and scales: tformer.checkpoint refuses to save it
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -108,6 +110,8 @@ class DecodeLinear(nn.Module):
     Args:
         linear: the layer to wrap (its weight is copied only when transposed).
     """
+
+    inference_only = True  # its weight layout is not nn.Linear's: tformer.checkpoint refuses to save it
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

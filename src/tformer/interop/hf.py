@@ -61,7 +61,11 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module
     """
     hf = read_config(folder)
     module = family(hf.get("model_type"))
-    config = module.config_from_hf(hf)
+    try:
+        config = module.config_from_hf(hf)
+    except KeyError as e:
+        raise ValueError(f"{folder}/config.json lacks the field {e.args[0]!r} that a {hf.get('model_type')} "
+                         f"config must have; re-save the model with transformers' save_pretrained.") from e
     src = TensorSource(read_tensors(folder), prefix=module.PREFIX)
     state = module.state_from_hf(src, config)
     src.check_consumed()

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tformer.checkpoint import atomic_write, atomic_write_json
+
 Tensor = torch.Tensor
 
 SINGLE = "model.safetensors"
@@ -69,11 +71,13 @@ def write_folder(folder: str | Path, config: dict, tensors: dict[str, Tensor],
     exceeds ``max_shard_bytes``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for stale in [*folder.glob("model*.safetensors"), folder / INDEX]:  # an earlier export's weights
+        stale.unlink(missing_ok=True)
+    atomic_write_json(folder / "config.json", config)
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(tensors, str(folder / SINGLE), metadata={"format": "pt"})
+        atomic_write(folder / SINGLE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
         return
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
@@ -87,10 +91,10 @@ def write_folder(folder: str | Path, config: dict, tensors: dict[str, Tensor],
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        atomic_write(folder / fname, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
         weight_map.update({name: fname for name in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    atomic_write_json(folder / INDEX, index)
 
 
 class TensorSource:

@@ -84,7 +84,9 @@ class DecoderLM(nn.Module):
             targets: ``(B, T)`` next-token ids; ``-100`` marks positions to ignore.
             attention_mask: ``(B, m)`` 1 for real tokens, 0 for padding, over every key
                 (``m = start_pos + T`` with a KV cache).
-            positions: ``(T,)`` or ``(B, T)`` absolute positions; default ``start_pos + arange(T)``.
+            positions: ``(T,)`` or ``(B, T)`` absolute positions. Default: with an ``attention_mask``,
+                each token's count of real tokens before it (so left padding shifts nothing);
+                otherwise ``start_pos + arange(T)``.
             start_pos: tokens already in the KV cache (set up by the inference module).
             last_only: compute logits for the last position only, ``(B, 1, vocab)`` (generation:
                 skips the LM head over the rest of the prompt).
@@ -94,10 +96,13 @@ class DecoderLM(nn.Module):
             ValueError: for ids of the wrong shape or outside the vocabulary, or positions past
                 the context of a learned/sinusoidal table.
         """
-        x = self.embed(ids, positions, start_pos)
+        T = ids.shape[1]
+        if positions is None and attention_mask is not None:
+            positions = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)[:, -T:]     # (B, T)
+        elif positions is None:
+            positions = torch.arange(start_pos, start_pos + T, device=ids.device)          # (T,)
+        x = self.embed(ids, positions)
         mask = padding_mask(attention_mask) if attention_mask is not None else None
-        if positions is None and self.config.positions == "rope":
-            positions = torch.arange(start_pos, start_pos + ids.shape[1], device=ids.device)
         for block in self.blocks:
             x = block(x, mask=mask, positions=positions, start_pos=start_pos)
         if last_only:

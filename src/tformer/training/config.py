@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tformer.config import TransformerConfig
 from tformer.training.tokenizer import KINDS
 
@@ -86,6 +88,8 @@ class TrainConfig:
             raise ValueError(f"precision={self.precision!r} is not known; choose one of {', '.join(PRECISIONS)}.")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device={self.device!r} is not known; choose auto, cpu or cuda.")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but this PyTorch sees no CUDA GPU; use device=cpu (or auto).")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}.")
 

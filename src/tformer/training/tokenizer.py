@@ -18,7 +18,7 @@ from typing import Iterable
 
 import numpy as np
 
-from tformer.checkpoint import atomic_write_json
+from tformer.checkpoint import atomic_write_json, resolve_checkpoint
 
 TOKENIZER = "tokenizer.json"
 KINDS = ("char", "bpe")
@@ -142,6 +142,13 @@ class BPETokenizer:
         atomic_write_json(path, self.to_dict())
 
 
+class HFTokenizer(BPETokenizer):
+    """Any HuggingFace ``tokenizers`` file (BPE, WordPiece, Unigram), used as it is: the
+    ``tokenizer.json`` of a converted HF model."""
+
+    kind = "tokenizers"
+
+
 def train_tokenizer(kind: str, chunks: Iterable[str], vocab_size: int = 1024):
     """Train a tokenizer of ``kind`` (``char`` or ``bpe``) on an iterable of text chunks."""
     if kind == "char":
@@ -155,9 +162,12 @@ def tokenizer_from_dict(data: dict):
     """Rebuild a tokenizer from :meth:`to_dict` output, or from a HuggingFace ``tokenizer.json``
     (the ``tokenizers`` library's own file, as ``tformer convert --from-hf`` copies it along)."""
     kind = data.get("kind")
-    if kind is None and "model" in data:
+    if kind is None and "model" in data:  # the tokenizers library's own file
+        data = {"kind": HFTokenizer.kind, "tokenizer": data}
+        kind = HFTokenizer.kind
+    if kind == HFTokenizer.kind:
         from tokenizers import Tokenizer
-        return BPETokenizer(Tokenizer.from_str(json.dumps(data)))
+        return HFTokenizer(Tokenizer.from_str(json.dumps(data["tokenizer"])))
     if kind == "char":
         return CharTokenizer(data["chars"])
     if kind == "bpe":
@@ -169,8 +179,8 @@ def tokenizer_from_dict(data: dict):
 def load_tokenizer(path: str | os.PathLike):
     """Read a tokenizer from ``tokenizer.json`` or from a checkpoint folder that holds one."""
     path = Path(path)
-    if path.is_dir():
-        path = path / TOKENIZER
+    if path.is_dir():  # a checkpoint folder, or a run folder (its latest checkpoint)
+        path = path / TOKENIZER if (path / TOKENIZER).is_file() else resolve_checkpoint(path) / TOKENIZER
     if not path.is_file():
         raise ValueError(f"no tokenizer at {path}; pass a checkpoint folder written by `tformer train`.")
     try:

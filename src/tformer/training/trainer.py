@@ -257,6 +257,7 @@ class Trainer:
             ids = []
         if not ids:
             ids = [int(self.corpus.val[0])]
+        ids = ids[-self.model.config.context_length:]  # a long prompt keeps its end, as nanoGPT crops
         out = generate(self.model, torch.tensor([ids], device=self.device), max_new_tokens,
                        temperature=temperature, top_k=top_k, seed=self.cfg.seed if seed is None else seed)
         return tok.decode(out[0].tolist())
