@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tformer import DecoderLM, TransformerConfig
-from tformer.inference.generate import (filter_logits, generate, generate_text, left_pad, sample,
-                                        stream_text)
+from tformer.inference.generate import filter_logits, generate, sample
+from tformer.inference.text import generate_text, left_pad, stream_text
 from tformer.training.tokenizer import CharTokenizer
 
 POSITIONS = ["none", "learned", "sinusoidal", "rope", "alibi"]
@@ -26,13 +26,7 @@ def tiny(positions="learned", n_kv_heads=2, context_length=48, seed=0):
 TOK = CharTokenizer(CHARS)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and do not stall when other processes hold the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("positions", POSITIONS)

@@ -15,13 +15,7 @@ LAYOUTS = {"MHA": 4, "GQA": 2, "MQA": 1}
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and do not stall when other processes hold the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(positions="learned", n_kv_heads=4, **kw):

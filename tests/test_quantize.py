@@ -16,13 +16,7 @@ from tformer.inference.quantize import (DecodeLinear, Int8Linear, quantize_int8,
 AGREEMENT = 0.9
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and do not stall when other processes hold the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_quantize_weight_rounding_bound():

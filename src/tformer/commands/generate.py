@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser, prompt_default: str | None = None,
 def run(args: argparse.Namespace, echo: bool = False) -> int:
     """Generate; with ``echo`` the prompt is printed before its continuation."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
-    from tformer.inference.generate import generate_text, stream_text
+    from tformer.inference.text import generate_text, stream_text
     from tformer.inference.quantize import set_precision
     from tformer.training.tokenizer import load_tokenizer
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from tformer.attention.masks import padding_mask
 from tformer.config import TransformerConfig
 from tformer.layers import Block, make_norm
-from tformer.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
+from tformer.models.embedding import check_ids, init_weights, position_table
+from tformer.positions import RotaryEmbedding
 
 Tensor = torch.Tensor
 
@@ -38,8 +39,7 @@ class DecoderLM(nn.Module):
                              f"(got {config.type_vocab_size}) or use EncoderModel.")
         self.config = c = config
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
-        self.pos_emb = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(
-            c.positions, lambda *_: None)(c.context_length, c.d_model)
+        self.pos_emb = position_table(c)                                        # learned / sinusoidal, or None
         rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base) if c.positions == "rope" else None
         self.emb_norm = make_norm(c) if c.embedding_norm else None  # BLOOM's word_embeddings_layernorm
         self.drop = nn.Dropout(c.dropout)
@@ -49,23 +49,12 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # one matrix reads and writes tokens (Press & Wolf)
-        self.apply(self._init_weights)
+        self.apply(lambda m: init_weights(m, c.init_std))
         # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layers),
         # so the stream's variance does not grow with depth.
         for name, p in self.named_parameters():
             if name.endswith(("out_proj.weight", "ffn.down.weight")):
                 nn.init.normal_(p, mean=0.0, std=c.init_std / math.sqrt(2 * c.n_layers))
-
-    def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.init_std
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, LearnedPositions):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def forward(
         self,
@@ -115,13 +104,7 @@ class DecoderLM(nn.Module):
 
     def embed(self, ids: Tensor, positions: Tensor | None = None, start_pos: int = 0) -> Tensor:
         """Token (+ absolute position) embeddings: ``(B, T)`` ids -> ``(B, T, C)``."""
-        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"ids must be a (batch, seq_len) integer tensor, got {ids.dtype} {tuple(ids.shape)}.")
-        if ids.numel() and (int(ids.max()) >= self.config.vocab_size or int(ids.min()) < 0):
-            raise ValueError(
-                f"token ids must be in [0, {self.config.vocab_size}); got range "
-                f"[{int(ids.min())}, {int(ids.max())}]. Is the tokenizer the one this model was built for?"
-            )
+        check_ids(ids, self.config.vocab_size)
         x = self.tok_emb(ids)                                                    # (B, T, C)
         if self.pos_emb is not None:
             if positions is None:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from tformer.attention.masks import padding_mask
 from tformer.config import TransformerConfig
 from tformer.layers import _ACTIVATIONS, Block, make_norm
-from tformer.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
+from tformer.models.embedding import check_ids, init_weights, position_table
+from tformer.positions import RotaryEmbedding
 
 Tensor = torch.Tensor
 
@@ -64,8 +65,7 @@ class EncoderModel(nn.Module):
             raise ValueError("EncoderModel needs causal=False; use DecoderLM for causal language modelling.")
         self.config = c = config
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
-        self.pos_emb = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}.get(
-            c.positions, lambda *_: None)(c.context_length, c.d_model)
+        self.pos_emb = position_table(c)                                        # learned / sinusoidal, or None
         self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
         self.emb_norm = make_norm(c) if c.embedding_norm else None
         self.drop = nn.Dropout(c.dropout)
@@ -75,16 +75,7 @@ class EncoderModel(nn.Module):
         self.final_norm = make_norm(c) if c.norm_placement == "pre" else nn.Identity()
         self.mlm_head = MaskedLMHead(c, self.tok_emb) if mlm_head else None
         self.pooler = nn.Linear(c.d_model, c.d_model) if pooler else None
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.init_std
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, LearnedPositions):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
+        self.apply(lambda m: init_weights(m, c.init_std))
 
     def forward(
         self,
@@ -120,13 +111,7 @@ class EncoderModel(nn.Module):
               positions: Tensor | None = None) -> Tensor:
         """Token + position (+ token type) embeddings, normalised if ``embedding_norm``: ``(B, T)`` -> ``(B, T, C)``."""
         c = self.config
-        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"ids must be a (batch, seq_len) integer tensor, got {ids.dtype} {tuple(ids.shape)}.")
-        if ids.numel() and (int(ids.max()) >= c.vocab_size or int(ids.min()) < 0):
-            raise ValueError(
-                f"token ids must be in [0, {c.vocab_size}); got range [{int(ids.min())}, {int(ids.max())}]. "
-                f"Is the tokenizer the one this model was built for?"
-            )
+        check_ids(ids, c.vocab_size)
         x = self.tok_emb(ids)                                                    # (B, T, C)
         if self.pos_emb is not None:
             if positions is None:
