@@ -58,11 +58,7 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
             state[f"{ours}attn.qkv_proj.{kind}"] = per_head_to_blocks(qkv, c.n_heads)
             for t, h in LAYER:
                 state[f"{ours}{t}.{kind}"] = src.take(f"{hf}{h}.{kind}")
-    if c.tie_embeddings:
-        src.take_tied("lm_head.weight", state["tok_emb.weight"])
-        state["lm_head.weight"] = state["tok_emb.weight"]
-    else:
-        state["lm_head.weight"] = src.take("lm_head.weight")
+    state["lm_head.weight"] = src.take_lm_head(state["tok_emb.weight"], c.tie_embeddings)
     return state
 
 

@@ -55,11 +55,7 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
         for ours, theirs, conv1d in LAYER:
             t = src.take(f"h.{i}.{theirs}")
             state[f"blocks.{i}.{ours}"] = t.t() if conv1d else t
-    if c.tie_embeddings:
-        src.take_tied("lm_head.weight", state["tok_emb.weight"])
-        state["lm_head.weight"] = state["tok_emb.weight"]
-    else:
-        state["lm_head.weight"] = src.take("lm_head.weight")
+    state["lm_head.weight"] = src.take_lm_head(state["tok_emb.weight"], c.tie_embeddings)
     return state
 
 

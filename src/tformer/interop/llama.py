@@ -92,11 +92,7 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
             state[ours + "attn.qkv_proj.bias"] = torch.cat([src.take(f"{hf}self_attn.{p}.bias") for p in QKV])
         for t, h in LAYER + (BIASES if c.bias else []):
             state[ours + t] = src.take(hf + h)
-    if c.tie_embeddings:
-        src.take_tied("lm_head.weight", state["tok_emb.weight"])
-        state["lm_head.weight"] = state["tok_emb.weight"]
-    else:
-        state["lm_head.weight"] = src.take("lm_head.weight")
+    state["lm_head.weight"] = src.take_lm_head(state["tok_emb.weight"], c.tie_embeddings)
     return state
 
 

@@ -131,6 +131,14 @@ class TensorSource:
             raise ValueError(f"tensor {name!r} differs from the embedding it is tied to, but the config says "
                              f"tie_word_embeddings=true; fix the config or the weights.")
 
+    def take_lm_head(self, embedding: Tensor, tied: bool) -> Tensor:
+        """The LM head: the embedding itself when ``tied`` (a stored copy must equal it), else
+        the file's ``lm_head.weight``."""
+        if tied:
+            self.take_tied("lm_head.weight", embedding)
+            return embedding
+        return self.take("lm_head.weight")
+
     def check_consumed(self) -> None:
         if self.tensors:
             names = sorted(self.tensors)
