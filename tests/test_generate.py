@@ -65,6 +65,26 @@ def test_window_overflow_is_nanogpt_crop():
     assert torch.equal(generate(model, ids, 15, temperature=0), ref)
 
 
+@pytest.mark.parametrize("positions", ["learned", "rope", "alibi"])
+def test_shift_overflow_matches_its_written_out_definition(positions):
+    """Reference for overflow="shift", written out without a cache: once the window would pass the
+    context, it restarts at the last ``context // 2`` tokens (positions from 0); the model sees the window."""
+    torch.manual_seed(0)  # init_std 0.3: context-dependent predictions, so "shift" and "window" differ here
+    model = DecoderLM(TransformerConfig(vocab_size=61, context_length=10, n_layers=2, d_model=32, n_heads=4,
+                                        n_kv_heads=2, positions=positions, init_std=0.3)).eval()
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    assert not torch.equal(generate(model, ids, 25, temperature=0, overflow="shift"),
+                           generate(model, ids, 25, temperature=0, overflow="window"))
+    ref, start = ids, 0
+    with torch.no_grad():
+        for _ in range(25):
+            if ref.shape[1] - start > 10:
+                start = ref.shape[1] - 10 // 2
+            nxt = model(ref[:, start:])[0][:, -1].argmax(-1, keepdim=True)
+            ref = torch.cat([ref, nxt], dim=1)
+    assert torch.equal(generate(model, ids, 25, temperature=0, overflow="shift"), ref)
+
+
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, top_k=20, top_p=0.9, seed=7)],
                          ids=["greedy", "sampled"])

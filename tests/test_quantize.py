@@ -38,9 +38,10 @@ def test_int8_linear_matches_float64_reference():
     ref = x.bfloat16().double() @ (q.double() * s.bfloat16().double()[:, None]).T + lin.bias.double()
     out = qlin(x)
     assert out.dtype == torch.float32 and out.shape == (5, 3, 80)
-    torch.testing.assert_close(out.double(), ref, atol=2e-2 * ref.abs().max().item(), rtol=0)
-    # and against the float layer: only the weight rounding and bf16 input separate them
-    assert (out - lin(x)).abs().max() < 0.05 * lin(x).abs().max()
+    # the kernel accumulates bf16 products: bf16 output rounding is 2^-8 ≈ 0.4% (measured 0.22% of max|ref|)
+    torch.testing.assert_close(out.double(), ref, atol=8e-3 * ref.abs().max().item(), rtol=0)
+    # and against the float layer: only the weight rounding and bf16 input separate them (measured 0.69%)
+    assert (out - lin(x)).abs().max() < 0.02 * lin(x).abs().max()
 
 
 def tiny():
@@ -62,13 +63,13 @@ def test_int8_model_accuracy_against_fp32():
     prompts = torch.randint(0, 61, (8, 6), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         l_ref, l_q = ref(prompts)[0], model(prompts)[0]
-    assert (l_ref - l_q).abs().max() < 0.1 * l_ref.abs().max()
+    assert (l_ref - l_q).abs().max() < 0.02 * l_ref.abs().max()   # measured 0.42% of max |logit|
     g_ref = generate(ref, prompts, 16, temperature=0)[:, 6:]
     g_q = generate(model, prompts, 16, temperature=0)[:, 6:]
     # agreement until the first divergence counts what a user sees; measure both
     first_step = (g_ref[:, 0] == g_q[:, 0]).float().mean().item()
     assert first_step >= AGREEMENT
-    assert (g_ref == g_q).float().mean().item() >= 0.5
+    assert (g_ref == g_q).float().mean().item() >= AGREEMENT      # measured 100% (8 prompts x 16 tokens)
 
 
 def test_int8_cached_equals_uncached_generation():
