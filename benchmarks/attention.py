@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine import busy_cores, load_note  # benchmarks/machine.py
+
 HEADS, D_HEAD = 8, 64
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -123,9 +125,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "attention"))
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    load = os.getloadavg()[0]
-    busy = load > 1.0
-    print(f"load average {load:.2f}" + (" -- WARNING: machine busy (> 1.0 on 2 cores); times are inflated" if busy else ""))
+    load = busy_cores()
+    print(load_note(load))
 
     rows = []
     for n in lengths:
@@ -166,8 +167,7 @@ def report(rows: list[dict], lengths: list[int], load: float, out: Path) -> None
     lines = [
         f"# Attention: memory and time vs n (1 batch, {HEADS} heads, d_head {D_HEAD}, causal, fp32, CPU)",
         "",
-        f"Load average at start: {load:.2f} on {os.cpu_count()} cores"
-        + (" (busy machine: times are inflated)." if load > 1.0 else "."),
+        f"At the start: {load_note(load)}.",
         "Memory: peak RSS of a subprocess per point minus that of a baseline subprocess that holds the same q, k, v "
         "and grads and ran the same backend once at n = 128 (code, thread pools): what the length-n call adds.",
         "",

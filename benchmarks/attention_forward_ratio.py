@@ -14,6 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from machine import busy_cores, load_note  # benchmarks/machine.py
 from tformer.attention.flash import flash_attention
 
 
@@ -35,14 +36,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0]
-    if load > 1.0:
-        print(f"WARNING: machine busy (load {load:.2f} on {os.cpu_count()} cores)")
+    load = busy_cores()
+    print(load_note(load))
     q, k, v = (torch.randn(1, 8, args.n, 64) for _ in range(3))
     with torch.no_grad():
         flash = median_time(lambda: flash_attention(q, k, v, causal=True), args.repeats)
         fused = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), args.repeats)
-    print(f"n={args.n} load={load:.2f} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')} "
+    print(f"n={args.n} busy cores={load:.2f} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')} "
           f"threads={torch.get_num_threads()}: flash {flash:.3f} s, fused {fused:.3f} s, ratio {flash / fused:.2f}")
 
 

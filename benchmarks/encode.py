@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from machine import busy_cores, load_note  # benchmarks/machine.py
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -64,10 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0]
-    busy = load > 1.0
-    if busy:
-        print(f"WARNING: machine busy (load average {load:.2f} on {os.cpu_count()} cores); figures are noisy.")
+    load = busy_cores()
+    print(load_note(load))
     sentences, source = load_sentences(args.n)
     folder = str(minilm_path())
     st = SentenceTransformer(folder, device="cpu").eval()
@@ -112,15 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     med = {key: statistics.median(v) for key, v in times.items()}
     rate = {key: args.n / v for key, v in med.items()}
     tokens = sum(len(t) for t in ids)
-    load_end = os.getloadavg()[0]
+    load_end = busy_cores()
 
     lines = [
         "# Sentence-embedding throughput: tformer vs sentence-transformers",
         "",
         f"all-MiniLM-L6-v2 (6 layers, d=384, 12 heads), fp32 CPU, {args.n} sentences ({source}, "
         f"{tokens:,} tokens incl. [CLS]/[SEP]), batch {args.batch_size}, {args.rounds} alternating rounds, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average at start {load:.2f}"
-        f"{' (BUSY: other jobs were running)' if busy else ''}, at the end {load_end:.2f}.",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; at the start {load_note(load)}; "
+        f"at the end {load_note(load_end)}.",
         "",
         "*own batching*: each library embeds the whole list its own way (sentence-transformers sorts by "
         "characters, tformer by token count). *same batches*: both get identical token-length-sorted chunks "

@@ -13,7 +13,6 @@ per-token latency against context position with and without the cache.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from machine import busy_cores, load_note  # benchmarks/machine.py
 from tformer import DecoderLM, TransformerConfig
 from tformer.inference.generate import generate
 from tformer.inference.kv_cache import clear_kv_cache, setup_kv_cache
@@ -225,10 +225,8 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=["gpt2", "nanogpt", "latency", "accuracy"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    load = os.getloadavg()[0]
     lines = [f"# Generation benchmark\n",
-             f"torch {torch.__version__}, {args.threads} threads, load average at start {load:.2f}"
-             + (" — WARNING: the machine was busy (load > 1.0 on 2 cores); figures are pessimistic" if load > 1.0 else "")]
+             f"torch {torch.__version__}, {args.threads} threads; at the start {load_note(busy_cores())}"]
     print(lines[-1], file=sys.stderr)
     bandwidth = read_bandwidth()
     lines.append(f"measured read bandwidth (x.sum() over 512 MB, best of 9): {bandwidth:.1f} GB/s\n")
@@ -276,7 +274,7 @@ def main() -> None:
                   "| KV cache | " + " | ".join(f"{t * 1e3:.1f}" for t in curve["cached"]) + " |",
                   "| no cache | " + " | ".join(f"{t * 1e3:.1f}" for t in curve["uncached"]) + " |",
                   "", "![latency](generate_latency.png)", ""]
-    lines.append(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    lines.append(f"At the end: {load_note(busy_cores())}.")
     print(save(lines))
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from machine import busy_cores, load_note  # benchmarks/machine.py
 from tformer.accounting import training_flops_per_token
 from tformer.training.perf import bf16_supported, matmul_peak_flops
 from tformer.training.trainer import Trainer
@@ -74,11 +75,8 @@ def main() -> int:
     if not os.path.isfile(data):
         print(f"error: {data} not found; pass --data PATH to tinyshakespeare.txt", file=sys.stderr)
         return 2
-    load = os.getloadavg()[0]
-    busy = load > 1.0
-    if busy:
-        print(f"WARNING: machine busy before start (1-min load {load:.2f} > 1.0 on {os.cpu_count()} cores); "
-              f"timings are pessimistic", flush=True)
+    load = busy_cores()
+    print(load_note(load), flush=True)
     tmp = tempfile.mkdtemp(prefix="tformer-bench-")
 
     # --- thread probe: alternate 1 and 2 threads, 3 rounds x 20 steps each
@@ -142,7 +140,7 @@ def main() -> int:
         seeds[seed] = [h for h in r["history"] if "val_loss" in h][-1]["val_loss"]
         print(f"seed {seed}: val loss {seeds[seed]:.4f} at {args.steps}", flush=True)
     small["seeds"] = seeds
-    load_end = os.getloadavg()[0]
+    load_end = busy_cores()
 
     write_report(small, large, steps, evals, args, threads, med, peak32, peak16, load, load_end)
     return 0
@@ -169,8 +167,8 @@ def write_report(small, large, steps, evals, args, threads, med, peak32, peak16,
     lines = [
         "# Training benchmark: tinyshakespeare, character level (nanoGPT's CPU configurations)",
         "",
-        f"Machine: {os.cpu_count()} cores, torch {torch.__version__}; 1-min load {load:.2f} before, {load_end:.2f} after"
-        + (" (**busy: other processes were running; timings are pessimistic**)" if max(load, load_end) > 1.0 else "") + ".",
+        f"Machine: {os.cpu_count()} cores, torch {torch.__version__}; before: {load_note(load)}; "
+        f"after: {load_note(load_end)}.",
         f"Measured matmul peak (1024² fp32 / bf16 matmul probe, {threads} thread(s)): {peak32 / 1e9:.0f} / {peak16 / 1e9:.0f} GFLOP/s. "
         f"Thread probe (median ms/iter, small config): " + ", ".join(f"{k}: {1e3 * v:.1f}" for k, v in med.items())
         + f" -> {threads} thread(s).",

@@ -31,7 +31,7 @@ from tformer.positions import alibi_bias
 Tensor = torch.Tensor
 
 # Extra backends register here (``"flash"`` from attention/flash.py); each has the signature of
-# ``_math_attention`` minus ``return_weights``.
+# ``_math_attention`` minus ``return_weights``, plus the keyword ``alibi_slopes``.
 EXTRA_BACKENDS: dict[str, Callable[..., Tensor]] = {}
 
 # "auto" prefers flash over a dense mask/bias only from this many query-key pairs on (about
@@ -93,10 +93,7 @@ def scaled_dot_product_attention(
         raise ValueError(f"backend={backend!r} cannot return attention weights; use backend='math'.")
     if name == "torch":
         return _torch_attention(q, k, v, mask, bias, causal, window, scale, dropout_p)
-    if alibi_slopes is not None:
-        return EXTRA_BACKENDS[name](q, k, v, mask, bias, causal, window, scale, dropout_p,
-                                    alibi_slopes=alibi_slopes)
-    return EXTRA_BACKENDS[name](q, k, v, mask, bias, causal, window, scale, dropout_p)
+    return EXTRA_BACKENDS[name](q, k, v, mask, bias, causal, window, scale, dropout_p, alibi_slopes=alibi_slopes)
 
 
 def choose_backend(

@@ -84,7 +84,7 @@ class _Stepper:
     """Runs the model for generation: ``first()`` prefills, ``next(tokens)`` appends and steps.
 
     Both return ``(B, vocab)`` logits for the next token. Owns the output buffer ``out (B, total)``
-    and the per-sequence mask/positions; never reallocates during generation.
+    and the per-sequence padding mask; never reallocates during generation.
 
     Past the context, ``overflow`` decides what the model sees: ``"window"`` recomputes the last
     ``context_length`` tokens every step (nanoGPT's semantics, O(context) tokens per step);
@@ -103,11 +103,10 @@ class _Stepper:
         self.out[:, :T] = ids
         self.cur = T                                       # tokens written to ``out`` so far
         self.offset = 0                                    # ``out`` index of the window's first token
-        self.mask = self.positions = None
+        self.mask = None                                   # (B, total) 1/0, only when there is padding
         if attention_mask is not None and not bool(attention_mask.all()):
             self.mask = torch.ones(B, total, dtype=torch.long, device=ids.device)
             self.mask[:, :T] = attention_mask
-            self.positions = (self.mask.cumsum(dim=1) - 1).clamp(min=0)       # (B, total)
         self.chunk = prefill_chunk or T
         self.cache_len = min(total, self.context) if use_cache else 0
         if self.cache_len:
@@ -121,15 +120,10 @@ class _Stepper:
     def _run(self, start: int, end: int, start_pos: int) -> Tensor:
         """Logits of the token after ``out[:, start:end]``, with ``start_pos`` tokens cached before it."""
         first = start - start_pos                    # ``out`` index of the first key the model sees
+        # Positions count from 0 at ``first``: the model derives them from the mask (real tokens
+        # only, so left padding shifts nothing) or, without padding, from ``start_pos``.
         mask = self.mask[:, first:end] if self.mask is not None else None
-        if self.positions is None:
-            positions = None                         # the model counts from 0 at ``first``
-        elif first > 0:                              # a window: positions restart at its first token
-            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, start_pos:]
-        else:
-            positions = self.positions[:, start:end]
-        logits, _ = self.model(self.out[:, start:end], attention_mask=mask, positions=positions,
-                               start_pos=start_pos, last_only=True)
+        logits, _ = self.model(self.out[:, start:end], attention_mask=mask, start_pos=start_pos, last_only=True)
         return logits[:, -1]                                                    # (B, vocab)
 
     @torch.inference_mode()
