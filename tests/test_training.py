@@ -2,6 +2,7 @@
 
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -192,3 +193,19 @@ def test_resume_reuses_the_tokenised_cache(tmp_path, monkeypatch):
     _trainer(tmp_path, max_steps=2).fit()
     monkeypatch.setattr(data_mod, "_build_cache", lambda *a: pytest.fail("re-tokenised the corpus on resume"))
     assert _trainer(tmp_path, resume=True, max_steps=3).fit()["step"] == 3
+
+
+def test_busy_cores_sees_another_process_spinning():
+    """The thread choice and the benchmarks' load check read current CPU use, not the lagging load average."""
+    import subprocess
+    import sys
+
+    from tformer.training.perf import busy_cores
+
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    try:
+        time.sleep(0.3)
+        busy = busy_cores(0.5)
+    finally:
+        spinner.wait()
+    assert 0.5 <= busy <= (os.cpu_count() or 1) + 0.01

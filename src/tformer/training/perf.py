@@ -1,7 +1,9 @@
-"""Hardware facts the trainer measures instead of assuming: bf16 support and the matmul peak."""
+"""Hardware facts the trainer measures instead of assuming: bf16 support, the matmul peak, and how
+many cores other processes keep busy."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -38,3 +40,22 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", n
         sync()
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)          # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])                    # busy, total (no guest double count)
+
+
+def busy_cores(seconds: float = 1.0) -> float:
+    """Cores kept busy by other processes over the next ``seconds``, from /proc/stat while this
+    process sleeps (the 1-minute load average lags by minutes); falls back to the load average."""
+    try:
+        b0, t0 = _cpu_ticks()
+        time.sleep(seconds)
+        b1, t1 = _cpu_ticks()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)

@@ -36,7 +36,7 @@ from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS
                                      TrainConfig, cast_value)
 from tformer.training.data import Corpus, corpus_fingerprint, get_batch, load_corpus, resolve_corpus
 from tformer.training.optim import lr_at, make_optimizer
-from tformer.training.perf import bf16_supported, matmul_peak_flops
+from tformer.training.perf import bf16_supported, busy_cores, matmul_peak_flops
 from tformer.training.tokenizer import load_tokenizer
 
 _DEFAULT_THREADS = torch.get_num_threads()
@@ -290,16 +290,13 @@ class Trainer:
 
 
 def auto_threads() -> int:
-    """PyTorch's thread count, less the cores other processes keep busy (1-minute load average).
+    """PyTorch's thread count, less the cores other processes keep busy right now.
 
     Intra-op threads that share a busy core wait on each other: on a 2-core machine with a load of
     4, two threads ran a tiny-model step 4x slower than one thread did.
     """
     default = _DEFAULT_THREADS
-    try:
-        busy = round(os.getloadavg()[0])
-    except OSError:
-        busy = 0
+    busy = round(busy_cores(0.5))
     return max(1, min(default, (os.cpu_count() or default) - busy))
 
 
