@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tformer.errors import ConfigError
+
 POSITIONS = ("none", "learned", "sinusoidal", "rope", "alibi")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
@@ -21,7 +23,7 @@ BACKENDS = ("auto", "math", "torch", "flash")
 
 def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
     if value not in valid:
-        raise ValueError(f"{name}={value!r} is not known; choose one of {', '.join(valid)}.")
+        raise ConfigError(f"{name}={value!r} is not known; choose one of {', '.join(valid)}.")
 
 
 @dataclass
@@ -60,6 +62,14 @@ class TransformerConfig:
         type_vocab_size: number of token-type (segment) embeddings added to the input (BERT: 2);
             0 means none.
         init_std: standard deviation of the weight init (GPT-2: 0.02).
+        model: the model family, a key of ``tformer.models.MODELS`` (``decoder``, ``encoder``, ...);
+            defaults to ``decoder`` when ``causal`` else ``encoder``.
+        mixer: the token mixer of every layer, a key of ``tformer.mixers.MIXERS`` (``attention``,
+            ...), or a list of them repeated over the stack: ``["mamba", "mamba", "attention"]``
+            puts attention in every third layer. Its length must divide ``n_layers``.
+        mixer_options: per-mixer settings, ``{mixer name: {option: value}}``, checked by the mixer.
+        hf_model_type: the HuggingFace ``model_type`` this config came from or exports to
+            (``gpt2``, ``llama``, ...); ``name`` is the tformer preset, a separate thing.
     """
 
     vocab_size: int = 256
@@ -89,13 +99,17 @@ class TransformerConfig:
     embedding_norm: bool = False
     type_vocab_size: int = 0
     init_std: float = 0.02
+    model: str | None = None
+    mixer: str | list[str] = "attention"
+    mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hf_model_type: str | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "context_length", "n_layers", "d_model", "n_heads"):
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{f}={value!r} must be a positive integer.")
+                raise ConfigError(f"{f}={value!r} must be a positive integer.")
         _choice("positions", self.positions, POSITIONS)
         _choice("norm", self.norm, NORMS)
         _choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
@@ -105,25 +119,25 @@ class TransformerConfig:
 
         if self.head_dim is None:
             if self.d_model % self.n_heads != 0:
-                raise ValueError(
+                raise ConfigError(
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                     f"choose n_heads dividing d_model (e.g. {_divisors_hint(self.d_model)}) "
                     f"or set head_dim explicitly."
                 )
             self.head_dim = self.d_model // self.n_heads
         elif self.head_dim < 1:
-            raise ValueError(f"head_dim={self.head_dim} must be a positive integer.")
+            raise ConfigError(f"head_dim={self.head_dim} must be a positive integer.")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                 f"n_kv_heads must divide n_heads (n_heads for MHA, 1 for MQA, a divisor for GQA)."
             )
         if self.positions == "rope" and self.head_dim % 2 != 0:
-            raise ValueError(f"positions='rope' needs an even head_dim, got head_dim={self.head_dim}.")
+            raise ConfigError(f"positions='rope' needs an even head_dim, got head_dim={self.head_dim}.")
         if self.positions == "sinusoidal" and self.d_model % 2 != 0:
-            raise ValueError(f"positions='sinusoidal' needs an even d_model, got d_model={self.d_model}.")
+            raise ConfigError(f"positions='sinusoidal' needs an even d_model, got d_model={self.d_model}.")
         if self.d_ff is None:
             if self.ffn == "mlp":
                 self.d_ff = 4 * self.d_model
@@ -136,24 +150,56 @@ class TransformerConfig:
         for f in ("dropout", "attn_dropout"):
             p = getattr(self, f)
             if not 0.0 <= p < 1.0:
-                raise ValueError(f"{f}={p} must be in [0, 1).")
+                raise ConfigError(f"{f}={p} must be in [0, 1).")
         if self.attention_backend == "flash" and self.attn_dropout > 0:
-            raise ValueError(f"attention_backend='flash' has no attention dropout (attn_dropout={self.attn_dropout}); "
+            raise ConfigError(f"attention_backend='flash' has no attention dropout (attn_dropout={self.attn_dropout}); "
                              f"set attn_dropout=0 or use attention_backend='auto' or 'torch'.")
         if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window} must be a positive integer or None.")
+            raise ConfigError(f"sliding_window={self.sliding_window} must be a positive integer or None.")
         if isinstance(self.type_vocab_size, bool) or not isinstance(self.type_vocab_size, int) \
                 or self.type_vocab_size < 0:
-            raise ValueError(f"type_vocab_size={self.type_vocab_size!r} must be a non-negative integer (0 = none).")
+            raise ConfigError(f"type_vocab_size={self.type_vocab_size!r} must be a non-negative integer (0 = none).")
         if self.rope_base <= 0:
-            raise ValueError(f"rope_base={self.rope_base} must be positive.")
+            raise ConfigError(f"rope_base={self.rope_base} must be positive.")
+        if self.model is None:
+            self.model = "decoder" if self.causal else "encoder"
+        self._check_mixers()
+
+    def _check_mixers(self) -> None:
+        from tformer.mixers import mixer_class
+
+        pattern = [self.mixer] if isinstance(self.mixer, str) else list(self.mixer)
+        if not pattern or any(not isinstance(m, str) for m in pattern) or self.n_layers % len(pattern):
+            raise ConfigError(f"mixer={self.mixer!r} must be a mixer name or a non-empty list of names whose "
+                              f"length divides n_layers={self.n_layers}.")
+        if not isinstance(self.mixer, str):
+            self.mixer = pattern
+        if not isinstance(self.mixer_options, dict):
+            raise ConfigError(f"mixer_options={self.mixer_options!r} must be a dict {{mixer name: {{option: value}}}}.")
+        for name in dict.fromkeys(pattern):
+            cls = mixer_class(name)
+            if hasattr(cls, "check_config"):
+                cls.check_config(self)
+        unused = sorted(set(self.mixer_options) - set(pattern))
+        if unused:
+            raise ConfigError(f"mixer_options names {', '.join(unused)}, which no layer uses (mixer={self.mixer!r}); "
+                              f"remove them or add the mixer to the stack.")
+
+    def layer_mixers(self) -> list[str]:
+        """The mixer name of each of the ``n_layers`` layers."""
+        pattern = [self.mixer] if isinstance(self.mixer, str) else self.mixer
+        return [pattern[i % len(pattern)] for i in range(self.n_layers)]
+
+    def mixer_option(self, mixer: str, key: str, default: Any = None) -> Any:
+        """``mixer_options[mixer][key]``, or ``default``."""
+        return self.mixer_options.get(mixer, {}).get(key, default)
 
     # ------------------------------------------------------------------ presets and (de)serialisation
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "TransformerConfig":
         """Build a named preset, optionally overriding fields: ``from_name("tiny", dropout=0.1)``."""
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}.")
+            raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}.")
         return cls.from_dict({**PRESETS[name], "name": name, **overrides})
 
     @classmethod
@@ -162,7 +208,7 @@ class TransformerConfig:
         valid = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - valid)
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown config key(s) {', '.join(unknown)}; valid keys are: {', '.join(sorted(valid))}."
             )
         return cls(**d)

@@ -1,0 +1,30 @@
+"""Token mixers and their registry: a new mixer is one module plus one line here.
+
+``MIXERS`` maps a config name to ``"module:Class"``, imported on first use (so a mixer's module
+may import anything in tformer without a cycle). ``TransformerConfig.mixer`` is one name for
+every layer, or a list of names repeated over the stack (``["mamba", "mamba", "attention"]``:
+attention every third layer). See :mod:`tformer.mixers.base` for the protocol.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tformer.errors import ConfigError
+
+MIXERS: dict[str, str] = {
+    "attention": "tformer.attention.multihead:MultiHeadAttention",
+}
+
+
+def mixer_class(name: str) -> type:
+    """The class registered as ``name``."""
+    if name not in MIXERS:
+        raise ConfigError(f"mixer={name!r} is not known; choose one of {', '.join(sorted(MIXERS))}.")
+    module, cls = MIXERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def register_mixer(name: str, target: str) -> None:
+    """Register ``"module:Class"`` as mixer ``name`` (for mixers that live outside tformer, e.g. in tests)."""
+    MIXERS[name] = target
