@@ -19,12 +19,12 @@ import torch
 import torch.nn as nn
 
 from tformer.config import TransformerConfig
-from tformer.interop import bert, bloom, gpt2, llama
+from tformer.interop import bert, bloom, gpt2, llama, mamba
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
 from tformer.models.decoder import DecoderLM
 from tformer.models.encoder import EncoderModel
 
-FAMILIES = {t: module for module in (gpt2, llama, bloom, bert) for t in module.MODEL_TYPES}
+FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, mamba) for t in module.MODEL_TYPES}
 
 
 def family(model_type: str | None):
@@ -78,6 +78,8 @@ def infer_model_type(config: TransformerConfig) -> str:
     """The HF family a tformer config corresponds to (its ``name`` if that is one)."""
     if config.name in FAMILIES:
         return config.name
+    if config.mixer == "mamba":
+        return "mamba"
     if not config.causal:
         return "bert"
     if config.positions == "alibi":
