@@ -16,7 +16,7 @@ from tformer.errors import ConfigError
 POSITIONS = ("none", "learned", "sinusoidal", "rope", "alibi")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
-FFN_KINDS = ("mlp", "swiglu")
+FFN_KINDS = ("mlp", "swiglu", "none")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 BACKENDS = ("auto", "math", "torch", "flash")
 

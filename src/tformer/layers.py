@@ -84,6 +84,23 @@ def make_feed_forward(config: TransformerConfig) -> nn.Module:
     return SwiGLU(config) if config.ffn == "swiglu" else MLP(config)
 
 
+class _MixerBlock(nn.Module):
+    """TEMPORARY shim (issue-11 branch) until main's mixer seam lands: pre-norm mixer (+ optional ffn)."""
+
+    def __init__(self, config: TransformerConfig, layer: int):
+        super().__init__()
+        from tformer.mixers import mixer_class
+        self.mixer_norm = make_norm(config)
+        self.mixer = mixer_class(config.layer_mixers()[layer])(config, layer, None)
+        self.ffn_norm = make_norm(config) if config.ffn != "none" else None
+        self.ffn = make_feed_forward(config) if config.ffn != "none" else None
+
+    def forward(self, x, *, positions=None, **_):
+        from tformer.mixers.base import Step
+        x = x + self.mixer(self.mixer_norm(x), Step(positions=positions), None)
+        return x if self.ffn is None else x + self.ffn(self.ffn_norm(x))
+
+
 class Block(nn.Module):
     """One transformer layer: self-attention, optional cross-attention, feed-forward; each residual.
 

@@ -43,7 +43,9 @@ class DecoderLM(nn.Module):
         rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base) if c.positions == "rope" else None
         self.emb_norm = make_norm(c) if c.embedding_norm else None  # BLOOM's word_embeddings_layernorm
         self.drop = nn.Dropout(c.dropout)
-        self.blocks = nn.ModuleList(Block(c, rope=rope) for _ in range(c.n_layers))
+        from tformer.layers import _MixerBlock  # TEMPORARY shim until main's seam
+        self.blocks = nn.ModuleList(Block(c, rope=rope) if m == "attention" else _MixerBlock(c, i)
+                                    for i, m in enumerate(c.layer_mixers()))
         # Post-norm blocks end in a norm already; pre-norm stacks need one before the head.
         self.final_norm = make_norm(c) if c.norm_placement == "pre" else nn.Identity()
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
