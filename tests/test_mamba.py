@@ -61,6 +61,15 @@ def test_scan_gradients_agree():
         torch.testing.assert_close(grads[method], grads["reference"], atol=1e-4, rtol=1e-4)
 
 
+def test_loop_scan_backward_against_finite_differences():
+    g = torch.Generator().manual_seed(1)
+    a = torch.rand(2, 6, 3, 2, generator=g, dtype=torch.float64).requires_grad_()
+    b = torch.randn(2, 6, 3, 2, generator=g, dtype=torch.float64).requires_grad_()
+    h0 = torch.randn(2, 3, 2, generator=g, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(SCANS["loop"], (a, b, h0))
+    assert torch.autograd.gradcheck(lambda a, b: SCANS["loop"](a, b), (a, b))
+
+
 def mamba_config(d=32, n_layers=2, vocab=50, **options) -> TransformerConfig:
     return TransformerConfig(vocab_size=vocab, d_model=d, n_layers=n_layers, n_heads=1, mixer="mamba",
                              positions="none", norm="rmsnorm", bias=False, mixer_options={"mamba": options})

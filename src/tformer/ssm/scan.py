@@ -13,7 +13,8 @@ layer Δ, B and C are functions of the input; in the LTI ablation (S4D) they are
 The recurrence ``h_t = a_t h_{t-1} + b_t`` is a first-order linear scan. It can be computed
 
 - sequentially (:func:`selective_scan_reference`, the definition, one step at a time),
-- by a plain loop over precomputed ``a, b`` (:func:`scan_loop`),
+- by a plain loop over precomputed ``a, b``, in place, with a hand-written backward that is the
+  same loop run backwards (:func:`scan_loop`; :func:`scan_loop_autograd` lets autograd record it),
 - by recursive doubling (Hillis & Steele): ``log2 T`` passes over the whole sequence, each
   composing pairs ``(a, b)`` that are ``2^k`` apart (:func:`scan_doubling`),
 - in chunks: doubling inside chunks of length ``L``, a loop carrying the state across chunks
@@ -77,8 +78,46 @@ def readout(h: Tensor, x: Tensor, C: Tensor, D: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- linear scans h_t = a_t h_{t-1} + b_t
+def _loop(a: Tensor, b: Tensor, h0: Tensor | None) -> Tensor:
+    """``h_t = a_t h_{t-1} + b_t`` along dim 1, each step written in place into one preallocated output."""
+    h = torch.empty_like(b)                                                           # (Bt, T, E, N)
+    prev = torch.zeros_like(b[:, 0]) if h0 is None else h0
+    for t in range(a.shape[1]):
+        torch.addcmul(b[:, t], a[:, t], prev, out=h[:, t])
+        prev = h[:, t]
+    return h
+
+
+class _LoopScan(torch.autograd.Function):
+    """The loop with its own backward, itself a loop running backwards in time: with ``g_t`` the
+    gradient reaching ``h_t`` from the loss and from ``h_{t+1}``,
+
+        g_t = ∂L/∂h_t + a_{t+1} g_{t+1},   ∂L/∂b_t = g_t,   ∂L/∂a_t = g_t h_{t-1},   ∂L/∂h0 = a_0 g_0,
+
+    so autograd stores no per-step graph (on CPU that graph, not the arithmetic, is the cost)."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, h0: Tensor | None) -> Tensor:
+        h = _loop(a, b, h0)
+        ctx.save_for_backward(a, h, h0)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h: Tensor):
+        a, h, h0 = ctx.saved_tensors
+        a_next = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1)             # a_{t+1}, 0 past the end
+        g = _loop(a_next.flip(1), grad_h.flip(1), None).flip(1)                       # (Bt, T, E, N)
+        h_prev = torch.cat([torch.zeros_like(h[:, :1]) if h0 is None else h0[:, None], h[:, :-1]], dim=1)
+        return g * h_prev, g, (a[:, 0] * g[:, 0] if h0 is not None else None)
+
+
 def scan_loop(a: Tensor, b: Tensor, h0: Tensor | None = None) -> Tensor:
-    """All states ``(Bt, T, E, N)`` by a plain loop over time."""
+    """All states ``(Bt, T, E, N)`` by a plain loop over time (in place, with a hand-written backward)."""
+    return _LoopScan.apply(a, b, h0)
+
+
+def scan_loop_autograd(a: Tensor, b: Tensor, h0: Tensor | None = None) -> Tensor:
+    """The same loop, differentiated by autograd step by step (for the benchmark's comparison)."""
     h = torch.zeros_like(b[:, 0]) if h0 is None else h0
     hs = []
     for t in range(a.shape[1]):
@@ -130,8 +169,8 @@ def scan_logspace(a: Tensor, b: Tensor, h0: Tensor | None = None) -> Tensor:
     return h if h0 is None else h[:, 1:]
 
 
-SCANS = {"loop": scan_loop, "doubling": scan_doubling, "chunked": scan_chunked, "logspace": scan_logspace}
-FAST_SCAN = "chunked"  # measured fastest for training here: benchmarks/results/mamba_scan.md
+SCANS = {"loop": scan_loop, "loop-autograd": scan_loop_autograd, "doubling": scan_doubling, "chunked": scan_chunked, "logspace": scan_logspace}
+FAST_SCAN = "loop"  # measured fastest here, forward and backward: benchmarks/results/mamba_scan.md
 
 
 def selective_scan(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
