@@ -12,7 +12,7 @@ from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.mixers.base import Step
 from tformer.ssm.mamba import MambaMixer
-from tformer.ssm.scan import SCANS, selective_scan, selective_scan_reference
+from tformer.ssm.scan import METHODS, SCANS, selective_scan, selective_scan_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +27,7 @@ def scan_inputs(batch=2, T=37, E=8, N=4, lti=False, seed=0):
     return x, delta, A, torch.randn(batch, T, N, generator=g), torch.randn(batch, T, N, generator=g), torch.randn(E)
 
 
-@pytest.mark.parametrize("method", list(SCANS))
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("lti", [False, True])
 def test_scans_agree_with_the_sequential_definition(method, lti):
     x, delta, A, B, C, D = scan_inputs(lti=lti)
@@ -51,13 +51,13 @@ def test_reference_scan_equals_mambapy():
 def test_scan_gradients_agree():
     x, delta, A, B, C, D = scan_inputs(T=20)
     grads = {}
-    for method in ("reference", *SCANS):
+    for method in ("reference", *METHODS):
         xx = x.clone().requires_grad_()
         fn = selective_scan_reference if method == "reference" else \
             lambda *a: selective_scan(*a, method=method)
         fn(xx, delta, A, B, C, D)[0].square().sum().backward()
         grads[method] = xx.grad
-    for method in SCANS:
+    for method in METHODS:
         torch.testing.assert_close(grads[method], grads["reference"], atol=1e-4, rtol=1e-4)
 
 
@@ -68,6 +68,15 @@ def test_loop_scan_backward_against_finite_differences():
     h0 = torch.randn(2, 3, 2, generator=g, dtype=torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(SCANS["loop"], (a, b, h0))
     assert torch.autograd.gradcheck(lambda a, b: SCANS["loop"](a, b), (a, b))
+
+
+@pytest.mark.parametrize("lti", [False, True])
+def test_fused_scan_backward_against_finite_differences(lti):
+    from tformer.ssm.fused import selective_scan_fused
+    x, delta, A, B, C, D = (t.double().requires_grad_() for t in scan_inputs(2, 5, 3, 2, lti=lti, seed=2))
+    h0 = torch.randn(2, 3, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(selective_scan_fused, (x, delta, A, B, C, D, h0))
+    assert torch.autograd.gradcheck(lambda *a: selective_scan_fused(*a)[0], (x, delta, A, B, C, D))
 
 
 def mamba_config(d=32, n_layers=2, vocab=50, **options) -> TransformerConfig:

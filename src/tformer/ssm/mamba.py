@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from tformer.errors import ConfigError
 from tformer.mixers.base import Step, mark_residual
-from tformer.ssm.scan import FAST_SCAN, SCANS, selective_scan, selective_step
+from tformer.ssm.scan import FAST_SCAN, METHODS, selective_scan, selective_step
 
 Tensor = torch.Tensor
 
@@ -166,18 +166,18 @@ class MambaMixer(nn.Module):
 
     @classmethod
     def flops_per_token(cls, config) -> int:
-        """Forward FLOPs per token of one layer: 2 per multiply-add of the projections, the conv and
-        the read-out ``h·C`` (:meth:`matmul_flops_per_token`), plus the scan's elementwise work,
-        ``5·E·N`` (Δ·A, exp, ·B·(Δx), a·h, + b), and ``5·E`` (Δ·x, skip D·x and its add, gate)."""
+        """Forward FLOPs per token of one layer: 2 per multiply-add of the projections and the conv
+        (:meth:`matmul_flops_per_token`), plus the scan's ``7·E·N``: Δ·A, exp, ·B·(Δx), a·h, + b
+        (5) and the read-out h·C (2); plus ``5·E``: Δ·x, the skip D·x and its add, the gate."""
         s = MambaShape.of(config)
-        return cls.matmul_flops_per_token(config) + 5 * s.E * s.N + 5 * s.E
+        return cls.matmul_flops_per_token(config) + 7 * s.E * s.N + 5 * s.E
 
     @classmethod
     def matmul_flops_per_token(cls, config) -> int:
-        """The matrix products and the conv: what ``torch.utils.flop_counter`` counts."""
+        """The projections and the conv: what ``torch.utils.flop_counter`` counts (the fused scan is elementwise)."""
         s = MambaShape.of(config)
         proj = s.d * 2 * s.E + (s.E * (s.R + 2 * s.N) + s.R * s.E if s.selective else 0) + s.E * s.d
-        return 2 * proj + 2 * s.E * s.K + 2 * s.E * s.N
+        return 2 * proj + 2 * s.E * s.K
 
     @classmethod
     def state_bytes(cls, config, n_tokens: int = 0, batch_size: int = 1, bytes_per_element: int = 4) -> int:
@@ -203,9 +203,9 @@ class MambaMixer(nn.Module):
         for key in ("conv_bias", "selective"):
             if not isinstance(o[key], bool):
                 raise ConfigError(f"mixer_options['mamba']['{key}']={o[key]!r} must be true or false.")
-        if o["scan"] not in SCANS:
+        if o["scan"] not in METHODS:
             raise ConfigError(f"mixer_options['mamba']['scan']={o['scan']!r} is not known; "
-                              f"choose one of {', '.join(SCANS)}.")
+                              f"choose one of {', '.join(METHODS)}.")
 
 
 def _positive_int(v) -> bool:

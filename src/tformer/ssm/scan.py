@@ -23,8 +23,9 @@ The recurrence ``h_t = a_t h_{t-1} + b_t`` is a first-order linear scan. It can 
   of ``log a``, computed with ``logcumsumexp`` on the positive and negative parts of ``b``
   (:func:`scan_logspace`).
 
-``benchmarks/mamba_scan.py`` measures them on this CPU; :data:`FAST_SCAN` names the fastest, which
-the layer uses. ``tests/test_mamba.py`` checks that they all agree with the reference and with
+Or, fastest on a CPU, with discretisation, recurrence and read-out fused into one loop per step and
+a hand-written backward (:mod:`tformer.ssm.fused`). ``benchmarks/mamba_scan.py`` measures them all
+on this CPU; :data:`FAST_SCAN` names the fastest, which the layer uses by default. ``tests/test_mamba.py`` checks that they all agree with the reference and with
 ``mambapy``'s parallel scan.
 """
 
@@ -169,17 +170,22 @@ def scan_logspace(a: Tensor, b: Tensor, h0: Tensor | None = None) -> Tensor:
     return h if h0 is None else h[:, 1:]
 
 
-SCANS = {"loop": scan_loop, "loop-autograd": scan_loop_autograd, "doubling": scan_doubling, "chunked": scan_chunked, "logspace": scan_logspace}
-FAST_SCAN = "loop"  # measured fastest here, forward and backward: benchmarks/results/mamba_scan.md
+SCANS = {"loop": scan_loop, "loop-autograd": scan_loop_autograd, "doubling": scan_doubling,
+         "chunked": scan_chunked, "logspace": scan_logspace}
+METHODS = (*SCANS, "fused")  # "fused": discretisation, scan and read-out in one loop (tformer.ssm.fused)
+FAST_SCAN = "fused"  # measured fastest here, forward and backward: benchmarks/results/mamba_scan.md
 
 
 def selective_scan(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
                    h0: Tensor | None = None, method: str = FAST_SCAN) -> tuple[Tensor, Tensor]:
-    """The same result as :func:`selective_scan_reference`, computed with ``SCANS[method]``.
+    """The same result as :func:`selective_scan_reference`, computed with ``method`` (one of :data:`METHODS`).
 
     Returns:
         ``(y (Bt, T, E), h_T (Bt, E, N))``.
     """
+    if method == "fused":
+        from tformer.ssm.fused import selective_scan_fused
+        return selective_scan_fused(x, delta, A, B, C, D, h0)
     a, b = discretise(x, delta, A, B)                                                 # (Bt, T, E, N) each
     h = SCANS[method](a, b, h0)                                                       # (Bt, T, E, N)
     return readout(h, x, C, D), h[:, -1]
