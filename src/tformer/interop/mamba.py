@@ -17,7 +17,7 @@ from tformer.ssm.mamba import MambaShape
 
 MODEL_TYPES = ("mamba",)
 PREFIX = "backbone."
-NORM, MIXER = "mixer_norm", "mixer"   # the Block's attribute names (tformer.layers.Block)
+NORM, MIXER = "attn_norm", "attn"   # the Block keeps these names whatever its mixer (tformer.layers.Block)
 
 # tformer name (under blocks.{i}.{MIXER}.) -> HF name (under layers.{i}.mixer.)
 MIXER_TENSORS = [("in_proj.weight", "in_proj.weight"), ("conv1d.weight", "conv1d.weight"),

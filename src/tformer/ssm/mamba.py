@@ -67,6 +67,11 @@ class MambaState:
     conv: Tensor
     ssm: Tensor
 
+    def reset(self) -> None:
+        """Forget everything (a fresh sequence starts from zeros)."""
+        self.conv.zero_()
+        self.ssm.zero_()
+
     @property
     def nbytes(self) -> int:
         return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
