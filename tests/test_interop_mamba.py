@@ -136,3 +136,35 @@ def test_greedy_generation_token_identical_to_transformers(tmp_path):
     ids = torch.randint(1, 64, (2, 8))
     theirs = hf.generate(ids, max_new_tokens=30, do_sample=False, min_new_tokens=30, pad_token_id=0)
     assert torch.equal(generate(ours, ids, 30, temperature=0), theirs)
+
+
+# ------------------------------------------------------------------ accounting of whole models
+def test_mamba_130m_preset_counts_what_transformers_builds():
+    from tformer.accounting import count_parameters, state_bytes
+    from tformer.models import build_model
+    c = TransformerConfig.from_name("mamba-130m")
+    with torch.device("meta"):
+        theirs = transformers.MambaForCausalLM(transformers.MambaConfig(
+            vocab_size=50280, hidden_size=768, num_hidden_layers=24, state_size=16, expand=2, conv_kernel=4))
+        ours = build_model(c)
+    n_theirs = sum(p.numel() for p in theirs.parameters())
+    assert count_parameters(c).total == ours.num_parameters() == n_theirs
+    # the state is E·(K-1+N) per layer at any length; the KV cache of an equal-size transformer grows
+    gpt = TransformerConfig.from_name("gpt2-124m")
+    assert state_bytes(c, 64, 1, 2) == state_bytes(c, 1 << 16, 1, 2) == 24 * 1536 * (3 + 16) * 2
+    assert state_bytes(gpt, 8192, 1, 2) == 2 * 12 * 8192 * 768 * 2
+
+
+def test_hybrid_stack_counts_and_generates():
+    from tformer.accounting import count_parameters, state_bytes
+    from tformer.inference.generate import generate
+    from tformer.models import build_model
+    c = TransformerConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, mixer=["mamba", "attention"],
+                          positions="rope", norm="rmsnorm", bias=False, ffn="swiglu", context_length=64)
+    torch.manual_seed(0)
+    model = build_model(c).eval()
+    assert count_parameters(c).total == model.num_parameters()
+    state = model.new_state(1, 40)
+    assert state.nbytes == state_bytes(c, 40, 1, 4)
+    ids = torch.randint(0, 64, (1, 5))
+    assert torch.equal(generate(model, ids, 20, temperature=0), generate(model, ids, 20, temperature=0, use_cache=False))

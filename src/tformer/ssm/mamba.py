@@ -178,6 +178,13 @@ class MambaMixer(nn.Module):
         return cls.matmul_flops_per_token(config) + 7 * s.E * s.N + 5 * s.E
 
     @classmethod
+    def extra_training_flops_per_token(cls, config, seq_len: int = 0) -> int:
+        """Training FLOPs per token that ``6 · parameters`` misses: the scan's elementwise work,
+        forward plus a backward of twice that (``3 · (7·E·N + 5·E)``), whatever the length."""
+        s = MambaShape.of(config)
+        return 3 * (7 * s.E * s.N + 5 * s.E)
+
+    @classmethod
     def matmul_flops_per_token(cls, config) -> int:
         """The projections and the conv: what ``torch.utils.flop_counter`` counts (the fused scan is elementwise)."""
         s = MambaShape.of(config)
