@@ -58,7 +58,7 @@ def time_once(fn, args, backward: bool) -> float:
 def main(reps: int = 5) -> None:
     cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.split(":")[-1]
     note = load_note(busy_cores())
-    shapes = [(32, 72, 128, 16), (16, 256, 128, 16), (2, 1024, 64, 16)]
+    shapes = [(16, 36, 64, 16), (8, 256, 64, 16)]
     fns = contenders()
     lines = ["# Selective scan on CPU: which algorithm is fastest", "",
              f"CPU: {cpu.strip()}, torch {torch.__version__}, {torch.get_num_threads()} threads; {note}", "",

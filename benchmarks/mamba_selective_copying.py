@@ -29,12 +29,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--L", type=int, default=64, help="length of the region holding data and noise")
     p.add_argument("--K", type=int, default=8, help="data tokens to copy")
+    p.add_argument("--d", type=int, default=64, help="model width (E = 2d, N = 16)")
     args = p.parse_args()
     task = partial(selective_copying, L=args.L, K=args.K)
     test = task(1024, g=torch.Generator().manual_seed(12345))
     rows, curves = [], {}
     for name, selective in (("selective (S6)", True), ("LTI (S4D)", False)):
-        config = mamba_config(10, selective=selective)
+        config = mamba_config(10, d=args.d, selective=selective)
         model, losses, seconds = train(config, task, args.steps, args.batch, desc=name)
         acc = accuracy(model, *test)
         rows.append((name, acc, losses[-1], seconds, model.num_parameters()))
@@ -44,7 +45,7 @@ def main() -> None:
     lines = ["# Selective copying: selective Mamba vs its LTI ablation", "",
              f"Region of {args.L} tokens holding {args.K} data tokens (8 kinds) among noise, then {args.K} go "
              f"tokens; accuracy = fraction of the {args.K} outputs right, on 1024 held-out sequences. "
-             f"2-layer Mamba LM, d=64, E=128, N=16, no feed-forward; AdamW 3e-3, {args.steps} steps of "
+             f"2-layer Mamba LM, d={args.d}, E={2 * args.d}, N=16, no feed-forward; AdamW 3e-3, {args.steps} steps of "
              f"{args.batch} fresh sequences. Paper: length 4096, 16 data tokens, 400k steps.", "",
              f"CPU: {cpu.split(':')[-1].strip()}, 1 thread, on a shared busy machine (times are not comparable).", "",
              "| layer | accuracy (ours) | paper (Table 1) | final train loss | parameters | train s |",
