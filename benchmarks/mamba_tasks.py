@@ -1,8 +1,8 @@
 """The Mamba paper's synthetic tasks (Gu & Dao 2023, section 4.1) at CPU size, and a small trainer.
 
 - Selective copying: ``K`` data tokens scattered at random among noise tokens in a region of length
-  ``L``, then ``K`` "go" tokens; at the i-th go token the model must output the i-th data token. A
-  time-invariant (LTI) layer cannot tell data from noise by content, only by position.
+  ``L``; after a "go" token the model writes them out in order. A time-invariant (LTI) layer cannot
+  tell data from noise by content, only by position.
 - Induction heads: a random sequence in which a special token is followed by a key token; the
   sequence ends with the special token again and the model must output the key token.
 """
@@ -21,12 +21,16 @@ Tensor = torch.Tensor
 
 
 def selective_copying(batch: int, L: int = 64, K: int = 8, n_data: int = 8, g: torch.Generator | None = None):
-    """``(ids (batch, L + K), targets)``: noise 0, data 1..n_data, go n_data + 1; loss on the go tokens."""
+    """``(ids (batch, L + K), targets)``: a region of ``L`` tokens, noise 0 but for ``K`` data tokens
+    (1..n_data) at random places, then a go token (n_data + 1) and the data tokens again, shifted:
+    the model writes the data tokens out in order, each one after seeing the previous (teacher forcing,
+    as in generation). The loss and accuracy are on those ``K`` outputs."""
     ids = torch.zeros(batch, L + K, dtype=torch.long)
     data = torch.randint(1, n_data + 1, (batch, K), generator=g)
     where = torch.rand(batch, L, generator=g).argsort(dim=1)[:, :K].sort(dim=1).values  # K positions, in order
     ids.scatter_(1, where, data)
-    ids[:, L:] = n_data + 1
+    ids[:, L] = n_data + 1
+    ids[:, L + 1:] = data[:, :-1]
     targets = torch.full_like(ids, -100)
     targets[:, L:] = data
     return ids, targets

@@ -104,6 +104,20 @@ class MambaMixer(nn.Module):
         self.reset_dt_bias()
 
     @torch.no_grad()
+    def init_weights(self) -> None:
+        """Mamba's own initialisation (the model calls it after its generic N(0, 0.02) one): PyTorch's
+        default (Kaiming-uniform) projections and conv, ``dt_proj`` uniform in ``±R^-1/2`` so that Δ
+        depends on the input from the start, S4D-real A, D = 1, Δ bias as in :meth:`reset_dt_bias`."""
+        s = self.shape
+        for m in (self.in_proj, self.conv1d, self.out_proj, *((self.x_proj,) if s.selective else ())):
+            m.reset_parameters()
+        if s.selective:
+            nn.init.uniform_(self.dt_proj.weight, -s.R ** -0.5, s.R ** -0.5)
+        self.A_log.copy_(torch.log(torch.arange(1, s.N + 1, dtype=torch.float32)).repeat(s.E, 1))
+        self.D.fill_(1.0)
+        self.reset_dt_bias()
+
+    @torch.no_grad()
     def reset_dt_bias(self, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
         """``softplus(dt_bias)`` log-uniform in ``[dt_min, dt_max]`` (Mamba's Δ initialisation)."""
         dt = torch.exp(torch.rand(self.shape.E) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
