@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tformer.config import TransformerConfig
+from tformer.errors import CheckpointError, InputError
 
 WEIGHTS, CONFIG = "model.safetensors", "tformer_config.json"
 
@@ -77,7 +78,7 @@ def save_model(directory: str | os.PathLike, model: torch.nn.Module, generation:
     """
     directory = Path(directory)
     if any(getattr(m, "inference_only", False) for m in model.modules()):
-        raise ValueError("this model was converted for inference (set_precision / quantize_int8); "
+        raise InputError("this model was converted for inference (set_precision / quantize_int8); "
                          "save the model before converting it, and convert again after loading.")
     aliases = _aliases(model)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}
@@ -92,13 +93,13 @@ def _read_meta(directory: str | os.PathLike) -> dict:
         hint = (" It looks like a HuggingFace folder: convert it with `tformer convert --from-hf DIR --out CKPT`."
                 if (Path(directory) / "config.json").is_file() else
                 " Pass the --out folder of `tformer train` or of `tformer convert --from-hf`.")
-        raise ValueError(f"{directory} is not a tformer checkpoint: {CONFIG} is missing.{hint}")
+        raise CheckpointError(f"{directory} is not a tformer checkpoint: {CONFIG} is missing.{hint}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
-            raise ValueError("no 'config' object in it")
+            raise CheckpointError("no 'config' object in it")
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}. The checkpoint is damaged; retrain or restore it.") from e
+        raise CheckpointError(f"cannot read {path}: {e}. The checkpoint is damaged; retrain or restore it.") from e
     return meta
 
 
@@ -128,24 +129,24 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch
     config, kind = TransformerConfig.from_dict(meta["config"]), meta.get("model", "DecoderLM")
     models = {"DecoderLM": DecoderLM, "EncoderModel": EncoderModel}
     if kind not in models:
-        raise ValueError(f"checkpoint model {kind!r} is not known; known: {', '.join(models)}.")
+        raise CheckpointError(f"checkpoint model {kind!r} is not known; known: {', '.join(models)}.")
     model = models[kind](config, **meta.get("options", {}))
     path = Path(directory) / WEIGHTS
     if not path.is_file():
-        raise ValueError(f"{directory} has no {WEIGHTS}; the checkpoint is incomplete.")
+        raise CheckpointError(f"{directory} has no {WEIGHTS}; the checkpoint is incomplete.")
     try:
         state = load_file(str(path), device=map_location)
     except Exception as e:  # safetensors raises its own error types
-        raise ValueError(f"cannot read {path}: {e}. The file is damaged; retrain or restore it.") from e
+        raise CheckpointError(f"cannot read {path}: {e}. The file is damaged; retrain or restore it.") from e
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape: weights and config disagree
         first = str(e).strip().splitlines()[-1].strip()
-        raise ValueError(f"{path} does not fit its {CONFIG} ({first}); the checkpoint is damaged or its "
+        raise CheckpointError(f"{path} does not fit its {CONFIG} ({first}); the checkpoint is damaged or its "
                          f"config was edited; use the config it was saved with.") from e
     missing = sorted(set(missing) - _aliases(model))
     if missing or unexpected:
-        raise ValueError(f"{path} does not fit its {CONFIG}: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+        raise CheckpointError(f"{path} does not fit its {CONFIG}: missing {missing[:5]}, unexpected {unexpected[:5]}.")
     return model
 
 
@@ -171,23 +172,23 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"checkpoint folder {path} does not exist; pass the --out folder of a `tformer train` run.")
+        raise CheckpointError(f"checkpoint folder {path} does not exist; pass the --out folder of a `tformer train` run.")
     if not path.is_dir() or not os.access(path, os.R_OK | os.X_OK):
-        raise ValueError(f"cannot read checkpoint folder {path}; pass a readable folder written by `tformer train`.")
+        raise CheckpointError(f"cannot read checkpoint folder {path}; pass a readable folder written by `tformer train`.")
     if (path / POINTER).is_file():
         try:
             latest = json.loads((path / POINTER).read_text(encoding="utf-8"))["latest"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"cannot read {path / POINTER}: {e}. The run folder is damaged; "
+            raise CheckpointError(f"cannot read {path / POINTER}: {e}. The run folder is damaged; "
                              f"pass a checkpoint folder under {path / 'ckpt'} instead.") from e
         folder = path / latest
         if not (folder / CONFIG).is_file():
-            raise ValueError(f"{path / POINTER} points to {folder}, which is not a complete checkpoint; "
+            raise CheckpointError(f"{path / POINTER} points to {folder}, which is not a complete checkpoint; "
                              f"pass another folder under {path / 'ckpt'}.")
         return folder
     if (path / CONFIG).is_file():
         return path
-    raise ValueError(f"{path} is not a tformer checkpoint (no {POINTER} or {CONFIG}); "
+    raise CheckpointError(f"{path} is not a tformer checkpoint (no {POINTER} or {CONFIG}); "
                      f"pass the --out folder of a `tformer train` run.")
 
 
@@ -234,9 +235,9 @@ def load_training_state(folder: str | os.PathLike) -> tuple[dict, dict]:
         state = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
         opt = torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
     except FileNotFoundError as e:
-        raise ValueError(f"{folder} has no trainer state ({e.filename}); it was saved for inference only "
+        raise CheckpointError(f"{folder} has no trainer state ({e.filename}); it was saved for inference only "
                          f"and cannot be resumed. Start a new run with another --out.") from e
     except Exception as e:
-        raise ValueError(f"cannot read the trainer state in {folder}: {e}. The checkpoint is damaged; "
+        raise CheckpointError(f"cannot read the trainer state in {folder}: {e}. The checkpoint is damaged; "
                          f"restore it or start a new run with another --out.") from e
     return state, opt

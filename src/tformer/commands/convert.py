@@ -11,6 +11,8 @@ import json
 import shutil
 from pathlib import Path
 
+from tformer.errors import InputError
+
 # Files that travel with the weights unchanged (tokenizer, sentence-transformers settings).
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
               "merges.txt", "sentence_bert_config.json", "modules.json", "1_Pooling/config.json")
@@ -38,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from tformer.interop.hf import load_hf, save_hf
 
     if args.max_shard_mb is not None and args.max_shard_mb <= 0:
-        raise ValueError(f"--max-shard-mb {args.max_shard_mb} must be > 0.")
+        raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0.")
     source_arg = Path(args.from_hf or args.to_hf)
     if source_arg.resolve() == Path(args.out).resolve():
-        raise ValueError(f"--out {args.out} is the source folder; write the converted model to a new folder.")
+        raise InputError(f"--out {args.out} is the source folder; write the converted model to a new folder.")
     if args.from_hf:
         source = Path(args.from_hf)
         model = load_hf(source)

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from tformer.errors import CheckpointError, InputError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint (KV-cached)",
@@ -50,15 +52,15 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     threads, dtype, use_cache = getattr(args, "threads", None), getattr(args, "dtype", "fp32"), not getattr(args, "no_cache", False)
     if threads is not None:
         if threads < 1:
-            raise ValueError(f"--threads {threads} must be >= 1.")
+            raise InputError(f"--threads {threads} must be >= 1.")
         torch.set_num_threads(threads)
     if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 0.")
+        raise InputError(f"--max-new-tokens {args.max_new_tokens} must be >= 0.")
     folder = resolve_checkpoint(args.ckpt)
     model = set_precision(load_model(folder).eval(), dtype)
     tokenizer = load_tokenizer(folder)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+        raise CheckpointError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}; the checkpoint is inconsistent; use another checkpoint.")
     eos = [] if getattr(args, "ignore_eos", False) else load_generation_defaults(folder).get("eos_token_id", [])
     stats: dict = {}

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tformer.config import PRESETS
+from tformer.errors import ConfigError
 from tformer.training.config import MODEL_KEYS, TRAIN_KEYS
 
 TRAIN_HELP = {
@@ -86,14 +87,14 @@ def read_toml(path: str) -> dict:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
-        raise ValueError("--config needs Python 3.11+ (tomllib); pass the settings with --set instead.") from None
+        raise ConfigError("--config needs Python 3.11+ (tomllib); pass the settings with --set instead.") from None
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
-        raise ValueError(f"config file {path} does not exist; pass an existing FILE.toml to --config.") from None
+        raise ConfigError(f"config file {path} does not exist; pass an existing FILE.toml to --config.") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"cannot read config file {path}: {e}; fix the TOML syntax.") from None
+        raise ConfigError(f"cannot read config file {path}: {e}; fix the TOML syntax.") from None
     flat = {}
     for key, value in data.items():
         if key in ("model", "train") and isinstance(value, dict):
@@ -108,7 +109,7 @@ def parse_settings(items: list[str]) -> dict:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--set {item!r} is not KEY=VALUE; write e.g. --set max_steps=500.")
+            raise ConfigError(f"--set {item!r} is not KEY=VALUE; write e.g. --set max_steps=500.")
         out[key.strip()] = value
     return out
 
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except OSError as e:  # a folder we cannot create or write, a disk that is full, ...
-        raise ValueError(f"{e.strerror or e}: {e.filename or ''}; check that path (permissions, free space) "
+        raise ConfigError(f"{e.strerror or e}: {e.filename or ''}; check that path (permissions, free space) "
                          f"or pass another --out / --set cache_dir=...") from e
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from tformer.config import TransformerConfig
+from tformer.errors import CheckpointError, ConfigError
 from tformer.interop import bert, bloom, gpt2, llama
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
 from tformer.models.decoder import DecoderLM
@@ -30,7 +31,7 @@ FAMILIES = {t: module for module in (gpt2, llama, bloom, bert) for t in module.M
 def family(model_type: str | None):
     """The converter module for an HF ``model_type``."""
     if model_type not in FAMILIES:
-        raise ValueError(f"config.json field model_type={model_type!r} is not supported; "
+        raise CheckpointError(f"config.json field model_type={model_type!r} is not supported; "
                          f"supported model types are {', '.join(FAMILIES)}.")
     return FAMILIES[model_type]
 
@@ -64,7 +65,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module
     try:
         config = module.config_from_hf(hf)
     except KeyError as e:
-        raise ValueError(f"{folder}/config.json lacks the field {e.args[0]!r} that a {hf.get('model_type')} "
+        raise CheckpointError(f"{folder}/config.json lacks the field {e.args[0]!r} that a {hf.get('model_type')} "
                          f"config must have; re-save the model with transformers' save_pretrained.") from e
     src = TensorSource(read_tensors(folder), prefix=module.PREFIX)
     state = module.state_from_hf(src, config)
@@ -88,7 +89,7 @@ def infer_model_type(config: TransformerConfig) -> str:
         if config.qkv_bias and not config.bias:
             return "qwen2"
         return "mistral" if config.sliding_window is not None else "llama"
-    raise ValueError(f"no HuggingFace family matches positions={config.positions!r}; pass model_type "
+    raise ConfigError(f"no HuggingFace family matches positions={config.positions!r}; pass model_type "
                      f"explicitly (one of {', '.join(FAMILIES)}).")
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tformer.config import TransformerConfig
+from tformer.errors import ConfigError
 from tformer.training.tokenizer import KINDS
 
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -78,20 +79,20 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval"):
             if getattr(self, f) < 1:
-                raise ValueError(f"{f}={getattr(self, f)} must be a positive integer.")
+                raise ConfigError(f"{f}={getattr(self, f)} must be a positive integer.")
         for f in ("decay_steps", "warmup_steps", "threads", "sample_tokens"):
             if getattr(self, f) < 0:
-                raise ValueError(f"{f}={getattr(self, f)} must be >= 0.")
+                raise ConfigError(f"{f}={getattr(self, f)} must be >= 0.")
         if self.tokenizer not in KINDS:
-            raise ValueError(f"tokenizer={self.tokenizer!r} is not known; choose one of {', '.join(KINDS)}.")
+            raise ConfigError(f"tokenizer={self.tokenizer!r} is not known; choose one of {', '.join(KINDS)}.")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is not known; choose one of {', '.join(PRECISIONS)}.")
+            raise ConfigError(f"precision={self.precision!r} is not known; choose one of {', '.join(PRECISIONS)}.")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device={self.device!r} is not known; choose auto, cpu or cuda.")
+            raise ConfigError(f"device={self.device!r} is not known; choose auto, cpu or cuda.")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but this PyTorch sees no CUDA GPU; use device=cpu (or auto).")
+            raise ConfigError(f"device={self.device!r} but this PyTorch sees no CUDA GPU; use device=cpu (or auto).")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}.")
+            raise ConfigError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}.")
 
 
 TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
@@ -108,7 +109,7 @@ def cast_value(key: str, value: Any) -> Any:
     fields.update({f.name: f for f in dataclasses.fields(TransformerConfig) if f.name in MODEL_KEYS})
     if key not in fields:
         hint = " (it comes from the tokenizer; set bpe_vocab_size for BPE)" if key == "vocab_size" else ""
-        raise ValueError(f"unknown setting {key!r}{hint}; valid keys are: {', '.join(sorted(fields))}.")
+        raise ConfigError(f"unknown setting {key!r}{hint}; valid keys are: {', '.join(sorted(fields))}.")
     kind = str(fields[key].type)
     optional = "None" in kind
     if isinstance(value, str) and optional and value.lower() in ("none", "null", ""):
@@ -130,4 +131,4 @@ def cast_value(key: str, value: Any) -> Any:
             return float(value)
         return value if value is None else str(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{key}={value!r} is not a valid {kind.split(' ')[0]}; e.g. --set {key}=...") from None
+        raise ConfigError(f"{key}={value!r} is not a valid {kind.split(' ')[0]}; e.g. --set {key}=...") from None

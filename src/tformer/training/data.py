@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from tformer.checkpoint import atomic_write, atomic_write_json
+from tformer.errors import ConfigError, InputError
 from tformer.training.tokenizer import load_tokenizer, train_tokenizer
 
 DEFAULT_CORPUS_BYTES = 4_000_000   # cap of the embedded stdlib corpus (~4 MB of Python source)
@@ -57,7 +58,7 @@ def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
                 files.append(path)
                 total += size
     if not files:
-        raise ValueError(f"found no Python source under {root} for the default corpus; pass --data PATH.")
+        raise InputError(f"found no Python source under {root} for the default corpus; pass --data PATH.")
     return files
 
 
@@ -78,13 +79,13 @@ def resolve_corpus(data: str | None) -> list[Path]:
     elif globlib.has_magic(data):
         files = sorted(Path(p) for p in globlib.glob(os.path.expanduser(data), recursive=True) if Path(p).is_file())
     else:
-        raise ValueError(f"corpus path {data} does not exist; pass a text file, a folder of text files or a glob "
+        raise InputError(f"corpus path {data} does not exist; pass a text file, a folder of text files or a glob "
                          f"with --data, or omit --data to use the built-in corpus.")
     if not files:
-        raise ValueError(f"corpus {data} contains no files; put text files there or pass another --data.")
+        raise InputError(f"corpus {data} contains no files; put text files there or pass another --data.")
     for f in files:
         if not os.access(f, os.R_OK):
-            raise ValueError(f"corpus file {f} is not readable; fix its permissions or leave it out of --data.")
+            raise InputError(f"corpus file {f} is not readable; fix its permissions or leave it out of --data.")
     return files
 
 
@@ -151,10 +152,10 @@ def load_corpus(
         ValueError: missing or empty corpus, a tokenizer that cannot encode it.
     """
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction={val_fraction} must be in (0, 1), e.g. 0.1.")
+        raise ConfigError(f"val_fraction={val_fraction} must be in (0, 1), e.g. 0.1.")
     files = resolve_corpus(data)
     if sum(p.stat().st_size for p in files) == 0:
-        raise ValueError(f"corpus {data} is empty (0 bytes); give it some text.")
+        raise InputError(f"corpus {data} is empty (0 bytes); give it some text.")
     def trained_id(kind: str) -> str:
         return f"{kind}-{bpe_vocab_size}" if kind == "bpe" else kind
 

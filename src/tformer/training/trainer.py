@@ -30,6 +30,7 @@ from tformer.accounting import training_flops_per_token
 from tformer.checkpoint import (POINTER, load_config, load_model, load_training_state, resolve_checkpoint,
                                 save_training_checkpoint)
 from tformer.config import TransformerConfig
+from tformer.errors import ConfigError, InputError
 from tformer.inference.generate import generate
 from tformer.models.decoder import DecoderLM
 from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
@@ -88,7 +89,7 @@ class Trainer:
             return cls._resume(out_dir, preset, model_kw, train_kw, log)
         if (out_dir / POINTER).exists():
             step = json.loads((out_dir / POINTER).read_text(encoding="utf-8")).get("step")
-            raise ValueError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
+            raise InputError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
                              f"or choose another --out to start a new run.")
         cfg = TrainConfig(**{**train_kw, "out_dir": str(out_dir)})
         corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer, bpe_vocab_size=cfg.bpe_vocab_size,
@@ -101,7 +102,7 @@ class Trainer:
     @classmethod
     def _resume(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
         if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
-            raise ValueError(f"nothing to resume: {out_dir} holds no run; drop --resume to start one, "
+            raise InputError(f"nothing to resume: {out_dir} holds no run; drop --resume to start one, "
                              f"or pass the --out folder of an earlier run.")
         folder = resolve_checkpoint(out_dir)
         state, opt_state = load_training_state(folder)
@@ -113,13 +114,13 @@ class Trainer:
                 asked[key] = train_kw[key]
         if asked:
             have = {k: (saved.name if k == "preset" else getattr(saved, k, state["train_config"].get(k))) for k in asked}
-            raise ValueError(f"the checkpoint in {folder} is incompatible with this run: it has "
+            raise ConfigError(f"the checkpoint in {folder} is incompatible with this run: it has "
                              f"{_kv(have)} but this run asks for {_kv(asked)}; resume with the original settings "
                              f"(drop these --preset/--set values) or start a new run with another --out.")
         cfg = TrainConfig(**{**state["train_config"], **train_kw, "out_dir": str(out_dir)})
         files = resolve_corpus(cfg.data)
         if corpus_fingerprint(files) != state["corpus_fingerprint"]:
-            raise ValueError(f"the corpus {cfg.data or '(built-in)'} differs from the one the checkpoint in {folder} "
+            raise InputError(f"the corpus {cfg.data or '(built-in)'} differs from the one the checkpoint in {folder} "
                              f"was trained on; resume with the original --data ({state['train_config']['data'] or 'none: the built-in corpus'}) "
                              f"or start a new run with another --out.")
         corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(folder), val_fraction=cfg.val_fraction,
@@ -171,7 +172,7 @@ class Trainer:
                 if not math.isfinite(loss):
                     kept = (f"the last good checkpoint (step {self.saved_step}) is kept in {self.out_dir}"
                             if self.saved_step is not None else "no checkpoint had been saved yet")
-                    raise ValueError(f"the loss became {loss} at step {self.step}; {kept}. Lower the learning "
+                    raise ConfigError(f"the loss became {loss} at step {self.step}; {kept}. Lower the learning "
                                      f"rate (--set lr=...), keep gradient clipping on, or use --set precision=fp32.")
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
                     dt = time.perf_counter() - window_t
@@ -303,7 +304,7 @@ def auto_threads() -> int:
 def _check_length(corpus: Corpus, context: int) -> None:
     need = context + 1
     if len(corpus.val) < need or len(corpus.train) < need:
-        raise ValueError(
+        raise ConfigError(
             f"the corpus is too short: {corpus.n_tokens} tokens give a validation split of {len(corpus.val)} "
             f"tokens, fewer than one context window ({need} tokens); use a longer corpus or a smaller context "
             f"(--set context_length=N with N < {max(1, min(len(corpus.val), len(corpus.train)) - 1)}).")
