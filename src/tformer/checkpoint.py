@@ -57,7 +57,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
                 os.fsync(f.fileno())
         except Exception as e:
             raise _write_error(e, path) from e
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -65,7 +65,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         raise
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (read by setting and restoring it)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

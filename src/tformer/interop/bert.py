@@ -110,6 +110,6 @@ def state_to_hf(state: dict, c: TransformerConfig) -> dict:
                 out[f"{hf}{h}.{kind}"] = state[f"{ours}{t}.{kind}"]
     if mlm:
         out.update({theirs: state[ours] for ours, theirs in MLM})
-    if "pooler.weight" in state and not mlm:
-        out.update({theirs: state[ours] for ours, theirs in POOLER})
+    if "pooler.weight" in state:  # with the MLM head too: BertForMaskedLM ignores it, load_hf reads it back
+        out.update({p + theirs: state[ours] for ours, theirs in POOLER})
     return out

@@ -28,11 +28,11 @@ from tformer.models.encoder import EncoderModel
 FAMILIES = {t: module for module in (gpt2, llama, bloom, bert) for t in module.MODEL_TYPES}
 
 
-def family(model_type: str | None):
-    """The converter module for an HF ``model_type``."""
+def family(model_type: str | None, source: str = "config.json field model_type"):
+    """The converter module for an HF ``model_type`` (``source`` says where the value came from)."""
     if model_type not in FAMILIES:
-        raise CheckpointError(f"config.json field model_type={model_type!r} is not supported; "
-                         f"supported model types are {', '.join(FAMILIES)}.")
+        raise CheckpointError(f"{source}={model_type!r} is not supported; "
+                              f"supported model types are {', '.join(FAMILIES)}.")
     return FAMILIES[model_type]
 
 
@@ -68,10 +68,16 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module
         raise CheckpointError(f"{folder}/config.json lacks the field {e.args[0]!r} that a {hf.get('model_type')} "
                          f"config must have; re-save the model with transformers' save_pretrained.") from e
     src = TensorSource(read_tensors(folder), prefix=module.PREFIX)
-    state = module.state_from_hf(src, config)
-    src.check_consumed()
-    model = build_model(config, state)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    try:
+        state = module.state_from_hf(src, config)
+        src.check_consumed()
+        model = build_model(config, state)
+        model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    except RuntimeError as e:  # a tensor whose shape the config does not give (an edited config.json)
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        first = next((line for line in lines if line.startswith("size mismatch")), lines[-1] if lines else "")
+        raise CheckpointError(f"the weights in {folder} do not fit its config.json ({first}); use the config.json "
+                              f"that was saved with these weights.") from e
     return model.to(dtype).eval()
 
 
@@ -106,8 +112,8 @@ def save_hf(model: nn.Module, folder: str | Path, model_type: str | None = None,
         ValueError: if the family cannot express the model's config (names the field).
     """
     c = model.config
+    module = family(model_type, "model_type") if model_type else family(infer_model_type(c))
     model_type = model_type or infer_model_type(c)
-    module = family(model_type)
     module.check_exportable(c, model_type)
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     kwargs = {"mlm": "mlm_head.bias" in state} if module is bert else {}

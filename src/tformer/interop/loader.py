@@ -46,7 +46,10 @@ def read_tensors(folder: str | Path) -> dict[str, Tensor]:
     """
     folder = Path(folder)
     if (folder / INDEX).is_file():
-        index = json.loads((folder / INDEX).read_text())
+        try:
+            index = json.loads((folder / INDEX).read_text())
+        except ValueError as e:
+            raise CheckpointError(f"{folder / INDEX} is not valid JSON ({e}); download or save it again.") from None
         shards = sorted(set(index.get("weight_map", {}).values()))
         if not shards:
             raise CheckpointError(f"{folder / INDEX} has an empty weight_map.")
@@ -54,16 +57,28 @@ def read_tensors(folder: str | Path) -> dict[str, Tensor]:
         for shard in shards:
             if not (folder / shard).is_file():
                 raise CheckpointError(f"shard {shard} listed in {INDEX} is missing from {folder}.")
-            tensors.update(load_file(str(folder / shard)))
+            tensors.update(_load(folder / shard))
         return tensors
     if (folder / SINGLE).is_file():
-        return load_file(str(folder / SINGLE))
+        return _load(folder / SINGLE)
     found = sorted(folder.glob("*.safetensors"))
     if len(found) == 1:
-        return load_file(str(found[0]))
+        return _load(found[0])
     hint = " (found pytorch_model.bin: re-save it with save_pretrained(..., safe_serialization=True))" \
         if (folder / "pytorch_model.bin").exists() else ""
     raise CheckpointError(f"no {SINGLE} or {INDEX} in {folder}{hint}.")
+
+
+def _load(path: Path) -> dict[str, Tensor]:
+    """One safetensors file; a truncated or malformed one is refused in one sentence."""
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError for I/O)
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"cannot read {path} ({first}); the file is damaged or incomplete (an interrupted "
+                              f"download?); download or save it again.") from e
 
 
 def write_folder(folder: str | Path, config: dict, tensors: dict[str, Tensor],

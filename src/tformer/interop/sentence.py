@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tformer.checkpoint import CONFIG, load_model
+from tformer.checkpoint import CONFIG, POINTER, load_model
 from tformer.errors import CheckpointError, ConfigError
 from tformer.interop.hf import load_hf
 from tformer.models.encoder import EncoderModel
@@ -56,7 +56,13 @@ class SentenceEncoder:
 
         folder = Path(folder)
         if model is None:  # a tformer checkpoint (tformer convert --from-hf) or an HF folder
-            model = load_model(folder).eval() if (folder / CONFIG).is_file() else load_hf(folder)
+            if (folder / CONFIG).is_file() or (folder / POINTER).is_file():   # a tformer checkpoint or run
+                model = load_model(folder).eval()
+            elif (folder / "config.json").is_file():
+                model = load_hf(folder)
+            else:
+                raise CheckpointError(f"{folder} is neither a HuggingFace model folder (config.json) nor a tformer "
+                                      f"checkpoint; pass --model a sentence-transformers or BERT folder.")
         self.model = model
         if not isinstance(self.model, EncoderModel):
             raise CheckpointError(f"{folder} holds a {type(self.model).__name__}; sentence embeddings need an "

@@ -22,13 +22,8 @@ STATE_TYPES = {"step": int, "train_config": dict, "corpus_fingerprint": str, "to
                "elapsed_s": (int, float), "best_val_loss": (int, float)}
 
 
-def check_state(state, opt_state, folder: Path, max_steps: int | None) -> None:
-    """Refuse a damaged trainer state in one sentence, and a resume that would train no step.
-
-    Args:
-        state: ``trainer.json`` as read; opt_state: ``optimizer.pt`` as read.
-        max_steps: the ``max_steps`` this resume asks for (``None``: the checkpoint's own).
-    """
+def check_state(state, opt_state, folder: Path) -> None:
+    """Refuse a damaged trainer state (``trainer.json``, ``optimizer.pt`` as read) in one sentence."""
     if not isinstance(state, dict):
         raise CheckpointError(f"{folder}/trainer.json is not a JSON object; the checkpoint is damaged; restore it "
                               f"or start a new run with another --out.")
@@ -40,11 +35,13 @@ def check_state(state, opt_state, folder: Path, max_steps: int | None) -> None:
     if not isinstance(opt_state, dict) or not {"optimizer", "torch_rng"} <= set(opt_state):
         raise CheckpointError(f"{folder}/optimizer.pt lacks the optimizer state or the RNG state; the checkpoint "
                               f"is damaged; restore it or start a new run with another --out.")
-    step = state["step"]
-    want = max_steps if max_steps is not None else state["train_config"].get("max_steps")
-    if isinstance(want, int) and want <= step:
-        raise InputError(f"the run in {folder.parent.parent} is at step {step} already and max_steps={want}, so "
-                         f"resuming would train nothing; pass --set max_steps=N with N > {step}.")
+
+
+def check_more_steps(run_dir: Path, step: int, max_steps: int) -> None:
+    """Refuse a resume that would train no step (it would print "trained N steps" and do nothing)."""
+    if max_steps <= step:
+        raise InputError(f"the run in {run_dir} is at step {step} already and max_steps={max_steps}, so resuming "
+                         f"would train nothing; pass --set max_steps=N with N > {step}.")
 
 
 def start_metrics(run_dir: Path, step: int | None) -> None:

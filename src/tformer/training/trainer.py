@@ -39,7 +39,7 @@ from tformer.training.data import Corpus, corpus_fingerprint, get_batch, load_co
 from tformer.training.optim import lr_at, make_optimizer
 from tformer.training.perf import bf16_supported, busy_cores, matmul_peak_flops
 from tformer.training.runlock import RunLock
-from tformer.training.runstate import check_state, start_metrics
+from tformer.training.runstate import check_more_steps, check_state, start_metrics
 from tformer.training.tokenizer import load_tokenizer
 
 _DEFAULT_THREADS = torch.get_num_threads()
@@ -122,7 +122,7 @@ class Trainer:
     def _resume(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
         folder = resolve_checkpoint(out_dir)
         state, opt_state = load_training_state(folder)
-        check_state(state, opt_state, folder, train_kw.get("max_steps"))
+        check_state(state, opt_state, folder)
         saved, _ = load_config(folder)
         asked = {"preset": preset} if preset and preset != saved.name else {}
         asked.update({k: v for k, v in model_kw.items() if getattr(saved, k) != v})
@@ -141,6 +141,7 @@ class Trainer:
             raise InputError(f"the corpus {cfg.data or '(built-in)'} differs from the one the checkpoint in {folder} "
                              f"was trained on; resume with the original --data ({state['train_config']['data'] or 'none: the built-in corpus'}) "
                              f"or start a new run with another --out.")
+        check_more_steps(out_dir, state["step"], cfg.max_steps)
         corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(folder), val_fraction=cfg.val_fraction,
                              cache_dir=cfg.cache_dir, encoding=cfg.encoding, log=log)
         trainer = cls(cfg, saved, corpus, out_dir, saved.name, log)
