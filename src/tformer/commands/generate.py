@@ -80,6 +80,9 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
         torch.set_num_threads(threads)
     folder = resolve_checkpoint(args.ckpt)
     model = set_precision(load_model(folder).eval(), dtype)
+    if not model.config.causal:
+        raise InputError(f"{folder} holds a {type(model).__name__}, which does not generate text; pass the "
+                         f"checkpoint of a causal language model (tformer train, or a converted GPT-2/Llama).")
     tokenizer = load_tokenizer(folder)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CheckpointError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "

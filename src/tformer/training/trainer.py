@@ -91,7 +91,7 @@ class Trainer:
         out_dir = Path(train_kw.get("out_dir") or f"runs/{preset or 'tiny'}")
         if out_dir.exists() and not out_dir.is_dir():
             raise InputError(f"--out {out_dir} is a file, not a folder; pass a folder for the run.")
-        if resume and (not out_dir.exists() or not any(out_dir.iterdir())):
+        if resume and (not out_dir.exists() or not any(p.name != ".lock" for p in out_dir.iterdir())):
             raise InputError(f"nothing to resume: {out_dir} holds no run; drop --resume to start one, "
                              f"or pass the --out folder of an earlier run.")
         lock = RunLock(out_dir)
