@@ -6,6 +6,7 @@ bounded in time. Items that are about a message, not a process, call ``tformer.c
 process: the boundary is the same code.
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -37,11 +38,11 @@ SMALL = [a for k, v in TINY.items() for a in ("--set", f"{k}={v}")]
 TEXT = "".join(f"{i}: to be, or not to be, that is the question.\n" for i in range(40))
 
 
-def tformer(*args, timeout=90, preexec_fn=None):
+def tformer(*args, timeout=120):
     """Run the real CLI in a new process."""
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "tformer", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout, preexec_fn=preexec_fn)
+                          env=env, timeout=timeout)
 
 
 def popen(*args):
@@ -185,30 +186,36 @@ def test_a_new_run_after_one_that_died_before_its_first_checkpoint_starts_a_new_
 
 
 # ---------------------------------------------------------------- 4. no traceback on any of these
-def _limit_file_size(limit):
-    def apply():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG, like a full disk
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    return apply
+@contextlib.contextmanager
+def file_size_limit(limit):
+    """Writes past ``limit`` bytes fail with EFBIG, as on a full disk (in this process, then restored)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
 
 
-def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_the_last_checkpoint(run, tmp_path):
+def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_the_last_checkpoint(run, tmp_path, capsys):
     import shutil
     shutil.copytree(run, tmp_path / "r")
     before = json.loads((tmp_path / "r" / "checkpoint.json").read_text())
     # 60 kB: the weights (58 kB) fit, the optimizer state (133 kB, torch's "unexpected pos") does not.
-    r = tformer("train", "--resume", "--out", tmp_path / "r", "--set", "max_steps=3",
-                preexec_fn=_limit_file_size(60_000))
-    one_line(r.returncode, r.stderr, "optimizer.pt", "File too large")
+    with file_size_limit(60_000):
+        cli(capsys, "train", "--resume", "--out", tmp_path / "r", "--set", "max_steps=3",
+            needles=["optimizer.pt", "File too large"])
     assert json.loads((tmp_path / "r" / "checkpoint.json").read_text()) == before
     load_model(tmp_path / "r")
 
 
-def test_a_full_disk_while_caching_tokens_names_the_path(tmp_path):
+def test_a_full_disk_while_caching_tokens_names_the_path(tmp_path, capsys):
     (tmp_path / "big.txt").write_text(TEXT * 20)                     # 35 kB of text, 70 kB of uint16 ids
-    r = tformer("train", "--data", tmp_path / "big.txt", "--out", tmp_path / "r", *SMALL,
-                "--set", f"cache_dir={tmp_path}/cache", preexec_fn=_limit_file_size(40_000))
-    one_line(r.returncode, r.stderr, "tokens.bin")
+    with file_size_limit(40_000):
+        cli(capsys, "train", "--data", tmp_path / "big.txt", "--out", tmp_path / "r", *SMALL,
+            "--set", f"cache_dir={tmp_path}/cache", needles=["tokens.bin"])
 
 
 def test_user_os_errors_become_one_sentence_naming_the_path():
@@ -231,8 +238,7 @@ def test_truncated_and_mismatched_hf_folders(run, tmp_path, capsys):
     save_hf(load_model(run), hf)
     data = (hf / "model.safetensors").read_bytes()
     (hf / "model.safetensors").write_bytes(data[: len(data) // 2])
-    r = tformer("convert", "--from-hf", hf, "--out", tmp_path / "o")
-    one_line(r.returncode, r.stderr, "model.safetensors", "damaged or incomplete")
+    cli(capsys, "convert", "--from-hf", hf, "--out", tmp_path / "o", needles=["model.safetensors", "damaged or incomplete"])
     (hf / "model.safetensors").write_bytes(data)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "n_embd": 48}))

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -134,12 +135,24 @@ def file_digest(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def check_weights(path: Path, meta: dict, state: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+def _start_digest(path: Path) -> Future | None:
+    """:func:`file_digest` in a background thread (hashlib releases the GIL), overlapping the model's
+    construction; ``None`` if there is no file to hash."""
+    if not path.is_file():
+        return None
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(file_digest, path)
+    pool.shutdown(wait=False)
+    return future
+
+
+def check_weights(path: Path, meta: dict, state: dict[str, torch.Tensor], model: torch.nn.Module,
+                  digest: str | None = None) -> None:
     """Refuse weights that would load as a different model: a file changed since it was saved (its
-    checksum), or a tensor whose stored dtype is not the kind the model holds (an I32 header on F32 bytes).
+    checksum; ``digest`` is the file's, if already computed), or a tensor whose stored dtype is not the
+    kind the model holds (an I32 header on F32 bytes).
     """
-    digest = meta.get(CHECKSUM)
-    if digest is not None and file_digest(path) != digest:
+    if meta.get(CHECKSUM) is not None and (digest or file_digest(path)) != meta[CHECKSUM]:
         raise CheckpointError(f"{path} does not match the checksum recorded in {CONFIG} when it was saved; "
                               f"the file was changed or damaged since; restore it or retrain.")
     expected = model.state_dict()
@@ -207,6 +220,7 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu", verify: 
 
     directory = resolve_checkpoint(directory)
     meta = _read_meta(directory)
+    digest = _start_digest(Path(directory) / WEIGHTS) if verify and CHECKSUM in meta else None
     config = TransformerConfig.from_dict(meta["config"])
     kind = LEGACY_NAMES.get(meta.get("model"), meta.get("model", config.model))
     if kind not in MODELS:
@@ -222,7 +236,7 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu", verify: 
     except Exception as e:  # safetensors raises its own error types
         raise CheckpointError(f"cannot read {path}: {e}. The file is damaged; retrain or restore it.") from e
     if verify:
-        check_weights(path, meta, state, model)
+        check_weights(path, meta, state, model, digest.result() if digest else None)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape: weights and config disagree
