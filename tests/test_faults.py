@@ -390,3 +390,15 @@ def test_save_hf_keeps_the_pooler_of_an_mlm_encoder(tmp_path):
     save_hf(enc, tmp_path / "hf")
     back = load_hf(tmp_path / "hf")
     assert back.pooler is not None and torch.equal(back.pooler.weight, enc.pooler.weight)
+
+
+def test_count_names_a_tied_head_as_tied(capsys):
+    assert main(["count", "--preset", "gpt2-124m"]) == 0
+    out = capsys.readouterr().out
+    assert "LM head (tied" in out and "untied" not in out
+
+
+def test_pyproject_license_is_an_spdx_string():
+    tomllib = pytest.importorskip("tomllib")       # Python 3.11+
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "MIT"

@@ -57,7 +57,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         except Exception as e:
-            raise _write_error(e, path) from e
+            raise _write_error(e, path, tmp) from e
         os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
@@ -67,16 +67,21 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
 
 
 def current_umask() -> int:
-    """The process's umask (read by setting and restoring it)."""
+    """The process's umask: from /proc on Linux (no race with other threads), else by setting it back."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-def _write_error(e: Exception, path: Path) -> Exception:
+def _write_error(e: Exception, path: Path, tmp: str) -> Exception:
     """``e`` as an ``OSError`` naming ``path`` when it is a failed write (full disk, size limit), else ``e``."""
     if isinstance(e, OSError) and e.errno is not None:
-        return e if e.filename else OSError(e.errno, e.strerror, str(path))
+        return e if e.filename not in (None, tmp) else OSError(e.errno, e.strerror, str(path))
     text = str(e)
     code = re.search(r"(?:os error |code: )(\d+)", text)
     if code:
