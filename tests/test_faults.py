@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tformer import DecoderLM, TransformerConfig
-from tformer.checkpoint import CHECKSUM, load_model, save_model
+from tformer.checkpoint import CHECKSUM, current_umask, load_model, save_model
 from tformer.cli import main, os_error_message
 from tformer.interop.hf import load_hf, save_hf
 from tformer.models.encoder import EncoderModel
@@ -142,6 +142,7 @@ def test_convert_refuses_a_non_empty_out_and_force_replaces_it_whole(run, tmp_pa
     assert (hf / "generation_config.json").is_file() and not (hf / "model.safetensors").exists()
     assert main(["convert", "--to-hf", str(run), "--out", str(hf), "--force"]) == 0
     assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]   # nothing stale
+    assert hf.stat().st_mode & 0o777 == 0o777 & ~current_umask()                          # a plain mkdir's mode
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]                   # no staging left
 
 
@@ -313,6 +314,12 @@ def test_every_setting_is_checked_up_front_naming_it(tmp_path, capsys, setting):
     cli(capsys, "train", "--data", tmp_path / "c.txt", "--out", tmp_path / "r", "--set", setting,
         "--set", f"cache_dir={tmp_path}/cache", needles=[setting.split("=")[0] + "="])
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_encoding_is_a_train_option(tmp_path, capsys):
+    (tmp_path / "c.txt").write_text(TEXT)
+    cli(capsys, "train", "--data", tmp_path / "c.txt", "--out", tmp_path / "r", "--encoding", "no-such-codec",
+        needles=["encoding='no-such-codec'"])
 
 
 # ---------------------------------------------------------------- 9. messages that lead to the fix
