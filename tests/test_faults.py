@@ -409,3 +409,15 @@ def test_pyproject_license_is_an_spdx_string():
     tomllib = pytest.importorskip("tomllib")       # Python 3.11+
     meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert meta["project"]["license"] == "MIT"
+
+
+def test_only_rank_zero_locks_a_distributed_run(tmp_path, monkeypatch):
+    first = RunLock(tmp_path)
+    try:
+        monkeypatch.setenv("RANK", "1")
+        RunLock(tmp_path).release()                  # another rank of the same run shares the folder
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(InputError, match="in use by another"):
+            RunLock(tmp_path)
+    finally:
+        first.release()

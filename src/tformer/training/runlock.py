@@ -8,6 +8,7 @@ there, and a second run is refused in one sentence naming the holder's process i
 The kernel releases a ``flock`` when its file descriptor closes, so the lock goes away when the
 process ends however it ends (exit, exception, ``kill -9``, a crash): a stale ``.lock`` file from
 a dead run never blocks the next one. POSIX only (``fcntl``); on a system without it, no lock.
+Under ``torchrun`` the ranks of one run share its folder: only rank 0 (``RANK`` unset or 0) locks it.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ class RunLock:
 
     def __init__(self, folder: str | os.PathLike):
         self.path = Path(folder) / LOCK
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        if fcntl is None:
+        self.fd: int | None = None
+        if fcntl is None or os.environ.get("RANK", "0") != "0":
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
