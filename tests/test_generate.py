@@ -229,7 +229,7 @@ def test_cli_generate_prints_text_and_speed(tmp_path, capsys):
     assert main(base + ["--stream", "--dtype", "int8"]) == 0
     assert "tokens/s (int8, KV cache" in capsys.readouterr().err
     assert main(base + ["--top-p", "1.5"]) == 2
-    assert "top_p=1.5 must be in (0, 1]" in capsys.readouterr().err
+    assert "--top-p 1.5 must be in (0, 1]" in capsys.readouterr().err   # checked up front, naming the flag
 
 
 def test_interleaved_generations_on_one_model_each_equal_alone():
