@@ -211,7 +211,7 @@ def load_corpus(
             cache = root / _content_key(fingerprint, encoding, tok_hash)
     meta_path = cache / "meta.json"
     if not meta_path.is_file():
-        _build_cache(files, tokenizer, bpe_vocab_size, cache, encoding, log)
+        _build_cache(files, tokenizer, bpe_vocab_size, cache, encoding, fingerprint, log)
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     if meta.get("replaced_bytes"):
         log(f"warning: {meta['replaced_bytes']:,} byte(s) of the corpus are not valid {encoding} and were replaced "
@@ -224,7 +224,7 @@ def load_corpus(
                   files=files, cache=cache)
 
 
-def _build_cache(files, tokenizer, bpe_vocab_size, cache: Path, encoding: str, log) -> None:
+def _build_cache(files, tokenizer, bpe_vocab_size, cache: Path, encoding: str, fingerprint: str, log) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     n_bytes = sum(p.stat().st_size for p in files)
     if isinstance(tokenizer, str):
@@ -245,7 +245,7 @@ def _build_cache(files, tokenizer, bpe_vocab_size, cache: Path, encoding: str, l
     atomic_write(cache / "tokens.bin", write)
     tokenizer.save(cache / "tokenizer.json")
     atomic_write_json(cache / "meta.json", {           # written last: its presence marks a complete cache
-        "n_tokens": counter["n"], "dtype": np.dtype(dtype).name, "fingerprint": corpus_fingerprint(files),
+        "n_tokens": counter["n"], "dtype": np.dtype(dtype).name, "fingerprint": fingerprint,
         "files": [str(p) for p in files[:1000]], "n_files": len(files), "bytes": n_bytes,
         "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.kind, "version": CACHE_VERSION,
         "encoding": encoding, "replaced_bytes": _replaced["bytes"],
