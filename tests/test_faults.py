@@ -219,6 +219,30 @@ def test_a_full_disk_while_caching_tokens_names_the_path(tmp_path, capsys):
             "--set", f"cache_dir={tmp_path}/cache", needles=["tokens.bin"])
 
 
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A small tmpfs mounted at ``path`` (needs root: skipped where mounting is not allowed)."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root; the RLIMIT_FSIZE tests above cover the same paths")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def test_a_real_full_disk_and_a_real_read_only_file_system(run, tmp_path, capsys):
+    with tmpfs(tmp_path / "small", "size=100k") as small:   # the weights fit, the optimizer state does not
+        (tmp_path / "c.txt").write_text(TEXT)
+        cli(capsys, "train", "--data", tmp_path / "c.txt", "--out", small / "r", *SMALL, "--set", "max_steps=2",
+            "--set", "eval_interval=2", "--set", f"cache_dir={tmp_path}/cache",
+            needles=["No space left on device", "optimizer.pt"])
+        assert not (small / "r" / "checkpoint.json").exists()        # no pointer to a partial checkpoint
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        cli(capsys, "convert", "--to-hf", run, "--out", ro / "hf", needles=["Read-only file system", str(ro / "hf")])
+
+
 def test_user_os_errors_become_one_sentence_naming_the_path():
     for code in (errno.ENOSPC, errno.EROFS, errno.EACCES):
         text = os_error_message(OSError(code, os.strerror(code), "/some/where"))

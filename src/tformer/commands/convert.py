@@ -95,8 +95,11 @@ class replacing:
     def __enter__(self) -> Path:
         from tformer.checkpoint import current_umask
 
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.stage = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}.new-"))
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.stage = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}.new-"))
+        except OSError as e:   # name the folder the user gave, not the hidden staging one
+            raise OSError(e.errno, e.strerror, str(self.out)) from e
         os.chmod(self.stage, 0o777 & ~current_umask())  # mkdtemp makes 0700; give it a plain mkdir's mode
         return self.stage
 
