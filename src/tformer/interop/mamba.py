@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from tformer.config import TransformerConfig
+from tformer.errors import ConfigError
 from tformer.interop.loader import TensorSource, refuse, require
 from tformer.ssm.mamba import MambaShape
 
@@ -81,7 +82,7 @@ def check_exportable(c: TransformerConfig, model_type: str = "mamba") -> None:
     require(c, "mamba", mixer="mamba", ffn="none", norm="rmsnorm", norm_placement="pre", positions="none",
             embedding_norm=False, type_vocab_size=0, causal=True)
     if not MambaShape.of(c).selective:
-        raise ValueError("cannot export as mamba: it needs mixer_options['mamba']['selective']=True, the model "
+        raise ConfigError("cannot export as mamba: it needs mixer_options['mamba']['selective']=True, the model "
                          "is the LTI ablation.")
 
 
