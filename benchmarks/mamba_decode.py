@@ -7,7 +7,7 @@ At each position p both models prefill p random tokens into a fresh state (not t
 ``--steps`` tokens one at a time; the fastest step is the latency (on a shared machine other
 processes only ever add time, so the minimum is the best estimate of the cost itself; the median is
 reported beside it). The two models alternate at each
-position. Writes benchmarks/results/mamba_decode.{md,png}.
+position, token by token. Writes benchmarks/results/mamba_decode.{md,png}.
 """
 
 from __future__ import annotations
@@ -41,18 +41,22 @@ def models(d: int, vocab: int = 256, context: int = 1 << 14) -> dict:
 
 
 @torch.inference_mode()
-def decode_latency(model, p: int, steps: int) -> tuple[float, int]:
-    """(fastest and median seconds per decoded token after a p-token prefill, state bytes at the end)."""
+def decode_latency(built: dict, p: int, steps: int) -> dict:
+    """{name: (fastest s, median s, state bytes)} per decoded token after a p-token prefill; the
+    models take turns token by token, so both see the machine in the same state."""
     g = torch.Generator().manual_seed(p)
-    ids = torch.randint(0, model.config.vocab_size, (1, p + steps), generator=g)
-    state = model.new_state(1, p + steps)
-    model(ids[:, :p], state=state, last_only=True)
-    times = []
+    ids = torch.randint(0, 256, (1, p + steps), generator=g)
+    states = {}
+    for name, model in built.items():
+        states[name] = model.new_state(1, p + steps)
+        model(ids[:, :p], state=states[name], last_only=True)
+    times = {name: [] for name in built}
     for t in range(p, p + steps):
-        start = time.perf_counter()
-        model(ids[:, t:t + 1], state=state, last_only=True)
-        times.append(time.perf_counter() - start)
-    return min(times), statistics.median(times), state.nbytes
+        for name, model in built.items():
+            start = time.perf_counter()
+            model(ids[:, t:t + 1], state=states[name], last_only=True)
+            times[name].append(time.perf_counter() - start)
+    return {n: (min(ts), statistics.median(ts), states[n].nbytes) for n, ts in times.items()}
 
 
 def main() -> None:
@@ -67,8 +71,8 @@ def main() -> None:
     before = load_note(busy_cores())
     result = {name: {} for name in built}
     for p in tqdm(positions, desc="positions"):
-        for name, model in built.items():
-            result[name][p] = decode_latency(model, p, args.steps)
+        for name, r in decode_latency(built, p, args.steps).items():
+            result[name][p] = r
     after = load_note(busy_cores())
     cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout
     names = list(built)
@@ -98,9 +102,11 @@ def plot(result: dict, positions: list[int]) -> None:
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     for name, by_pos in result.items():
-        ax1.plot(positions, [1e3 * by_pos[p][0] for p in positions], marker="o", label=name)
+        line, = ax1.plot(positions, [1e3 * by_pos[p][0] for p in positions], marker="o", label=f"{name}, fastest")
+        ax1.plot(positions, [1e3 * by_pos[p][1] for p in positions], ls="--", marker=".", color=line.get_color(),
+                 label=f"{name}, median")
         ax2.plot(positions, [by_pos[p][2] / 2**20 for p in positions], marker="o", label=name)
-    ax1.set(xscale="log", xlabel="context position", ylabel="ms per decoded token (fastest step)", title="Decode latency")
+    ax1.set(xscale="log", xlabel="context position", ylabel="ms per decoded token", title="Decode latency (busy shared CPU)")
     ax2.set(xscale="log", yscale="log", xlabel="context position", ylabel="state MB (fp32, batch 1)",
             title="Inference state memory")
     for ax in (ax1, ax2):
