@@ -174,3 +174,17 @@ def test_parameters_flops_and_state_bytes_from_the_config(options):
 def test_bad_options_are_refused_in_one_sentence(bad):
     with pytest.raises(ConfigError, match="mixer_options"):
         TransformerConfig(d_model=32, n_heads=1, mixer="mamba", mixer_options={"mamba": bad})
+
+
+def test_the_model_keeps_mambas_own_initialisation():
+    from tformer.models import build_model
+    c = mamba_config(d=32, d_state=8)
+    c.ffn = "none"
+    model = build_model(c)
+    for block in model.blocks:
+        m = block.attn
+        dt = F.softplus(m.dt_bias)
+        assert dt.min() >= 1e-3 * 0.999 and dt.max() <= 0.1 * 1.001            # not zeroed by the generic init
+        assert m.dt_proj.weight.abs().max() <= m.shape.R ** -0.5 and m.dt_proj.weight.std() > 0.1
+        torch.testing.assert_close(-torch.exp(m.A_log[0]), -torch.arange(1.0, 9.0))
+        assert torch.equal(m.D, torch.ones_like(m.D))
