@@ -9,9 +9,11 @@ from typing import Any
 import torch
 
 from tformer.config import TransformerConfig
+from tformer.errors import ConfigError
 from tformer.training.tokenizer import KINDS
 
 PRECISIONS = ("auto", "bf16", "fp32")
+STRATEGIES = ("ddp", "fsdp")                 # how a run under torchrun spreads over its ranks
 # On CPU, bf16 autocast pays for its casts only when the matmuls are wide: measured on a 2-core
 # Xeon with AMX (benchmarks/train_shakespeare_char.py), d_model=384 trained about 3x faster in bf16
 # but d_model=128 is slower (PyTorch's bf16 CPU attention backward dominates). So ``auto``
@@ -43,6 +45,9 @@ class TrainConfig:
         sample_tokens, sample_prompt: what is generated at each evaluation (0 = nothing).
         time_limit: stop (saving a checkpoint) after this many seconds; 0 = no limit.
         progress: show a progress bar.
+        strategy: under torchrun, ``ddp`` (every rank holds the whole model, gradients all-reduced) or
+            ``fsdp`` (FSDP2: parameters, gradients and optimizer state sharded over the ranks).
+        dist_timeout: seconds a rank waits in a collective for the others before it fails (not a hang).
     """
 
     data: str | None = None
@@ -74,6 +79,8 @@ class TrainConfig:
     sample_prompt: str = "\n"
     time_limit: float = 0.0
     progress: bool = True
+    strategy: str = "ddp"
+    dist_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         for f in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval"):
@@ -90,6 +97,10 @@ class TrainConfig:
             raise ValueError(f"device={self.device!r} is not known; choose auto, cpu or cuda.")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but this PyTorch sees no CUDA GPU; use device=cpu (or auto).")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"strategy={self.strategy!r} is not known; choose one of {', '.join(STRATEGIES)}.")
+        if not self.dist_timeout > 0:
+            raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive number of seconds, e.g. 600.")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}.")
 
