@@ -19,8 +19,10 @@ unsharded replica whose state each rank slices to its shard. Optimizer states go
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -80,7 +82,8 @@ def load(dist: Distributed, folder: Path, model: torch.nn.Module, optimizer, opt
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "torch_rng": torch.get_rng_state()}
         try:
-            dcp.load(state, checkpoint_id=folder / SHARDS, no_dist=not dist.active)
+            with _single_process_is_meant():
+                dcp.load(state, checkpoint_id=folder / SHARDS, no_dist=not dist.active)
         except Exception as e:   # DCP raises its own error types for missing or damaged shards
             raise CheckpointError(f"cannot read the sharded checkpoint in {folder / SHARDS} ({_first_line(e)}); "
                                   f"restore it or resume from another step folder.") from e
@@ -105,7 +108,8 @@ def read_sharded_weights(model: torch.nn.Module, shards: Path) -> torch.nn.Modul
     from torch.distributed import checkpoint as dcp
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=shards, no_dist=True)
+        with _single_process_is_meant():
+            dcp.load(state, checkpoint_id=shards, no_dist=True)
     except Exception as e:
         raise CheckpointError(f"cannot read the sharded weights in {shards} ({_first_line(e)}); "
                               f"restore the checkpoint or load another step folder.") from e
@@ -119,6 +123,14 @@ def consolidate(folder: str | Path) -> Path:
     folder = resolve_checkpoint(folder)
     save_model(folder, load_model(folder))
     return folder / WEIGHTS
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """DCP warns when it reads without a process group; here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        yield
 
 
 def _first_line(e: Exception) -> str:
