@@ -79,7 +79,7 @@ class Distributed:
             from torch.nn.parallel import DistributedDataParallel
             ids = [self.local_rank] if device.startswith("cuda") else None
             # buffers (RoPE tables, masks) are computed identically on every rank: no broadcast per forward
-            return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+            return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh(device.split(":")[0], (self.world_size,))
