@@ -118,7 +118,7 @@ def runs(tmp_path_factory):
                      "--rdzv-id=tformer-test", "--local-addr=127.0.0.1")
     jobs = {
         "fsdp": Job([sys.executable, "-m", "tformer", "train", "--nproc", "2", *args, "--set", "strategy=fsdp",
-                     "--out", str(root / "fsdp")], root),
+                     "--set", "sample_tokens=8", "--out", str(root / "fsdp")], root),
         "node0": Job([*node, "--rdzv-conf=is_host=1", "-m", "tformer", "train", *args, "--out", str(root / "ddp")], root),
         "node1": Job([*node, "--rdzv-conf=is_host=0", "-m", "tformer", "train", *args, "--out", str(root / "ddp")], root),
         "resume-on-2": Job([*_torchrun("--standalone", "--nproc-per-node=2"), "-m", "tformer", "train", "--resume",
@@ -167,6 +167,7 @@ def test_fsdp_on_two_ranks_equals_one_process(runs):
     root, jobs = runs
     out = _ok(jobs["fsdp"])
     assert "2 ranks (fsdp, gloo)" in out and out.count("step 20: train loss") == 1    # rank 0 alone prints
+    assert out.count("--- generated text (300 tokens) ---") == 1        # sampled from the gathered weights
     ref, got = _steps(root / "ref"), _steps(root / "fsdp")
     assert sorted(got) == list(range(1, 21)) and ref[20] < ref[1] - 0.5               # it did learn
     assert max(abs(ref[s] - got[s]) for s in ref) < TOL

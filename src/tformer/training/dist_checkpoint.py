@@ -59,12 +59,8 @@ def save(dist: Distributed, run_dir: Path, step: int, model: torch.nn.Module, op
     dcp.save({"model": model_state, "optim": optim_state, "torch_rng": torch.get_rng_state()},
              checkpoint_id=folder / SHARDS)
     plain = dist.full_model(model) if final else None      # collective: every rank takes part
-    if dist.is_main:
-        if plain is None:
-            from tformer.models import build_model
-            with torch.device("meta"):                      # the config file needs the class, not weights
-                plain = build_model(model.config)
-        save_training_checkpoint(run_dir, step, plain, tokenizer, state, None, weights=final)
+    if dist.is_main:           # the config, tokenizer and trainer state (+ the consolidated weights), then the pointer
+        save_training_checkpoint(run_dir, step, plain if final else model, tokenizer, state, None, weights=final)
     dist.barrier()
     return folder
 

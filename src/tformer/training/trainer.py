@@ -30,10 +30,10 @@ from tformer.accounting import training_flops_per_token
 from tformer.checkpoint import POINTER, load_config, load_training_state, resolve_checkpoint
 from tformer.config import TransformerConfig
 from tformer.inference.generate import generate
-from tformer.models.decoder import DecoderLM
+from tformer.models import build_model
+from tformer.training import dist_checkpoint, distributed
 from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
                                      TrainConfig, cast_value)
-from tformer.training import dist_checkpoint, distributed
 from tformer.training.data import Corpus, corpus_fingerprint, get_batch, load_corpus, resolve_corpus
 from tformer.training.optim import lr_at, make_optimizer
 from tformer.training.perf import bf16_supported, busy_cores, matmul_peak_flops
@@ -58,7 +58,7 @@ class Trainer:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         self.device = self.dist.place(device)
         torch.manual_seed(cfg.seed)
-        self.model = DecoderLM(model_config).to(self.device)
+        self.model = build_model(model_config).to(self.device)
         self.forward = self.dist.wrap(self.model, cfg.strategy, self.device)   # the model, DDP, or FSDP-sharded
         self.optimizer = self._new_optimizer(self.model)
         self.forward = torch.compile(self.forward) if cfg.compile else self.forward
