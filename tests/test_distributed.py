@@ -242,3 +242,15 @@ def test_nproc_under_torchrun_and_a_batch_that_does_not_split_are_one_line_error
     assert "drop --nproc" in capsys.readouterr().err
     with pytest.raises(ValueError, match="multiple of 5"):
         Distributed(rank=0, world_size=5).check_batch(4, 3)
+
+
+def test_each_local_rank_gets_its_share_of_the_cores(monkeypatch):
+    from tformer.training import trainer
+    monkeypatch.setattr(trainer, "busy_cores", lambda seconds: 0.0)
+    monkeypatch.setattr(trainer.os, "cpu_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert trainer.auto_threads() == 4                      # 8 cores // 2 ranks
+    monkeypatch.setattr(trainer, "busy_cores", lambda seconds: 4.0)
+    assert trainer.auto_threads() == 2                      # (8 - 4 busy) // 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert trainer.auto_threads() == 1
