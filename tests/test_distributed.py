@@ -57,7 +57,8 @@ def _free_port() -> int:
 
 
 def _torchrun(*args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--max-restarts=0", "--monitor-interval=0.5", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--max-restarts=0", "--monitor-interval=0.5",
+            "--local-addr=127.0.0.1", *args]
 
 
 class Job:
@@ -116,7 +117,7 @@ def runs(tmp_path_factory):
     args = ["--data", str(corpus), *_set(cache_dir=root / "cache")]
     port = _free_port()
     node = _torchrun("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                     "--rdzv-id=tformer-test", "--local-addr=127.0.0.1")
+                     "--rdzv-id=tformer-test")
     jobs = {
         "fsdp": Job([sys.executable, "-m", "tformer", "train", "--nproc", "2", *args, "--set", "strategy=fsdp",
                      "--set", "sample_tokens=8", "--out", str(root / "fsdp")], root),

@@ -243,13 +243,14 @@ def local_ranks() -> int:
 def launch(nproc: int, train_args: list[str]) -> int:
     """Run ``tformer train <train_args>`` on ``nproc`` local ranks through torchrun; its exit status.
 
-    ``--standalone`` gives a c10d rendezvous on a free local port; no restarts, so a failing rank
-    ends the job. On Linux, gloo is kept on the loopback interface (one machine).
+    ``--standalone`` gives a c10d rendezvous on a free local port, and the ranks meet at 127.0.0.1 (one
+    machine: on Linux gloo is kept on the loopback interface too); no restarts, so a failing rank ends the job.
     """
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be at least 1; pass the number of processes to start.")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", "--monitor-interval=0.5", "-m", "tformer", "train", *train_args]
+           "--local-addr=127.0.0.1", "--max-restarts=0", "--monitor-interval=0.5", "-m", "tformer", "train",
+           *train_args]
     env = dict(os.environ)
     if "GLOO_SOCKET_IFNAME" not in env and any(name == "lo" for _, name in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"
