@@ -168,3 +168,16 @@ def test_hybrid_stack_counts_and_generates():
     assert state.nbytes == state_bytes(c, 40, 1, 4)
     ids = torch.randint(0, 64, (1, 5))
     assert torch.equal(generate(model, ids, 20, temperature=0), generate(model, ids, 20, temperature=0, use_cache=False))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_lower_precision_mamba_stays_close(precision):
+    """int8 keeps layers whose in_features the kernel cannot take (dt_proj: in = dt_rank) in float."""
+    from tformer.inference.quantize import set_precision
+    model = tformer_mamba(seed=4)
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        ref = model(ids)[0]
+        low = set_precision(tformer_mamba(seed=4), precision)(ids)[0].float()
+    assert torch.isfinite(low).all()
+    assert (low - ref).abs().max() < 0.05 * ref.abs().max()
