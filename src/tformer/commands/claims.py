@@ -35,12 +35,17 @@ def list_claims(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
     import torch
 
     from tformer.claims import get_claims
     from tformer.claims.runner import run_claims
     from tformer.errors import InputError
 
+    if importlib.util.find_spec("matplotlib") is None:
+        raise InputError("tformer claims run draws its plots with matplotlib, which is not installed; "
+                         "install it with pip install 'tformer[plot]'.")
     if args.threads is not None:
         if args.threads < 1:
             raise InputError(f"--threads {args.threads} must be at least 1.")

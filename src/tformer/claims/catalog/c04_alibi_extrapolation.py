@@ -80,8 +80,8 @@ CLAIM = Claim(
                             "model trained at 2048")],
     sizes={"quick": {"corpus_bytes": 200_000, "L": 16, "layers": 2, "d_model": 32, "heads": 2, "steps": 30,
                      "batch": 16, "lr": 3e-3, "eval_tokens": 2048},
-           "full": {"corpus_bytes": 2_000_000, "L": 64, "layers": 3, "d_model": 96, "heads": 4, "steps": 1200,
-                    "batch": 32, "lr": 2e-3, "eval_tokens": 65536}},
+           "full": {"corpus_bytes": 2_000_000, "L": 32, "layers": 2, "d_model": 64, "heads": 4, "steps": 600,
+                    "batch": 16, "lr": 2e-3, "eval_tokens": 16384}},
     run=run, checks=checks, rows=rows, plot=plot,
     notes="Byte-level Python source (this interpreter's standard library) instead of WikiText-103, and models "
           "of a few hundred thousand parameters instead of 247M; the same protocol: train at L, evaluate "

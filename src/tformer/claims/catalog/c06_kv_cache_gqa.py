@@ -140,10 +140,10 @@ CLAIM = Claim(
     sizes={"quick": {"layers": 2, "d_model": 64, "heads": 8, "cache_tokens": 256, "cache_batch": 2,
                      "decode_n": 1024, "decode_batch": 1, "decode_heads": 16, "repeats": 3,
                      "corpus_bytes": 200_000, "block": 32, "batch": 16, "steps": 20, "lr": 3e-3, "eval_tokens": 4096},
-           "full": {"layers": 4, "d_model": 128, "heads": 8, "cache_tokens": 4096, "cache_batch": 2,
+           "full": {"layers": 2, "d_model": 64, "heads": 8, "cache_tokens": 4096, "cache_batch": 2,
                     "decode_n": 8192, "decode_batch": 4, "decode_heads": 16, "repeats": 21,
-                    "corpus_bytes": 2_000_000, "block": 64, "batch": 32, "steps": 800, "lr": 2e-3,
-                    "eval_tokens": 65536}},
+                    "corpus_bytes": 2_000_000, "block": 32, "batch": 16, "steps": 400, "lr": 2e-3,
+                    "eval_tokens": 16384}},
     run=run, checks=checks, rows=rows, plot=plot,
     notes="Bytes are read from the state the model allocates. Speed is the attention over the cache of one "
           "decode step (fp32, tformer's attention function, the contenders alternated, medians) on a shared "

@@ -214,7 +214,7 @@ CLAIM = Claim(
                ("§4.2", "adversarial attention distributions far from the original (JSD near its maximum) that "
                         "leave the prediction within ε exist for many instances")],
     sizes={"quick": {"length": 16, "d_model": 32, "train": 1000, "steps": 100, "test": 48, "adversarial_steps": 60},
-           "full": {"length": 32, "d_model": 64, "train": 20000, "steps": 1500, "test": 500,
+           "full": {"length": 32, "d_model": 64, "train": 20000, "steps": 800, "test": 500,
                     "adversarial_steps": 400}},
     run=run, checks=checks, rows=rows, plot=plot,
     notes="A synthetic task generated offline (the paper used SST, IMDB and others) and a transformer encoder "
