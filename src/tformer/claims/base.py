@@ -70,4 +70,5 @@ class Claim:
     def __post_init__(self) -> None:
         missing = [s for s in SIZES if s not in self.sizes]
         if missing:
-            raise ValueError(f"claim {self.name!r} has no {', '.join(missing)} size; define sizes['quick'] and sizes['full'].")
+            raise ValueError(f"claim {self.name!r} has no {', '.join(missing)} size; "
+                             f"define sizes['quick'] and sizes['full'].")

@@ -55,8 +55,8 @@ def _section(c: dict, png: bytes) -> str:
   <ul class="checks">{checks}</ul>
   {notes}
   <img class="plot" alt="plot for {_e(c['name'])}" src="{png_data_uri(png)}">
-  <p class="meta">{_e(c['size'])} size, {origin} ({_e(c['date'])}, {c['seconds']:.1f} s); code hash {_e(c['code_hash'])};
-  config {_e(c['config'])}</p>
+  <p class="meta">{_e(c['size'])} size, {origin} ({_e(c['date'])}, {c['seconds']:.1f} s);
+  code hash {_e(c['code_hash'])}; config {_e(c['config'])}</p>
 </section>"""
 
 
@@ -73,22 +73,30 @@ def render_html(results: dict, pngs: list[bytes]) -> str:
 <body><main>
 <h1>tformer claims</h1>
 <p class="meta">{_e(results['size'])} size · generated {_e(results['generated'])} · {_e(results['cpu'])},
-{results['cores']} cores · torch {_e(results['torch'])}. Each claim: the published figures, ours, the verdict from
-checks fixed before running, and a plot. Timings come from a shared machine unless stated otherwise.</p>
+{results['cores']} cores · torch {_e(results['torch'])} · {_machine_load(results)}.
+Each claim: the published figures, ours, the verdict from checks fixed before running, and a plot.</p>
 <table class="summary"><tr><th>claim</th><th>what</th><th>verdict</th></tr>{summary}</table>
 {sections}
 </main></body></html>
 """
 
 
+def _machine_load(results: dict) -> str:
+    return (f"other processes kept {results['busy_cores_before']:.1f} of {results['cores']} cores busy before the "
+            f"run and {results['busy_cores_after']:.1f} after (load average {results['load_average']})")
+
+
 def render_markdown(results: dict) -> str:
     """One table row per claim comparison, with the verdict; for docs and the README."""
     lines = [f"Generated {results['generated']} ({results['size']} size) on {results['cpu']}, "
-             f"{results['cores']} cores, torch {results['torch']}.", "",
+             f"{results['cores']} cores, torch {results['torch']}; {_machine_load(results)}.", "",
              "| claim | quantity | published | tformer | verdict |", "|---|---|---|---|---|"]
     for c in results["claims"]:
         for i, (q, p, o) in enumerate(c["rows"]):
             first = i == 0
             cells = [c["name"] if first else "", q, p, o, c["verdict"] if first else ""]
             lines.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
+    lines += ["", "Time per claim (s): " + ", ".join(
+        f"{c['name']} {c['seconds']:.0f}{' (cached)' if c['cached'] else ''}" for c in results["claims"])
+        + f"; total {sum(c['seconds'] for c in results['claims']):.0f} s."]
     return "\n".join(lines) + "\n"

@@ -92,6 +92,9 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
 
     out = Path(out)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    from tformer.training.perf import busy_cores
+
+    busy_before = busy_cores(1.0)                  # cores other processes kept busy just before the run
     entries = []
     bar = tqdm(claims, desc=f"claims ({size})", unit="claim", dynamic_ncols=True)
     for claim in bar:
@@ -100,6 +103,8 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
     results = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "size": size,
         "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "busy_cores_before": round(busy_before, 2), "busy_cores_after": round(busy_cores(1.0), 2),
+        "load_average": round(os.getloadavg()[0], 1),
         "claims": [{k: v for k, v in e.items() if k != "png"} for e in entries],
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,7 @@ def rows(m: dict) -> list[tuple[str, str, str]]:
     dims = _series(m, True, "d_k")
     hs, hu = _series(m, True, "entropy"), _series(m, False, "entropy")
     gs, gu = _series(m, True, "grad_norm"), _series(m, False, "grad_norm")
+    mean_ratio = _series(m, False, "grad_norm_mean")[-1] / _series(m, True, "grad_norm_mean")[-1]
     var = _series(m, True, "dot_var")
     return [
         (f"Var(q·k) at d_k = {dims[-1]}", f"d_k = {dims[-1]}", fmt(var[-1], 4)),
@@ -77,7 +78,7 @@ def rows(m: dict) -> list[tuple[str, str, str]]:
         (f"softmax entropy, unscaled (d_k {dims[0]} → {dims[-1]})", "collapses (no figure)",
          f"{fmt(hu[0])} → {fmt(hu[-1])} nats"),
         (f"gradient norm at the logits, d_k = {dims[-1]}: unscaled / scaled, median (mean) over queries",
-         "'extremely small'", f"{fmt(gu[-1] / gs[-1])} ({fmt(_series(m, False, 'grad_norm_mean')[-1] / _series(m, True, 'grad_norm_mean')[-1])})"),
+         "'extremely small'", f"{fmt(gu[-1] / gs[-1])} ({fmt(mean_ratio)})"),
     ]
 
 
@@ -93,7 +94,8 @@ def plot(m: dict):
         c.plot(dims, _series(m, scaled, "grad_norm"), "o-", label=label)
     b.axhline(math.log(m["keys"]), color="gray", ls="--", label=f"uniform (ln {m['keys']})")
     b.set(xscale="log", xlabel="d_k", ylabel="entropy (nats)", title="softmax entropy")
-    c.set(xscale="log", yscale="log", xlabel="d_k", ylabel="median ‖∂loss/∂logits‖", title="gradient at the logits")
+    c.set(xscale="log", yscale="log", xlabel="d_k", ylabel="median ‖∂loss/∂logits‖",
+          title="gradient at the logits")
     b.legend(fontsize=8), c.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -33,7 +33,7 @@ def layer_parameters(d: int, n_heads: int, n_kv_heads: int) -> dict:
     mlp = sum(p.numel() for n, p in last if ".ffn." in n)
     acc = count_parameters(config)
     return {"d": d, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "layer": layer, "attention": attention,
-            "mlp": mlp, "rest": layer - attention - mlp, "accounting_layer": acc.per_layer}
+            "mlp": mlp, "rest": layer - attention - mlp, "accounting_layer": acc.layers // acc.n_layers}
 
 
 def run(config: dict, progress) -> dict:

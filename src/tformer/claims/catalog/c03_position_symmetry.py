@@ -36,7 +36,7 @@ def rope_shift_error(head_dim: int, shifts: list[int], seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 1, 1, head_dim, generator=g, dtype=torch.float64)    # (B, nh, 1, hs)
     k = torch.randn(1, 1, 1, head_dim, generator=g, dtype=torch.float64)
-    rope = RotaryEmbedding(head_dim, 16)
+    rope = RotaryEmbedding(head_dim, max(shifts) + 64)
     table = sinusoidal_table(max(shifts) + 64, head_dim).double()            # (L, hs)
     p, r = torch.tensor([40]), torch.tensor([23])
 

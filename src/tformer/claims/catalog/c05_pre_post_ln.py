@@ -137,7 +137,8 @@ CLAIM = Claim(
                      "grad_layers": 4, "grad_batches": 1, "depths": [2, 4], "train_layers": 3, "steps": 20, "warmup": 5,
                      "lr": 3e-3, "eval_tokens": 4096},
            "full": {"corpus_bytes": 2_000_000, "d_model": 64, "heads": 4, "block": 32, "batch": 16,
-                    "grad_layers": 12, "grad_batches": 8, "depths": [2, 4, 8, 16], "train_layers": 4, "steps": 300, "warmup": 50,
+                    "grad_layers": 12, "grad_batches": 8, "depths": [2, 4, 8, 16], "train_layers": 4,
+                    "steps": 300, "warmup": 50,
                     "lr": 5e-3, "eval_tokens": 16384}},
     run=run, checks=checks, rows=rows, plot=plot,
     notes="Decoder-only byte-level language models on Python source instead of the paper's translation "

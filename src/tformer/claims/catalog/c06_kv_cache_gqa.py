@@ -25,14 +25,7 @@ from tformer.models import build_model
 
 def state_bytes(model, batch_size: int, n_tokens: int) -> int:
     """Bytes of the inference state ``model`` allocates for ``n_tokens`` tokens of ``batch_size`` sequences."""
-    if hasattr(model, "new_state"):
-        return int(model.new_state(batch_size, n_tokens).nbytes)
-    from tformer.inference.kv_cache import clear_kv_cache, kv_cache_nbytes, setup_kv_cache
-
-    setup_kv_cache(model, batch_size, n_tokens)
-    nbytes = kv_cache_nbytes(model)
-    clear_kv_cache(model)
-    return nbytes
+    return int(model.new_state(batch_size, n_tokens).nbytes)
 
 
 def decode_times(n: int, batch: int, heads: int, d_head: int, kv_heads: list[int], repeats: int) -> dict:

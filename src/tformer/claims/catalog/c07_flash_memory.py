@@ -102,7 +102,8 @@ def checks(m: dict) -> list[Check]:
         Check("flash: log-log slope of peak memory vs n (upper half of the lengths) <= 1.3", s_flash <= 1.3,
               f"slope {fmt(s_flash)}"),
         Check("math: the same slope >= 1.7 (quadratic)", s_math >= 1.7, f"slope {fmt(s_math)}"),
-        Check(f"at the longest common length, math needs >= 4 x flash's memory", ratio >= 4, f"{fmt(ratio)}x at n={common}"),
+        Check("at the longest common length, math needs >= 4 x flash's memory", ratio >= 4,
+              f"{fmt(ratio)}x at n={common}"),
         Check("float64: flash's output and q/k/v gradients equal math's within 1e-10", worst <= 1e-10,
               f"max abs error {worst:.1e}"),
     ]
@@ -112,12 +113,13 @@ def rows(m: dict) -> list[tuple[str, str, str]]:
     mem = m["memory"]
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     common = max(set(m["math_lengths"]) & set(m["flash_lengths"]))
+    at_common = [mem[b][m[f"{b}_lengths"].index(common)] for b in ("math", "flash")]
     return [
         ("memory vs n (log-log slope): flash / math", "linear / quadratic (Fig. 3, right)",
          f"{fmt(slope(*_top_half(m['flash_lengths'], mem['flash'])))} / "
          f"{fmt(slope(*_top_half(m['math_lengths'], mem['math'])))}"),
         (f"peak memory at n = {common}: math / flash", "up to 20x less than exact PyTorch attention",
-         f"{mib(mem['math'][m['math_lengths'].index(common)])} / {mib(mem['flash'][m['flash_lengths'].index(common)])}"),
+         f"{mib(at_common[0])} / {mib(at_common[1])}"),
         (f"flash at its longest n = {m['flash_lengths'][-1]}", "linear", mib(mem["flash"][-1])),
         ("max |flash - math|, float64, output and gradients", "exact (not an approximation)",
          f"{max(m['errors'].values()):.1e}"),

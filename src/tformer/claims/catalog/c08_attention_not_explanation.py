@@ -179,7 +179,8 @@ def rows(m: dict) -> list[tuple[str, str, str]]:
     return [
         ("Kendall τ, attention vs gradients (mean ± sd)", "BiLSTM: SST 0.29 ± 0.19, IMDB 0.34 ± 0.07",
          f"{fmt(mg, 2)} ± {fmt(sg, 2)}"),
-        ("Kendall τ, attention vs leave-one-out (mean ± sd)", "of the same order (Table 2)", f"{fmt(ml, 2)} ± {fmt(sl, 2)}"),
+        ("Kendall τ, attention vs leave-one-out (mean ± sd)", "of the same order (Table 2)",
+         f"{fmt(ml, 2)} ± {fmt(sl, 2)}"),
         (f"adversarial attention, output change <= {EPSILON}: median JSD; share with JSD >= 0.4",
          "often close to the maximum ln 2 ≈ 0.69 (§4.2)",
          f"{fmt(statistics.median(ok)) if ok else 'none'}; {_adversarial_share(m):.0%}"),
@@ -219,5 +220,6 @@ CLAIM = Claim(
     run=run, checks=checks, rows=rows, plot=plot,
     notes="A synthetic task generated offline (the paper used SST, IMDB and others) and a transformer encoder "
           "layer under the attention pooling (the paper used a BiLSTM). Gradient importance is "
-          "|⟨∂p/∂e_t, e_t⟩| for the word embedding e_t with the attention held fixed; τ is τ-b over all tokens of a sentence.",
+          "|⟨∂p/∂e_t, e_t⟩| for the word embedding e_t with the attention held fixed; τ is τ-b over all "
+          "tokens of a sentence.",
 )
