@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from tformer.claims import VERDICTS, Check, all_claims, get_claims, verdict_of
+from tformer.claims import VERDICTS, Check, Claim, all_claims, get_claims, verdict_of
 from tformer.claims.common import kendall_tau
-from tformer.claims.runner import cache_key
+from tformer.claims.runner import cache_key, run_claims
 from tformer.cli import main
 from tformer.errors import InputError
 
@@ -67,6 +67,20 @@ def test_cache_key_follows_the_config():
     claim = get_claims(["sqrt-dk"])[0]
     assert cache_key(claim, "quick") != cache_key(claim, "full")
     assert cache_key(claim, "quick") == cache_key(claim, "quick")
+
+
+def test_a_crashing_claim_is_reported_and_the_others_still_run(tmp_path, capsys):
+    def boom(config, progress):
+        raise RuntimeError("deliberate failure")
+
+    bad = Claim(name="bad", order=0, title="t", sentence="s", source="x", published=[("a", "b")],
+                sizes={"quick": {}, "full": {}}, run=boom, checks=lambda m: [], rows=lambda m: [], plot=lambda m: None)
+    good = get_claims(["position-symmetry"])[0]
+    results = run_claims([bad, good], "quick", tmp_path, use_cache=False)
+    assert [c["verdict"] for c in results["claims"]] == ["error", "reproduced"]
+    assert "deliberate failure" in results["claims"][0]["error"]
+    assert "deliberate failure" in (tmp_path / "index.html").read_text(encoding="utf-8")
+    assert "deliberate failure" in capsys.readouterr().err                # the traceback is kept
 
 
 def test_claims_command_lists(capsys):

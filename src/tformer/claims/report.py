@@ -21,6 +21,8 @@ th{background:#eef1f4}
 .verdict-reproduced{background:#d9f2de;color:#145a24}
 .verdict-partly{background:#fff1c9;color:#6b4e00}
 .verdict-not-reproduced{background:#fbdada;color:#7a1616}
+.verdict-error{background:#7a1616;color:#fff}
+pre.error{background:#fbdada;padding:8px;overflow-x:auto;font-size:.85em}
 .pass{color:#145a24}.fail{color:#7a1616}
 img.plot{max-width:100%;height:auto;border:1px solid #eee;margin-top:8px}
 ul.checks{padding-left:20px;margin:4px 0}
@@ -44,6 +46,8 @@ def _section(c: dict, png: bytes) -> str:
         f' <span class="meta">({_e(k["detail"])})</span></li>' for k in c["checks"])
     notes = f'<p class="notes"><b>Setting.</b> {_e(c["notes"])}</p>' if c["notes"] else ""
     origin = "cached result" if c["cached"] else "measured in this run"
+    figure = (f'<img class="plot" alt="plot for {_e(c["name"])}" src="{png_data_uri(png)}">' if png else
+              f'<pre class="error">{_e(c.get("error", ""))}</pre>')
     return f"""
 <section class="claim" id="claim-{_e(c['name'])}" data-claim="{_e(c['name'])}">
   <h2>{_e(c['title'])} {_verdict(c['verdict'])}</h2>
@@ -54,7 +58,7 @@ def _section(c: dict, png: bytes) -> str:
   <p><b>Criterion</b> (fixed before running; all pass: reproduced, some: partly, none: not reproduced):</p>
   <ul class="checks">{checks}</ul>
   {notes}
-  <img class="plot" alt="plot for {_e(c['name'])}" src="{png_data_uri(png)}">
+  {figure}
   <p class="meta">{_e(c['size'])} size, {origin} ({_e(c['date'])}, {c['seconds']:.1f} s);
   code hash {_e(c['code_hash'])}; config {_e(c['config'])}</p>
 </section>"""
@@ -92,7 +96,7 @@ def render_markdown(results: dict) -> str:
              f"{results['cores']} cores, torch {results['torch']}; {_machine_load(results)}.", "",
              "| claim | quantity | published | tformer | verdict |", "|---|---|---|---|---|"]
     for c in results["claims"]:
-        for i, (q, p, o) in enumerate(c["rows"]):
+        for i, (q, p, o) in enumerate(c["rows"] or [("the claim's code failed", "", "see index.html")]):
             first = i == 0
             cells = [c["name"] if first else "", q, p, o, c["verdict"] if first else ""]
             lines.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")

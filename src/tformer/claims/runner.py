@@ -12,7 +12,9 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -22,6 +24,7 @@ from tformer.checkpoint import atomic_write, atomic_write_json
 from tformer.claims.base import Claim, verdict_of
 from tformer.claims.common import figure_png
 from tformer.claims.registry import module_file
+from tformer.training.perf import busy_cores
 
 HERE = Path(__file__).resolve().parent
 
@@ -92,14 +95,17 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
 
     out = Path(out)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    from tformer.training.perf import busy_cores
-
     busy_before = busy_cores(1.0)                  # cores other processes kept busy just before the run
     entries = []
     bar = tqdm(claims, desc=f"claims ({size})", unit="claim", dynamic_ncols=True)
     for claim in bar:
         bar.set_postfix_str(claim.name)
-        entries.append(run_claim(claim, size, cache if use_cache else None, fresh))
+        try:
+            entries.append(run_claim(claim, size, cache if use_cache else None, fresh))
+        except Exception:  # a crashing claim is a bug: keep its traceback, report it, run the others
+            trace = traceback.format_exc()
+            print(trace, file=sys.stderr)
+            entries.append(_error_entry(claim, size, trace))
     results = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "size": size,
         "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
@@ -112,6 +118,14 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
     _write_text(out / "index.html", render_html(results, [e["png"] for e in entries]))
     _write_text(out / "results.md", render_markdown(results))
     return results
+
+
+def _error_entry(claim: Claim, size: str, trace: str) -> dict:
+    return {"name": claim.name, "title": claim.title, "sentence": claim.sentence, "source": claim.source,
+            "published": [list(p) for p in claim.published], "notes": claim.notes, "size": size,
+            "config": claim.sizes[size], "code_hash": cache_key(claim, size), "cached": False, "seconds": 0.0,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "checks": [], "verdict": "error",
+            "rows": [], "measured": {}, "error": trace, "png": None}
 
 
 def _write_text(path: Path, text: str) -> None:

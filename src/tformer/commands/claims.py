@@ -56,4 +56,4 @@ def run(args: argparse.Namespace) -> int:
     for c in results["claims"]:
         print(f"{c['name']:<{width}}  {c['verdict']:<15} {c['seconds']:7.1f} s{' (cached)' if c['cached'] else ''}")
     print(f"report: {args.out}/index.html")
-    return 0
+    return 1 if any(c["verdict"] == "error" for c in results["claims"]) else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+
 from tformer.claims.base import Check, Claim
 from tformer.claims.common import byte_corpus, eval_loss, fmt, new_figure, train_lm
 from tformer.config import TransformerConfig
@@ -56,6 +57,8 @@ def rows(m: dict) -> list[tuple[str, str, str]]:
 
 
 def plot(m: dict):
+    from matplotlib.ticker import NullLocator
+
     fig, (a,) = new_figure(1)
     lengths = [f * m["L"] for f in m["factors"]]
     for s in SCHEMES:
@@ -64,6 +67,7 @@ def plot(m: dict):
     a.set(xscale="log", yscale="log", xlabel="evaluation window (tokens)", ylabel="validation perplexity",
           title="extrapolation past the training length")
     a.set_xticks(lengths, [str(x) for x in lengths])
+    a.xaxis.set_minor_locator(NullLocator())
     a.legend(fontsize=8)
     return fig
 

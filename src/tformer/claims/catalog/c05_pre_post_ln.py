@@ -104,6 +104,8 @@ def rows(m: dict) -> list[tuple[str, str, str]]:
 
 
 def plot(m: dict):
+    from matplotlib.ticker import NullLocator
+
     fig, (a, c, b) = new_figure(3, width=4.2)
     for placement in ("post", "pre"):
         norms = m["grads"][placement]
@@ -112,6 +114,8 @@ def plot(m: dict):
     a.set(yscale="log", xlabel="layer", ylabel="‖∂loss/∂W^{FC2}‖ at init", title="by layer, at init (Fig. 3)")
     c.set(xscale="log", yscale="log", xlabel="number of layers", ylabel="last layer's ‖∂loss/∂W^{FC2}‖",
           title="last layer vs depth (Thm. 1)")
+    c.set_xticks(m["depths"], [str(d) for d in m["depths"]])
+    c.xaxis.set_minor_locator(NullLocator())
     a.legend(fontsize=8), c.legend(fontsize=8)
     for name, run in m["runs"].items():
         b.plot(run["losses"], label=name, lw=1)
