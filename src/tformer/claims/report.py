@@ -102,5 +102,6 @@ def render_markdown(results: dict) -> str:
             lines.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
     lines += ["", "Time per claim (s): " + ", ".join(
         f"{c['name']} {c['seconds']:.0f}{' (cached)' if c['cached'] else ''}" for c in results["claims"])
-        + f"; total {sum(c['seconds'] for c in results['claims']):.0f} s."]
+        + f"; total {sum(c['seconds'] for c in results['claims']):.0f} s.", "",
+        "Code hashes: " + ", ".join(f"{c['name']} {c['code_hash']}" for c in results["claims"]) + "."]
     return "\n".join(lines) + "\n"
