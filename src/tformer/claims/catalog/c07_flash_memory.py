@@ -73,8 +73,9 @@ def worker(config: dict) -> dict:
 def run(config: dict, progress) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     code = f"import json, sys; from {__name__} import worker; print(json.dumps(worker(json.loads(sys.argv[1]))))"
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(config)], env=env, capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(config)], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the memory-measuring subprocess failed (exit {done.returncode}):\n{done.stderr}")
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     return {**measured, "math_lengths": config["math_lengths"], "flash_lengths": config["flash_lengths"]}
 
