@@ -14,6 +14,10 @@ from tformer.errors import ConfigError
 
 MIXERS: dict[str, str] = {
     "attention": "tformer.attention.multihead:MultiHeadAttention",
+    "longformer": "tformer.mixers.longformer:LongformerAttention",
+    "bigbird": "tformer.mixers.bigbird:BigBirdAttention",
+    "performer": "tformer.mixers.performer:PerformerAttention",
+    "linformer": "tformer.mixers.linformer:LinformerAttention",
 }
 
 
