@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tformer.attention.longformer import longformer_attention
+from tformer.attention.longformer import longformer_attention, masked_softmax
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError, InputError
 from tformer.mixers.base import Shared, Step
@@ -91,7 +91,8 @@ class LongformerAttention(ProjectedAttention):
         B, T, _ = x.shape
         q, k, v = self.project(x, step)                                      # (B, nh|nkv, T, hs)
         if state is not None:
-            return self.finish(self._cached(q, k, v, step, state), step)
+            attend = self._slot if step.slot is not None else self._cached
+            return self.finish(attend(q, k, v, step, state), step)
         gmask = self.global_mask(B, T, 0, x.device)
         gqkv = None
         if gmask is not None:
@@ -116,6 +117,29 @@ class LongformerAttention(ProjectedAttention):
                                    key_mask=None if mask is None else mask[:, s - L:])
         state.write(s, k, v)
         return out[:, :, L:]                                                 # (B, nh, T, hs)
+
+    def _slot(self, q: Tensor, k: Tensor, v: Tensor, step: Step, state: RingState) -> Tensor:
+        """Static decode (one token per row at index ``step.slot``): attend over the whole ring, each
+        entry's validity computed from the slot as a tensor, then overwrite the oldest entry."""
+        B, _, _, hs = q.shape
+        slot, cap, d = step.slot, state.capacity, self.dilation
+        entries = torch.arange(cap, device=q.device)
+        held = slot[:, None] - 1 - torch.remainder(slot[:, None] - 1 - entries, max(cap, 1))  # (B, cap) positions
+        dist = slot[:, None] - held
+        ok = (held >= 0) & (dist % d == 0) & (dist < self.window * d)
+        if step.mask is not None:
+            real = self.key_mask(step, B, step.mask.shape[-1])                # (B, max_len)
+            ok = ok & real.gather(1, held.clamp(min=0))
+        ok = torch.cat([ok, torch.ones(B, 1, dtype=torch.bool, device=q.device)], 1)  # the new token itself
+        keys = self.expand(torch.cat([state.k, k.to(state.k.dtype)], 2))     # (B, nh, cap + 1, hs)
+        values = self.expand(torch.cat([state.v, v.to(state.v.dtype)], 2))
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * hs ** -0.5       # (B, nh, 1, cap + 1)
+        out = torch.matmul(masked_softmax(scores, ok[:, None, None, :]), values)
+        if cap:
+            rows = torch.arange(B, device=q.device)
+            state.k[rows, :, slot % cap] = k[:, :, 0].to(state.k.dtype)
+            state.v[rows, :, slot % cap] = v[:, :, 0].to(state.v.dtype)
+        return out                                                           # (B, nh, 1, hs)
 
     def new_state(self, batch_size: int, max_len: int, dtype=torch.float32, device=None) -> RingState | None:
         if not self.causal:

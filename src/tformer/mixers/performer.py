@@ -77,7 +77,7 @@ class PerformerAttention(ProjectedAttention):
         k, v = self.expand(k), self.expand(v)                                # (B, nh, T, hs)
         qf = softmax_features(q, self.projection, is_query=True)            # (B, nh, T, m)
         kf = softmax_features(k, self.projection, is_query=False)           # (B, nh, T, m)
-        keep = self.key_mask(step, B, step.start_pos + T)
+        keep = None if step.slot is not None else self.key_mask(step, B, step.start_pos + T)
         keep = None if keep is None else keep[:, -T:]
         if step.tokens is not None:
             keep = step.tokens if keep is None else keep & step.tokens
@@ -85,6 +85,9 @@ class PerformerAttention(ProjectedAttention):
             kf = kf * keep[:, None, :, None].to(kf.dtype)                   # padding adds nothing to the sums
         if not self.causal:
             return self.finish(favor_attention(qf, kf, v), step)
+        if state is not None and step.slot is not None:                      # static decode: add one token per row
+            out, (state.S, state.z) = favor_causal(qf, kf, v, (state.S, state.z))
+            return self.finish(out, step)
         sums = None if state is None or step.start_pos == 0 else (state.S, state.z)
         out, (S, z) = favor_causal(qf, kf, v, sums, chunk=self.chunk)       # (B, nh, T, hs)
         if state is not None:
