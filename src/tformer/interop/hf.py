@@ -19,11 +19,11 @@ import torch
 import torch.nn as nn
 
 from tformer.config import TransformerConfig
-from tformer.interop import bert, bloom, gpt2, llama
+from tformer.interop import bert, bigbird, bloom, gpt2, llama, longformer
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
 from tformer.models import model_class
 
-FAMILIES = {t: module for module in (gpt2, llama, bloom, bert) for t in module.MODEL_TYPES}
+FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, longformer, bigbird) for t in module.MODEL_TYPES}
 
 
 def family(model_type: str | None):
