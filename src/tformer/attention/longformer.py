@@ -141,32 +141,45 @@ def longformer_attention(
         return _merge_dilation(out.flatten(2, 3), H, dilation)[:, :, :n]
 
     idx, valid = global_index(global_mask)                                   # (B, g)
+    out = _window_and_globals(qp, vd, scores, ok, span, k, v, idx, valid, key_ok, causal, dilation, scale)
+    out = _merge_dilation(out.flatten(2, 3), H, dilation)[:, :, :n]          # (B, H, n, e)
+    g_out = _global_rows(*(global_qkv or (q, k, v)), idx, key_ok, causal, scale)  # (B, H, g, e)
+    dest = torch.where(valid, idx, n)                                        # padded rows go to a spare row
+    out = F.pad(out, (0, 0, 0, 1)).scatter(2, dest[:, None, :, None].expand(-1, H, -1, e), g_out)
+    return out[:, :, :n]
+
+
+def _window_and_globals(qp, vd, scores, ok, span, k, v, idx, valid, key_ok, causal, dilation, scale):
+    """Non-global rows: one softmax over each row's window keys and the ``g`` global keys.
+
+    ``qp (B, H, N, e)`` padded queries; ``scores, ok (B, H·d, nb, c, L)`` the window part.
+    Returns ``(B, H·d, nb, c, e)``.
+    """
+    B, H, N, _ = qp.shape
     kG, vG = _take(k, idx), _take(v, idx)                                    # (B, H, g, e)
-    pos = torch.arange(n + pad, device=q.device)
     g_ok = (valid & key_ok.gather(1, idx))[:, None, None, :]                 # (B, 1, 1, g)
     if causal:
+        pos = torch.arange(N, device=qp.device)
         g_ok = g_ok & (idx[:, None, None, :] <= pos[None, None, :, None])   # (B, 1, N, g)
     g_scores = torch.matmul(qp, kG.transpose(-1, -2)) * scale               # (B, H, N, g)
-    g_ok = g_ok.expand(B, H, n + pad, -1)
-    gs, gok = (_split_dilation(t, dilation) for t in (g_scores, g_ok))      # (B, H·d, N/d, g)
+    gs, gok = (_split_dilation(t, dilation) for t in (g_scores, g_ok.expand(B, H, N, -1)))  # (B, H·d, N/d, g)
     nb, c = scores.shape[2], scores.shape[3]
     gs, gok = gs.view(*gs.shape[:2], nb, c, -1), gok.reshape(*gok.shape[:2], nb, c, -1)
     p = masked_softmax(torch.cat([scores, gs], -1), torch.cat([ok, gok], -1))
     p_local, p_global = p.split([scores.shape[-1], gs.shape[-1]], dim=-1)
     vGd = vG.repeat_interleave(dilation, dim=1).unsqueeze(2)                 # (B, H·d, 1, g, e)
-    out = torch.matmul(p_local, span(vd)) + torch.matmul(p_global, vGd)      # (B, H·d, nb, c, e)
-    out = _merge_dilation(out.flatten(2, 3), H, dilation)[:, :, :n]          # (B, H, n, e)
+    return torch.matmul(p_local, span(vd)) + torch.matmul(p_global, vGd)
 
-    qg, kg, vg = global_qkv if global_qkv is not None else (q, k, v)         # global rows: all keys
-    rows = _take(qg, idx)                                                     # (B, H, g, e)
-    r_ok = key_ok[:, None, None, :]                                           # (B, 1, 1, n)
+
+def _global_rows(qg: Tensor, kg: Tensor, vg: Tensor, idx: Tensor, key_ok: Tensor, causal: bool,
+                 scale: float) -> Tensor:
+    """Global queries (rows ``idx (B, g)``) over every key with the global projections: ``(B, H, g, e)``."""
+    n = kg.shape[2]
+    ok = key_ok[:, None, None, :]                                             # (B, 1, 1, n)
     if causal:
-        r_ok = r_ok & (pos[None, None, None, :n] <= idx[:, None, :, None])   # (B, 1, g, n)
-    r = masked_softmax(torch.matmul(rows, kg.transpose(-1, -2)) * scale, r_ok)  # (B, H, g, n)
-    g_out = torch.matmul(r, vg)                                              # (B, H, g, e)
-    dest = torch.where(valid, idx, n)                                        # padded rows go to a spare row
-    out = F.pad(out, (0, 0, 0, 1)).scatter(2, dest[:, None, :, None].expand(-1, H, -1, e), g_out)
-    return out[:, :, :n]
+        ok = ok & (torch.arange(n, device=kg.device)[None, None, None, :] <= idx[:, None, :, None])  # (B, 1, g, n)
+    r = masked_softmax(torch.matmul(_take(qg, idx), kg.transpose(-1, -2)) * scale, ok)  # (B, H, g, n)
+    return torch.matmul(r, vg)
 
 
 def longformer_mask(n: int, window: int, *, causal: bool = False, dilation: int = 1,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from tformer.attention.longformer import longformer_attention, masked_softmax
 from tformer.config import TransformerConfig
-from tformer.errors import ConfigError, InputError
+from tformer.errors import ConfigError
 from tformer.mixers.base import Shared, Step
 from tformer.mixers.projected import ProjectedAttention
 
