@@ -5,6 +5,7 @@ References: exact attention written out here (softmax of QKᵀ/sqrt(d)); ``perfo
 projection matrices / weights; tolerance 1e-5 in fp32.
 """
 
+import functools
 import math
 
 import pytest
@@ -75,6 +76,7 @@ def test_error_falls_with_features_and_orthogonal_beats_iid():
     q, k = _qk(seed=4)
     exact = _exact_kernel(q, k)
 
+    @functools.lru_cache(maxsize=None)
     def mse(m, orthogonal):
         return ((_draws(q, k, m, draws=400, orthogonal=orthogonal, seed=m + orthogonal) - exact) ** 2).mean().item()
 
