@@ -6,7 +6,7 @@ keys per side), BigBird (b = 64, r = 3), Performer (m = 64, 256), Linformer (k =
 
 Time: all contenders run in this one process, alternated (the order rotates every round), median
 of ``--repeats`` rounds. A contender whose call took longer than ``--cap`` seconds stops growing n.
-Memory: each (contender, n) runs once in a fresh subprocess reporting its peak resident memory
+Memory (at ``--memory-lengths``): each (contender, n) runs once in a fresh subprocess reporting its peak resident memory
 (``VmHWM``), minus a baseline subprocess that allocates the same inputs and warms up the code;
 so the figure is what the length-n call itself needs.
 
@@ -125,7 +125,8 @@ def main() -> None:
     p.add_argument("--lengths", default="512,1024,2048,4096,8192,16384")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cap", type=float, default=15.0, help="seconds per call beyond which n stops growing")
-    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--memory-lengths", default="2048,4096",
+                   help="lengths at which peak memory is measured (two subprocesses per contender each)")
     p.add_argument("--out", default=str(RESULTS / "efficient_attention"))
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -148,10 +149,10 @@ def main() -> None:
             times[c][n] = statistics.median(s)
             if times[c][n] > args.cap:
                 alive.discard(c)
-            if not args.no_memory:
+            if str(n) in args.memory_lengths.split(","):
                 mem[c][n] = memory_mb(c, n)
         del calls
-    write(times, mem, lengths, cpu, load, args)
+        write(times, mem, lengths, cpu, load, args)                          # after every length
 
 
 def write(times, mem, lengths, cpu, load, args) -> None:
@@ -191,6 +192,7 @@ def write(times, mem, lengths, cpu, load, args) -> None:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
+    plt.close(fig)
     print("\n".join(lines))
 
 
