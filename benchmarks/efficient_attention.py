@@ -14,8 +14,9 @@ Reports per contender the crossover length (the first n from which it is faster 
 measured length) and the exponent of time and memory in n (least-squares slope of log t vs log n over
 n >= 2048). Writes benchmarks/results/efficient_attention.md and efficient_attention.png.
 
-Run (one benchmark at a time on the shared machine):
-    flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src python benchmarks/efficient_attention.py
+Run (one benchmark at a time on the shared machine; one thread: on a busy machine two OpenMP threads
+wait on each other at every barrier, which punishes the kernels made of many small operations):
+    flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 python benchmarks/efficient_attention.py
 """
 
 from __future__ import annotations
@@ -155,6 +156,11 @@ def main() -> None:
         write(times, mem, lengths, cpu, load, args)                          # after every length
 
 
+def torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
 def write(times, mem, lengths, cpu, load, args) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -163,7 +169,8 @@ def write(times, mem, lengths, cpu, load, args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# Efficient attention: forward+backward, {HEADS} heads, d_head {D}, batch 1, fp32, bidirectional", "",
-             f"CPU: {cpu}; {load_note(load)}; medians of {args.repeats} alternated rounds; memory = peak RSS",
+             f"CPU: {cpu}; {torch_threads()} torch thread(s); {load_note(load)}; medians of {args.repeats} "
+             f"alternated rounds; memory = peak RSS",
              "of a fresh process minus a baseline process with the same inputs.", "",
              "Time (s) | " + " | ".join(f"n={n}" for n in lengths) + " | exponent | beats flash from", 
              "---|" + "---|" * (len(lengths) + 2)]
