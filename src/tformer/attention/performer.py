@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from tformer.errors import InputError
+
 Tensor = torch.Tensor
 
 
@@ -76,7 +78,7 @@ def softmax_features(x: Tensor, proj: Tensor, *, is_query: bool, stabilizer: str
     elif stabilizer == "none":                                                # the plain estimator (may overflow)
         log = wx - half_x2
     else:
-        raise ValueError(f"stabilizer={stabilizer!r}; choose 'bound', 'max' or 'none'.")
+        raise InputError(f"stabilizer={stabilizer!r} is not known; choose 'bound', 'max' or 'none'.")
     return (torch.exp(log) + eps) * proj.shape[0] ** -0.5
 
 

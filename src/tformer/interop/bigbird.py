@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tformer.config import TransformerConfig
+from tformer.errors import ConfigError
 from tformer.interop.bert import ACTIVATIONS, LAYER, QKV, TOP
 from tformer.interop.loader import TensorSource, refuse, require
 
@@ -83,7 +84,7 @@ def config_to_hf(c: TransformerConfig, model_type: str, **_) -> dict:
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     """Refuse what BigBird cannot express, naming the field."""
     if c.mixer not in ("bigbird", "attention"):
-        raise ValueError(f"cannot export as big_bird: it needs mixer='bigbird' or 'attention', the model has "
+        raise ConfigError(f"cannot export as big_bird: it needs mixer='bigbird' or 'attention', the model has "
                          f"mixer={c.mixer!r}.")
     require(c, model_type, positions="learned", norm="layernorm", norm_placement="post", ffn="mlp", bias=True,
             causal=False, embedding_norm=True, sliding_window=None, n_kv_heads=c.n_heads,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tformer.config import TransformerConfig
+from tformer.errors import ConfigError
 from tformer.interop.bert import ACTIVATIONS, LAYER, QKV
 from tformer.interop.loader import TensorSource, refuse, require
 
@@ -95,9 +96,9 @@ def check_exportable(c: TransformerConfig, model_type: str) -> None:
             ffn="mlp", bias=True, qkv_bias=True, causal=False, embedding_norm=True, n_kv_heads=c.n_heads,
             head_dim=c.d_model // c.n_heads)
     if c.mixer_option("longformer", "dilation", 1) != 1:
-        raise ValueError("cannot export as longformer: HF's Longformer has no dilation (it needs dilation=1).")
+        raise ConfigError("cannot export as longformer: HF's Longformer has no dilation (it needs dilation=1).")
     if c.mixer_option("longformer", "global_positions", []) != [0]:
-        raise ValueError("cannot export as longformer: it needs global_positions=[0] (HF's global projections "
+        raise ConfigError("cannot export as longformer: it needs global_positions=[0] (HF's global projections "
                          "exist for every model; tformer's only with global tokens).")
 
 
