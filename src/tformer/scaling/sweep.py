@@ -194,7 +194,8 @@ def _train(trainer_cls, spec: SweepSpec, run: dict, folder: Path) -> dict | None
     summary = trainer.fit()
     if summary["stopped"]:
         return None
-    final = next(h for h in reversed(summary["history"]) if "val_loss" in h)
+    # A run that had finished but was not yet recorded resumes at its last step: evaluate it again.
+    final = next((h for h in reversed(summary["history"]) if "val_loss" in h), None) or trainer.evaluate()
     return {"val_loss": final["val_loss"], "train_loss": final["train_loss"], "seconds": trainer.elapsed,
             "threads": torch.get_num_threads()}
 
