@@ -99,6 +99,7 @@ def test_memory_matches_adamw_state_and_kv_cache_by_hand(one_thread):
     assert mem.parameters == 4 * n and mem.gradients == 4 * n
     assert mem.optimizer == state                                    # exp_avg + exp_avg_sq, fp32
     assert mem.kv_cache == 2 * 4 * 64 * 4 * 32 * 2                   # 2 (K,V) · L · T · h_kv · d_head · bf16
+    assert mem.kv_cache == model.new_state(1, 64, torch.bfloat16).nbytes   # what inference allocates
 
 
 def _saved_bytes(config, batch, seq):

@@ -12,7 +12,7 @@
    not fit a laptop; larger matmuls usually run faster per FLOP, so the estimate errs long).
 4. **Memory of training**, fp32 weights with AdamW: parameters (4 bytes each), gradients (4),
    AdamW's two moments (8), and the activations autograd keeps for the backward pass
-   (:func:`activation_bytes`); plus the KV cache of one full-context sequence at inference.
+   (:func:`activation_bytes`); plus the KV cache (each mixer's state) of one full-context sequence.
 
 No scipy: this module needs only the core install.
 """
@@ -24,7 +24,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from tformer.accounting import count_parameters, kv_cache_bytes, training_flops_per_token
+from tformer.accounting import count_parameters, state_bytes, training_flops_per_token
 from tformer.config import PRESETS, TransformerConfig
 from tformer.errors import ConfigError, InputError
 from tformer.scaling.laws import LAWS, ChinchillaLaw, KaplanAllocation
@@ -137,11 +137,12 @@ class Memory:
 
 def training_memory(config: TransformerConfig, batch_size: int, seq_len: int, kv_bytes_per_value: int = 2) -> Memory:
     """fp32 weights and gradients, AdamW's exp_avg and exp_avg_sq (8 bytes per parameter),
-    activations at ``batch_size × seq_len``, and the KV cache of one ``seq_len``-token sequence."""
+    activations at ``batch_size × seq_len``, and the inference state of one ``seq_len``-token
+    sequence (:func:`tformer.accounting.state_bytes`: the KV cache for attention layers)."""
     n = count_parameters(config).total
     return Memory(parameters=4 * n, gradients=4 * n, optimizer=8 * n,
                   activations=activation_bytes(config, batch_size, seq_len),
-                  kv_cache=kv_cache_bytes(config, seq_len, 1, kv_bytes_per_value))
+                  kv_cache=state_bytes(config, seq_len, 1, kv_bytes_per_value))
 
 
 def proxy_config(config: TransformerConfig) -> TransformerConfig:
