@@ -76,3 +76,16 @@ def test_quick_sweep_end_to_end_then_resume(tmp_path, capsys, monkeypatch, one_t
     capsys.readouterr()
     assert main(_args(tmp_path, "--sizes", "4")) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--budgets", "1e9,lots"], "comma-separated"),
+    (["--budgets", "1e9"], "at least 2"),
+    (["--sizes", "2"], "at least 3 model sizes"),
+    (["--set", "no_such_key=1"], "unknown setting"),
+    (["--set", "lr"], "KEY=VALUE"),
+])
+def test_sweep_bad_input_is_one_line(tmp_path, capsys, args, words):
+    assert main(["sweep", "--out", str(tmp_path / "s"), "--no-progress", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err and not (tmp_path / "s").exists()
