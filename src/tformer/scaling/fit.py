@@ -111,6 +111,8 @@ def _minimise(starts: np.ndarray, logs, delta: float) -> tuple[np.ndarray, float
                      options=dict(maxiter=2000, ftol=1e-15, gtol=1e-12))
         if np.isfinite(r.fun) and r.fun < best_f:
             best_x, best_f = r.x, float(r.fun)
+    if best_x is None:
+        raise InputError("the fit found no finite optimum from any start; check the runs for extreme values.")
     return best_x, best_f
 
 

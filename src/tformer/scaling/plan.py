@@ -212,7 +212,7 @@ def make_plan(*, flops: float | None = None, hours: float | None = None, params:
     train_flops = training_flops_per_token(config, T) * pick.n_tokens
     return {"given": {"flops": flops if hours is None else None, "hours": hours, "params": params, "tokens": tokens},
             "allocations": [{**asdict(a), "tokens_per_param": a.tokens_per_param} for a in allocations],
-            "law": chosen.name, "preset": preset, "config": config.to_dict() if hasattr(config, "to_dict") else asdict(config),
+            "law": chosen.name, "preset": preset, "config": config.to_dict(),
             "config_params": n_model, "config_params_total": count.total,
             "batch_size": batch_size, "seq_len": T, "steps": math.ceil(pick.n_tokens / (batch_size * T)),
             "train_flops": train_flops, "flops_per_second": flops_per_second, "measured": measured,

@@ -127,7 +127,7 @@ class _Quiet:
         pass
 
 
-def _vocab_size(spec: SweepSpec, out: Path) -> int:
+def _vocab_size(spec: SweepSpec) -> int:
     """The corpus' vocabulary (tokenising it once into the cache the runs then reuse)."""
     from tformer.training.data import load_corpus
     s = spec.settings
@@ -157,7 +157,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, *, progress: bool = True, log=pr
                               f"it, or choose another --out.")
         record = saved
     out.mkdir(parents=True, exist_ok=True)
-    runs = plan_runs(spec, _vocab_size(spec, out))
+    runs = plan_runs(spec, _vocab_size(spec))
     todo = [r for r in runs if r["id"] not in record["runs"]]
     if len(runs) < len(spec.budgets) * 3:
         raise ConfigError(f"only {len(runs)} runs fit the ladder with >= {spec.min_steps} steps; raise the budgets "
