@@ -94,6 +94,7 @@ def test_isoflop_fit_recovers_the_exponent_of_the_law_that_made_the_data():
         assert m == pytest.approx(BESIROGLU.optimal_n(c), rel=0.02)
     assert fit.a == pytest.approx(BESIROGLU.a, abs=0.005)
     assert fit.a + fit.b == pytest.approx(1.0)
+    assert all(fit.bracketed)
 
 
 def test_parabola_needs_three_sizes_and_a_minimum():

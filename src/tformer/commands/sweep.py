@@ -104,6 +104,10 @@ def summary(analysis: dict) -> str:
         a = f"{a2['a']:.3f}{ci}"
         lines.append(f"{'this sweep, Approach 2':<24}{a:>18}{a2['b']:>18.3f}"
                      f"{a2['tokens_per_param'][-1]:>18.1f}")
+        outside = [f"{c:.3g}" for c, ok in zip(a2["budgets"], a2["bracketed"]) if not ok]
+        if outside:
+            lines.append(f"  warning: at C = {', '.join(outside)} the parabola's minimum lies outside the sizes trained "
+                         f"(an extrapolation); widen --spread or move --tokens-per-param.")
     else:
         lines.append(f"this sweep, Approach 2: not fitted ({analysis['approach2_error']})")
     if "approach3" in analysis:

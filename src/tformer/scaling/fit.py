@@ -182,6 +182,7 @@ class IsoFlopFit:
     a: float                        # N_opt ∝ C^a
     b: float                        # D_opt ∝ C^b (= 1 - a under C = 6ND)
     log_k: float                    # ln N_opt = a ln C + log_k
+    bracketed: list[bool] = field(default_factory=list)   # vertex inside the budget's range of sizes
     a_ci: tuple[float, float] | None = None
 
     def optimal_n(self, flops: float) -> float:
@@ -224,7 +225,8 @@ def fit_isoflop(flops, n, loss, *, bootstrap: int = 0, seed: int = 0) -> IsoFlop
     fits = [parabola_minimum(n[g], loss[g]) for g in groups]
     n_opt = [f[0] for f in fits]
     a, log_k = np.polyfit(np.log(budgets), np.log(n_opt), 1)
-    out = IsoFlopFit(budgets, n_opt, [f[1] for f in fits], float(a), float(1 - a), float(log_k))
+    bracketed = [bool(n[g].min() <= m <= n[g].max()) for g, m in zip(groups, n_opt)]
+    out = IsoFlopFit(budgets, n_opt, [f[1] for f in fits], float(a), float(1 - a), float(log_k), bracketed)
     if bootstrap:
         rng, slopes = np.random.default_rng(seed), []
         for _ in range(bootstrap):

@@ -94,6 +94,8 @@ def plot(runs: list[dict], analysis: dict, folder: str | Path) -> list[Path]:
            title="tokens per parameter")
     a1.legend(fontsize=8)
     a2.legend(fontsize=8)
+    for axis in (a1.xaxis, a2.xaxis):
+        axis.set_minor_formatter(plt.NullFormatter())
     fig.tight_layout()
     paths.append(folder / "fits.png")
     fig.savefig(paths[1], dpi=120)
