@@ -30,13 +30,16 @@ from tformer.accounting import training_flops_per_token
 from tformer.checkpoint import (POINTER, load_config, load_model, load_training_state, resolve_checkpoint,
                                 save_training_checkpoint)
 from tformer.config import TransformerConfig
+from tformer.errors import ConfigError, InputError
 from tformer.inference.generate import generate
 from tformer.models import build_model
 from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
-                                     TrainConfig, cast_value)
+                                     TrainConfig, cast_value, check_model_settings)
 from tformer.training.data import Corpus, corpus_fingerprint, get_batch, load_corpus, resolve_corpus
 from tformer.training.optim import lr_at, make_optimizer
 from tformer.training.perf import bf16_supported, busy_cores, matmul_peak_flops
+from tformer.training.runlock import RunLock
+from tformer.training.runstate import check_more_steps, check_state, start_metrics
 from tformer.training.tokenizer import load_tokenizer
 
 _DEFAULT_THREADS = torch.get_num_threads()
@@ -65,6 +68,7 @@ class Trainer:
         self.best_val = float("inf")
         self.saved_step: int | None = None
         self.history: list[dict] = []
+        self.lock: RunLock | None = None  # the run folder's lock, held from create() to the end of fit()
 
     # ------------------------------------------------------------------ building a run
     @classmethod
@@ -83,28 +87,42 @@ class Trainer:
         overrides = {k: cast_value(k, v) for k, v in (overrides or {}).items()}
         model_kw = {k: v for k, v in overrides.items() if k in MODEL_KEYS}
         train_kw = {k: v for k, v in overrides.items() if k in TRAIN_KEYS}
+        check_model_settings(model_kw)
         out_dir = Path(train_kw.get("out_dir") or f"runs/{preset or 'tiny'}")
-        if resume:
-            return cls._resume(out_dir, preset, model_kw, train_kw, log)
+        if out_dir.exists() and not out_dir.is_dir():
+            raise InputError(f"--out {out_dir} is a file, not a folder; pass a folder for the run.")
+        if resume and (not out_dir.exists() or not any(p.name != ".lock" for p in out_dir.iterdir())):
+            raise InputError(f"nothing to resume: {out_dir} holds no run; drop --resume to start one, "
+                             f"or pass the --out folder of an earlier run.")
+        lock = RunLock(out_dir)
+        try:
+            trainer = (cls._resume if resume else cls._new)(out_dir, preset, model_kw, train_kw, log)
+        except BaseException:
+            lock.release()
+            raise
+        trainer.lock = lock
+        return trainer
+
+    @classmethod
+    def _new(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
         if (out_dir / POINTER).exists():
             step = json.loads((out_dir / POINTER).read_text(encoding="utf-8")).get("step")
-            raise ValueError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
+            raise InputError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
                              f"or choose another --out to start a new run.")
         cfg = TrainConfig(**{**train_kw, "out_dir": str(out_dir)})
         corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer, bpe_vocab_size=cfg.bpe_vocab_size,
-                             val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir, log=log)
+                             val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir, encoding=cfg.encoding, log=log)
         model_config = TransformerConfig.from_name(preset or "tiny", **model_kw,
                                                    vocab_size=corpus.tokenizer.vocab_size)
         _check_length(corpus, model_config.context_length)
+        start_metrics(out_dir, None)  # a run that died before its first checkpoint leaves a log: start it over
         return cls(cfg, model_config, corpus, out_dir, preset or "tiny", log)
 
     @classmethod
     def _resume(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
-        if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
-            raise ValueError(f"nothing to resume: {out_dir} holds no run; drop --resume to start one, "
-                             f"or pass the --out folder of an earlier run.")
         folder = resolve_checkpoint(out_dir)
         state, opt_state = load_training_state(folder)
+        check_state(state, opt_state, folder)
         saved, _ = load_config(folder)
         asked = {"preset": preset} if preset and preset != saved.name else {}
         asked.update({k: v for k, v in model_kw.items() if getattr(saved, k) != v})
@@ -113,17 +131,19 @@ class Trainer:
                 asked[key] = train_kw[key]
         if asked:
             have = {k: (saved.name if k == "preset" else getattr(saved, k, state["train_config"].get(k))) for k in asked}
-            raise ValueError(f"the checkpoint in {folder} is incompatible with this run: it has "
+            raise ConfigError(f"the checkpoint in {folder} is incompatible with this run: it has "
                              f"{_kv(have)} but this run asks for {_kv(asked)}; resume with the original settings "
                              f"(drop these --preset/--set values) or start a new run with another --out.")
-        cfg = TrainConfig(**{**state["train_config"], **train_kw, "out_dir": str(out_dir)})
-        files = resolve_corpus(cfg.data)
+        saved_cfg = {k: v for k, v in state["train_config"].items() if k in TRAIN_KEYS}
+        cfg = TrainConfig(**{**saved_cfg, **train_kw, "out_dir": str(out_dir)})
+        files = resolve_corpus(cfg.data, cfg.encoding)
         if corpus_fingerprint(files) != state["corpus_fingerprint"]:
-            raise ValueError(f"the corpus {cfg.data or '(built-in)'} differs from the one the checkpoint in {folder} "
+            raise InputError(f"the corpus {cfg.data or '(built-in)'} differs from the one the checkpoint in {folder} "
                              f"was trained on; resume with the original --data ({state['train_config']['data'] or 'none: the built-in corpus'}) "
                              f"or start a new run with another --out.")
+        check_more_steps(out_dir, state["step"], cfg.max_steps)
         corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(folder), val_fraction=cfg.val_fraction,
-                             cache_dir=cfg.cache_dir, log=log)
+                             cache_dir=cfg.cache_dir, encoding=cfg.encoding, log=log)
         trainer = cls(cfg, saved, corpus, out_dir, saved.name, log)
         trainer.model.load_state_dict(load_model(folder).state_dict())
         trainer.optimizer.load_state_dict(opt_state["optimizer"])
@@ -131,6 +151,7 @@ class Trainer:
         trainer.step, trainer.tokens_seen = state["step"], state["tokens_seen"]
         trainer.elapsed, trainer.best_val = state["elapsed_s"], state["best_val_loss"]
         trainer.saved_step = state["step"]
+        start_metrics(out_dir, trainer.step)  # records logged after the checkpoint are logged again
         log(f"resumed {out_dir} at step {trainer.step} from {folder}")
         return trainer
 
@@ -151,6 +172,7 @@ class Trainer:
                  f"train / {len(self.corpus.val):,} val tokens; {str(self.dtype).replace('torch.', '')} on {self.device}, "
                  f"{torch.get_num_threads()} thread(s); measured matmul peak {peak / 1e9:.0f} GFLOP/s")
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = self.lock or RunLock(self.out_dir)
         metrics = open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8")
         bar = _progress(cfg.max_steps, self.step, cfg.progress)
         stop = {"why": None}
@@ -171,7 +193,7 @@ class Trainer:
                 if not math.isfinite(loss):
                     kept = (f"the last good checkpoint (step {self.saved_step}) is kept in {self.out_dir}"
                             if self.saved_step is not None else "no checkpoint had been saved yet")
-                    raise ValueError(f"the loss became {loss} at step {self.step}; {kept}. Lower the learning "
+                    raise ConfigError(f"the loss became {loss} at step {self.step}; {kept}. Lower the learning "
                                      f"rate (--set lr=...), keep gradient clipping on, or use --set precision=fp32.")
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
                     dt = time.perf_counter() - window_t
@@ -200,9 +222,12 @@ class Trainer:
             restore()
             bar.close()
             metrics.close()
+            if not stop["why"]:
+                self.lock = self.lock.release()
         if stop["why"]:
             self.save()
-            why = "interrupted" if stop["why"] == "int" else f"time limit {cfg.time_limit:g} s reached"
+            self.lock = self.lock.release()
+            why = {"int": "interrupted", "term": "terminated (SIGTERM)"}.get(stop["why"], f"time limit {cfg.time_limit:g} s reached")
             self.log(f"{why} at step {self.step}; checkpoint saved in {self.out_dir}; "
                      f"continue with: tformer train --resume --out {self.out_dir}")
         return {"step": self.step, "stopped": stop["why"], "best_val_loss": self.best_val,
@@ -302,11 +327,13 @@ def auto_threads() -> int:
 
 def _check_length(corpus: Corpus, context: int) -> None:
     need = context + 1
-    if len(corpus.val) < need or len(corpus.train) < need:
-        raise ValueError(
+    have = min(len(corpus.val), len(corpus.train))
+    if have < need:
+        fix = (f"use a longer corpus or a smaller context (--set context_length=N with N <= {have - 1})"
+               if have >= 3 else "use a longer corpus (at least a few hundred characters)")
+        raise InputError(
             f"the corpus is too short: {corpus.n_tokens} tokens give a validation split of {len(corpus.val)} "
-            f"tokens, fewer than one context window ({need} tokens); use a longer corpus or a smaller context "
-            f"(--set context_length=N with N < {max(1, min(len(corpus.val), len(corpus.train)) - 1)}).")
+            f"tokens, fewer than one context window ({need} tokens); {fix}.")
 
 
 def _kv(d: dict) -> str:
@@ -320,15 +347,17 @@ def _progress(total: int, initial: int, enabled: bool):
 
 
 def _install_sigint(stop: dict):
-    """First Ctrl-C asks the loop to stop at the next step boundary (and save); a second one aborts."""
+    """First Ctrl-C (or SIGTERM, as ``timeout``, ``docker stop`` and Slurm send) asks the loop to stop
+    at the next step boundary and save; a second one aborts."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def handler(signum, frame):
-        if stop["why"] == "int":
+        if stop["why"] in ("int", "term"):
             raise KeyboardInterrupt
-        stop["why"] = "int"
-        print("\nCtrl-C: stopping after this step and saving a checkpoint (press again to abort) ...", file=sys.stderr)
+        stop["why"] = "term" if signum == signal.SIGTERM else "int"
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        print(f"\n{name}: stopping after this step and saving a checkpoint (again to abort) ...", file=sys.stderr)
 
-    previous = signal.signal(signal.SIGINT, handler)
-    return lambda: signal.signal(signal.SIGINT, previous)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(s, h) for s, h in previous.items()]
