@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from tformer.accounting import count_parameters
-from tformer.checkpoint import POINTER, atomic_write_json
+from tformer.checkpoint import POINTER, TRAINER_STATE, atomic_write_json, resolve_checkpoint
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.training.trainer import Trainer
@@ -188,15 +188,25 @@ def _train(trainer_cls, spec: SweepSpec, run: dict, folder: Path) -> dict | None
                 "out_dir": str(folder), "eval_interval": run["steps"], "sample_tokens": 0, "progress": False}
     settings.setdefault("warmup_steps", max(1, min(100, run["steps"] // 10)))
     resume = (folder / POINTER).exists()
+    if resume and json.loads((folder / POINTER).read_text(encoding="utf-8")).get("step") == run["steps"]:
+        return _finished(resolve_checkpoint(folder), folder)   # trained to the end, but not yet recorded
     if folder.exists() and not resume:
         shutil.rmtree(folder)                                   # an unfinished run with no checkpoint: start over
     trainer = trainer_cls.create(settings, preset="tiny", resume=resume, log=lambda m: None)
     summary = trainer.fit()
     if summary["stopped"]:
         return None
-    # A run that had finished but was not yet recorded resumes at its last step: evaluate it again.
-    final = next((h for h in reversed(summary["history"]) if "val_loss" in h), None) or trainer.evaluate()
+    final = next(h for h in reversed(summary["history"]) if "val_loss" in h)
     return {"val_loss": final["val_loss"], "train_loss": final["train_loss"], "seconds": trainer.elapsed,
+            "threads": torch.get_num_threads()}
+
+
+def _finished(checkpoint: Path, folder: Path) -> dict:
+    """The record of a run whose last checkpoint is its final step: its last evaluation in metrics.jsonl."""
+    state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
+    lines = (folder / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    final = next(r for r in map(json.loads, reversed(lines)) if "val_loss" in r)
+    return {"val_loss": final["val_loss"], "train_loss": final["train_loss"], "seconds": state["elapsed_s"],
             "threads": torch.get_num_threads()}
 
 
