@@ -126,9 +126,16 @@ def save_model(directory: str | os.PathLike, model: torch.nn.Module, generation:
     aliases = _aliases(model)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}
     atomic_write(directory / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    atomic_write_json(directory / CONFIG, {"model": model.config.model, "config": model.config.to_dict(),
-                                           "options": _options(model), "generation": generation or {},
-                                           CHECKSUM: file_digest(directory / WEIGHTS)})
+    write_model_config(directory, model, generation, file_digest(directory / WEIGHTS))
+
+
+def write_model_config(directory: str | os.PathLike, model: torch.nn.Module, generation: dict | None = None,
+                       checksum: str | None = None) -> None:
+    """Write ``tformer_config.json`` (with the weights' checksum; none for a sharded checkpoint,
+    whose weights are in ``shards/``)."""
+    atomic_write_json(Path(directory) / CONFIG, {"model": model.config.model, "config": model.config.to_dict(),
+                                                 "options": _options(model), "generation": generation or {},
+                                                 CHECKSUM: checksum})
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -234,6 +241,12 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu", verify: 
         config = TransformerConfig.from_dict({**meta["config"], "model": kind})
     model = build_model(config, **meta.get("options", {}))
     path = Path(directory) / WEIGHTS
+    if not path.is_file() and (Path(directory) / SHARDS).is_dir():   # a sharded (FSDP) training checkpoint
+        from tformer.training.dist_checkpoint import read_sharded_weights
+        model = read_sharded_weights(model, Path(directory) / SHARDS)
+        if verify:
+            check_finite(Path(directory) / SHARDS, model)
+        return model
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS}; the checkpoint is incomplete.")
     try:
@@ -264,10 +277,14 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu", verify: 
 #                              optimizer.pt (optimizer state + torch RNG, tensors only)
 #     DIR/checkpoint.json      {"latest": "ckpt/step-0000250", "step": 250}
 #
+# A run sharded over several ranks (FSDP) keeps weights, optimizer state and RNG in shards/ instead
+# (torch.distributed.checkpoint: one file per rank + .metadata, see tformer.training.dist_checkpoint);
+# its last step also gets a consolidated model.safetensors.
+#
 # A step folder is complete before the pointer moves to it (one atomic rename), so a run killed at
 # any instant leaves the pointer on the last complete checkpoint.
 
-POINTER, TRAINER_STATE, OPTIMIZER = "checkpoint.json", "trainer.json", "optimizer.pt"
+POINTER, TRAINER_STATE, OPTIMIZER, SHARDS = "checkpoint.json", "trainer.json", "optimizer.pt", "shards"
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -305,12 +322,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def save_training_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, tokenizer,
-                             state: dict, optimizer_state: dict, keep: int = 2) -> Path:
+                             state: dict, optimizer_state: dict | None, keep: int = 2, weights: bool = True) -> Path:
     """Write a complete step folder, then move the pointer to it; keep the newest ``keep`` folders.
 
     Args:
         state: JSON-able trainer state (step, configs, corpus fingerprint, ...).
-        optimizer_state: tensors/numbers only (loaded back with ``weights_only=True``).
+        optimizer_state: tensors/numbers only (loaded back with ``weights_only=True``); ``None`` when
+            every rank has written the folder's ``shards/`` already (then ``weights`` says whether to
+            add a consolidated ``model.safetensors`` from ``model``, else only its config is written).
     Returns:
         The step folder.
     """
@@ -320,12 +339,15 @@ def save_training_checkpoint(run_dir: str | os.PathLike, step: int, model: torch
     pointer = run_dir / POINTER
     if pointer.is_file() and json.loads(pointer.read_text(encoding="utf-8")).get("latest") == rel:
         return folder                                       # this step is saved already
-    if folder.exists():                                     # a partial folder from a killed run
-        import shutil
-        shutil.rmtree(folder)
-    save_model(folder, model)
+    if optimizer_state is None:                             # sharded: shards/ is there already
+        (save_model if weights else write_model_config)(folder, model)
+    else:
+        if folder.exists():                                 # a partial folder from a killed run
+            import shutil
+            shutil.rmtree(folder)
+        save_model(folder, model)
+        atomic_write(folder / OPTIMIZER, lambda tmp: torch.save(optimizer_state, tmp))
     tokenizer.save(folder / "tokenizer.json")
-    atomic_write(folder / OPTIMIZER, lambda tmp: torch.save(optimizer_state, tmp))
     atomic_write_json(folder / TRAINER_STATE, state)
     atomic_write_json(pointer, {"latest": rel, "step": step})
     steps = sorted((p for p in (run_dir / "ckpt").iterdir() if p.name.startswith("step-")), key=lambda p: p.name)
@@ -337,7 +359,8 @@ def save_training_checkpoint(run_dir: str | os.PathLike, step: int, model: torch
 
 
 def load_training_state(folder: str | os.PathLike) -> tuple[dict, dict]:
-    """``(trainer state, optimizer state)`` of a checkpoint folder; the latter via ``weights_only=True``.
+    """``(trainer state, optimizer state)`` of a checkpoint folder; the latter via ``weights_only=True``
+    (``None`` for a sharded checkpoint: its optimizer state is in ``shards/``).
 
     Raises:
         CheckpointError: the files are missing or damaged.
@@ -345,7 +368,8 @@ def load_training_state(folder: str | os.PathLike) -> tuple[dict, dict]:
     folder = Path(folder)
     try:
         state = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
-        opt = torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
+        opt = None if (folder / SHARDS).is_dir() else torch.load(folder / OPTIMIZER, map_location="cpu",
+                                                                    weights_only=True)
     except FileNotFoundError as e:
         raise CheckpointError(f"{folder} has no trainer state ({e.filename}); it was saved for inference only "
                          f"and cannot be resumed. Start a new run with another --out.") from e

@@ -36,6 +36,8 @@ TRAIN_HELP = {
     "time_limit": "stop and save after this many seconds (0 = none)",
     "progress": "show the progress bar (true/false)",
     "encoding": "text encoding of the corpus files (undecodable bytes become U+FFFD and are counted)",
+    "strategy": "with several ranks: ddp (replicas) or fsdp (sharded parameters and optimizer state)",
+    "dist_timeout": "seconds a rank waits for the others in a collective before failing",
 }
 
 
@@ -61,6 +63,8 @@ examples:
   tformer train --data input.txt --out runs/mine --set max_steps=5000 --set tokenizer=bpe
   tformer train --resume --out runs/mine --set max_steps=8000   # continue a run
   tformer sample --ckpt runs/mine --prompt "def "
+  tformer train --nproc 2 --set strategy=fsdp --out runs/two      # 2 processes on this machine (torchrun)
+  torchrun --nproc-per-node 2 -m tformer train --out runs/two      # the same, launched by hand
 """
 
 
@@ -83,6 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--encoding", default=None, help="text encoding of the corpus (default utf-8; same as "
                                                     "--set encoding=...)")
+    p.add_argument("--nproc", type=int, metavar="N", default=None,
+                   help="run on N processes of this machine through torchrun (see --set strategy=ddp|fsdp); "
+                        "for several machines run torchrun yourself (docs/training.md)")
     p.set_defaults(func=run)
 
 
@@ -118,7 +125,31 @@ def parse_settings(items: list[str]) -> dict:
     return out
 
 
+def _launch_args(args: argparse.Namespace) -> list[str]:
+    """The ``tformer train`` arguments to hand on to each rank (all but --nproc)."""
+    out = []
+    for flag, value in (("--data", args.data), ("--preset", args.preset), ("--config", args.config),
+                        ("--out", args.out), ("--encoding", args.encoding)):
+        out += [flag, value] if value is not None else []
+    for item in args.settings:
+        out += ["--set", item]
+    return out + (["--resume"] if args.resume else [])
+
+
 def run(args: argparse.Namespace) -> int:
+    from tformer.training import distributed
+    if args.nproc is not None:
+        if distributed.under_torchrun():
+            raise ConfigError("--nproc starts torchrun itself; under torchrun drop --nproc "
+                              "(torchrun's --nproc-per-node sets the number of ranks).")
+        return distributed.launch(args.nproc, _launch_args(args))
+    try:
+        return _train(args)
+    finally:
+        distributed.shutdown()
+
+
+def _train(args: argparse.Namespace) -> int:
     from tformer.training.trainer import Trainer
 
     settings = read_toml(args.config) if args.config else {}
@@ -144,11 +175,14 @@ def run(args: argparse.Namespace) -> int:
         return 130
     if result["stopped"] in ("int", "term"):  # the conventional 128 + signal number
         return 128 + (signal.SIGTERM if result["stopped"] == "term" else signal.SIGINT)
+    main = trainer.dist.is_main                    # rank 0 alone prints
+    sample = trainer.sample(max(trainer.cfg.sample_tokens, 300)) if trainer.cfg.sample_tokens > 0 else ""
+    if not main:
+        return 0
     print(f"\ntrained {result['step']} steps; best val loss {result['best_val_loss']:.4f}; "
           f"checkpoint in {result['out_dir']}", flush=True)
     if trainer.cfg.sample_tokens > 0:  # the final sample is a little longer than the ones at evaluations
-        n = max(trainer.cfg.sample_tokens, 300)
-        print(f"--- generated text ({n} tokens) ---", flush=True)
-        sys.stdout.write(trainer.sample(n) + "\n")
+        print(f"--- generated text ({max(trainer.cfg.sample_tokens, 300)} tokens) ---", flush=True)
+        sys.stdout.write(sample + "\n")
     print(f"--- more: tformer sample --ckpt {result['out_dir']} --prompt \"...\" ---")
     return 0

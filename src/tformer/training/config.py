@@ -17,6 +17,7 @@ from tformer.errors import ConfigError
 from tformer.training.tokenizer import KINDS
 
 PRECISIONS = ("auto", "bf16", "fp32")
+STRATEGIES = ("ddp", "fsdp")                 # how a run under torchrun spreads over its ranks
 # On CPU, bf16 autocast pays for its casts only when the matmuls are wide: measured on a 2-core
 # Xeon with AMX (benchmarks/train_shakespeare_char.py), d_model=384 trained about 3x faster in bf16
 # but d_model=128 is slower (PyTorch's bf16 CPU attention backward dominates). So ``auto``
@@ -49,6 +50,9 @@ class TrainConfig:
         time_limit: stop (saving a checkpoint) after this many seconds; 0 = no limit.
         progress: show a progress bar.
         encoding: text encoding of the corpus files (bytes it cannot decode become U+FFFD, counted).
+        strategy: under torchrun, ``ddp`` (every rank holds the whole model, gradients all-reduced) or
+            ``fsdp`` (FSDP2: parameters, gradients and optimizer state sharded over the ranks).
+        dist_timeout: seconds a rank waits in a collective for the others before it fails (not a hang).
     """
 
     data: str | None = None
@@ -81,6 +85,8 @@ class TrainConfig:
     time_limit: float = 0.0
     progress: bool = True
     encoding: str = "utf-8"
+    strategy: str = "ddp"
+    dist_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         check_train_settings(self)
@@ -103,6 +109,7 @@ TRAIN_RANGES = {
     "lr": (0.0, None, False, True), "min_lr": (0.0, None, True, True), "weight_decay": (0.0, None, True, True),
     "beta1": (0.0, 1.0, True, False), "beta2": (0.0, 1.0, True, False), "grad_clip": (0.0, None, True, True),
     "time_limit": (0.0, None, True, True), "seed": (0, 2**63 - 1, True, True), "threads": (0, None, True, True),
+    "dist_timeout": (0.0, None, False, True),
 }
 
 
@@ -139,6 +146,8 @@ def check_train_settings(cfg: "TrainConfig") -> None:
         raise ConfigError(f"tokenizer={cfg.tokenizer!r} is not known; choose one of {', '.join(KINDS)}.")
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision={cfg.precision!r} is not known; choose one of {', '.join(PRECISIONS)}.")
+    if cfg.strategy not in STRATEGIES:
+        raise ConfigError(f"strategy={cfg.strategy!r} is not known; choose one of {', '.join(STRATEGIES)}.")
     if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
         raise ConfigError(f"device={cfg.device!r} is not known; choose auto, cpu or cuda.")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tformer.checkpoint import atomic_write
+from tformer.checkpoint import SHARDS, atomic_write
 from tformer.errors import CheckpointError, InputError
 
 METRICS = "metrics.jsonl"
@@ -32,6 +32,8 @@ def check_state(state, opt_state, folder: Path) -> None:
             what = "lacks the key" if key not in state else f"has a {type(state[key]).__name__} for"
             raise CheckpointError(f"{folder}/trainer.json {what} {key!r}; the checkpoint is damaged or was edited; "
                                   f"restore it or start a new run with another --out.")
+    if opt_state is None and (folder / SHARDS).is_dir():
+        return                    # a sharded checkpoint: optimizer state and RNG are in shards/ (dist_checkpoint)
     if not isinstance(opt_state, dict) or not {"optimizer", "torch_rng"} <= set(opt_state):
         raise CheckpointError(f"{folder}/optimizer.pt lacks the optimizer state or the RNG state; the checkpoint "
                               f"is damaged; restore it or start a new run with another --out.")
