@@ -2,6 +2,7 @@
 
     tformer convert --from-hf HF_DIR --out CKPT_DIR     # config.json + *.safetensors -> tformer
     tformer convert --to-hf CKPT_DIR --out HF_DIR       # tformer -> folder transformers loads
+    tformer convert --to-gguf CKPT_DIR --out MODEL.gguf [--type f32|f16|bf16|q8_0]   # -> llama.cpp
 
 A non-empty --out is refused unless --force is given, and then replaced whole: the new folder is
 written beside it under a hidden name and swapped in by two renames once complete, so no file of
@@ -34,7 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HuggingFace model folder to import")
     src.add_argument("--to-hf", metavar="CKPT", help="tformer checkpoint folder to export")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be empty or new)")
+    src.add_argument("--to-gguf", metavar="CKPT", help="tformer checkpoint folder to export as one GGUF file "
+                                                       "(llama.cpp; GPT-2 and Llama layouts)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be empty or new); "
+                                                                "with --to-gguf the .gguf file")
+    p.add_argument("--type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                   help="with --to-gguf: type of the weight matrices (norms and biases stay f32)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--model-type", default=None,
                    help="with --to-hf: HF family (gpt2, llama, mistral, qwen2, bloom, bert); default inferred")
@@ -47,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from tformer.checkpoint import load_model, resolve_checkpoint, save_model
     from tformer.interop.hf import FAMILIES, load_hf, save_hf
 
+    if args.to_gguf:
+        return to_gguf(args)
     if args.max_shard_mb is not None and args.max_shard_mb <= 0:
         raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0.")
     if args.model_type is not None and args.model_type not in FAMILIES:
@@ -74,6 +82,22 @@ def run(args: argparse.Namespace) -> int:
           f"({c.n_kv_heads} kv), {sum(p.numel() for p in model.parameters()):,} parameters -> {out}")
     if copied:
         print(f"copied {', '.join(copied)}")
+    return 0
+
+
+def to_gguf(args: argparse.Namespace) -> int:
+    """``--to-gguf``: one .gguf file (an existing file is replaced only with --force)."""
+    from tformer.checkpoint import load_model, resolve_checkpoint
+    from tformer.interop.gguf import save_gguf
+
+    out = Path(args.out)
+    if out.is_dir() or (out.exists() and not args.force):
+        raise InputError(f"--out {out} exists; pass a new .gguf file name (or --force to replace a file).")
+    source = resolve_checkpoint(args.to_gguf)
+    model = load_model(source)
+    r = save_gguf(model, out, args.type, args.model_type, tokenizer_dir=source, eos=eos_token_ids(source))
+    types = ", ".join(f"{n} {t}" for t, n in r["types"].items())
+    print(f"{r['arch']} GGUF: {r['tensors']} tensors ({types}), {r['tokenizer']} -> {out}")
     return 0
 
 
