@@ -26,15 +26,39 @@ from tformer.inference.generate import generate
 from tformer.inference.quantize import set_precision, weight_bytes
 
 RESULTS = Path(__file__).parent / "results"
-KERNELS = {
-    "fp32-linear": "F.linear (nn.Linear as is)",
-    "bf16-linear": "F.linear (nn.Linear as is)",
-    "fp32": "torch.addmm(b, x, Wᵀ) with Wᵀ stored (K, N) (MKL sgemm)",
-    "bf16": "torch.mv(W, x) (one row); F.linear for prefill",
-    "fp16": "F.linear (torch.mv measured ~3x slower for fp16)",
-    "int8": "aten._weight_int8pack_mm, bf16 activations, per-channel scales",
-    "no cache": "fp32, full recomputation of the window every token",
-}
+RAN: dict[str, str] = {}    # contender -> the kernels its linear layers run (filled by gpt2_contenders)
+
+
+def linear_kernel(m: torch.nn.Module) -> str | None:
+    """What one linear-like module runs for a decode step (one row), read from its type and attributes
+    (the branches of DecodeLinear.forward / Int8Linear.forward); ``None`` for a module that is not one."""
+    from tformer.inference.quantize import KERNEL_DTYPE, DecodeLinear, Int8Linear
+
+    if isinstance(m, Int8Linear):
+        return f"aten._weight_int8pack_mm (int8 W, {str(KERNEL_DTYPE)[6:]} x)"
+    if isinstance(m, DecodeLinear):
+        dt = str(m.weight.dtype)[6:]
+        if m.transposed:
+            return f"torch.{'mm' if m.bias is None else 'addmm'}(x, Wᵀ stored (K, N)) {dt}"
+        return f"torch.mv(W, x) {dt} (F.linear for prefill)" if m.weight.dtype == torch.bfloat16 \
+            else f"F.linear {dt}"
+    if isinstance(m, torch.nn.Linear):
+        return f"F.linear (nn.Linear) {str(m.weight.dtype)[6:]}"
+    if type(m).__name__ == "Conv1D":                                   # HF GPT-2's projections
+        return f"HF Conv1D (torch.addmm) {str(m.weight.dtype)[6:]}"
+    return None
+
+
+def kernels_of(model: torch.nn.Module) -> str:
+    """The kernels a model's linear layers run, with how many layers run each: ``"48x F.linear float32"``."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        k = linear_kernel(m)
+        if k is not None:
+            counts[k] = counts.get(k, 0) + 1
+    return "; ".join(f"{n}x {k}" for k, n in counts.items()) or "no linear layers"
+
+
 
 
 def read_bandwidth(mb: int = 512, reps: int = 9) -> float:
@@ -77,6 +101,7 @@ def gpt2_contenders(args) -> dict:
                             pad_token_id=0)
         same_shape = weight_bytes(DecoderLM(config))      # HF's Conv1D layers hold the same matrices
         out["HF transformers fp32"] = (hf_run, n, same_shape, lambda: hf_run(1))
+        RAN["HF transformers fp32"] = kernels_of(hf)
     except ImportError:
         print("transformers is not installed: no HF row", file=sys.stderr)
     for precision in args.precisions:
@@ -85,9 +110,11 @@ def gpt2_contenders(args) -> dict:
         out[f"tformer {precision}"] = (
             lambda m=model: generate(m, ids, n, temperature=0), n, weight_bytes(model),
             lambda m=model: generate(m, ids, 1, temperature=0))
+        RAN[f"tformer {precision}"] = kernels_of(model)
     model = DecoderLM(config).eval()
     out["tformer no cache"] = (lambda: generate(model, ids, args.nocache_tokens, temperature=0, use_cache=False),
                                args.nocache_tokens, weight_bytes(model), None)
+    RAN["tformer no cache"] = kernels_of(model) + ", full recomputation of the window every token"
     return out
 
 
@@ -238,7 +265,7 @@ def main() -> None:
                   "| contender | weights MB | end-to-end tok/s | decode tok/s | x HF (e2e) | roofline (decode) | kernel |",
                   "|---|---:|---:|---:|---:|---:|---|"]
         for r in rows:
-            kernel = KERNELS.get(r["name"].replace("tformer ", ""), "HF GPT2 Conv1D: torch.addmm")
+            kernel = RAN.get(r["name"], "-")
             ratio = f"{r['e2e'] / hf:.2f}" if hf else "-"
             dec = f"{r['decode']:.1f}" if "decode" in r else "-"
             lines.append(f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {r['e2e']:.1f} | {dec} | {ratio} | "
