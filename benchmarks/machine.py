@@ -18,3 +18,16 @@ def load_note(cores: float) -> str:
     """One phrase for a report: ``"0.02 of 2 cores busy with other work"`` plus a warning if busy."""
     text = f"{cores:.2f} of {os.cpu_count()} cores busy with other work (measured over 1 s)"
     return text + (" -- WARNING: the machine was busy; figures are noisy" if cores > BUSY_CORES else "")
+
+
+def cpu_name() -> str:
+    """The CPU's model name as ``lscpu`` reports it (``/proc/cpuinfo`` if lscpu is missing)."""
+    import subprocess
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        out = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    for line in out.splitlines():
+        if line.lower().startswith(("model name", "model name\t")):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
