@@ -87,6 +87,7 @@ class KVPool:
     @torch.inference_mode()
     def prefill(self, slot: int, ids: Tensor) -> Tensor:
         """Write the prompt ``ids (T,)`` into ``slot``; return the next-token logits ``(vocab,)``."""
+        self.attach()
         self.prefill_slot = slot
         try:
             logits, _ = self.model(ids[None], last_only=True)                 # (1, 1, vocab)
@@ -97,6 +98,7 @@ class KVPool:
     @torch.inference_mode()
     def decode(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """One step for rows ``0 .. hi-1``: ``tokens (hi,)`` at index ``lengths (hi,)``; logits ``(hi, vocab)``."""
+        self.attach()
         self.write, self.m = lengths, int(lengths.max()) + 1
         keys = torch.arange(self.m, device=self.device)                        # (m,)
         mask = (keys[None, :] <= lengths[:, None]).long()                       # (hi, m)

@@ -270,6 +270,7 @@ class Scheduler:
         """Free ``seq``'s slot; tell the client why it ended (``None``: the client is gone)."""
         self.running.pop(seq.slot, None)
         heapq.heappush(self.free, seq.slot)
+        self._gauges()
         if reason is not None:
             seq.tracker.done = True
             rest = seq.tracker.take()                       # text held back for a stop string that never came
