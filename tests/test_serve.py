@@ -172,3 +172,35 @@ def test_errors_have_openai_shape_and_status(served):
     r = httpx.get(running.url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
     assert httpx.get(running.url + "/health").json()["free_slots"] == 4
+
+
+def test_inspect_attention_and_attribution(served):
+    """Attention rows are the last query's rows of attention_maps; each attribution score times its
+    normaliser is |d/de log p(target | context; e_i -> (1+e) e_i)| at e = 0, checked by a central
+    finite difference in float64 (relative 1e-5)."""
+    model, tok, server, running, _ = served
+    from tformer.serve.inspect import explain
+
+    r = httpx.post(running.url + "/v1/inspect", json={"prompt": "ab c", "token_ids": [5, 9, 11], "index": 2})
+    data = r.json()
+    c = model.config
+    assert (data["n_layers"], data["n_heads"]) == (c.n_layers, c.n_heads)
+    assert np.array(data["attention"]).shape == (c.n_layers, c.n_heads, 6)
+    np.testing.assert_allclose(np.array(data["attention"]).sum(-1), 1.0, atol=1e-5)
+    assert data["tokens"] == list("ab c") + [tok.decode([5]), tok.decode([9])]
+
+    m64 = __import__("copy").deepcopy(model).double()
+    context = tok.encode("ab c") + [5, 9]
+    got = explain(m64, tok, context, 11)
+    ids = torch.tensor([context])
+
+    def logp(i: int, eps: float) -> float:
+        h = m64.tok_emb.register_forward_hook(lambda _m, _i, out: out.index_put(
+            (torch.tensor([0]), torch.tensor([i])), out[0, i] * (1 + eps)))
+        with torch.no_grad():
+            value = torch.log_softmax(m64(ids)[0][0, -1], dim=-1)[11].item()
+        h.remove()
+        return value
+    fd = np.array([abs(logp(i, 1e-6) - logp(i, -1e-6)) / 2e-6 for i in range(len(context))])
+    np.testing.assert_allclose(got["attribution"], fd / fd.sum(), rtol=1e-5)
+    assert got["logprob"] == pytest.approx(logp(0, 0.0), abs=1e-6)          # reported in float32

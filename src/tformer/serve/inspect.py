@@ -43,7 +43,7 @@ def input_x_gradient(model, context: Tensor, target: int) -> tuple[Tensor, float
     finally:
         handle.remove()
     scores = (grad[0] * captured[0][0].detach()).sum(-1).abs().float()   # (t,)
-    return scores / scores.sum().clamp_min(1e-12), float(logp)
+    return scores / scores.sum().clamp_min(1e-12), float(logp.detach())
 
 
 def explain(model, tokenizer, context_ids: list[int], target: int) -> dict:
