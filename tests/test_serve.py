@@ -204,3 +204,42 @@ def test_inspect_attention_and_attribution(served):
     fd = np.array([abs(logp(i, 1e-6) - logp(i, -1e-6)) / 2e-6 for i in range(len(context))])
     np.testing.assert_allclose(got["attribution"], fd / fd.sum(), rtol=1e-5)
     assert got["logprob"] == pytest.approx(logp(0, 0.0), abs=1e-6)          # reported in float32
+
+
+def test_cli_serve(tmp_path, one_thread, monkeypatch, capsys):
+    """`tformer serve` without a run says in one line how to get one; with a run it serves (a subprocess)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import tformer
+    from serve_util import free_port
+    from tformer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "make train" in err
+    tiny_checkpoint(tmp_path / "runs" / "tiny-1")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(tformer.__file__).parents[1])}   # this checkout's tformer
+    proc = subprocess.Popen([sys.executable, "-m", "tformer.cli", "serve", "--port", str(port), "--threads", "1"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+                time.sleep(0.2)
+        assert health["model"] == "tiny-1"                   # the newest run under runs/
+        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                         json={"model": "tiny-1", "prompt": "ab", "max_tokens": 3}).json()
+        assert out["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

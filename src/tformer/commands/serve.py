@@ -74,7 +74,10 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    import uvicorn
+    try:
+        import uvicorn
+    except ImportError:
+        raise ConfigError("`tformer serve` needs starlette and uvicorn: pip install 'tformer[serve]'.") from None
 
     from tformer.serve.app import build_app
 
