@@ -235,14 +235,19 @@ class Scheduler:
                              help="time of one batched decode step")
         self.metrics.observe("tformer_batch_size", len(self.running), BATCH_BUCKETS,
                              help="sequences in each decode step")
+        greedy = logits.argmax(dim=-1).tolist()                 # one call for every greedy row
         for slot, seq in list(self.running.items()):
             seq.length += 1
-            self._take(seq, logits[slot:slot + 1])
+            self._take(seq, logits[slot:slot + 1], greedy[slot])
 
-    def _take(self, seq: Sequence, logits: Tensor) -> None:
-        """Sample ``seq``'s next token from ``logits (1, vocab)``, send it, and finish if it is done."""
+    def _take(self, seq: Sequence, logits: Tensor, greedy: int | None = None) -> None:
+        """Sample ``seq``'s next token from ``logits (1, vocab)`` (``greedy``: its argmax, when known),
+        send it, and finish if it is done."""
         p = seq.params
-        tok = int(sample(logits, p.temperature, p.top_k, p.top_p if p.top_p < 1 else None, [seq.generator]))
+        if p.temperature == 0 and greedy is not None:
+            tok = greedy
+        else:
+            tok = int(sample(logits, p.temperature, p.top_k, p.top_p if p.top_p < 1 else None, [seq.generator]))
         self.metrics.inc("tformer_generated_tokens_total", help="tokens generated")
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
