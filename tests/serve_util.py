@@ -17,12 +17,13 @@ from tformer.training.tokenizer import CharTokenizer
 CHARS = list(string.ascii_letters + string.digits + " .,:;\n()=_")
 
 
-def tiny_checkpoint(folder, context: int = 64, positions: str = "learned", seed: int = 0, eos=None):
+def tiny_checkpoint(folder, context: int = 64, positions: str = "learned", seed: int = 0, eos=None, **overrides):
     """Save a randomly initialised 2-layer model and a character tokenizer; return (model, tokenizer)."""
     torch.manual_seed(seed)
     tok = CharTokenizer(CHARS)
     config = TransformerConfig(vocab_size=tok.vocab_size, d_model=64, n_heads=4, n_layers=2, context_length=context,
-                               positions=positions, init_std=0.1)   # varied greedy text, clear top-1 margins
+                               positions=positions, init_std=0.1,   # varied greedy text, clear top-1 margins
+                               **overrides)
     model = DecoderLM(config).eval()
     save_model(folder, model, generation={"eos_token_id": eos} if eos else None)
     tok.save(folder / "tokenizer.json")

@@ -42,9 +42,10 @@ def run_together(scheduler, tokenizer, prompts, max_tokens) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("positions", ["learned", "rope", "alibi"])
-def test_batched_greedy_tokens_equal_each_request_alone(tmp_path, one_thread, positions):
-    model, tok = tiny_checkpoint(tmp_path, context=64, positions=positions)
+@pytest.mark.parametrize("positions, options", [("learned", {}), ("rope", {"n_kv_heads": 2}), ("alibi", {}),
+                                                ("rope", {"sliding_window": 8})])
+def test_batched_greedy_tokens_equal_each_request_alone(tmp_path, one_thread, positions, options):
+    model, tok = tiny_checkpoint(tmp_path, context=64, positions=positions, **options)
     reference_model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, tok.vocab_size, (int(n),), generator=g).tolist()

@@ -151,7 +151,6 @@ class Scheduler:
             self.stopping = True
             self.cond.notify()
         self.thread.join(timeout=10)
-        self.pool.close()
 
     # ------------------------------------------------------------------------- the thread
     def _loop(self) -> None:
@@ -184,12 +183,9 @@ class Scheduler:
             fn, fut = self.jobs.popleft()
             if fut.set_running_or_notify_cancel():
                 try:
-                    self.pool.close()                      # the job sees the model without the pool
                     fut.set_result(fn())
                 except Exception as e:  # reported to the caller, which turns it into a response
                     fut.set_exception(e)
-                finally:
-                    self.pool.attach()
 
     def _drop_finished_clients(self) -> None:
         now = time.monotonic()
