@@ -7,7 +7,6 @@ server's pool) for greedy text; a full forward of the model without any cache fo
 
 from __future__ import annotations
 
-import base64
 import json
 
 import httpx

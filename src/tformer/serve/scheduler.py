@@ -18,7 +18,6 @@ for the next waiting request at once. Results go back through each sequence's ``
 from __future__ import annotations
 
 import heapq
-import math
 import random
 import threading
 import time
@@ -214,7 +213,12 @@ class Scheduler:
             seq.slot = heapq.heappop(self.free)
             self.running[seq.slot] = seq
             ids = torch.tensor(seq.prompt, dtype=torch.long, device=self.pool.device)
-            logits = self.pool.prefill(seq.slot, ids)                            # (vocab,)
+            try:
+                logits = self.pool.prefill(seq.slot, ids)                        # (vocab,)
+            except ValueError as e:  # bad input the server did not catch: fail this request only
+                self._finish(seq, None, "error")
+                seq.emit(("error", str(e)))
+                continue
             seq.length = len(seq.prompt)
             self.metrics.inc("tformer_prompt_tokens_total", len(seq.prompt), help="prompt tokens prefilled")
             self._take(seq, logits[None])
@@ -267,7 +271,7 @@ class Scheduler:
         elif len(seq.generated) >= p.max_tokens or seq.length + 1 >= self.max_len:
             self._finish(seq, "length")
 
-    def _finish(self, seq: Sequence, reason: str | None) -> None:
+    def _finish(self, seq: Sequence, reason: str | None, label: str = "disconnect") -> None:
         """Free ``seq``'s slot; tell the client why it ended (``None``: the client is gone)."""
         self.running.pop(seq.slot, None)
         heapq.heappush(self.free, seq.slot)
@@ -278,7 +282,7 @@ class Scheduler:
             if rest:
                 seq.emit(Token(-1, rest))
             seq.emit(("done", reason))
-        self.metrics.inc("tformer_sequences_total", help="sequences finished", reason=str(reason or "disconnect"))
+        self.metrics.inc("tformer_sequences_total", help="sequences finished", reason=reason or label)
         self.metrics.observe("tformer_sequence_seconds", time.monotonic() - seq.submitted,
                              help="from submission to the last token")
 
