@@ -42,15 +42,16 @@ def run_together(scheduler, tokenizer, prompts, max_tokens) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("positions, options", [("learned", {}), ("rope", {"n_kv_heads": 2}), ("alibi", {}),
-                                                ("rope", {"sliding_window": 8})])
-def test_batched_greedy_tokens_equal_each_request_alone(tmp_path, one_thread, positions, options):
-    model, tok = tiny_checkpoint(tmp_path, context=64, positions=positions, **options)
+@pytest.mark.parametrize("context, positions, options", [
+    (64, "learned", {}), (64, "rope", {"n_kv_heads": 2}), (64, "alibi", {}), (64, "rope", {"sliding_window": 8}),
+    (200, "learned", {})])                      # rows cross the decode step's 64-key buckets at 64 and 128
+def test_batched_greedy_tokens_equal_each_request_alone(tmp_path, one_thread, context, positions, options):
+    model, tok = tiny_checkpoint(tmp_path, context=context, positions=positions, **options)
     reference_model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, tok.vocab_size, (int(n),), generator=g).tolist()
-               for n in torch.randint(1, 30, (16,), generator=g)]
-    max_tokens = [int(n) for n in torch.randint(5, 30, (16,), generator=g)]
+               for n in torch.randint(1, context // 2, (16,), generator=g)]
+    max_tokens = [int(n) for n in torch.randint(5, context // 2, (16,), generator=g)]
     reference = [reference_model.generate(torch.tensor([p]), n, temperature=0)[0, len(p):].tolist()
                  for p, n in zip(prompts, max_tokens)]
     scheduler = Scheduler(model, n_slots=8, max_queue=16, prefill_per_step=3)   # 16 requests > 8 slots: a queue

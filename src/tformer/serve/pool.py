@@ -14,7 +14,9 @@ until it finishes. Nothing is allocated per token or per request.
   different lengths therefore decode together exactly. Idle rows inside the range compute a
   throw-away token (their slot is re-initialised at its next admission); keeping the range
   contiguous avoids gathering rows, and stopping at ``hi`` avoids computing rows past the last one
-  in use.
+  in use. The step reads the first multiple of 64 positions that covers the longest row, not all
+  ``max_len``, so short sequences do not pay for attention over the whole context; shapes change
+  only every 64 tokens.
 """
 
 from __future__ import annotations
@@ -26,16 +28,21 @@ import torch
 from tformer.inference.state import InferenceState
 
 Tensor = torch.Tensor
+KEY_BUCKET = 64     # decode reads the first multiple of 64 positions that holds every row's keys
 
 
-def _rows(layer_state, n: int, rows: slice):
-    """A shallow copy of one layer's state whose batch-leading tensors are ``[rows]`` views."""
+def _rows(layer_state, n: int, max_len: int, rows: slice, keys: int):
+    """A shallow copy of one layer's state whose tensors are views: batch-leading ones cut to
+    ``[rows]``, and position-indexed ones (``(B, h, max_len, d)``: KV caches) to their first ``keys``."""
     if layer_state is None:
         return None
     view = copy.copy(layer_state)
     for name, value in vars(layer_state).items():
         if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
-            setattr(view, name, value[rows])
+            value = value[rows]
+            if value.dim() == 4 and value.shape[2] == max_len:
+                value = value[:, :, :keys]
+            setattr(view, name, value)
     return view
 
 
@@ -58,15 +65,17 @@ class KVPool:
     def nbytes(self) -> int:
         return self.state.nbytes
 
-    def view(self, start: int, stop: int) -> InferenceState:
-        """Rows ``start .. stop-1`` of the pool as an InferenceState of their own (views; cached)."""
-        key = (start, stop)
+    def view(self, start: int, stop: int, keys: int | None = None) -> InferenceState:
+        """Rows ``start .. stop-1`` and positions ``0 .. keys-1`` of the pool as an InferenceState of
+        their own (views into the pool; cached, so a step builds nothing)."""
+        keys = keys or self.max_len
+        key = (start, stop, keys)
         if key not in self._views:
             rows = slice(start, stop)
-            layers = [_rows(s, self.n_slots, rows) for s in self.state.layers]
+            layers = [_rows(s, self.n_slots, self.max_len, rows, keys) for s in self.state.layers]
             v = InferenceState.__new__(InferenceState)
-            v.layers, v.batch_size, v.max_len = layers, stop - start, self.max_len
-            v.length, v.valid = 0, self.state.valid[rows]
+            v.layers, v.batch_size, v.max_len = layers, stop - start, keys
+            v.length, v.valid = 0, self.state.valid[rows, :keys]
             self._views[key] = v
         return self._views[key]
 
@@ -85,6 +94,8 @@ class KVPool:
     @torch.inference_mode()
     def decode(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """One static step for rows ``0 .. hi-1``: ``tokens (hi,)`` at index ``lengths (hi,)``; logits ``(hi, vocab)``."""
-        rows = self.view(0, tokens.shape[0])
+        need = int(lengths.max()) + 1                     # keys the longest row reads after this write
+        keys = min(self.max_len, -(-need // KEY_BUCKET) * KEY_BUCKET)
+        rows = self.view(0, tokens.shape[0], keys)
         logits, _ = self.model(tokens[:, None], positions=lengths[:, None], state=rows, slot=lengths)
         return logits[:, -1]                                                    # (hi, vocab)
