@@ -136,3 +136,38 @@ def test_two_hundred_connections_and_garbage(long_server):
     assert h["status"] == "ok" and h["free_slots"] == 8
     metrics = httpx.get(running.url + "/metrics").text
     assert "tformer_pool_slots_in_use 0" in metrics and "tformer_queue_length 0" in metrics
+
+
+def test_queue_limit_and_request_timeout(tmp_path, one_thread):
+    """A full queue refuses at once (the app answers 503); a request that outwaits its timeout in the
+    queue gets an error; one that runs out of time while generating ends with "length"."""
+    from tformer.serve.scheduler import QueueFull
+
+    model, tok = tiny_checkpoint(tmp_path)
+    scheduler = Scheduler(model, n_slots=1, max_queue=1)
+    events = []
+    try:
+        gate = threading.Event()
+        scheduler.run_job(gate.wait)                        # hold the scheduler so nothing is admitted
+        waiting = Sequence([1, 2], Params(5, temperature=0.0), events.append, tok, timeout=0.05)
+        scheduler.submit(waiting)
+        with pytest.raises(QueueFull):
+            scheduler.submit(Sequence([1, 2], Params(5), events.append, tok))
+        time.sleep(0.1)
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events[0][0] == "error" and "waited" in events[0][1]
+        events.clear()
+        def out_of_time_after_first_token(event):           # runs on the scheduler thread
+            events.append(event)
+            slow.timeout = 0.0
+        slow = Sequence([1, 2], Params(50, temperature=0.0), out_of_time_after_first_token, tok)
+        scheduler.submit(slow)
+        while not (events and isinstance(events[-1], tuple)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events[-1] == ("done", "length") and sum(isinstance(e, Token) for e in events) <= 2
+        assert scheduler.metrics.value("tformer_pool_slots_in_use") == 0
+    finally:
+        scheduler.close()
