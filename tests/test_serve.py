@@ -49,6 +49,8 @@ def test_completion_equals_generate(served):
     assert out.choices[0].text == generate_text(model, tok, "def f(x):", 12, temperature=0)
     assert out.choices[0].finish_reason == "length"
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (9, 12, 21)
+    echoed = client.completions.create(model=server.name, prompt="def f(x):", max_tokens=12, temperature=0, echo=True)
+    assert echoed.choices[0].text == "def f(x):" + out.choices[0].text
 
 
 def test_chat_equals_generate_on_the_joined_messages(served):

@@ -225,14 +225,14 @@ async def completions(request: Request):
     server: Server = request.app.state.server
     req = await read_json(request, server.limits.max_body_bytes, S.CompletionRequest)
     check_model(server, req.model)
-    if req.echo and req.stream:
-        raise S.APIError(400, "echo is not supported with stream; leave one of them out.", param="echo")
+    if req.echo and (req.stream or req.logprobs is not None):
+        raise S.APIError(400, "echo is not supported with stream or logprobs; leave one of them out.", param="echo")
     prompts = server.encode_prompts(req.prompt)
-    max_tokens = server.check_length(prompts, req.max_tokens, 16)
-    fmt = CompletionFormat(server, req.logprobs is not None, req.return_tokens_as_token_ids)
-    echo = server.tokenizer.decode(prompts[0]) if req.echo and len(prompts) == 1 else ""
     if req.echo and len(prompts) > 1:
         raise S.APIError(400, "echo takes one prompt; send the prompts in separate requests.", param="echo")
+    max_tokens = server.check_length(prompts, req.max_tokens, 16)
+    fmt = CompletionFormat(server, req.logprobs is not None, req.return_tokens_as_token_ids)
+    echo = server.tokenizer.decode(prompts[0]) if req.echo else ""
     return await run(request, server, req, prompts, fmt, max_tokens, req.logprobs, echo)
 
 
