@@ -159,15 +159,15 @@ def main() -> None:
                 print(f"{streams:>3} streams  {n:<13} {tps:8.1f} tok/s  latency p50 {pct(lat, 50):6.2f} s "
                       f"p99 {pct(lat, 99):6.2f} s  token gap p50 {pct(gaps, 50) * 1e3:7.1f} ms p99 {pct(gaps, 99) * 1e3:7.1f} ms",
                       flush=True)
-        busy_after = busy_cores()
+            write(rows, args, same, busy_before, None)          # a partial table survives an interruption
+        write(rows, args, same, busy_before, busy_cores())
     finally:
         for p in procs.values():
             p.terminate()
             p.wait(timeout=30)
-    write(rows, args, same, texts, busy_before, busy_after)
 
 
-def write(rows, args, same, texts, busy_before, busy_after) -> None:
+def write(rows, args, same, busy_before, busy_after) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     one = {n: tps for s, n, tps, *_ in rows if s == 1}
@@ -177,7 +177,7 @@ def write(rows, args, same, texts, busy_before, busy_after) -> None:
         f"GPT-2 shape, {args.layers} layers, random weights; {args.prompt_tokens} prompt tokens, up to "
         f"{args.max_tokens} generated per request, greedy, streaming; {args.rounds} rounds per level alternating "
         f"the servers; torch threads {args.threads}. CPU: {cpu}. Before: {load_note(busy_before)}. "
-        f"After: {load_note(busy_after)}.",
+        + (f"After: {load_note(busy_after)}." if busy_after is not None else "(Run still going or interrupted.)"),
         f"Greedy text of one prompt identical across servers: {same}.",
         "",
         "| streams | server | tokens/s | × its 1 stream | latency p50 (s) | p99 (s) | token gap p50 (ms) | p99 (ms) |",
@@ -193,6 +193,8 @@ def write(rows, args, same, texts, busy_before, busy_after) -> None:
               + " ".join(sys.argv[1:]) + "`", ""]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serve.md").write_text("\n".join(lines))
+    if busy_after is None:
+        return
     print("\n".join(lines))
     try:
         import matplotlib
