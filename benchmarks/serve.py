@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    ap.add_argument("--name", default="serve", help="results file stem under benchmarks/results (default: serve)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tformer-serve-bench-"))
     hf, ckpt = work / "hf", work / "tformer"
@@ -170,7 +171,7 @@ def main() -> None:
 def write(rows, args, same, busy_before, busy_after) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
-    one = {n: tps for s, n, tps, *_ in rows if s == 1}
+    one = {n: tps for s, n, tps, *_ in rows if s == rows[0][0]}
     lines = [
         "# Serving: tformer serve vs transformers serve",
         "",
@@ -180,7 +181,7 @@ def write(rows, args, same, busy_before, busy_after) -> None:
         + (f"After: {load_note(busy_after)}." if busy_after is not None else "(Run still going or interrupted.)"),
         f"Greedy text of one prompt identical across servers: {same}.",
         "",
-        "| streams | server | tokens/s | × its 1 stream | latency p50 (s) | p99 (s) | token gap p50 (ms) | p99 (ms) |",
+        f"| streams | server | tokens/s | × its {rows[0][0]} stream(s) | latency p50 (s) | p99 (s) | token gap p50 (ms) | p99 (ms) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for s, n, tps, l50, l99, g50, g99 in rows:
@@ -192,7 +193,7 @@ def write(rows, args, same, busy_before, busy_after) -> None:
     lines += ["", "Reproduce: `flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src python benchmarks/serve.py "
               + " ".join(sys.argv[1:]) + "`", ""]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serve.md").write_text("\n".join(lines))
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
     if busy_after is None:
         return
     print("\n".join(lines))
@@ -213,7 +214,7 @@ def write(rows, args, same, busy_before, busy_after) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(RESULTS / "serve.png", dpi=120)
+    fig.savefig(RESULTS / f"{args.name}.png", dpi=120)
 
 
 if __name__ == "__main__":
