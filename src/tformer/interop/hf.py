@@ -20,11 +20,11 @@ import torch.nn as nn
 
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, ConfigError
-from tformer.interop import bert, bloom, gpt2, llama, mamba
+from tformer.interop import bert, bigbird, bloom, gpt2, llama, longformer, mamba
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
 from tformer.models import model_class
 
-FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, mamba) for t in module.MODEL_TYPES}
+FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, mamba, longformer, bigbird) for t in module.MODEL_TYPES}
 
 
 def family(model_type: str | None, source: str = "config.json field model_type"):
