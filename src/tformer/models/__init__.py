@@ -15,6 +15,7 @@ from tformer.errors import ConfigError
 MODELS: dict[str, str] = {
     "decoder": "tformer.models.decoder:DecoderLM",
     "encoder": "tformer.models.encoder:EncoderModel",
+    "encoder-decoder": "tformer.models.seq2seq:EncoderDecoder",
 }
 
 # Checkpoints written before the registry stored the class name.
