@@ -19,12 +19,12 @@ import torch
 import torch.nn as nn
 
 from tformer.config import TransformerConfig
-from tformer.interop import bert, bloom, gpt2, llama
+from tformer.interop import bart, bert, bloom, gpt2, llama, marian
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
 from tformer.models.decoder import DecoderLM
 from tformer.models.encoder import EncoderModel
 
-FAMILIES = {t: module for module in (gpt2, llama, bloom, bert) for t in module.MODEL_TYPES}
+FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, bart, marian) for t in module.MODEL_TYPES}
 
 
 def family(model_type: str | None):
@@ -42,6 +42,10 @@ def config_from_hf(hf: dict) -> TransformerConfig:
 
 def build_model(config: TransformerConfig, state: dict) -> nn.Module:
     """An empty model of the right class for ``config`` with the optional parts ``state`` has."""
+    if config.model == "encoder-decoder":
+        from tformer.models.seq2seq import EncoderDecoder
+
+        return EncoderDecoder(config)
     if config.causal:
         return DecoderLM(config)
     return EncoderModel(config, mlm_head="mlm_head.bias" in state, pooler="pooler.weight" in state)
@@ -78,6 +82,8 @@ def infer_model_type(config: TransformerConfig) -> str:
     """The HF family a tformer config corresponds to (its ``name`` if that is one)."""
     if config.name in FAMILIES:
         return config.name
+    if config.model == "encoder-decoder":
+        return "marian" if config.positions == "sinusoidal" else "bart"
     if not config.causal:
         return "bert"
     if config.positions == "alibi":
