@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order ``tformer --help`` lists them.
-COMMANDS = ["train", "sample", "generate", "count", "convert", "embed"]
+COMMANDS = ["train", "sample", "generate", "count", "convert", "embed", "translate"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,6 +78,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="override one setting; repeatable (see the list below)")
     p.add_argument("--out", metavar="DIR", help="run folder for checkpoints and metrics (default: runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--task", choices=["lm", "seq2seq"], default="lm",
+                   help="lm: language model (default); seq2seq: translate source<TAB>target pairs (--data pairs.tsv; "
+                        "none = built-in English->French numbers task; settings: tformer.training.seq2seq.Seq2SeqSettings)")
     p.set_defaults(func=run)
 
 
@@ -125,6 +128,9 @@ def _run(args: argparse.Namespace) -> int:
     from tformer.training.trainer import Trainer
 
     settings = read_toml(args.config) if args.config else {}
+    if getattr(args, "task", "lm") == "seq2seq":
+        from tformer.training.seq2seq import run_command
+        return run_command(args, {**settings, **parse_settings(args.settings)})
     preset = args.preset or settings.pop("preset", None)
     settings.pop("preset", None)
     settings.update(parse_settings(args.settings))
