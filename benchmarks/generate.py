@@ -23,7 +23,6 @@ import torch
 from machine import busy_cores, load_note  # benchmarks/machine.py
 from tformer import DecoderLM, TransformerConfig
 from tformer.inference.generate import generate
-from tformer.inference.kv_cache import clear_kv_cache, setup_kv_cache
 from tformer.inference.quantize import set_precision, weight_bytes
 
 RESULTS = Path(__file__).parent / "results"
@@ -156,11 +155,10 @@ def latency_curve(positions: list[int], reps: int = 3) -> dict:
         # without a cache, the token at position p - 1 costs a forward pass over all p tokens
         uncached.append(statistics.median(timed(lambda: model(ids[:, :p], last_only=True)) for _ in range(reps)))
         # with the cache, it costs one token's forward over p cached keys: time tokens p-reps .. p-1
-        setup_kv_cache(model, 1, p)
-        model(ids[:, :p - reps], last_only=True)
+        state = model.new_state(1, p)
+        model(ids[:, :p - reps], state=state, last_only=True)
         cached.append(statistics.median(
-            timed(lambda t=t: model(ids[:, t:t + 1], start_pos=t, last_only=True)) for t in range(p - reps, p)))
-        clear_kv_cache(model)
+            timed(lambda t=t: model(ids[:, t:t + 1], state=state, last_only=True)) for t in range(p - reps, p)))
         print(f"  position {p}: cached {cached[-1] * 1e3:.1f} ms, uncached {uncached[-1] * 1e3:.1f} ms",
               file=sys.stderr, flush=True)
     return dict(positions=positions, cached=cached, uncached=uncached)

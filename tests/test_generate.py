@@ -13,10 +13,10 @@ POSITIONS = ["none", "learned", "sinusoidal", "rope", "alibi"]
 CHARS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456 .,")  # 61 characters
 
 
-def tiny(positions="learned", n_kv_heads=2, context_length=48, seed=0):
+def tiny(positions="learned", n_kv_heads=2, context_length=48, seed=0, **kw):
     torch.manual_seed(seed)
     c = TransformerConfig(vocab_size=len(CHARS), context_length=context_length, n_layers=2, d_model=32,
-                          n_heads=4, n_kv_heads=n_kv_heads, positions=positions)
+                          n_heads=4, n_kv_heads=n_kv_heads, positions=positions, **kw)
     model = DecoderLM(c).eval()
     with torch.no_grad():  # sharper distributions than the 0.02 init, so greedy has no near-ties
         model.lm_head.weight.mul_(20)
@@ -170,14 +170,22 @@ def test_decoder_generate_delegates():
     assert torch.equal(model.generate(ids, 5, temperature=0), generate(model, ids, 5, temperature=0))
 
 
-def test_training_mode_restored_and_cache_released():
-    model = tiny().train()
-    generate(model, torch.tensor([[1]]), 3, temperature=0)
-    assert model.training and all(b.attn.kv_cache is None for b in model.blocks)
+def test_generation_leaves_the_model_alone_and_ignores_dropout():
+    """The model is never switched to eval and holds no cache; inference mode turns dropout off,
+    so a model in training mode with dropout generates what its eval copy generates."""
+    model = tiny(dropout=0.3).train()
+    ids = torch.tensor([[1, 2, 3]])
+    out = generate(model, ids, 8, temperature=0)
+    assert model.training and not any(hasattr(b.attn, "kv_cache") for b in model.blocks)
+    assert torch.equal(out, generate(model.eval(), ids, 8, temperature=0))
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), "temperature=-0.1 must be >= 0"),
+    (dict(temperature=-0.1), "temperature=-0.1 must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature=nan must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature=inf must be a finite number >= 0"),
+    (dict(seed=-1), r"seed=-1 must be an integer in \[0, 2\*\*63\)"),
+    (dict(colour="red"), r"unknown generation option\(s\) colour"),
     (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
     (dict(top_k=0), "top_k=0 must be >= 1"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tformer import DecoderLM, TransformerConfig, kv_cache_bytes
-from tformer.inference.kv_cache import KVCache, clear_kv_cache, kv_cache_nbytes, setup_kv_cache
+from tformer.inference.kv_cache import KVCache
 
 POSITIONS = ["none", "learned", "sinusoidal", "rope", "alibi"]
 LAYOUTS = {"MHA": 4, "GQA": 2, "MQA": 1}
@@ -61,19 +61,40 @@ def test_cached_logits_equal_full_recomputation(positions, layout, padded):
         ids, mask = torch.randint(0, 61, (1, T + steps), generator=torch.Generator().manual_seed(2)), None
     ref = full_logits(model, ids, mask)                                       # (B, T+steps, V)
     pos = positions_of(mask) if mask is not None else None
-    setup_kv_cache(model, ids.shape[0], T + steps)
+    state = model.new_state(ids.shape[0], T + steps)
     with torch.no_grad():
         # prefill in two chunks (3 then 4 tokens), then one token at a time
         for s, e in [(0, 3), (3, T)] + [(t, t + 1) for t in range(T, T + steps)]:
             kw = {} if mask is None else dict(attention_mask=mask[:, :e], positions=pos[:, s:e])
-            logits, _ = model(ids[:, s:e], start_pos=s, **kw)
+            assert state.length == s
+            logits, _ = model(ids[:, s:e], state=state, **kw)
             real = slice(None) if mask is None else mask[:, s:e].bool()
             got, want = logits, ref[:, s:e]
             if mask is not None:   # padding queries attend to nothing: compare real tokens only
                 got, want = got[real], want[real]
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    clear_kv_cache(model)
-    assert all(b.attn.kv_cache is None for b in model.blocks)
+    assert state.length == T + steps
+    assert not any(hasattr(b.attn, "kv_cache") for b in model.blocks)   # the model holds no request state
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_static_decode_step_equals_full_recomputation(positions, layout):
+    """The static path (tensor positions and write slots over the whole preallocated cache) gives
+    the logits of a full uncached pass, with left padding and a sliding window too."""
+    model = tiny(positions, LAYOUTS[layout], sliding_window=5 if positions == "rope" else None)
+    T, steps = 7, 9
+    ids, mask = padded_batch([7, 3, 5], T + steps)
+    mask[:, T:] = 1
+    ref = full_logits(model, ids, mask)
+    pos = positions_of(mask)
+    state = model.new_state(3, T + steps + 4)                # larger than needed: the rest stays masked
+    with torch.no_grad():
+        model(ids[:, :T], state=state, attention_mask=mask[:, :T])
+        for t in range(T, T + steps):
+            slot = torch.full((3,), t)
+            logits, _ = model(ids[:, t:t + 1], state=state, slot=slot, positions=pos[:, t:t + 1])
+            torch.testing.assert_close(logits[:, 0], ref[:, t], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("positions", POSITIONS)
@@ -90,9 +111,9 @@ def test_sliding_window_cached_equals_full():
     model = tiny("rope", 2, sliding_window=4)
     ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(3))
     ref = full_logits(model, ids, None)
-    setup_kv_cache(model, 2, 12)
+    state = model.new_state(2, 12)
     with torch.no_grad():
-        out = [model(ids[:, :5])[0]] + [model(ids[:, t:t + 1], start_pos=t)[0] for t in range(5, 12)]
+        out = [model(ids[:, :5], state=state)[0]] + [model(ids[:, t:t + 1], state=state)[0] for t in range(5, 12)]
     torch.testing.assert_close(torch.cat(out, 1), ref, atol=ATOL, rtol=0)
 
 
@@ -101,16 +122,15 @@ def test_sliding_window_cached_equals_full():
 def test_cache_bytes_equal_formula_and_tensors(layout, dtype):
     model = tiny("rope", LAYOUTS[layout])
     c = model.config
-    caches = setup_kv_cache(model, 3, 20, dtype=dtype)
+    state = model.new_state(3, 20, dtype=dtype)
+    caches = state.layers
     elem = torch.finfo(dtype).bits // 8
     formula = 2 * c.n_layers * 20 * c.n_kv_heads * c.head_dim * elem * 3
-    assert kv_cache_nbytes(model) == formula == kv_cache_bytes(c, 20, 3, elem)
+    assert state.nbytes == formula == kv_cache_bytes(c, 20, 3, elem)
     assert sum(t.nbytes for cache in caches for t in (cache.k, cache.v)) == formula
     assert caches[0].k.shape == (3, c.n_kv_heads, 20, c.head_dim) and caches[0].k.dtype == dtype
     # GQA/MQA shrink the cache by n_heads / n_kv_heads against MHA
     assert formula * c.n_kv_groups == 2 * c.n_layers * 20 * c.n_heads * c.head_dim * elem * 3
-    clear_kv_cache(model)
-    assert kv_cache_nbytes(model) == 0
 
 
 def test_update_writes_in_place_and_returns_views():

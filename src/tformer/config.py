@@ -8,6 +8,7 @@ changing a field here, never editing a model class.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ from tformer.errors import ConfigError
 POSITIONS = ("none", "learned", "sinusoidal", "rope", "alibi")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
-FFN_KINDS = ("mlp", "swiglu")
+FFN_KINDS = ("mlp", "swiglu", "none")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 BACKENDS = ("auto", "math", "torch", "flash")
 
@@ -47,7 +48,8 @@ class TransformerConfig:
         rope_base: the base θ of the RoPE frequencies.
         norm: ``layernorm`` or ``rmsnorm``; ``norm_eps`` its epsilon.
         norm_placement: ``pre`` (x + f(norm(x)), GPT-2/Llama) or ``post`` (norm(x + f(x)), Vaswani/BERT).
-        ffn: ``mlp`` (Linear, activation, Linear) or ``swiglu`` (gated, Llama).
+        ffn: ``mlp`` (Linear, activation, Linear), ``swiglu`` (gated, Llama) or ``none`` (no
+            feed-forward sub-layer: the mixer is the whole layer, as in Mamba).
         activation: non-linearity of the ``mlp`` (``gelu`` is the exact erf form).
         bias: biases on every Linear and norm.
         qkv_bias: biases on the q/k/v projections only (Qwen2); defaults to ``bias``.
@@ -147,6 +149,8 @@ class TransformerConfig:
         if self.d_ff is None:
             if self.ffn == "mlp":
                 self.d_ff = 4 * self.d_model
+            elif self.ffn == "none":
+                self.d_ff = 0
             else:
                 hidden = int(2 * (4 * self.d_model) / 3)
                 m = self.ffn_multiple_of
@@ -155,7 +159,7 @@ class TransformerConfig:
             self.qkv_bias = self.bias
         for f in ("dropout", "attn_dropout"):
             p = getattr(self, f)
-            if not 0.0 <= p < 1.0:
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
                 raise ConfigError(f"{f}={p} must be in [0, 1).")
         if self.attention_backend == "flash" and self.attn_dropout > 0:
             raise ConfigError(f"attention_backend='flash' has no attention dropout (attn_dropout={self.attn_dropout}); "
@@ -165,8 +169,12 @@ class TransformerConfig:
         if isinstance(self.type_vocab_size, bool) or not isinstance(self.type_vocab_size, int) \
                 or self.type_vocab_size < 0:
             raise ConfigError(f"type_vocab_size={self.type_vocab_size!r} must be a non-negative integer (0 = none).")
-        if self.rope_base <= 0:
-            raise ConfigError(f"rope_base={self.rope_base} must be positive.")
+        if self.ffn != "none" and (not isinstance(self.d_ff, int) or isinstance(self.d_ff, bool) or self.d_ff < 1):
+            raise ConfigError(f"d_ff={self.d_ff!r} must be a positive integer (or use ffn='none' for no feed-forward).")
+        for f in ("rope_base", "norm_eps", "init_std"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{f}={v!r} must be a finite number > 0.")
         if self.encoder_layers is not None and (not isinstance(self.encoder_layers, int)
                                                 or isinstance(self.encoder_layers, bool) or self.encoder_layers < 1):
             raise ConfigError(f"encoder_layers={self.encoder_layers!r} must be a positive integer or None (= n_layers).")

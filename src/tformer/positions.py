@@ -42,7 +42,6 @@ class SinusoidalPositions(nn.Module):
 
     def forward(self, positions: Tensor) -> Tensor:
         """positions ``(T,)`` or ``(B, T)`` -> ``(T, C)`` or ``(B, T, C)``."""
-        _check_range(positions, self.table.shape[0], "sinusoidal")
         return self.table[positions]
 
 
@@ -54,7 +53,6 @@ class LearnedPositions(nn.Module):
         self.weight = nn.Parameter(torch.zeros(context_length, d_model))
 
     def forward(self, positions: Tensor) -> Tensor:
-        _check_range(positions, self.weight.shape[0], "learned")
         return self.weight[positions]
 
 
@@ -62,8 +60,9 @@ class RotaryEmbedding(nn.Module):
     """RoPE: rotate each pair (x_i, x_{i + hs/2}) of q and k by angle p · base^(-2i/hs).
 
     The pairing is the "rotate half" layout used by GPT-NeoX and Llama in HuggingFace, so their
-    weights load without permutation. Tables are precomputed to ``context_length`` and extended
-    on demand.
+    weights load without permutation. Tables are precomputed to ``context_length``; the model
+    calls :meth:`ensure` with a Python int before a longer input, so ``forward`` never has to look
+    at the values of ``positions`` (no host synchronisation, nothing for ``torch.compile`` to break on).
     """
 
     def __init__(self, head_dim: int, context_length: int, base: float = 10000.0):
@@ -79,13 +78,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
+    def ensure(self, length: int) -> None:
+        """Extend the tables so positions ``< length`` can be looked up."""
+        if length > self.cos.shape[0]:
+            device = self.cos.device
+            self._build(2 * length)
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Rotate ``x (B, nh, T, hs)`` by ``positions`` ``(T,)`` or ``(B, T)``."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            self._build(2 * int(positions.max()) + 1)
-            self.cos, self.sin = self.cos.to(x.device), self.sin.to(x.device)
-        if positions.device != self.cos.device:
-            positions = positions.to(self.cos.device)
+        """Rotate ``x (B, nh, T, hs)`` by ``positions`` ``(T,)`` or ``(B, T)`` (all below the table length)."""
         cos, sin = self.cos[positions], self.sin[positions]                 # (T, hs) or (B, T, hs)
         if cos.dim() == 3:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                   # (B, 1, T, hs)
@@ -127,9 +128,6 @@ def alibi_bias(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tens
     return -slopes[:, None, None].to(dtype) * distance
 
 
-def _check_range(positions: Tensor, length: int, kind: str) -> None:
-    if positions.numel() and int(positions.max()) >= length:
-        raise ValueError(
-            f"position {int(positions.max())} is beyond context_length={length} of the {kind} "
-            f"position table; shorten the input or build the model with a larger context_length."
-        )
+def table_length(module: nn.Module) -> int:
+    """Rows of a learned or sinusoidal table."""
+    return (module.weight if isinstance(module, LearnedPositions) else module.table).shape[0]

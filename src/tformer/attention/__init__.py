@@ -1,7 +1,7 @@
 """Attention: the functional entry point, masks, and the multi-head module."""
 
 from tformer.attention.functional import choose_backend, scaled_dot_product_attention
-from tformer.attention.flash import flash_attention  # noqa: I001 (after functional, which registers it)
+from tformer.attention.flash import flash_attention
 from tformer.attention.masks import causal_mask, padding_mask, sliding_window_mask
 
 __all__ = [

@@ -29,6 +29,9 @@ import math
 
 import torch
 
+from tformer.attention.checks import check_shapes
+from tformer.errors import InputError
+
 Tensor = torch.Tensor
 
 # Chosen by measurement on a 2-core CPU at d_head 64 (see docs/flash-attention.md): big enough that
@@ -72,23 +75,21 @@ def flash_attention(
         ``(..., Hq, n, d_v)`` in the dtype of ``q``; rows that may attend to nothing are zero.
 
     Raises:
-        ValueError: for inconsistent q/k/v shapes, dropout, bad block sizes, or masks/biases/slopes
+        InputError: for inconsistent q/k/v shapes, dropout, bad block sizes, or masks/biases/slopes
             of an unusable shape.
     """
-    from tformer.attention.functional import _check_shapes  # here: functional imports this module
-
-    _check_shapes(q, k, v)
+    check_shapes(q, k, v)
     if dropout_p > 0:
-        raise ValueError(
+        raise InputError(
             f"the flash backend has no attention dropout (dropout_p={dropout_p}); use backend='torch' "
             f"or 'math' when training with attn_dropout > 0, or backend='auto' which does so."
         )
     if block_q < 1 or block_k < 1:
-        raise ValueError(f"block_q={block_q} and block_k={block_k} must be positive integers.")
+        raise InputError(f"block_q={block_q} and block_k={block_k} must be positive integers.")
     if window is not None and window < 1:
-        raise ValueError(f"window={window} must be >= 1.")
+        raise InputError(f"window={window} must be >= 1.")
     if mask is not None and mask.dtype != torch.bool:
-        raise ValueError(f"mask must be a bool tensor (True = attend), got {mask.dtype}; pass floats as bias=.")
+        raise InputError(f"mask must be a bool tensor (True = attend), got {mask.dtype}; pass floats as bias=.")
     n, m, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
@@ -113,7 +114,7 @@ def flash_attention(
     slopes5 = None
     if alibi_slopes is not None:
         if alibi_slopes.shape not in ((hq,), (1,)):
-            raise ValueError(f"alibi_slopes must have shape ({hq},) (one per query head), got {tuple(alibi_slopes.shape)}.")
+            raise InputError(f"alibi_slopes must have shape ({hq},) (one per query head), got {tuple(alibi_slopes.shape)}.")
         slopes5 = alibi_slopes.to(compute).expand(hq).reshape(1, hkv, 1, groups, 1)
 
     geometry = _Geometry(n, m, causal, window, block_q, block_k)
@@ -189,10 +190,10 @@ def _pairwise(t: Tensor, lead, hq: int, hkv: int, n: int, m: int, what: str) -> 
     """A mask/bias broadcastable to ``(*lead, Hq, n, m)`` as a ``(B|1, Hkv|1, n|1, G|1, m|1)`` view."""
     t = _pad_dims(t, len(lead) + 3)
     if t.dim() > len(lead) + 3:
-        raise ValueError(f"{what} has shape {tuple(t.shape)}, more dims than the scores {(*lead, hq, n, m)}.")
+        raise InputError(f"{what} has shape {tuple(t.shape)}, more dims than the scores {(*lead, hq, n, m)}.")
     th, tn, tm = t.shape[-3:]
     if th not in (1, hq) or tn not in (1, n) or tm not in (1, m):
-        raise ValueError(f"{what} of shape {tuple(t.shape)} does not broadcast to the scores {(*lead, hq, n, m)}.")
+        raise InputError(f"{what} of shape {tuple(t.shape)} does not broadcast to the scores {(*lead, hq, n, m)}.")
     if all(s == 1 for s in t.shape[:-3]):
         t = t.reshape(1, th, tn, tm)
     else:

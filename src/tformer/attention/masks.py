@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from tformer.errors import InputError
+
 
 def causal_mask(n: int, m: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Bottom-right aligned causal mask.
@@ -34,7 +36,7 @@ def sliding_window_mask(
         ``(n, m)`` bool tensor.
     """
     if window < 1:
-        raise ValueError(f"window={window} must be >= 1.")
+        raise InputError(f"window={window} must be >= 1.")
     p = torch.arange(n, device=device).unsqueeze(1) + (m - n)
     j = torch.arange(m, device=device).unsqueeze(0)
     near = (p - j).abs() < window
@@ -48,7 +50,7 @@ def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
         ``(B, 1, 1, m)`` bool tensor that broadcasts over heads and queries.
     """
     if attention_mask.dim() != 2:
-        raise ValueError(
+        raise InputError(
             f"attention_mask must have shape (batch, seq_len), got {tuple(attention_mask.shape)}."
         )
     return attention_mask.bool()[:, None, None, :]

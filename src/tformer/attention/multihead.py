@@ -4,6 +4,9 @@
 anything dividing ``n_heads`` is GQA (Ainslie et al., 2023): each key/value head serves
 ``n_heads / n_kv_heads`` query heads, which shrinks the K/V projections and the KV cache by
 that factor. K and V stay at ``n_kv_heads`` width all the way into the attention kernel.
+
+Softmax attention is the ``"attention"`` token mixer (see :mod:`tformer.mixers.base`): its
+inference state is a :class:`~tformer.inference.kv_cache.KVCache`, owned by the caller.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import torch.nn as nn
 
 from tformer.attention.functional import scaled_dot_product_attention
 from tformer.config import TransformerConfig
+from tformer.errors import InputError
+from tformer.inference.kv_cache import KVCache
+from tformer.mixers.base import Shared, Step, mark_residual
 from tformer.positions import RotaryEmbedding, alibi_slopes
 
 Tensor = torch.Tensor
@@ -24,16 +30,15 @@ class MultiHeadAttention(nn.Module):
     Args:
         config: supplies d_model, n_heads, n_kv_heads, head_dim, biases, positions, backend,
             causal, sliding_window and attn_dropout.
+        layer: index in the stack (unused: every layer is alike).
+        shared: the model's shared objects; its ``rope`` table when ``config.positions == "rope"``.
         cross: keys and values come from a ``context`` sequence (encoder-decoder); never causal,
             no RoPE/ALiBi.
-        rope: a shared :class:`RotaryEmbedding` when ``config.positions == "rope"``.
-
-    Attributes:
-        kv_cache: ``None``, or an object with ``update(start_pos, k, v) -> (k_all, v_all)``
-            holding earlier keys/values (see ``tformer.inference.kv_cache``).
+        rope: the rotary table, when not given through ``shared``.
     """
 
-    def __init__(self, config: TransformerConfig, cross: bool = False, rope: RotaryEmbedding | None = None):
+    def __init__(self, config: TransformerConfig, layer: int = 0, shared: Shared | None = None, *,
+                 cross: bool = False, rope: RotaryEmbedding | None = None):
         super().__init__()
         c = config
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
@@ -47,39 +52,65 @@ class MultiHeadAttention(nn.Module):
             self.kv_proj = nn.Linear(c.d_model, 2 * kv_dim, bias=c.qkv_bias)
         else:  # one fused matmul for q, k and v
             self.qkv_proj = nn.Linear(c.d_model, q_dim + 2 * kv_dim, bias=c.qkv_bias)
-        self.out_proj = nn.Linear(q_dim, c.d_model, bias=c.bias)
+        self.out_proj = mark_residual(nn.Linear(q_dim, c.d_model, bias=c.bias))
+        rope = rope if rope is not None else (shared.rope if shared is not None else None)
         self.rope = None if cross else rope
         use_alibi = c.positions == "alibi" and not cross
         self.register_buffer("alibi_slopes", alibi_slopes(c.n_heads) if use_alibi else None, persistent=False)
-        self.kv_cache = None
 
+    # ------------------------------------------------------------------ the mixer protocol
+    @classmethod
+    def count_parameters(cls, config: TransformerConfig) -> int:
+        """W_Q, W_K, W_V (+ biases) and W_O (+ bias) of one layer."""
+        c = config
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        return (c.d_model + c.qkv_bias) * (q_dim + 2 * kv_dim) + q_dim * c.d_model + c.d_model * c.bias
+
+    @classmethod
+    def state_bytes(cls, config: TransformerConfig, n_tokens: int, batch_size: int = 1,
+                    bytes_per_element: int = 4) -> int:
+        """One layer's KV cache: ``2 · n · h_kv · d_head · bytes`` per sequence."""
+        return 2 * n_tokens * config.n_kv_heads * config.head_dim * bytes_per_element * batch_size
+
+    def new_state(self, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str | None = None) -> KVCache:
+        return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, dtype, device)
+
+    # ------------------------------------------------------------------ forward
     def forward(
         self,
         x: Tensor,
+        step: Step | None = None,
+        state: KVCache | None = None,
         *,
         context: Tensor | None = None,
         mask: Tensor | None = None,
         positions: Tensor | None = None,
-        start_pos: int = 0,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x (B, T, C)``.
 
         Args:
+            step: what the model computed for this call (positions, padding mask, start_pos,
+                static ``slot``, dropout); when ``None`` the keywords below are used (direct use).
+            state: this layer's KV cache, or ``None`` (attend over ``x`` or ``context`` alone).
             context: ``(B, S, C)`` keys/values source for cross-attention.
             mask: bool key mask broadcastable to ``(B, nh, T, m)``, ``True`` = attend (padding).
             positions: absolute positions of the ``T`` queries, ``(T,)`` or ``(B, T)`` (RoPE);
-                default ``start_pos + arange(T)``.
-            start_pos: how many tokens the KV cache already holds (0 without a cache).
+                default ``arange(T)``.
             return_weights: also return ``(B, nh, T, m)`` attention weights (math backend).
         Returns:
             ``(B, T, C)``, or ``(out, weights)``.
         """
         B, T, _ = x.shape
+        if step is None:
+            if positions is None and self.rope is not None:
+                positions = torch.arange(T, device=x.device)
+            step = Step(positions=positions, mask=mask, dropout=self.training, return_weights=return_weights)
         hs, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         if self.cross:
             if context is None:
-                raise ValueError("cross-attention needs a context tensor (B, S, d_model).")
+                raise InputError("cross-attention needs a context tensor (B, S, d_model).")
             q = self.q_proj(x)
             k, v = self.kv_proj(context).split(nkv * hs, dim=-1)
         else:
@@ -87,22 +118,39 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, T, nh, hs).transpose(1, 2)                     # (B, nh, T, hs)
         k = k.view(B, k.shape[1], nkv, hs).transpose(1, 2)           # (B, nkv, m, hs)
         v = v.view(B, v.shape[1], nkv, hs).transpose(1, 2)           # (B, nkv, m, hs)
-
-        if positions is None and (self.rope is not None):
-            positions = torch.arange(start_pos, start_pos + T, device=x.device)
         if self.rope is not None:  # rotate new q and k; cached keys were rotated when written
-            q, k = self.rope(q, positions), self.rope(k, positions)
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(start_pos, k, v)             # (B, nkv, start_pos + T, hs)
+            q, k = self.rope(q, step.positions), self.rope(k, step.positions)
 
-        # ALiBi goes in as slopes: flash computes -slope * |p_q - p_k| per block, the other
-        # backends build the dense (nh, T, m) bias (queries at key positions m - T .. m - 1).
-        result = scaled_dot_product_attention(
-            q, k, v, mask=mask, causal=self.causal, window=self.window, alibi_slopes=self.alibi_slopes,
-            dropout_p=self.attn_dropout if self.training else 0.0,
-            backend=self.backend, return_weights=return_weights,
-        )
-        out, weights = result if return_weights else (result, None)
-        out = out.transpose(1, 2).reshape(B, T, nh * hs)              # re-assemble heads: (B, T, C)
-        out = self.out_proj(out)
-        return (out, weights) if return_weights else out
+        if state is not None and step.slot is not None:
+            result = self._attend_slot(q, k, v, state, step)
+        else:
+            if state is not None:
+                k, v = state.update(step.start_pos, k, v)            # (B, nkv, start_pos + T, hs)
+            # ALiBi goes in as slopes: flash computes -slope * |p_q - p_k| per block, the other
+            # backends build the dense (nh, T, m) bias (queries at key positions m - T .. m - 1).
+            result = scaled_dot_product_attention(
+                q, k, v, mask=step.mask, causal=self.causal, window=self.window, alibi_slopes=self.alibi_slopes,
+                dropout_p=self.attn_dropout if step.dropout else 0.0,
+                backend=self.backend, return_weights=step.return_weights,
+            )
+        out, weights = result if step.return_weights else (result, None)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, T, nh * hs))   # re-assemble heads: (B, T, C)
+        return (out, weights) if step.return_weights else out
+
+    def _attend_slot(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: Step) -> Tensor:
+        """The static decode step: write one token per row at ``step.slot``, attend over the whole
+        preallocated cache. Causality, the window, padding and ALiBi all become one additive bias
+        over the ``max_len`` key slots, so no shape depends on how far decoding has gone."""
+        k_all, v_all = cache.write_slot(step.slot, k, v)                       # (B, nkv, L, hs)
+        L = k_all.shape[2]
+        dist = step.slot[:, None] - torch.arange(L, device=q.device)[None]     # (B, L): query - key index
+        allowed = dist >= 0
+        if self.window is not None:
+            allowed = allowed & (dist < self.window)
+        if step.mask is not None:
+            allowed = allowed & step.mask.reshape(q.shape[0], L)
+        bias = None
+        if self.alibi_slopes is not None:
+            bias = -self.alibi_slopes.to(q.dtype)[None, :, None, None] * dist.abs().to(q.dtype)[:, None, None, :]
+        return scaled_dot_product_attention(q, k_all, v_all, mask=allowed[:, None, None, :], bias=bias,
+                                            backend="math" if self.backend == "math" else "torch")

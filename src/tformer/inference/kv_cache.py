@@ -7,6 +7,9 @@ allocated before generation starts and written in place: no per-token allocation
 concatenation. Only the ``n_kv_heads`` key/value heads are stored, so grouped-query attention
 shrinks the cache by ``n_heads / n_kv_heads`` (Ainslie et al., 2023).
 
+The cache is attention's inference state (see :mod:`tformer.mixers.base`): the caller owns it,
+inside a :class:`~tformer.inference.state.InferenceState`, so one model can serve many requests.
+
 Size: ``2 · n_layers · max_len · n_kv_heads · head_dim · bytes_per_element`` per sequence
 (:func:`tformer.accounting.kv_cache_bytes`).
 """
@@ -14,12 +17,13 @@ Size: ``2 · n_layers · max_len · n_kv_heads · head_dim · bytes_per_element`
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+
+from tformer.errors import InputError
 
 Tensor = torch.Tensor
 
 
-class KVCache(nn.Module):
+class KVCache:
     """One layer's cache.
 
     Args:
@@ -33,10 +37,9 @@ class KVCache(nn.Module):
 
     def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        super().__init__()
         shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
     def update(self, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -45,11 +48,11 @@ class KVCache(nn.Module):
         Returns:
             ``(k_all, v_all)``: views ``(B, nkv, start_pos + T, hs)`` of everything held so far.
         Raises:
-            ValueError: if the write would run past ``max_len`` or the batch size differs.
+            InputError: if the write would run past ``max_len`` or the batch size differs.
         """
         end = start_pos + k.shape[-2]
         if end > self.max_len or k.shape[0] != self.k.shape[0]:
-            raise ValueError(
+            raise InputError(
                 f"KV cache holds batch {self.k.shape[0]} x {self.max_len} positions; cannot write batch "
                 f"{k.shape[0]} at positions {start_pos}..{end - 1}. Set up the cache with a larger max_len."
             )
@@ -57,44 +60,17 @@ class KVCache(nn.Module):
         self.v[:, :, start_pos:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def write_slot(self, slot: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Static decode: write one token per sequence, ``k, v (B, nkv, 1, hs)``, at index ``slot (B,)``.
+
+        Returns the whole buffers ``(B, nkv, max_len, hs)``; the caller masks what is not written yet.
+        """
+        rows = torch.arange(k.shape[0], device=k.device)
+        self.k[rows, :, slot] = k[:, :, 0]                                    # (B, nkv, hs) scattered
+        self.v[rows, :, slot] = v[:, :, 0]
+        return self.k, self.v
+
     @property
     def nbytes(self) -> int:
         """Bytes held by this layer's two buffers."""
         return self.k.nbytes + self.v.nbytes
-
-
-def setup_kv_cache(model: nn.Module, batch_size: int, max_len: int,
-                   dtype: torch.dtype | None = None) -> list[KVCache]:
-    """Attach a fresh :class:`KVCache` to the self-attention of every block of ``model``.
-
-    Args:
-        model: a :class:`~tformer.models.decoder.DecoderLM` (anything with ``blocks[i].attn``).
-        batch_size: sequences decoded together.
-        max_len: prompt length + new tokens; at most ``config.context_length`` for learned or
-            sinusoidal positions.
-        dtype: cache dtype; default the dtype of the model's token embedding.
-    Returns:
-        the caches, one per layer.
-    """
-    c = model.config
-    if max_len < 1 or batch_size < 1:
-        raise ValueError(f"KV cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}.")
-    ref = model.tok_emb.weight
-    dtype = dtype or ref.dtype
-    caches = []
-    for block in model.blocks:
-        cache = KVCache(batch_size, c.n_kv_heads, max_len, c.head_dim, dtype, ref.device)
-        block.attn.kv_cache = cache
-        caches.append(cache)
-    return caches
-
-
-def clear_kv_cache(model: nn.Module) -> None:
-    """Detach every layer's cache (the model goes back to full recomputation)."""
-    for block in model.blocks:
-        block.attn.kv_cache = None
-
-
-def kv_cache_nbytes(model: nn.Module) -> int:
-    """Total bytes of the caches attached to ``model`` (0 when none is)."""
-    return sum(b.attn.kv_cache.nbytes for b in model.blocks if b.attn.kv_cache is not None)

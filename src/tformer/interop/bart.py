@@ -60,7 +60,7 @@ def layers_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     state = {}
     for side, n, cross in (("encoder", c.encoder_layers or c.n_layers, False), ("decoder", c.n_layers, True)):
         for i in range(n):
-            hf, ours = f"{side}.layers.{i}.", f"{side}.{i}."
+            hf, ours = f"{side}.layers.{i}.", f"{side}.blocks.{i}."
             for kind in ("weight", "bias"):
                 state[f"{ours}attn.qkv_proj.{kind}"] = torch.cat(
                     [src.take(f"{hf}self_attn.{p}_proj.{kind}") for p in "qkv"])
@@ -76,7 +76,7 @@ def layers_to_hf(state: dict, c: TransformerConfig) -> dict:
     out, d = {}, c.d_model
     for side, n, cross in (("encoder", c.encoder_layers or c.n_layers, False), ("decoder", c.n_layers, True)):
         for i in range(n):
-            hf, ours = f"{PREFIX}{side}.layers.{i}.", f"{side}.{i}."
+            hf, ours = f"{PREFIX}{side}.layers.{i}.", f"{side}.blocks.{i}."
             for kind in ("weight", "bias"):
                 for p, t in zip("qkv", state[f"{ours}attn.qkv_proj.{kind}"].split(d)):
                     out[f"{hf}self_attn.{p}_proj.{kind}"] = t
@@ -95,15 +95,20 @@ def take_shared(src: TensorSource) -> dict:
         src.take_tied(name, emb)
     src.take_lm_head(emb, tied=True)
     bias = src.take("final_logits_bias").reshape(-1) if src.has("final_logits_bias") else torch.zeros(emb.shape[0])
-    return {"tok_emb.weight": emb, "lm_head.weight": emb, "logits_bias": bias}
+    return {**tie(emb), "logits_bias": bias}
+
+
+def tie(emb: torch.Tensor) -> dict:
+    """The three names of the one shared matrix in tformer's EncoderDecoder."""
+    return {"encoder.tok_emb.weight": emb, "decoder.tok_emb.weight": emb, "lm_head.weight": emb}
 
 
 def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     state = take_shared(src)
-    for side, ours in (("encoder", "enc"), ("decoder", "dec")):
-        state[f"{ours}_pos.weight"] = src.take(f"{side}.embed_positions.weight")[POSITION_OFFSET:]
+    for side in ("encoder", "decoder"):
+        state[f"{side}.pos_emb.weight"] = src.take(f"{side}.embed_positions.weight")[POSITION_OFFSET:]
         for kind in ("weight", "bias"):
-            state[f"{ours}_emb_norm.{kind}"] = src.take(f"{side}.layernorm_embedding.{kind}")
+            state[f"{side}.emb_norm.{kind}"] = src.take(f"{side}.layernorm_embedding.{kind}")
     state.update(layers_from_hf(src, c))
     return state
 
@@ -136,15 +141,15 @@ def check_exportable(c: TransformerConfig, model_type: str) -> None:
 
 
 def shared_to_hf(state: dict) -> dict:
-    return {f"{PREFIX}shared.weight": state["tok_emb.weight"], "final_logits_bias": state["logits_bias"][None]}
+    return {f"{PREFIX}shared.weight": state["encoder.tok_emb.weight"], "final_logits_bias": state["logits_bias"][None]}
 
 
 def state_to_hf(state: dict, c: TransformerConfig) -> dict:
     out = shared_to_hf(state)
-    for side, ours in (("encoder", "enc"), ("decoder", "dec")):
-        table = state[f"{ours}_pos.weight"]
+    for side in ("encoder", "decoder"):
+        table = state[f"{side}.pos_emb.weight"]
         out[f"{PREFIX}{side}.embed_positions.weight"] = torch.cat([table.new_zeros(POSITION_OFFSET, c.d_model), table])
         for kind in ("weight", "bias"):
-            out[f"{PREFIX}{side}.layernorm_embedding.{kind}"] = state[f"{ours}_emb_norm.{kind}"]
+            out[f"{PREFIX}{side}.layernorm_embedding.{kind}"] = state[f"{side}.emb_norm.{kind}"]
     out.update(layers_to_hf(state, c))
     return out

@@ -21,8 +21,7 @@ import torch.nn as nn
 from tformer.config import TransformerConfig
 from tformer.interop import bart, bert, bloom, gpt2, llama, marian
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
-from tformer.models.decoder import DecoderLM
-from tformer.models.encoder import EncoderModel
+from tformer.models import model_class
 
 FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, bart, marian) for t in module.MODEL_TYPES}
 
@@ -41,14 +40,11 @@ def config_from_hf(hf: dict) -> TransformerConfig:
 
 
 def build_model(config: TransformerConfig, state: dict) -> nn.Module:
-    """An empty model of the right class for ``config`` with the optional parts ``state`` has."""
-    if config.model == "encoder-decoder":
-        from tformer.models.seq2seq import EncoderDecoder
-
-        return EncoderDecoder(config)
-    if config.causal:
-        return DecoderLM(config)
-    return EncoderModel(config, mlm_head="mlm_head.bias" in state, pooler="pooler.weight" in state)
+    """An empty model of the family ``config.model`` names, with the optional parts ``state`` has
+    (a family may say which through ``options_from_state``)."""
+    cls = model_class(config.model)
+    options = cls.options_from_state(state) if hasattr(cls, "options_from_state") else {}
+    return cls(config, **options)
 
 
 def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -70,6 +66,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module
     except KeyError as e:
         raise ValueError(f"{folder}/config.json lacks the field {e.args[0]!r} that a {hf.get('model_type')} "
                          f"config must have; re-save the model with transformers' save_pretrained.") from e
+    config.hf_model_type = hf.get("model_type")
     src = TensorSource(read_tensors(folder), prefix=module.PREFIX)
     state = module.state_from_hf(src, config)
     src.check_consumed()
@@ -79,9 +76,10 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module
 
 
 def infer_model_type(config: TransformerConfig) -> str:
-    """The HF family a tformer config corresponds to (its ``name`` if that is one)."""
-    if config.name in FAMILIES:
-        return config.name
+    """The HF family a tformer config corresponds to (its ``hf_model_type``, or a preset ``name`` that is one)."""
+    for named in (config.hf_model_type, config.name):
+        if named in FAMILIES:
+            return named
     if config.model == "encoder-decoder":
         return "marian" if config.positions == "sinusoidal" else "bart"
     if not config.causal:

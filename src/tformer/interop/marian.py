@@ -54,8 +54,7 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     state = {**bart.take_shared(src), **bart.layers_from_hf(src, c)}
     inverse = torch.argsort(halves_order(c.d_model))                   # Marian's layout -> tformer's
     state = permute_stream(state, inverse)
-    state["lm_head.weight"] = state["tok_emb.weight"]
-    return state
+    return {**state, **bart.tie(state["encoder.tok_emb.weight"])}             # one matrix again after permuting
 
 
 def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
@@ -69,5 +68,5 @@ def check_exportable(c: TransformerConfig, model_type: str) -> None:
 
 
 def state_to_hf(state: dict, c: TransformerConfig) -> dict:
-    state = permute_stream({k: v for k, v in state.items() if k != "lm_head.weight"}, halves_order(c.d_model))
+    state = permute_stream(state, halves_order(c.d_model))
     return {**bart.shared_to_hf(state), **bart.layers_to_hf(state, c)}

@@ -1,5 +1,5 @@
-"""What the decoder and the encoder share at their input: id checks, the absolute-position table,
-and GPT-2's weight initialisation."""
+"""Pieces of the input side that the model stack (``tformer.models.stack``) and the entry points
+use: the id check, the absolute-position table, and GPT-2's weight initialisation."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ import torch
 import torch.nn as nn
 
 from tformer.config import TransformerConfig
+from tformer.errors import InputError
 from tformer.positions import LearnedPositions, SinusoidalPositions
 
 Tensor = torch.Tensor
 
 
 def check_ids(ids: Tensor, vocab_size: int) -> None:
-    """Raise a clear ValueError unless ``ids`` is a ``(B, T)`` integer tensor inside the vocabulary."""
+    """Raise a clear InputError unless ``ids`` is a ``(B, T)`` integer tensor inside the vocabulary."""
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"ids must be a (batch, seq_len) integer tensor, got {ids.dtype} {tuple(ids.shape)}.")
+        raise InputError(f"ids must be a (batch, seq_len) integer tensor, got {ids.dtype} {tuple(ids.shape)}.")
     if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-        raise ValueError(
+        raise InputError(
             f"token ids must be in [0, {vocab_size}); got range [{int(ids.min())}, {int(ids.max())}]. "
             f"Is the tokenizer the one this model was built for?"
         )

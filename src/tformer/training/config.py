@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,13 @@ def cast_value(key: str, value: Any) -> Any:
             return int(value)
         if kind.startswith("float"):
             return float(value)
-        return value if value is None else str(value)
+        if kind.startswith("dict"):   # mixer_options: JSON, e.g. --set 'mixer_options={"mamba": {"d_state": 8}}'
+            value = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
+        if key == "mixer" and isinstance(value, str) and "," in value:   # a layer pattern: mamba,mamba,attention
+            return [v.strip() for v in value.split(",")]
+        return value if value is None or isinstance(value, list) else str(value)
     except (TypeError, ValueError):
         raise ValueError(f"{key}={value!r} is not a valid {kind.split(' ')[0]}; e.g. --set {key}=...") from None

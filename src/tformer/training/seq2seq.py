@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from tformer.checkpoint import CONFIG, WEIGHTS, atomic_write_json, save_model
+from tformer.checkpoint import CONFIG, atomic_write_json, load_model, save_model
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, ConfigError
 from tformer.inference.beam import beam_search
@@ -191,21 +191,11 @@ def save_run(out_dir: str, model, tok: WordTokenizer, s: Seq2SeqSettings, metric
 
 def load_run(run: str):
     """``(model, tokenizer, settings dict)`` of a ``--task seq2seq`` run folder."""
-    from safetensors.torch import load_file
-
     folder = Path(run)
     if not (folder / TOKENIZER).is_file() or not (folder / CONFIG).is_file():
         raise CheckpointError(f"{run} is not a seq2seq run folder ({TOKENIZER} or {CONFIG} is missing); pass the "
                               f"--out folder of `tformer train --task seq2seq`.")
-    meta = json.loads((folder / CONFIG).read_text())
-    model = build_model(TransformerConfig.from_dict(meta["config"]))
-    state = load_file(str(folder / WEIGHTS))
-    if "lm_head.weight" in model.state_dict() and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["tok_emb.weight"]                                 # stored once, tied
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise CheckpointError(f"{folder / WEIGHTS} does not fit its {CONFIG}; the run is damaged, retrain it.") from e
+    model = load_model(folder)
     settings = json.loads((folder / SETTINGS).read_text()) if (folder / SETTINGS).is_file() else {}
     return model.eval(), WordTokenizer.load(folder / TOKENIZER), settings
 

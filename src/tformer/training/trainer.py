@@ -31,7 +31,7 @@ from tformer.checkpoint import (POINTER, load_config, load_model, load_training_
                                 save_training_checkpoint)
 from tformer.config import TransformerConfig
 from tformer.inference.generate import generate
-from tformer.models.decoder import DecoderLM
+from tformer.models import build_model
 from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
                                      TrainConfig, cast_value)
 from tformer.training.data import Corpus, corpus_fingerprint, get_batch, load_corpus, resolve_corpus
@@ -55,7 +55,7 @@ class Trainer:
         torch.set_num_threads(cfg.threads or auto_threads())
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         torch.manual_seed(cfg.seed)
-        self.model = DecoderLM(model_config).to(self.device)
+        self.model = build_model(model_config).to(self.device)
         self.optimizer = make_optimizer(self.model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, self.device)
         self.forward = torch.compile(self.model) if cfg.compile else self.model
         use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_supported(self.device)

@@ -1,0 +1,212 @@
+"""What every transformer family shares: the embeddings in, the stack of blocks, the final norm,
+and the per-request inference state.
+
+    ids (B, T) -> token embedding (+ learned/sinusoidal positions) (+ token types) -> [norm] -> dropout
+        -> n_layers x Block(mixer, feed-forward) -> final norm -> hidden (B, T, C)
+
+The decoder (``DecoderLM``) and the encoder (``EncoderModel``) subclass :class:`TransformerStack`
+and add their heads. This is the one place where default positions are derived: from the state's
+length (cached decoding), from the attention mask (left padding shifts nothing), or ``arange(T)``.
+Parameters keep the names they always had (``tok_emb``, ``pos_emb``, ``type_emb``, ``emb_norm``,
+``blocks.i``, ``final_norm``), so checkpoints and the HF converters read them unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tformer.attention.masks import padding_mask
+from tformer.config import TransformerConfig
+from tformer.errors import InputError
+from tformer.inference.state import InferenceState
+from tformer.layers import Block, make_norm
+from tformer.mixers.base import Shared, Step, writes_residual
+from tformer.models.embedding import check_ids, init_weights, position_table
+from tformer.positions import RotaryEmbedding, table_length
+
+Tensor = torch.Tensor
+
+
+class TransformerStack(nn.Module):
+    """Embeddings, ``n_layers`` blocks and the final norm, built from one config.
+
+    Args:
+        config: every architectural switch.
+        cross_attention: give every block a cross-attention sub-layer (encoder-decoder decoders).
+    """
+
+    # Decoders derive default positions from the attention mask (left padding); encoders count
+    # from 0 whatever the padding (BERT's convention, with right padding the two agree).
+    positions_follow_mask = True
+
+    def __init__(self, config: TransformerConfig, cross_attention: bool = False):
+        super().__init__()
+        self.config = c = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos_emb = position_table(c)                                        # learned / sinusoidal, or None
+        self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
+        self.emb_norm = make_norm(c) if c.embedding_norm else None             # BERT, BLOOM
+        rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base) if c.positions == "rope" else None
+        shared = Shared(rope=rope)
+        self.blocks = nn.ModuleList(Block(c, i, shared, cross_attention=cross_attention) for i in range(c.n_layers))
+        # Post-norm blocks end in a norm already; pre-norm stacks need one at the end.
+        self.final_norm = make_norm(c) if c.norm_placement == "pre" else nn.Identity()
+        self.rope = rope
+
+    def init_weights(self, scale_residual: bool = True) -> None:
+        """GPT-2's init: N(0, init_std) everywhere, and (``scale_residual``) the projections that write
+        into the residual stream, marked by their mixer or feed-forward, scaled by 1/sqrt(2·n_layers)
+        so the stream's variance does not grow with depth. BERT's init (the encoder) does not scale."""
+        c = self.config
+        self.apply(lambda m: init_weights(m, c.init_std))
+        for m in self.modules() if scale_residual else ():
+            if writes_residual(m):
+                nn.init.normal_(m.weight, mean=0.0, std=c.init_std / math.sqrt(2 * c.n_layers))
+
+    # ------------------------------------------------------------------ state
+    def new_state(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> InferenceState:
+        """A fresh per-request inference state: every layer's mixer state for ``batch_size``
+        sequences of up to ``max_len`` tokens, in ``dtype`` (default: the embedding's)."""
+        if batch_size < 1 or max_len < 1:
+            raise InputError(f"an inference state needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}.")
+        ref = self.tok_emb.weight
+        dtype = dtype or ref.dtype
+        layers = [b.attn.new_state(batch_size, max_len, dtype, ref.device) if hasattr(b.attn, "new_state") else None
+                  for b in self.blocks]
+        return InferenceState(layers, batch_size, max_len, ref.device)
+
+    # ------------------------------------------------------------------ embeddings
+    def default_positions(self, T: int, start_pos: int, attention_mask: Tensor | None) -> Tensor:
+        """Positions of ``T`` new tokens after ``start_pos`` held ones: ``(B, T)`` from the mask
+        (each token's count of real tokens before it) or ``(T,)`` ``start_pos + arange(T)``."""
+        if attention_mask is not None and self.positions_follow_mask:
+            return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)[:, -T:]    # (B, T)
+        return torch.arange(start_pos, start_pos + T, device=self.tok_emb.weight.device)  # (T,)
+
+    def embed(self, ids: Tensor, positions: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
+        """Token (+ absolute position) (+ token type) embeddings, normalised if ``embedding_norm``:
+        ``(B, T)`` ids -> ``(B, T, C)`` (dropout is applied by the caller, which knows the mode)."""
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"ids must be a (batch, seq_len) integer tensor, got {ids.dtype} {tuple(ids.shape)}.")
+        if positions is None and self.pos_emb is not None:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+        try:  # an index outside a table raises here; look at the values only then (no sync otherwise)
+            x = self.tok_emb(ids)                                                # (B, T, C)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(positions)
+            x = self._add_token_types(x, ids, token_type_ids)
+        except IndexError:
+            self._explain_index_error(ids, positions, token_type_ids)
+            raise
+        return self.emb_norm(x) if self.emb_norm is not None else x
+
+    def _add_token_types(self, x: Tensor, ids: Tensor, token_type_ids: Tensor | None) -> Tensor:
+        if self.type_emb is None:
+            if token_type_ids is not None:
+                raise InputError("token_type_ids given but the model has type_vocab_size=0; drop them "
+                                 "or build the model with type_vocab_size > 0.")
+            return x
+        if token_type_ids is None:
+            return x + self.type_emb.weight[0]                                   # every token is segment 0
+        if token_type_ids.shape != ids.shape:
+            raise InputError(f"token_type_ids {tuple(token_type_ids.shape)} must have the shape of "
+                             f"ids {tuple(ids.shape)}.")
+        return x + self.type_emb(token_type_ids)
+
+    def _explain_index_error(self, ids: Tensor, positions: Tensor | None, token_type_ids: Tensor | None) -> None:
+        """After a lookup failed: find which input was out of range and say so (values read only here)."""
+        c = self.config
+        check_ids(ids, c.vocab_size)
+        if token_type_ids is not None and int(token_type_ids.max()) >= c.type_vocab_size:
+            raise InputError(f"token_type_ids must be < type_vocab_size={c.type_vocab_size}.")
+        if positions is not None and self.pos_emb is not None:
+            self._ensure_positions(int(positions.max()) + 1)
+
+    # ------------------------------------------------------------------ the stack
+    def hidden_states(
+        self,
+        ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        state: InferenceState | None = None,
+        slot: Tensor | None = None,
+        return_weights: bool = False,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, list]:
+        """Run embeddings and blocks: ``(B, T)`` ids -> ``(B, T, C)`` hidden states (before the
+        final norm), and every layer's attention weights when ``return_weights``.
+
+        Args:
+            attention_mask: ``(B, m)`` 1 for real tokens, 0 for padding, over every key
+                (``m = state.length + T`` with a state).
+            positions: ``(T,)`` or ``(B, T)`` absolute positions; default :meth:`default_positions`.
+            state: the request's inference state (written at ``state.length``, which then advances).
+            slot: ``(B,)`` static decode: write index per row; needs ``T == 1``, ``positions`` and
+                ``state``; reads ``state.valid`` as the padding mask. Nothing in this path depends
+                on a Python value that changes between steps.
+        """
+        T = ids.shape[1]
+        start = state.length if state is not None else 0
+        if slot is not None:
+            step = self._slot_step(ids, positions, state, slot)
+        else:
+            step = self._step(T, start, attention_mask, positions, state)
+        step.dropout = self.training and not torch.is_inference_mode_enabled()
+        step.return_weights = return_weights
+        x = F.dropout(self.embed(ids, step.positions, token_type_ids), self.config.dropout, step.dropout)
+        weights = []
+        for i, block in enumerate(self.blocks):
+            layer_state = state.layers[i] if state is not None else None
+            x = block(x, step, layer_state, context=context, context_mask=context_mask)
+            if return_weights:
+                x, w = x
+                weights.append(w)
+        if state is not None and slot is None:
+            state.length = start + T
+        return (x, weights) if return_weights else x
+
+    def _step(self, T: int, start: int, attention_mask: Tensor | None, positions: Tensor | None,
+              state: InferenceState | None) -> Step:
+        """The eager path: Python-int start, padding mask over ``start + T`` keys."""
+        end = start + T
+        if positions is None:
+            positions = self.default_positions(T, start, attention_mask)
+            self._ensure_positions(end)
+        mask = tokens = None
+        if attention_mask is not None:
+            mask = padding_mask(attention_mask)                                   # (B, 1, 1, m)
+            tokens = attention_mask[:, -T:].bool()                                # (B, T)
+        if state is not None:
+            if end > state.max_len:
+                raise InputError(f"the inference state holds {state.max_len} positions; cannot add {T} tokens "
+                                 f"after {start}. Make the state with a larger max_len.")
+            state.valid[:, start:end] = tokens if tokens is not None else True
+        return Step(positions=positions, mask=mask, tokens=tokens, start_pos=start)
+
+    def _slot_step(self, ids: Tensor, positions: Tensor | None, state: InferenceState | None, slot: Tensor) -> Step:
+        """The static decode path: one token per row, written at ``slot``; the mask is ``state.valid``."""
+        if state is None or positions is None or ids.shape[1] != 1:
+            raise InputError("a static decode step (slot=...) needs one token per row, positions (B, 1) and a state.")
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        state.valid[rows, slot] = True
+        return Step(positions=positions, mask=state.valid[:, None, None, :], slot=slot)
+
+    def _ensure_positions(self, length: int) -> None:
+        """Check (with Python ints) that positions below ``length`` fit the position table."""
+        if self.rope is not None:
+            self.rope.ensure(length)
+        elif self.pos_emb is not None and length > table_length(self.pos_emb):
+            raise InputError(f"position {length - 1} is beyond context_length={table_length(self.pos_emb)} of "
+                             f"the {self.config.positions} position table; shorten the input or build the model "
+                             f"with a larger context_length.")
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Distinct parameters (a tied head counts once)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
