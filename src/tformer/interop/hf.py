@@ -5,7 +5,8 @@
 
 tformer's own checkpoint folder is written and read by ``tformer.checkpoint.save_model/load_model``.
 
-Each family module (``gpt2``, ``llama`` for Llama/Mistral/Qwen2, ``bloom``, ``bert``) has
+Each family module (``gpt2``, ``llama`` for Llama/Mistral/Qwen2, ``bloom``, ``bert``, ``bart``,
+``marian``) has
 ``config_from_hf``, ``state_from_hf``, ``config_to_hf``, ``check_exportable`` and ``state_to_hf``.
 Anything a converter does not implement (scaled RoPE, an unknown activation, an unknown model_type,
 an unexpected tensor) is refused with a message naming it. ``transformers`` is never imported.
