@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tformer import DecoderLM, TransformerConfig
-from tformer.inference.generate import filter_logits, generate, sample
+from tformer.inference.generate import filter_logits, generate, generate_tokens, sample
 from tformer.inference.text import generate_text, left_pad, stream_text
 from tformer.training.tokenizer import CharTokenizer
 
@@ -230,3 +230,48 @@ def test_cli_generate_prints_text_and_speed(tmp_path, capsys):
     assert "tokens/s (int8, KV cache" in capsys.readouterr().err
     assert main(base + ["--top-p", "1.5"]) == 2
     assert "top_p=1.5 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_interleaved_generations_on_one_model_each_equal_alone():
+    """Per-request state: two generations on one model object, advanced step by step in turn (two
+    iterators) or at once from two threads, each give exactly the tokens they give alone."""
+    import threading
+
+    from tformer.inference.generate import generate_tokens
+
+    model = tiny("rope")
+    a_ids, b_ids = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[9, 8]])
+    a_opts, b_opts = dict(temperature=0.9, seed=1), dict(temperature=0, overflow="shift")
+    alone_a, alone_b = generate(model, a_ids, 30, **a_opts), generate(model, b_ids, 60, **b_opts)
+    steps_a = generate_tokens(model, a_ids, 30, **a_opts)
+    steps_b = generate_tokens(model, b_ids, 60, **b_opts)
+    got_a, got_b = [], []
+    for i in range(60):                                   # a, b, a, b, ... then b alone
+        if i < 30:
+            got_a.append(next(steps_a))
+        got_b.append(next(steps_b))
+    assert torch.equal(torch.cat([a_ids, torch.stack(got_a, 1)], 1), alone_a)
+    assert torch.equal(torch.cat([b_ids, torch.stack(got_b, 1)], 1), alone_b)
+
+    results = {}
+    threads = [threading.Thread(target=lambda k=k, ids=ids, o=o, n=n: results.__setitem__(k, generate(model, ids, n, **o)))
+               for k, ids, o, n in (("a", a_ids, a_opts, 30), ("b", b_ids, b_opts, 60))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert torch.equal(results["a"], alone_a) and torch.equal(results["b"], alone_b)
+
+
+@pytest.mark.parametrize("overflow", ["window", "shift"])
+def test_static_decode_equals_eager_through_the_context_edge(overflow):
+    model = tiny("rope", context_length=16)
+    ids, mask = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5])
+    eager = generate(model, ids, 30, temperature=0, attention_mask=mask, overflow=overflow)
+    assert torch.equal(generate(model, ids, 30, temperature=0, attention_mask=mask, overflow=overflow, static=True),
+                       eager)
+
+
+def test_huge_max_new_tokens_allocates_nothing_up_front():
+    steps = generate_tokens(tiny(), torch.tensor([[1, 2]]), 10**12, temperature=0)
+    assert next(steps).shape == (1,)

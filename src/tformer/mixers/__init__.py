@@ -12,7 +12,7 @@ import importlib
 
 from tformer.errors import ConfigError
 
-MIXERS: dict[str, str] = {
+MIXERS: dict[str, str | type] = {
     "attention": "tformer.attention.multihead:MultiHeadAttention",
 }
 
@@ -21,10 +21,14 @@ def mixer_class(name: str) -> type:
     """The class registered as ``name``."""
     if name not in MIXERS:
         raise ConfigError(f"mixer={name!r} is not known; choose one of {', '.join(sorted(MIXERS))}.")
-    module, cls = MIXERS[name].split(":")
+    target = MIXERS[name]
+    if isinstance(target, type):
+        return target
+    module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
-def register_mixer(name: str, target: str) -> None:
-    """Register ``"module:Class"`` as mixer ``name`` (for mixers that live outside tformer, e.g. in tests)."""
+def register_mixer(name: str, target: str | type) -> None:
+    """Register a mixer that lives outside tformer (a class, or ``"module:Class"``) as ``name``.
+    A checkpoint that uses it loads in any process that registered it first."""
     MIXERS[name] = target
