@@ -22,10 +22,11 @@ import torch
 
 from machine import busy_cores, load_note  # benchmarks/machine.py
 
-from tformer.training.seq2seq import Seq2SeqSettings, scores_by_length, train
+from tformer.training.seq2seq import Seq2SeqSettings, load_run, scores_by_length, train
 from tformer.training.seq2seq_data import BOS, number_pairs
 
 RESULTS = Path(__file__).resolve().parent / "results"
+EDGES = (10, 15, 20)          # source-length buckets (tokens): 1-10, 11-15, 16-20, >20
 MODELS = [("transformer", "encoder-decoder"), ("Bahdanau (RNN + attention)", "bahdanau"),
           ("RNN, no attention", "rnn-encoder-decoder")]
 
@@ -71,6 +72,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-train", type=int, default=20000)
     ap.add_argument("--n-test", type=int, default=400)
+    ap.add_argument("--retable", action="store_true",
+                    help="do not train: re-decode the test split with the runs saved by an earlier call")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     busy = busy_cores(1.0)
@@ -79,10 +82,12 @@ def main() -> int:
     for label, kind in MODELS:
         s = Seq2SeqSettings(model=kind, max_steps=args.steps, out_dir=f"runs/bench-seq2seq-{kind}",
                             eval_max=args.n_test, progress=False)
-        metrics = train(s, log=lambda m: print(m, file=sys.stderr, flush=True), data=data)
-        from tformer.training.seq2seq import load_run
+        if args.retable:
+            metrics = json.loads((Path(s.out_dir) / "metrics.json").read_text())
+        else:
+            metrics = train(s, log=lambda m: print(m, file=sys.stderr, flush=True), data=data)
         model, tok, _ = load_run(s.out_dir)
-        rows = scores_by_length(model, tok, data[1], beams=4)
+        rows = scores_by_length(model, tok, data[1], edges=EDGES, beams=4)
         results[label] = {"overall": {k: metrics[k] for k in ("bleu", "chrf", "exact", "parameters", "train_seconds",
                                                               "steps", "final_loss")}, "by_length": rows}
         trained[label] = (model, tok)

@@ -66,8 +66,6 @@ def test_logits_equal_transformers_both_ways(tmp_path, one_thread, make):
     assert isinstance(ours, EncoderDecoder) and ours.config.name == hf.config.model_type
     with torch.no_grad():
         got = ours(src, tgt, src_mask=mask)[0]
-    valid = mask.bool()
-    assert valid.any()
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     # and back out: transformers loads what save_hf writes and computes the same logits
     save_hf(ours, tmp_path / "out")
