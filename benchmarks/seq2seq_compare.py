@@ -72,6 +72,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-train", type=int, default=20000)
     ap.add_argument("--n-test", type=int, default=400)
+    ap.add_argument("--only", choices=[k for _, k in MODELS], help="train only this model (save its run), no tables")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the settings' 1e-3)")
     ap.add_argument("--retable", action="store_true",
                     help="do not train: re-decode the test split with the runs saved by an earlier call")
     args = ap.parse_args()
@@ -80,8 +82,10 @@ def main() -> int:
     data = number_pairs(args.n_train, args.n_test, seed=0, max_digits=9)
     results, trained = {}, {}
     for label, kind in MODELS:
+        if args.only and kind != args.only:
+            continue
         s = Seq2SeqSettings(model=kind, max_steps=args.steps, out_dir=f"runs/bench-seq2seq-{kind}",
-                            eval_max=args.n_test, progress=False)
+                            eval_max=args.n_test, progress=False, **({"lr": args.lr} if args.lr else {}))
         if args.retable:
             metrics = json.loads((Path(s.out_dir) / "metrics.json").read_text())
         else:
@@ -92,6 +96,8 @@ def main() -> int:
                                                               "steps", "final_loss")}, "by_length": rows}
         trained[label] = (model, tok)
         print(label, json.dumps(results[label]), file=sys.stderr, flush=True)
+    if args.only:
+        return 0
     busy_after = busy_cores(1.0)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "seq2seq_compare.json").write_text(json.dumps(results, indent=1))
