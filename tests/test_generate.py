@@ -229,7 +229,7 @@ def test_cli_generate_prints_text_and_speed(tmp_path, capsys):
     assert main(base + ["--stream", "--dtype", "int8"]) == 0
     assert "tokens/s (int8, KV cache" in capsys.readouterr().err
     assert main(base + ["--top-p", "1.5"]) == 2
-    assert "top_p=1.5 must be in (0, 1]" in capsys.readouterr().err
+    assert "--top-p 1.5 must be in (0, 1]" in capsys.readouterr().err   # checked up front, naming the flag
 
 
 def test_interleaved_generations_on_one_model_each_equal_alone():
@@ -275,3 +275,13 @@ def test_static_decode_equals_eager_through_the_context_edge(overflow):
 def test_huge_max_new_tokens_allocates_nothing_up_front():
     steps = generate_tokens(tiny(), torch.tensor([[1, 2]]), 10**12, temperature=0)
     assert next(steps).shape == (1,)
+
+
+def test_non_finite_logits_stop_generation_with_one_sentence():
+    from tformer.errors import TformerError
+
+    model = tiny()
+    with torch.no_grad():
+        model.blocks[0].ffn.down.weight.fill_(1e38)           # finite weights that overflow
+    with pytest.raises(TformerError, match="non-finite logits"):
+        generate(model, torch.tensor([[1, 2]]), 4, temperature=0)

@@ -1,14 +1,48 @@
 """The ``tformer`` command. Each subcommand lives in its own module under ``tformer.commands``
-with ``add_parser(subparsers)`` (which sets ``func``); this file only lists them."""
+with ``add_parser(subparsers)`` (which sets ``func``); this file only lists them.
+
+The error boundary is here, once, so every command inherits it: a :class:`~tformer.errors.TformerError`
+(bad input: its message names the problem and the fix) and an operating-system condition the user
+can act on (a full disk, a read-only file system, a missing permission, ...) are printed as one line
+``tformer <command>: error: ...`` with exit status 2; anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
+from tformer.errors import TformerError
+
 # Subcommand modules, in the order ``tformer --help`` lists them.
 COMMANDS = ["train", "sample", "generate", "count", "convert", "embed", "translate"]
+
+# OSError conditions that are the user's to fix, and the advice that goes with each.
+USER_OS_ERRORS = {
+    errno.ENOSPC: "free some space or write elsewhere",
+    errno.EDQUOT: "free some space or write elsewhere",
+    errno.EFBIG: "raise the file-size limit (ulimit -f) or write elsewhere",
+    errno.EROFS: "write to a writable folder instead",
+    errno.EACCES: "fix its permissions or use another path",
+    errno.EPERM: "fix its permissions or use another path",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; use another path",
+    errno.EISDIR: "it is a folder where a file is needed; use another path",
+    errno.EEXIST: "remove it or use another path",
+    errno.ENAMETOOLONG: "use a shorter path",
+    errno.EMFILE: "raise the open-file limit (ulimit -n)",
+}
+
+
+def os_error_message(e: OSError) -> str | None:
+    """One sentence for an OSError the user can act on (naming the path), else ``None`` (a bug)."""
+    if e.errno not in USER_OS_ERRORS:
+        return None
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    where = f" at {paths}" if paths else ""
+    return f"{e.strerror or errno.errorcode.get(e.errno, e.errno)}{where}; {USER_OS_ERRORS[e.errno]}."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,9 +62,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except ValueError as e:  # our errors name the problem and the fix: show them, not a traceback
-        print(f"tformer {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except TformerError as e:  # bad input: the message names the problem and the fix
+        return _fail(args.command, str(e))
+    except OSError as e:       # a full disk, a read-only folder, ...: the user's to fix, not a bug
+        message = os_error_message(e)
+        if message is None:
+            raise
+        return _fail(args.command, message)
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"tformer {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -2,14 +2,23 @@
 
     tformer convert --from-hf HF_DIR --out CKPT_DIR     # config.json + *.safetensors -> tformer
     tformer convert --to-hf CKPT_DIR --out HF_DIR       # tformer -> folder transformers loads
+
+A non-empty --out is refused unless --force is given, and then replaced whole: the new folder is
+written beside it under a hidden name and swapped in by two renames once complete, so no file of
+the old model (a tokenizer, a generation_config.json) survives next to the new weights, and a
+failed conversion leaves the old folder as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
+
+from tformer.errors import InputError
 
 # Files that travel with the weights unchanged (tokenizer, sentence-transformers settings).
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
@@ -25,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HuggingFace model folder to import")
     src.add_argument("--to-hf", metavar="CKPT", help="tformer checkpoint folder to export")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be empty or new)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--model-type", default=None,
                    help="with --to-hf: HF family (gpt2, llama, mistral, qwen2, bloom, bert); default inferred")
     p.add_argument("--max-shard-mb", type=float, default=None,
@@ -35,31 +45,75 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tformer.checkpoint import load_model, resolve_checkpoint, save_model
-    from tformer.interop.hf import load_hf, save_hf
+    from tformer.interop.hf import FAMILIES, load_hf, save_hf
 
     if args.max_shard_mb is not None and args.max_shard_mb <= 0:
-        raise ValueError(f"--max-shard-mb {args.max_shard_mb} must be > 0.")
-    source_arg = Path(args.from_hf or args.to_hf)
-    if source_arg.resolve() == Path(args.out).resolve():
-        raise ValueError(f"--out {args.out} is the source folder; write the converted model to a new folder.")
+        raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0.")
+    if args.model_type is not None and args.model_type not in FAMILIES:
+        raise InputError(f"--model-type {args.model_type} is not supported; choose one of {', '.join(FAMILIES)}.")
+    source_arg, out = Path(args.from_hf or args.to_hf), Path(args.out)
+    if source_arg.resolve() == out.resolve():
+        raise InputError(f"--out {args.out} is the source folder; write the converted model to a new folder.")
+    check_target(out, args.force)
     if args.from_hf:
         source = Path(args.from_hf)
         model = load_hf(source)
         eos = eos_token_ids(source)
-        save_model(args.out, model, generation={"eos_token_id": eos} if eos else None)
-        out = Path(args.out)
+        with replacing(out) as stage:
+            save_model(stage, model, generation={"eos_token_id": eos} if eos else None)
+            copied = copy_side_files(source, stage)
     else:
         source = resolve_checkpoint(args.to_hf)
         model = load_model(source)
         shard = int(args.max_shard_mb * 1e6) if args.max_shard_mb else None
-        out = save_hf(model, args.out, model_type=args.model_type, max_shard_bytes=shard)
-    copied = copy_side_files(source, out)
+        with replacing(out) as stage:
+            save_hf(model, stage, model_type=args.model_type, max_shard_bytes=shard)
+            copied = copy_side_files(source, stage)
     c = model.config
     print(f"{type(model).__name__} ({c.name}): {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads "
           f"({c.n_kv_heads} kv), {sum(p.numel() for p in model.parameters()):,} parameters -> {out}")
     if copied:
         print(f"copied {', '.join(copied)}")
     return 0
+
+
+def check_target(out: Path, force: bool) -> None:
+    """Refuse an --out that is a file, or a non-empty folder without ``force``."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file, not a folder; pass a new folder (it is created).")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise InputError(f"--out {out} is not empty; pass --force to replace it whole, or choose a new folder.")
+
+
+class replacing:
+    """``with replacing(out) as stage:`` write the whole folder into ``stage``; on success it takes
+    ``out``'s place (the old ``out``, if any, is removed); on failure ``out`` is left untouched."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def __enter__(self) -> Path:
+        from tformer.checkpoint import current_umask
+
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.stage = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}.new-"))
+        except OSError as e:   # name the folder the user gave, not the hidden staging one
+            raise OSError(e.errno, e.strerror, str(self.out)) from e
+        os.chmod(self.stage, 0o777 & ~current_umask())  # mkdtemp makes 0700; give it a plain mkdir's mode
+        return self.stage
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            shutil.rmtree(self.stage, ignore_errors=True)
+            return
+        old = None
+        if self.out.exists():
+            old = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}.old-"))
+            os.replace(self.out, old / "x")
+        os.replace(self.stage, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_side_files(source: Path, out: Path) -> list[str]:

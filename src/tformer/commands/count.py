@@ -6,6 +6,7 @@ import argparse
 
 from tformer.accounting import count_parameters, kv_cache_bytes, training_flops_per_token
 from tformer.config import PRESETS, TransformerConfig
+from tformer.errors import InputError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,9 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     c = TransformerConfig.from_name(args.preset)
     if args.seq_len is not None and args.seq_len < 1:
-        raise ValueError(f"--seq-len {args.seq_len} must be >= 1.")
+        raise InputError(f"--seq-len {args.seq_len} must be >= 1.")
     if args.bytes < 1:
-        raise ValueError(f"--bytes {args.bytes} must be >= 1 (4 fp32, 2 bf16/fp16, 1 int8).")
+        raise InputError(f"--bytes {args.bytes} must be >= 1 (4 fp32, 2 bf16/fp16, 1 int8).")
     T = args.seq_len or c.context_length
     print(f"preset {args.preset}: {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads "
           f"({c.n_kv_heads} kv), positions {c.positions}, {c.norm}/{c.norm_placement}, ffn {c.ffn}")

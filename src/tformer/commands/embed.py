@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from tformer.errors import InputError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("embed", help="sentence embeddings and similarities (MiniLM by default)",
@@ -29,18 +31,18 @@ def run(args: argparse.Namespace) -> int:
     from tformer.interop.sentence import SentenceEncoder, minilm_path
 
     if args.batch_size < 1:
-        raise ValueError(f"--batch-size {args.batch_size} must be >= 1.")
+        raise InputError(f"--batch-size {args.batch_size} must be >= 1.")
     sentences = list(args.sentences)
     if args.file:
         try:
             stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8", errors="replace")
         except OSError as e:
-            raise ValueError(f"cannot read --file {args.file}: {e.strerror}; pass a readable text file, "
+            raise InputError(f"cannot read --file {args.file}: {e.strerror}; pass a readable text file, "
                              f"one sentence per line.") from e
         with stream:
             sentences += [line.strip() for line in stream if line.strip()]
     if not sentences:
-        raise ValueError("no sentences given; pass them as arguments or with --file.")
+        raise InputError("no sentences given; pass them as arguments or with --file.")
     encoder = SentenceEncoder(args.model or minilm_path())
     emb = encoder.encode(sentences, batch_size=args.batch_size)
     if args.json:

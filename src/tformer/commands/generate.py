@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
 import torch
+
+from tformer.errors import CheckpointError, InputError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +43,30 @@ def add_arguments(p: argparse.ArgumentParser, prompt_default: str | None = None,
     p.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling")
 
 
+# The most tokens one command generates: the output buffer (B, T + N) is allocated up front.
+MAX_NEW_TOKENS = 1 << 20
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Every generation option's range and finiteness, before anything is loaded, naming the option."""
+    from tformer.training.config import available_cores
+
+    threads, cores = getattr(args, "threads", None), available_cores()
+    if threads is not None and not 1 <= threads <= cores:
+        raise InputError(f"--threads {threads} is out of range; pass between 1 and {cores} (the cores available).")
+    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise InputError(f"--max-new-tokens {args.max_new_tokens} is out of range; pass between 0 and "
+                         f"{MAX_NEW_TOKENS:,}.")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise InputError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy).")
+    if args.top_k is not None and args.top_k < 1:
+        raise InputError(f"--top-k {args.top_k} must be >= 1.")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise InputError(f"--top-p {args.top_p} must be in (0, 1].")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise InputError(f"--seed {args.seed} is out of range; pass an integer between 0 and 2**63 - 1.")
+
+
 def run(args: argparse.Namespace, echo: bool = False) -> int:
     """Generate; with ``echo`` the prompt is printed before its continuation."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
@@ -48,17 +75,17 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     from tformer.training.tokenizer import load_tokenizer
 
     threads, dtype, use_cache = getattr(args, "threads", None), getattr(args, "dtype", "fp32"), not getattr(args, "no_cache", False)
+    check_options(args)
     if threads is not None:
-        if threads < 1:
-            raise ValueError(f"--threads {threads} must be >= 1.")
         torch.set_num_threads(threads)
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 0.")
     folder = resolve_checkpoint(args.ckpt)
     model = set_precision(load_model(folder).eval(), dtype)
+    if not model.config.causal:
+        raise InputError(f"{folder} holds a {type(model).__name__}, which does not generate text; pass the "
+                         f"checkpoint of a causal language model (tformer train, or a converted GPT-2/Llama).")
     tokenizer = load_tokenizer(folder)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+        raise CheckpointError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}; the checkpoint is inconsistent; use another checkpoint.")
     eos = [] if getattr(args, "ignore_eos", False) else load_generation_defaults(folder).get("eos_token_id", [])
     stats: dict = {}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from tformer.config import PRESETS
+from tformer.errors import ConfigError
 from tformer.training.config import MODEL_KEYS, TRAIN_KEYS
 
 TRAIN_HELP = {
@@ -33,6 +35,9 @@ TRAIN_HELP = {
     "sample_prompt": "prompt of those samples",
     "time_limit": "stop and save after this many seconds (0 = none)",
     "progress": "show the progress bar (true/false)",
+    "encoding": "text encoding of the corpus files (undecodable bytes become U+FFFD and are counted)",
+    "strategy": "with several ranks: ddp (replicas) or fsdp (sharded parameters and optimizer state)",
+    "dist_timeout": "seconds a rank waits for the others in a collective before failing",
 }
 
 
@@ -58,6 +63,8 @@ examples:
   tformer train --data input.txt --out runs/mine --set max_steps=5000 --set tokenizer=bpe
   tformer train --resume --out runs/mine --set max_steps=8000   # continue a run
   tformer sample --ckpt runs/mine --prompt "def "
+  tformer train --nproc 2 --set strategy=fsdp --out runs/two      # 2 processes on this machine (torchrun)
+  torchrun --nproc-per-node 2 -m tformer train --out runs/two      # the same, launched by hand
 """
 
 
@@ -68,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "(default: the running Python's standard-library source, no download). Tokenises once into "
                     "a memory-mapped cache, trains with AdamW + warmup/cosine, evaluates and samples every "
                     "eval_interval steps, writes atomic checkpoints and metrics.jsonl to --out. "
-                    "Ctrl-C saves a checkpoint and exits; --resume continues exactly.",
+                    "Ctrl-C or SIGTERM saves a checkpoint and exits; --resume continues exactly.",
         epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", metavar="PATH", help="corpus: text file, folder or glob (default: built-in stdlib corpus)")
     p.add_argument("--preset", choices=list(PRESETS), default=None, help="model preset (default: tiny)")
@@ -81,6 +88,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", choices=["lm", "seq2seq"], default="lm",
                    help="lm: language model (default); seq2seq: translate source<TAB>target pairs (--data pairs.tsv; "
                         "none = built-in English->French numbers task; settings: tformer.training.seq2seq.Seq2SeqSettings)")
+    p.add_argument("--encoding", default=None, help="text encoding of the corpus (default utf-8; same as "
+                                                    "--set encoding=...)")
+    p.add_argument("--nproc", type=int, metavar="N", default=None,
+                   help="run on N processes of this machine through torchrun (see --set strategy=ddp|fsdp); "
+                        "for several machines run torchrun yourself (docs/training.md)")
     p.set_defaults(func=run)
 
 
@@ -89,14 +101,14 @@ def read_toml(path: str) -> dict:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
-        raise ValueError("--config needs Python 3.11+ (tomllib); pass the settings with --set instead.") from None
+        raise ConfigError("--config needs Python 3.11+ (tomllib); pass the settings with --set instead.") from None
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
-        raise ValueError(f"config file {path} does not exist; pass an existing FILE.toml to --config.") from None
+        raise ConfigError(f"config file {path} does not exist; pass an existing FILE.toml to --config.") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"cannot read config file {path}: {e}; fix the TOML syntax.") from None
+        raise ConfigError(f"cannot read config file {path}: {e}; fix the TOML syntax.") from None
     flat = {}
     for key, value in data.items():
         if key in ("model", "train") and isinstance(value, dict):
@@ -111,20 +123,38 @@ def parse_settings(items: list[str]) -> dict:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--set {item!r} is not KEY=VALUE; write e.g. --set max_steps=500.")
+            raise ConfigError(f"--set {item!r} is not KEY=VALUE; write e.g. --set max_steps=500.")
         out[key.strip()] = value
     return out
 
 
+def _launch_args(args: argparse.Namespace) -> list[str]:
+    """The ``tformer train`` arguments to hand on to each rank (all but --nproc)."""
+    out = []
+    for flag, value in (("--data", args.data), ("--preset", args.preset), ("--config", args.config),
+                        ("--out", args.out), ("--encoding", args.encoding)):
+        out += [flag, value] if value is not None else []
+    for item in args.settings:
+        out += ["--set", item]
+    return out + (["--resume"] if args.resume else [])
+
+
 def run(args: argparse.Namespace) -> int:
+    from tformer.training import distributed
+    if args.nproc is not None and args.task == "seq2seq":
+        raise ConfigError("--task seq2seq trains in one process; drop --nproc.")
+    if args.nproc is not None:
+        if distributed.under_torchrun():
+            raise ConfigError("--nproc starts torchrun itself; under torchrun drop --nproc "
+                              "(torchrun's --nproc-per-node sets the number of ranks).")
+        return distributed.launch(args.nproc, _launch_args(args))
     try:
-        return _run(args)
-    except OSError as e:  # a folder we cannot create or write, a disk that is full, ...
-        raise ValueError(f"{e.strerror or e}: {e.filename or ''}; check that path (permissions, free space) "
-                         f"or pass another --out / --set cache_dir=...") from e
+        return _train(args)
+    finally:
+        distributed.shutdown()
 
 
-def _run(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace) -> int:
     from tformer.training.trainer import Trainer
 
     settings = read_toml(args.config) if args.config else {}
@@ -138,6 +168,8 @@ def _run(args: argparse.Namespace) -> int:
         settings["data"] = args.data
     if args.out is not None:
         settings["out_dir"] = args.out
+    if args.encoding is not None:
+        settings["encoding"] = args.encoding
     try:
         trainer = Trainer.create(settings, preset=preset, resume=args.resume, log=lambda m: print(m, flush=True))
     except KeyboardInterrupt:
@@ -149,13 +181,16 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\naborted at step {trainer.step}; the last complete checkpoint (step {trainer.saved_step}) "
               f"is kept in {trainer.out_dir}.", file=sys.stderr)
         return 130
-    if result["stopped"] == "int":
-        return 130
+    if result["stopped"] in ("int", "term"):  # the conventional 128 + signal number
+        return 128 + (signal.SIGTERM if result["stopped"] == "term" else signal.SIGINT)
+    main = trainer.dist.is_main                    # rank 0 alone prints
+    sample = trainer.sample(max(trainer.cfg.sample_tokens, 300)) if trainer.cfg.sample_tokens > 0 else ""
+    if not main:
+        return 0
     print(f"\ntrained {result['step']} steps; best val loss {result['best_val_loss']:.4f}; "
           f"checkpoint in {result['out_dir']}", flush=True)
     if trainer.cfg.sample_tokens > 0:  # the final sample is a little longer than the ones at evaluations
-        n = max(trainer.cfg.sample_tokens, 300)
-        print(f"--- generated text ({n} tokens) ---", flush=True)
-        sys.stdout.write(trainer.sample(n) + "\n")
+        print(f"--- generated text ({max(trainer.cfg.sample_tokens, 300)} tokens) ---", flush=True)
+        sys.stdout.write(sample + "\n")
     print(f"--- more: tformer sample --ckpt {result['out_dir']} --prompt \"...\" ---")
     return 0

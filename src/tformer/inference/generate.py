@@ -33,7 +33,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from tformer.errors import InputError
+from tformer.errors import InputError, TformerError
 from tformer.models.embedding import check_ids
 
 Tensor = torch.Tensor
@@ -321,6 +321,10 @@ def generate_tokens(
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
     for step in range(max_new_tokens):
         with torch.inference_mode():
+            if not bool(torch.isfinite(logits).all()):      # one reduction over the vocabulary per step
+                raise TformerError(f"the model produced non-finite logits (NaN or inf) at generation step {step}; "
+                                   f"its weights are damaged or overflow in {logits.dtype}: use another checkpoint "
+                                   f"or a wider dtype (fp32).")
             tok = sample(logits, opts.temperature, opts.top_k, opts.top_p, generators)     # (B,)
             if stops.numel():
                 tok = tok.masked_fill(finished, pad)

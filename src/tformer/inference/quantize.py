@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from tformer.errors import ConfigError
+
 Tensor = torch.Tensor
 
 KERNEL_DTYPE = torch.bfloat16   # activation dtype of the int8 kernel
@@ -155,7 +157,7 @@ def set_precision(model: nn.Module, precision: str, decode_kernels: bool = True)
         ValueError: for an unknown precision.
     """
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
+        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
     model.to(PRECISIONS[precision])
     if precision == "int8":
         quantize_int8(model)

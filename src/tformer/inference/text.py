@@ -12,6 +12,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from tformer.errors import InputError
 from tformer.inference.generate import generate_tokens
 
 Tensor = torch.Tensor
@@ -20,7 +21,7 @@ Tensor = torch.Tensor
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[Tensor, Tensor]:
     """Stack token lists of different lengths: ``(ids (B, T), attention_mask (B, T))``, padded left."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token; got an empty prompt.")
+        raise InputError("every prompt needs at least one token; got an empty prompt.")
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), T, dtype=torch.long)
@@ -74,7 +75,7 @@ def _text_steps(model, tokenizer, prompts: list[str], max_new_tokens: int, stop:
     stats = kwargs.pop("stats", None)
     encoded = [tokenizer.encode(p) for p in prompts]
     if any(len(e) == 0 for e in encoded):
-        raise ValueError("the prompt is empty; give at least one character of text.")
+        raise InputError("the prompt is empty; give at least one character of text.")
     ids, mask = left_pad(encoded)
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
@@ -116,7 +117,7 @@ def generate_text(model, tokenizer, prompt: str | Sequence[str], max_new_tokens:
     single = isinstance(prompt, str)
     prompts = [prompt] if single else list(prompt)
     if not prompts:
-        raise ValueError("no prompts given.")
+        raise InputError("no prompts given.")
     trackers = [_TextTracker(tokenizer, stop) for _ in prompts]
     for trackers in _text_steps(model, tokenizer, prompts, max_new_tokens, stop, stop_tokens, kwargs):
         pass
@@ -129,7 +130,7 @@ def stream_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, sto
     """Yield the completion of one prompt piece by piece; ``"".join`` of it equals
     :func:`generate_text` with the same arguments."""
     if not isinstance(prompt, str):
-        raise ValueError("stream_text takes one prompt (a str); use generate_text for a batch.")
+        raise InputError("stream_text takes one prompt (a str); use generate_text for a batch.")
     tracker = None
     for (tracker,) in _text_steps(model, tokenizer, [prompt], max_new_tokens, stop, stop_tokens, kwargs):
         piece = tracker.take()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tformer.config import TransformerConfig
+from tformer.errors import ConfigError
 from tformer.interop.loader import TensorSource, refuse, require
 
 MODEL_TYPES = ("bert",)
@@ -92,7 +93,7 @@ def check_exportable(c: TransformerConfig, model_type: str) -> None:
             qkv_bias=True, causal=False, embedding_norm=True, sliding_window=None, n_kv_heads=c.n_heads,
             head_dim=c.d_model // c.n_heads)
     if c.type_vocab_size < 1:
-        raise ValueError("cannot export as bert: it needs type_vocab_size >= 1, the model has 0.")
+        raise ConfigError("cannot export as bert: it needs type_vocab_size >= 1, the model has 0.")
 
 
 def state_to_hf(state: dict, c: TransformerConfig) -> dict:
@@ -109,6 +110,6 @@ def state_to_hf(state: dict, c: TransformerConfig) -> dict:
                 out[f"{hf}{h}.{kind}"] = state[f"{ours}{t}.{kind}"]
     if mlm:
         out.update({theirs: state[ours] for ours, theirs in MLM})
-    if "pooler.weight" in state and not mlm:
-        out.update({theirs: state[ours] for ours, theirs in POOLER})
+    if "pooler.weight" in state:  # with the MLM head too: BertForMaskedLM ignores it, load_hf reads it back
+        out.update({p + theirs: state[ours] for ours, theirs in POOLER})
     return out

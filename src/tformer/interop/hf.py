@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from tformer.config import TransformerConfig
+from tformer.errors import CheckpointError, ConfigError
 from tformer.interop import bart, bert, bloom, gpt2, llama, marian
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
 from tformer.models import model_class
@@ -27,11 +28,11 @@ from tformer.models import model_class
 FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, bart, marian) for t in module.MODEL_TYPES}
 
 
-def family(model_type: str | None):
-    """The converter module for an HF ``model_type``."""
+def family(model_type: str | None, source: str = "config.json field model_type"):
+    """The converter module for an HF ``model_type`` (``source`` says where the value came from)."""
     if model_type not in FAMILIES:
-        raise ValueError(f"config.json field model_type={model_type!r} is not supported; "
-                         f"supported model types are {', '.join(FAMILIES)}.")
+        raise CheckpointError(f"{source}={model_type!r} is not supported; "
+                              f"supported model types are {', '.join(FAMILIES)}.")
     return FAMILIES[model_type]
 
 
@@ -65,14 +66,20 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module
     try:
         config = module.config_from_hf(hf)
     except KeyError as e:
-        raise ValueError(f"{folder}/config.json lacks the field {e.args[0]!r} that a {hf.get('model_type')} "
+        raise CheckpointError(f"{folder}/config.json lacks the field {e.args[0]!r} that a {hf.get('model_type')} "
                          f"config must have; re-save the model with transformers' save_pretrained.") from e
     config.hf_model_type = hf.get("model_type")
     src = TensorSource(read_tensors(folder), prefix=module.PREFIX)
-    state = module.state_from_hf(src, config)
-    src.check_consumed()
-    model = build_model(config, state)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    try:
+        state = module.state_from_hf(src, config)
+        src.check_consumed()
+        model = build_model(config, state)
+        model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    except RuntimeError as e:  # a tensor whose shape the config does not give (an edited config.json)
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        first = next((line for line in lines if line.startswith("size mismatch")), lines[-1] if lines else "")
+        raise CheckpointError(f"the weights in {folder} do not fit its config.json ({first}); use the config.json "
+                              f"that was saved with these weights.") from e
     return model.to(dtype).eval()
 
 
@@ -93,7 +100,7 @@ def infer_model_type(config: TransformerConfig) -> str:
         if config.qkv_bias and not config.bias:
             return "qwen2"
         return "mistral" if config.sliding_window is not None else "llama"
-    raise ValueError(f"no HuggingFace family matches positions={config.positions!r}; pass model_type "
+    raise ConfigError(f"no HuggingFace family matches positions={config.positions!r}; pass model_type "
                      f"explicitly (one of {', '.join(FAMILIES)}).")
 
 
@@ -110,8 +117,8 @@ def save_hf(model: nn.Module, folder: str | Path, model_type: str | None = None,
         ValueError: if the family cannot express the model's config (names the field).
     """
     c = model.config
+    module = family(model_type, "model_type") if model_type else family(infer_model_type(c))
     model_type = model_type or infer_model_type(c)
-    module = family(model_type)
     module.check_exportable(c, model_type)
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     kwargs = {"mlm": "mlm_head.bias" in state} if module is bert else {}

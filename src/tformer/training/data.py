@@ -4,18 +4,22 @@ A corpus is a text file, a folder of text files (every file below it, sorted) or
 none, the default is the running interpreter's own standard library: its ``*.py`` files, sorted,
 up to :data:`DEFAULT_CORPUS_BYTES` (present on every machine with Python, no download).
 
-Files are read as UTF-8 with ``errors="replace"``: an invalid byte becomes U+FFFD, never a crash.
-Files are joined with one newline. The last ``val_fraction`` of the tokens (a contiguous tail)
+Files are read as UTF-8 (or ``encoding``) with invalid bytes replaced by U+FFFD, never a crash,
+and the number of bytes replaced is reported, so a latin-1 corpus read as UTF-8 does not go unnoticed.
+A file with a NUL byte in its first 8 KiB is binary: a folder or glob skips it (and says how many
+it skipped); a binary file given alone is refused. Files are joined with one newline. The last ``val_fraction`` of the tokens (a contiguous tail)
 is the validation split, so the split is deterministic and shares no text with training.
 
 Cache: ``<cache_dir>/<key>/`` holds ``tokens.bin`` (uint16 or uint32 ids, read back with
 ``np.memmap`` so corpora larger than memory work), ``tokenizer.json`` and ``meta.json``; ``key``
-hashes the files' paths, sizes and modification times and the tokenizer, so a second run with the
-same corpus starts at once and an edited file is tokenised again.
+hashes the files' contents (SHA-256, about 1 GB/s), the encoding and the tokenizer, so a second run
+with the same corpus starts at once and any edited file is tokenised again, whatever its size and
+modification time say.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob as globlib
 import hashlib
 import json
@@ -29,12 +33,29 @@ import numpy as np
 import torch
 
 from tformer.checkpoint import atomic_write, atomic_write_json
+from tformer.errors import ConfigError, InputError
 from tformer.training.tokenizer import load_tokenizer, train_tokenizer
 
 DEFAULT_CORPUS_BYTES = 4_000_000   # cap of the embedded stdlib corpus (~4 MB of Python source)
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib"}
 _CHUNK_CHARS = 1 << 20
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+_SNIFF_BYTES = 8192
+_replaced = {"bytes": 0}  # bytes the decoder could not read, counted by the "tformer-count" error handler
+
+
+def _count_replaced(e: UnicodeDecodeError) -> tuple[str, int]:
+    _replaced["bytes"] += e.end - e.start
+    return "\ufffd", e.end
+
+
+codecs.register_error("tformer-count", _count_replaced)
+
+
+def is_binary(path: Path) -> bool:
+    """A NUL byte in the first 8 KiB: not text (in a byte-oriented encoding such as UTF-8 or latin-1)."""
+    with open(path, "rb") as f:
+        return b"\x00" in f.read(_SNIFF_BYTES)
 
 
 def default_cache_dir() -> Path:
@@ -57,12 +78,15 @@ def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
                 files.append(path)
                 total += size
     if not files:
-        raise ValueError(f"found no Python source under {root} for the default corpus; pass --data PATH.")
+        raise InputError(f"found no Python source under {root} for the default corpus; pass --data PATH.")
     return files
 
 
-def resolve_corpus(data: str | None) -> list[Path]:
+def resolve_corpus(data: str | None, encoding: str = "utf-8", log=None) -> list[Path]:
     """The files of a corpus given as a file, a folder or a glob; the default corpus for ``None``.
+
+    Binary files (:func:`is_binary`) are refused when given alone and skipped, with a count sent to
+    ``log``, in a folder or glob (not for UTF-16/32 encodings, whose text holds NUL bytes).
 
     Raises:
         ValueError: nothing exists at ``data`` or it names no file.
@@ -78,22 +102,33 @@ def resolve_corpus(data: str | None) -> list[Path]:
     elif globlib.has_magic(data):
         files = sorted(Path(p) for p in globlib.glob(os.path.expanduser(data), recursive=True) if Path(p).is_file())
     else:
-        raise ValueError(f"corpus path {data} does not exist; pass a text file, a folder of text files or a glob "
+        raise InputError(f"corpus path {data} does not exist; pass a text file, a folder of text files or a glob "
                          f"with --data, or omit --data to use the built-in corpus.")
     if not files:
-        raise ValueError(f"corpus {data} contains no files; put text files there or pass another --data.")
+        raise InputError(f"corpus {data} contains no files; put text files there or pass another --data.")
     for f in files:
         if not os.access(f, os.R_OK):
-            raise ValueError(f"corpus file {f} is not readable; fix its permissions or leave it out of --data.")
-    return files
+            raise InputError(f"corpus file {f} is not readable; fix its permissions or leave it out of --data.")
+    if codecs.lookup(encoding).name.startswith(("utf-16", "utf-32")):
+        return files
+    text = [f for f in files if not is_binary(f)]
+    if len(files) == 1 and not text:
+        raise InputError(f"corpus file {files[0]} is binary (it holds NUL bytes), not text; pass a text file "
+                         f"with --data.")
+    if not text:
+        raise InputError(f"corpus {data} holds only binary files ({len(files)}); pass text files with --data.")
+    if len(text) < len(files) and log:
+        log(f"skipped {len(files) - len(text)} binary file(s) of {len(files)} in {data} (NUL bytes in them)")
+    return text
 
 
-def iter_text(files: list[Path]) -> Iterator[str]:
-    """The corpus as text chunks of at most ~1M characters, files joined by one newline."""
+def iter_text(files: list[Path], encoding: str = "utf-8") -> Iterator[str]:
+    """The corpus as text chunks of at most ~1M characters, files joined by one newline; bytes that
+    ``encoding`` cannot decode become U+FFFD and are counted in ``_replaced["bytes"]``."""
     for i, path in enumerate(files):
         if i:
             yield "\n"
-        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        with open(path, encoding=encoding, errors="tformer-count", newline="") as f:
             while chunk := f.read(_CHUNK_CHARS):
                 yield chunk
 
@@ -109,9 +144,10 @@ def corpus_fingerprint(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def _stat_key(files: list[Path], tokenizer_id: str) -> str:
-    items = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    blob = json.dumps({"files": items, "tokenizer": tokenizer_id, "v": CACHE_VERSION})
+def _content_key(fingerprint: str, encoding: str, tokenizer_id: str) -> str:
+    """The cache folder of a corpus: its content, how it is decoded and how it is tokenised."""
+    blob = json.dumps({"corpus": fingerprint, "encoding": codecs.lookup(encoding).name,
+                       "tokenizer": tokenizer_id, "v": CACHE_VERSION})
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -138,6 +174,7 @@ def load_corpus(
     bpe_vocab_size: int = 1024,
     val_fraction: float = 0.1,
     cache_dir: str | os.PathLike | None = None,
+    encoding: str = "utf-8",
     log=print,
 ) -> Corpus:
     """Find, tokenise (or reuse the cache of) and split a corpus.
@@ -147,33 +184,38 @@ def load_corpus(
         tokenizer: ``"char"`` or ``"bpe"`` to train one on the corpus, or a tokenizer object
             (from a checkpoint) to encode with.
         val_fraction: share of the tokens, at the end, kept for validation.
+        encoding: how the files are decoded; undecodable bytes become U+FFFD and are counted.
     Raises:
         ValueError: missing or empty corpus, a tokenizer that cannot encode it.
     """
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction={val_fraction} must be in (0, 1), e.g. 0.1.")
-    files = resolve_corpus(data)
+        raise ConfigError(f"val_fraction={val_fraction} must be in (0, 1), e.g. 0.1.")
+    files = resolve_corpus(data, encoding, log)
     if sum(p.stat().st_size for p in files) == 0:
-        raise ValueError(f"corpus {data} is empty (0 bytes); give it some text.")
+        raise InputError(f"corpus {data} is empty (0 bytes); give it some text.")
     def trained_id(kind: str) -> str:
         return f"{kind}-{bpe_vocab_size}" if kind == "bpe" else kind
 
     root = Path(cache_dir or default_cache_dir())
+    fingerprint = corpus_fingerprint(files)
     if isinstance(tokenizer, str):
-        cache = root / _stat_key(files, trained_id(tokenizer))
+        cache = root / _content_key(fingerprint, encoding, trained_id(tokenizer))
     else:  # a given tokenizer (resume): reuse the cache of the run that trained it, if it is that one
-        cache = root / _stat_key(files, trained_id(tokenizer.kind))
+        cache = root / _content_key(fingerprint, encoding, trained_id(tokenizer.kind))
         try:
             same = json.loads((cache / "tokenizer.json").read_text(encoding="utf-8")) == tokenizer.to_dict()
         except (OSError, ValueError):
             same = False
         if not (same and (cache / "meta.json").is_file()):
             tok_hash = hashlib.sha256(json.dumps(tokenizer.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-            cache = root / _stat_key(files, tok_hash)
+            cache = root / _content_key(fingerprint, encoding, tok_hash)
     meta_path = cache / "meta.json"
     if not meta_path.is_file():
-        _build_cache(files, tokenizer, bpe_vocab_size, cache, log)
+        _build_cache(files, tokenizer, bpe_vocab_size, cache, encoding, fingerprint, log)
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if meta.get("replaced_bytes"):
+        log(f"warning: {meta['replaced_bytes']:,} byte(s) of the corpus are not valid {encoding} and were replaced "
+            f"by U+FFFD; if the files use another encoding, pass it with --encoding (e.g. --encoding latin-1)")
     tok = load_tokenizer(cache / "tokenizer.json")
     n = meta["n_tokens"]
     ids = np.memmap(cache / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(n,)) if n else np.zeros(0, np.uint16)
@@ -182,19 +224,20 @@ def load_corpus(
                   files=files, cache=cache)
 
 
-def _build_cache(files, tokenizer, bpe_vocab_size, cache: Path, log) -> None:
+def _build_cache(files, tokenizer, bpe_vocab_size, cache: Path, encoding: str, fingerprint: str, log) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     n_bytes = sum(p.stat().st_size for p in files)
     if isinstance(tokenizer, str):
         log(f"training a {tokenizer} tokenizer on {len(files)} file(s), {n_bytes / 1e6:.1f} MB ...")
-        tokenizer = train_tokenizer(tokenizer, iter_text(files), bpe_vocab_size)
+        tokenizer = train_tokenizer(tokenizer, iter_text(files, encoding), bpe_vocab_size)
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     log(f"tokenising into {cache} (vocab {tokenizer.vocab_size}) ...")
     counter = {"n": 0}
 
     def write(tmp: str) -> None:
+        counter["n"], _replaced["bytes"] = 0, 0
         with open(tmp, "wb") as f:
-            for chunk in iter_text(files):
+            for chunk in iter_text(files, encoding):
                 ids = tokenizer.encode_array(chunk)
                 ids.astype(dtype).tofile(f)
                 counter["n"] += len(ids)
@@ -202,9 +245,10 @@ def _build_cache(files, tokenizer, bpe_vocab_size, cache: Path, log) -> None:
     atomic_write(cache / "tokens.bin", write)
     tokenizer.save(cache / "tokenizer.json")
     atomic_write_json(cache / "meta.json", {           # written last: its presence marks a complete cache
-        "n_tokens": counter["n"], "dtype": np.dtype(dtype).name, "fingerprint": corpus_fingerprint(files),
+        "n_tokens": counter["n"], "dtype": np.dtype(dtype).name, "fingerprint": fingerprint,
         "files": [str(p) for p in files[:1000]], "n_files": len(files), "bytes": n_bytes,
         "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.kind, "version": CACHE_VERSION,
+        "encoding": encoding, "replaced_bytes": _replaced["bytes"],
     })
 
 

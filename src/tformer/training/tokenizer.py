@@ -19,6 +19,7 @@ from typing import Iterable
 import numpy as np
 
 from tformer.checkpoint import atomic_write_json, resolve_checkpoint
+from tformer.errors import CheckpointError, ConfigError, InputError
 
 TOKENIZER = "tokenizer.json"
 KINDS = ("char", "bpe")
@@ -58,7 +59,7 @@ class CharTokenizer:
         for chunk in chunks:
             chars.update(clean_text(chunk))
         if not chars:
-            raise ValueError("cannot build a character vocabulary from empty text; give a non-empty corpus.")
+            raise InputError("cannot build a character vocabulary from empty text; give a non-empty corpus.")
         return cls(sorted(chars))
 
     @property
@@ -76,7 +77,7 @@ class CharTokenizer:
         bad = self._points[pos] != points if len(points) else np.zeros(0, bool)
         if bad.any():
             unknown = sorted({chr(p) for p in points[bad]})
-            raise ValueError(f"characters {''.join(unknown[:10])!r} are not in this character vocabulary "
+            raise InputError(f"characters {''.join(unknown[:10])!r} are not in this character vocabulary "
                              f"({self.vocab_size} characters); use only characters seen in training.")
         return self._ids[pos]
 
@@ -111,7 +112,7 @@ class BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         if vocab_size < 256:
-            raise ValueError(f"bpe_vocab_size={vocab_size} is too small: byte-level BPE needs at least 256 "
+            raise ConfigError(f"bpe_vocab_size={vocab_size} is too small: byte-level BPE needs at least 256 "
                              f"(one token per byte); use e.g. --set bpe_vocab_size=1024.")
         chunks = [text] if isinstance(text, str) else text
         tok = Tokenizer(models.BPE())
@@ -155,7 +156,7 @@ def train_tokenizer(kind: str, chunks: Iterable[str], vocab_size: int = 1024):
         return CharTokenizer.train(chunks)
     if kind == "bpe":
         return BPETokenizer.train(chunks, vocab_size)
-    raise ValueError(f"tokenizer={kind!r} is not known; choose one of {', '.join(KINDS)}.")
+    raise ConfigError(f"tokenizer={kind!r} is not known; choose one of {', '.join(KINDS)}.")
 
 
 def tokenizer_from_dict(data: dict):
@@ -173,7 +174,7 @@ def tokenizer_from_dict(data: dict):
     if kind == "bpe":
         from tokenizers import Tokenizer
         return BPETokenizer(Tokenizer.from_str(json.dumps(data["tokenizer"])))
-    raise ValueError(f"unknown tokenizer kind {kind!r}; known: {', '.join(KINDS)}.")
+    raise CheckpointError(f"unknown tokenizer kind {kind!r}; known: {', '.join(KINDS)}.")
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -182,11 +183,11 @@ def load_tokenizer(path: str | os.PathLike):
     if path.is_dir():  # a checkpoint folder, or a run folder (its latest checkpoint)
         path = path / TOKENIZER if (path / TOKENIZER).is_file() else resolve_checkpoint(path) / TOKENIZER
     if not path.is_file():
-        raise ValueError(f"no tokenizer at {path}; pass a checkpoint folder written by `tformer train`.")
+        raise CheckpointError(f"no tokenizer at {path}; pass a checkpoint folder written by `tformer train`.")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         return tokenizer_from_dict(data)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
+        raise CheckpointError(f"{path}: {e}") from e
     except Exception as e:  # json / tokenizers errors
-        raise ValueError(f"cannot read {path}: {e}. The checkpoint is damaged; retrain or restore it.") from e
+        raise CheckpointError(f"cannot read {path}: {e}. The checkpoint is damaged; retrain or restore it.") from e

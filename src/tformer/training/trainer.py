@@ -27,16 +27,19 @@ from typing import Any
 import torch
 
 from tformer.accounting import training_flops_per_token
-from tformer.checkpoint import (POINTER, load_config, load_model, load_training_state, resolve_checkpoint,
-                                save_training_checkpoint)
+from tformer.checkpoint import POINTER, load_config, load_training_state, resolve_checkpoint
 from tformer.config import TransformerConfig
+from tformer.errors import ConfigError, InputError
 from tformer.inference.generate import generate
 from tformer.models import build_model
+from tformer.training import dist_checkpoint, distributed
 from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
-                                     TrainConfig, cast_value)
+                                     TrainConfig, cast_value, check_model_settings)
 from tformer.training.data import Corpus, corpus_fingerprint, get_batch, load_corpus, resolve_corpus
 from tformer.training.optim import lr_at, make_optimizer
 from tformer.training.perf import bf16_supported, busy_cores, matmul_peak_flops
+from tformer.training.runlock import RunLock
+from tformer.training.runstate import check_more_steps, check_state, start_metrics
 from tformer.training.tokenizer import load_tokenizer
 
 _DEFAULT_THREADS = torch.get_num_threads()
@@ -53,11 +56,15 @@ class Trainer:
                  preset: str, log=print):
         self.cfg, self.corpus, self.out_dir, self.preset, self.log = cfg, corpus, out_dir, preset, log
         torch.set_num_threads(cfg.threads or auto_threads())
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        self.dist = distributed.setup(cfg.device, cfg.dist_timeout)     # one process, or a rank under torchrun
+        self.dist.check_batch(cfg.batch_size, cfg.grad_accum)
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        self.device = self.dist.place(device)
         torch.manual_seed(cfg.seed)
         self.model = build_model(model_config).to(self.device)
-        self.optimizer = make_optimizer(self.model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, self.device)
-        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        self.forward = self.dist.wrap(self.model, cfg.strategy, self.device)   # the model, DDP, or FSDP-sharded
+        self.optimizer = self._new_optimizer(self.model)
+        self.forward = torch.compile(self.forward) if cfg.compile else self.forward
         use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_supported(self.device)
                                                 and (self.device != "cpu" or model_config.d_model >= AUTO_BF16_MIN_WIDTH))
         self.dtype = torch.bfloat16 if use_bf16 else torch.float32
@@ -65,6 +72,7 @@ class Trainer:
         self.best_val = float("inf")
         self.saved_step: int | None = None
         self.history: list[dict] = []
+        self.lock: RunLock | None = None  # the run folder's lock, held from create() to the end of fit()
 
     # ------------------------------------------------------------------ building a run
     @classmethod
@@ -83,28 +91,47 @@ class Trainer:
         overrides = {k: cast_value(k, v) for k, v in (overrides or {}).items()}
         model_kw = {k: v for k, v in overrides.items() if k in MODEL_KEYS}
         train_kw = {k: v for k, v in overrides.items() if k in TRAIN_KEYS}
+        check_model_settings(model_kw)
         out_dir = Path(train_kw.get("out_dir") or f"runs/{preset or 'tiny'}")
-        if resume:
-            return cls._resume(out_dir, preset, model_kw, train_kw, log)
+        dist = distributed.setup(train_kw.get("device", "auto"), train_kw.get("dist_timeout", 600.0))
+        log = log if dist.is_main else _quiet     # rank 0 alone logs
+        if out_dir.exists() and not out_dir.is_dir():
+            raise InputError(f"--out {out_dir} is a file, not a folder; pass a folder for the run.")
+        if resume and (not out_dir.exists() or not any(p.name != ".lock" for p in out_dir.iterdir())):
+            raise InputError(f"nothing to resume: {out_dir} holds no run; drop --resume to start one, "
+                             f"or pass the --out folder of an earlier run.")
+        lock = RunLock(out_dir)
+        try:
+            trainer = (cls._resume if resume else cls._new)(out_dir, preset, model_kw, train_kw, log)
+        except BaseException:
+            lock.release()
+            raise
+        trainer.lock = lock
+        return trainer
+
+    @classmethod
+    def _new(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
         if (out_dir / POINTER).exists():
             step = json.loads((out_dir / POINTER).read_text(encoding="utf-8")).get("step")
-            raise ValueError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
+            raise InputError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
                              f"or choose another --out to start a new run.")
         cfg = TrainConfig(**{**train_kw, "out_dir": str(out_dir)})
-        corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer, bpe_vocab_size=cfg.bpe_vocab_size,
-                             val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir, log=log)
+        with distributed.setup().main_first():      # rank 0 tokenises into the cache, the others then read it
+            corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer, bpe_vocab_size=cfg.bpe_vocab_size,
+                                 val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir, encoding=cfg.encoding,
+                                 log=log)
         model_config = TransformerConfig.from_name(preset or "tiny", **model_kw,
                                                    vocab_size=corpus.tokenizer.vocab_size)
         _check_length(corpus, model_config.context_length)
+        if distributed.setup().is_main:
+            start_metrics(out_dir, None)  # a run that died before its first checkpoint leaves a log: start it over
         return cls(cfg, model_config, corpus, out_dir, preset or "tiny", log)
 
     @classmethod
     def _resume(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
-        if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
-            raise ValueError(f"nothing to resume: {out_dir} holds no run; drop --resume to start one, "
-                             f"or pass the --out folder of an earlier run.")
         folder = resolve_checkpoint(out_dir)
         state, opt_state = load_training_state(folder)
+        check_state(state, opt_state, folder)
         saved, _ = load_config(folder)
         asked = {"preset": preset} if preset and preset != saved.name else {}
         asked.update({k: v for k, v in model_kw.items() if getattr(saved, k) != v})
@@ -113,24 +140,28 @@ class Trainer:
                 asked[key] = train_kw[key]
         if asked:
             have = {k: (saved.name if k == "preset" else getattr(saved, k, state["train_config"].get(k))) for k in asked}
-            raise ValueError(f"the checkpoint in {folder} is incompatible with this run: it has "
+            raise ConfigError(f"the checkpoint in {folder} is incompatible with this run: it has "
                              f"{_kv(have)} but this run asks for {_kv(asked)}; resume with the original settings "
                              f"(drop these --preset/--set values) or start a new run with another --out.")
-        cfg = TrainConfig(**{**state["train_config"], **train_kw, "out_dir": str(out_dir)})
-        files = resolve_corpus(cfg.data)
+        saved_cfg = {k: v for k, v in state["train_config"].items() if k in TRAIN_KEYS}
+        cfg = TrainConfig(**{**saved_cfg, **train_kw, "out_dir": str(out_dir)})
+        files = resolve_corpus(cfg.data, cfg.encoding)
         if corpus_fingerprint(files) != state["corpus_fingerprint"]:
-            raise ValueError(f"the corpus {cfg.data or '(built-in)'} differs from the one the checkpoint in {folder} "
+            raise InputError(f"the corpus {cfg.data or '(built-in)'} differs from the one the checkpoint in {folder} "
                              f"was trained on; resume with the original --data ({state['train_config']['data'] or 'none: the built-in corpus'}) "
                              f"or start a new run with another --out.")
-        corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(folder), val_fraction=cfg.val_fraction,
-                             cache_dir=cfg.cache_dir, log=log)
+        check_more_steps(out_dir, state["step"], cfg.max_steps)
+        with distributed.setup().main_first():
+            corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(folder), val_fraction=cfg.val_fraction,
+                                 cache_dir=cfg.cache_dir, encoding=cfg.encoding, log=log)
         trainer = cls(cfg, saved, corpus, out_dir, saved.name, log)
-        trainer.model.load_state_dict(load_model(folder).state_dict())
-        trainer.optimizer.load_state_dict(opt_state["optimizer"])
-        torch.set_rng_state(opt_state["torch_rng"])
+        # weights, optimizer state and RNG, whichever layout (one file / shards) saved them and this run uses
+        dist_checkpoint.load(trainer.dist, folder, trainer.model, trainer.optimizer, opt_state, trainer._new_optimizer)
         trainer.step, trainer.tokens_seen = state["step"], state["tokens_seen"]
         trainer.elapsed, trainer.best_val = state["elapsed_s"], state["best_val_loss"]
         trainer.saved_step = state["step"]
+        if trainer.dist.is_main:
+            start_metrics(out_dir, trainer.step)  # records logged after the checkpoint are logged again
         log(f"resumed {out_dir} at step {trainer.step} from {folder}")
         return trainer
 
@@ -143,16 +174,17 @@ class Trainer:
         """
         cfg, T = self.cfg, self.model.config.context_length
         decay = cfg.decay_steps or cfg.max_steps
-        tokens_per_step = cfg.batch_size * cfg.grad_accum * T
+        tokens_per_step = cfg.batch_size * cfg.grad_accum * T            # the global batch, over all ranks
         flops_per_token = training_flops_per_token(self.model.config, T)
-        peak = matmul_peak_flops(self.dtype, self.device)
+        peak = matmul_peak_flops(self.dtype, self.device) * self.dist.world_size
         self.log(f"model: {self.model.num_parameters():,} parameters ({self.preset}), context {T}, "
                  f"vocab {self.model.config.vocab_size} ({self.corpus.tokenizer.kind}); corpus {len(self.corpus.train):,} "
                  f"train / {len(self.corpus.val):,} val tokens; {str(self.dtype).replace('torch.', '')} on {self.device}, "
-                 f"{torch.get_num_threads()} thread(s); measured matmul peak {peak / 1e9:.0f} GFLOP/s")
+                 f"{torch.get_num_threads()} thread(s){self._ranks()}; measured matmul peak {peak / 1e9:.0f} GFLOP/s")
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        metrics = open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8")
-        bar = _progress(cfg.max_steps, self.step, cfg.progress)
+        self.lock = self.lock or RunLock(self.out_dir)               # rank 0's (see runlock.py)
+        metrics = open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8") if self.dist.is_main else None
+        bar = _progress(cfg.max_steps, self.step, cfg.progress, quiet=not self.dist.is_main)
         stop = {"why": None}
         eval_s = 0.0
         restore = _install_sigint(stop)
@@ -161,7 +193,7 @@ class Trainer:
                 self._evaluate(metrics, bar)
             window_t, window_steps, start, eval_s = time.perf_counter(), 0, time.perf_counter(), 0.0
             while self.step < cfg.max_steps:
-                if stop["why"]:
+                if self.dist.agree(stop["why"]):   # any rank's stop request stops every rank here
                     raise Stop
                 lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, decay_steps=decay)
                 loss = self._train_step(lr)
@@ -171,7 +203,7 @@ class Trainer:
                 if not math.isfinite(loss):
                     kept = (f"the last good checkpoint (step {self.saved_step}) is kept in {self.out_dir}"
                             if self.saved_step is not None else "no checkpoint had been saved yet")
-                    raise ValueError(f"the loss became {loss} at step {self.step}; {kept}. Lower the learning "
+                    raise ConfigError(f"the loss became {loss} at step {self.step}; {kept}. Lower the learning "
                                      f"rate (--set lr=...), keep gradient clipping on, or use --set precision=fp32.")
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
                     dt = time.perf_counter() - window_t
@@ -184,6 +216,7 @@ class Trainer:
                 bar.update(1)
                 if cfg.time_limit and self.elapsed + time.perf_counter() - start > cfg.time_limit:
                     stop["why"] = stop["why"] or "time"
+                stop["why"] = self.dist.agree(stop["why"])
                 if self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps or stop["why"] == "time":
                     t_eval = time.perf_counter()
                     self.elapsed += t_eval - start
@@ -199,10 +232,14 @@ class Trainer:
         finally:
             restore()
             bar.close()
-            metrics.close()
+            if metrics:
+                metrics.close()
+            if not stop["why"]:
+                self.lock = self.lock.release()
         if stop["why"]:
             self.save()
-            why = "interrupted" if stop["why"] == "int" else f"time limit {cfg.time_limit:g} s reached"
+            self.lock = self.lock.release()
+            why = {"int": "interrupted", "term": "terminated (SIGTERM)"}.get(stop["why"], f"time limit {cfg.time_limit:g} s reached")
             self.log(f"{why} at step {self.step}; checkpoint saved in {self.out_dir}; "
                      f"continue with: tformer train --resume --out {self.out_dir}")
         return {"step": self.step, "stopped": stop["why"], "best_val_loss": self.best_val,
@@ -214,19 +251,21 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
-        for micro in range(cfg.grad_accum):
-            x, y = get_batch(self.corpus.train, cfg.batch_size, self.model.config.context_length,
-                             (cfg.seed, 0, self.step, micro))
+        # this rank's rows of the step's global batch (all of them in one process); see distributed.py
+        for last, x, y, share in self.dist.batches(self.corpus.train, cfg.batch_size, cfg.grad_accum,
+                                                   self.model.config.context_length, (cfg.seed, 0, self.step)):
             x, y = x.to(self.device), y.to(self.device)
-            with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
-                _, loss = self.forward(x, y)
-            (loss / cfg.grad_accum).backward()
-            total += loss.detach()
+            with self.dist.gradient_sync(self.forward, last):
+                with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16,
+                                    enabled=self.dtype == torch.bfloat16):
+                    _, loss = self.forward(x, y)
+                (loss / share).backward()
+            total += loss.detach() / share
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip, foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(total) / cfg.grad_accum
+        return self.dist.sum(float(total)) / self.dist.world_size    # the mean loss of the global batch
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -235,20 +274,25 @@ class Trainer:
         self.model.eval()
         out = {}
         for i, (name, data) in enumerate((("train", self.corpus.train), ("val", self.corpus.val))):
-            losses = []
-            for k in range(cfg.eval_batches):
+            total = 0.0
+            for k, weight in self.dist.eval_share(cfg.eval_batches):      # every k in one process
                 x, y = get_batch(data, cfg.batch_size, T, (cfg.seed, 1 + i, k))
                 with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16,
                                     enabled=self.dtype == torch.bfloat16):
                     _, loss = self.forward(x.to(self.device), y.to(self.device))
-                losses.append(float(loss))
-            out[f"{name}_loss"] = sum(losses) / len(losses)
+                total += weight * float(loss)
+            out[f"{name}_loss"] = self.dist.sum(total) / cfg.eval_batches
         self.model.train()
         return out
 
     def sample(self, max_new_tokens: int, prompt: str | None = None, temperature: float = 0.8,
                top_k: int | None = 40, seed: int | None = None) -> str:
-        """Text generated from ``prompt`` (default ``sample_prompt``) by the current model."""
+        """Text generated from ``prompt`` (default ``sample_prompt``) by the current model, on rank 0
+        ("" on the others; with FSDP every rank must call this: it gathers the weights)."""
+        model = self.dist.full_model(self.model) if self.dist.sharded else self.model
+        if not self.dist.is_main:
+            return ""
+        model = model.to(self.device)
         tok = self.corpus.tokenizer
         prompt = self.cfg.sample_prompt if prompt is None else prompt
         try:
@@ -258,7 +302,7 @@ class Trainer:
         if not ids:
             ids = [int(self.corpus.val[0])]
         ids = ids[-self.model.config.context_length:]  # a long prompt keeps its end, as nanoGPT crops
-        out = generate(self.model, torch.tensor([ids], device=self.device), max_new_tokens,
+        out = generate(model, torch.tensor([ids], device=self.device), max_new_tokens,
                        temperature=temperature, top_k=top_k, seed=self.cfg.seed if seed is None else seed)
         return tok.decode(out[0].tolist())
 
@@ -267,12 +311,20 @@ class Trainer:
         state = {"step": self.step, "train_config": dataclasses.asdict(self.cfg), "preset": self.preset,
                  "corpus_fingerprint": self.corpus.fingerprint, "tokens_seen": self.tokens_seen,
                  "elapsed_s": self.elapsed, "best_val_loss": self.best_val, "torch": torch.__version__}
-        opt = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
-        folder = save_training_checkpoint(self.out_dir, self.step, self.model, self.corpus.tokenizer, state, opt)
+        folder = dist_checkpoint.save(self.dist, self.out_dir, self.step, self.model, self.optimizer,
+                                      self.corpus.tokenizer, state, final=self.step >= self.cfg.max_steps)
         self.saved_step = self.step
         return folder
 
     # ------------------------------------------------------------------ helpers
+    def _new_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        return make_optimizer(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, self.device)
+
+    def _ranks(self) -> str:
+        d = self.dist
+        return f" per rank, {d.world_size} ranks ({self.cfg.strategy}, {d.backend})" if d.active else ""
+
     def _evaluate(self, metrics, bar) -> None:
         losses = self.evaluate()
         self.best_val = min(self.best_val, losses["val_loss"])
@@ -285,50 +337,71 @@ class Trainer:
     def _record(self, metrics, rec: dict) -> None:
         rec = {"time": round(time.time(), 3), **rec}
         self.history.append(rec)
-        metrics.write(json.dumps(rec) + "\n")
-        metrics.flush()
+        if metrics:                                   # rank 0 alone writes metrics.jsonl
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
 
 
 def auto_threads() -> int:
-    """PyTorch's thread count, less the cores other processes keep busy right now.
+    """PyTorch's thread count, less the cores other processes keep busy right now; under torchrun,
+    the machine's cores divided by its ranks (each rank gets cores // N, so N ranks do not oversubscribe).
 
     Intra-op threads that share a busy core wait on each other: on a 2-core machine with a load of
     4, two threads ran a tiny-model step 4x slower than one thread did.
     """
-    default = _DEFAULT_THREADS
+    ranks = distributed.local_ranks()       # torchrun's ranks on this machine share its cores
+    cores = os.cpu_count() or _DEFAULT_THREADS
+    default = _DEFAULT_THREADS if ranks == 1 else cores // ranks
     busy = round(busy_cores(0.5))
-    return max(1, min(default, (os.cpu_count() or default) - busy))
+    return max(1, min(default, (cores - busy) // ranks))
 
 
 def _check_length(corpus: Corpus, context: int) -> None:
     need = context + 1
-    if len(corpus.val) < need or len(corpus.train) < need:
-        raise ValueError(
+    have = min(len(corpus.val), len(corpus.train))
+    if have < need:
+        fix = (f"use a longer corpus or a smaller context (--set context_length=N with N <= {have - 1})"
+               if have >= 3 else "use a longer corpus (at least a few hundred characters)")
+        raise InputError(
             f"the corpus is too short: {corpus.n_tokens} tokens give a validation split of {len(corpus.val)} "
-            f"tokens, fewer than one context window ({need} tokens); use a longer corpus or a smaller context "
-            f"(--set context_length=N with N < {max(1, min(len(corpus.val), len(corpus.train)) - 1)}).")
+            f"tokens, fewer than one context window ({need} tokens); {fix}.")
+
+
+def _quiet(message: str) -> None:
+    """The log of ranks other than 0."""
 
 
 def _kv(d: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in d.items())
 
 
-def _progress(total: int, initial: int, enabled: bool):
+class _QuietBar:
+    """The progress bar of ranks other than 0: it shows and writes nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def _progress(total: int, initial: int, enabled: bool, quiet: bool = False):
+    if quiet:
+        return _QuietBar()
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, unit="step",
                 file=sys.stderr, leave=True)
 
 
 def _install_sigint(stop: dict):
-    """First Ctrl-C asks the loop to stop at the next step boundary (and save); a second one aborts."""
+    """First Ctrl-C (or SIGTERM, as ``timeout``, ``docker stop`` and Slurm send) asks the loop to stop
+    at the next step boundary and save; a second one aborts."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def handler(signum, frame):
-        if stop["why"] == "int":
+        if stop["why"] in ("int", "term"):
             raise KeyboardInterrupt
-        stop["why"] = "int"
-        print("\nCtrl-C: stopping after this step and saving a checkpoint (press again to abort) ...", file=sys.stderr)
+        stop["why"] = "term" if signum == signal.SIGTERM else "int"
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        print(f"\n{name}: stopping after this step and saving a checkpoint (again to abort) ...", file=sys.stderr)
 
-    previous = signal.signal(signal.SIGINT, handler)
-    return lambda: signal.signal(signal.SIGINT, previous)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(s, h) for s, h in previous.items()]
