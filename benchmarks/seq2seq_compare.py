@@ -45,9 +45,11 @@ def alignment(models: dict, tok, source: str, reference: str, path: Path) -> Non
     from tformer.training.seq2seq import translate
     from tformer.training.seq2seq_data import make_batch
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 6))
+    outputs = []
     for ax, (name, model) in zip(axes, models.items()):
         output = translate(model, tok, [source], beams=4)[0]
+        outputs.append(f"{name}: {output!r}")
         b = make_batch([(source, output)], tok)
         src, tgt = b["src"], b["tgt"]
         if hasattr(model, "cross_attention_maps"):
@@ -61,7 +63,7 @@ def alignment(models: dict, tok, source: str, reference: str, path: Path) -> Non
         ax.set_xticks(range(src.shape[1]), [tok.itos[i] for i in src[0].tolist()], rotation=60, ha="right")
         ax.set_yticks(range(len(out_words)), out_words)
         ax.set_title(title, fontsize=9)
-    fig.suptitle(f"{source!r} -> {output!r} (reference {reference!r})", fontsize=9)
+    fig.suptitle(f"{source!r}\nreference {reference!r}\n" + "\n".join(outputs), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -90,10 +92,11 @@ def main() -> int:
             metrics = json.loads((Path(s.out_dir) / "metrics.json").read_text())
         else:
             metrics = train(s, log=lambda m: print(m, file=sys.stderr, flush=True), data=data)
-        model, tok, _ = load_run(s.out_dir)
+        model, tok, saved = load_run(s.out_dir)
         rows = scores_by_length(model, tok, data[1], edges=EDGES, beams=4)
-        results[label] = {"overall": {k: metrics[k] for k in ("bleu", "chrf", "exact", "parameters", "train_seconds",
-                                                              "steps", "final_loss")}, "by_length": rows}
+        results[label] = {"overall": {**{k: metrics[k] for k in ("bleu", "chrf", "exact", "parameters", "train_seconds",
+                                                                 "steps", "final_loss")}, "lr": saved["lr"]},
+                          "by_length": rows}
         trained[label] = (model, tok)
         print(label, json.dumps(results[label]), file=sys.stderr, flush=True)
     if args.only:
@@ -117,11 +120,12 @@ def write_table(results: dict, args, busy: float, busy_after: float) -> None:
              f"CPU: {cpu_name()}; torch {torch.__version__}; {args.threads} thread(s); {args.steps} steps of 32 pairs "
              f"each; d_model 64; {args.n_train} training pairs, {args.n_test} held-out test pairs; beam 4.",
              f"Load: {load_note(busy)} before, {load_note(busy_after)} after.", "",
-             "| model | parameters | train s | test BLEU | chrF | exact match |", "|---|---:|---:|---:|---:|---:|"]
+             "| model | parameters | peak lr | final train loss | train s (busy) | test BLEU | chrF | exact match |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label in labels:
         o = results[label]["overall"]
-        lines.append(f"| {label} | {o['parameters']:,} | {o['train_seconds']:.0f} | {o['bleu']:.1f} | "
-                     f"{o['chrf']:.1f} | {o['exact']:.1%} |")
+        lines.append(f"| {label} | {o['parameters']:,} | {o['lr']:g} | {o['final_loss']:.3f} | {o['train_seconds']:.0f} | "
+                     f"{o['bleu']:.1f} | {o['chrf']:.1f} | {o['exact']:.1%} |")
     lines += ["", "BLEU by source length (tokens; n = test pairs in the bucket):", "",
               "| source length | n | " + " | ".join(labels) + " |", "|---|---:|" + "---:|" * len(labels)]
     for i, bucket in enumerate(buckets):
