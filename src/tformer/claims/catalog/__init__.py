@@ -1,0 +1,1 @@
+"""One module per claim, each defining ``CLAIM``; found by ``tformer.claims.registry``."""

@@ -1,0 +1,134 @@
+"""Run claims: a progress bar, a cache keyed by the claim's code and config, results.json and the report.
+
+Cache key: SHA-256 of the claim's source file, the shared helpers (``base.py``, ``common.py``), the
+size's config and the torch version. A hit reuses the measured values; the checks, rows and plot are
+recomputed from them (they are cheap, and their code is in the key anyway). Code elsewhere in tformer
+is not in the key: pass ``fresh=True`` (``--fresh``) after changing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from tformer.checkpoint import atomic_write, atomic_write_json
+from tformer.claims.base import Claim, verdict_of
+from tformer.claims.common import figure_png
+from tformer.claims.registry import module_file
+from tformer.training.perf import busy_cores
+
+HERE = Path(__file__).resolve().parent
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tformer" / "claims"
+
+
+def cache_key(claim: Claim, size: str) -> str:
+    """Hash of the claim's code, the shared claim code, its config for ``size`` and torch's version."""
+    h = hashlib.sha256()
+    for path in (module_file(claim), HERE / "base.py", HERE / "common.py"):
+        h.update(Path(path).read_bytes())
+    h.update(json.dumps({"size": size, "config": claim.sizes[size], "torch": torch.__version__},
+                        sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _progress(iterable, desc: str):
+    return tqdm(iterable, desc=f"  {desc}", leave=False, position=1, dynamic_ncols=True)
+
+
+def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = False) -> dict:
+    """Run (or load from the cache) one claim; returns its entry of results.json, with ``png`` bytes."""
+    key = cache_key(claim, size)
+    path = cache_dir / f"{claim.name}-{size}-{key}.json" if cache_dir else None
+    cached = bool(path and path.exists() and not fresh)
+    if cached:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    else:
+        t0 = time.perf_counter()
+        measured = claim.run(claim.sizes[size], _progress)
+        stored = {"measured": measured, "seconds": round(time.perf_counter() - t0, 2),
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        if path:
+            atomic_write_json(path, stored)
+    measured = stored["measured"]
+    checks = claim.checks(measured)
+    return {
+        "name": claim.name, "title": claim.title, "sentence": claim.sentence, "source": claim.source,
+        "published": [list(p) for p in claim.published], "notes": claim.notes, "size": size,
+        "config": claim.sizes[size], "code_hash": key, "cached": cached,
+        "seconds": stored["seconds"], "date": stored["date"],
+        "checks": [{"what": c.what, "passed": bool(c.passed), "detail": c.detail} for c in checks],
+        "verdict": verdict_of(checks),
+        "rows": [list(r) for r in claim.rows(measured)],
+        "measured": measured,
+        "png": figure_png(claim.plot(measured)),
+    }
+
+
+def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike = "claims-report",
+               cache_dir: str | os.PathLike | None = None, fresh: bool = False, use_cache: bool = True) -> dict:
+    """Run ``claims`` at ``size`` with a progress bar; write ``out/index.html``, ``out/results.json``
+    and ``out/results.md``. Returns the results dict (without the PNG bytes)."""
+    from tformer.claims.report import render_html, render_markdown
+
+    out = Path(out)
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    busy_before = busy_cores(1.0)                  # cores other processes kept busy just before the run
+    entries = []
+    bar = tqdm(claims, desc=f"claims ({size})", unit="claim", dynamic_ncols=True)
+    for claim in bar:
+        bar.set_postfix_str(claim.name)
+        try:
+            entries.append(run_claim(claim, size, cache if use_cache else None, fresh))
+        except Exception:  # a crashing claim is a bug: keep its traceback, report it, run the others
+            trace = traceback.format_exc()
+            print(trace, file=sys.stderr)
+            entries.append(_error_entry(claim, size, trace))
+    results = {
+        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "size": size,
+        "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "busy_cores_before": round(busy_before, 2), "busy_cores_after": round(busy_cores(1.0), 2),
+        "load_average": round(os.getloadavg()[0], 1),
+        "claims": [{k: v for k, v in e.items() if k != "png"} for e in entries],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "results.json", results)
+    _write_text(out / "index.html", render_html(results, [e["png"] for e in entries]))
+    _write_text(out / "results.md", render_markdown(results))
+    return results
+
+
+def _error_entry(claim: Claim, size: str, trace: str) -> dict:
+    return {"name": claim.name, "title": claim.title, "sentence": claim.sentence, "source": claim.source,
+            "published": [list(p) for p in claim.published], "notes": claim.notes, "size": size,
+            "config": claim.sizes[size], "code_hash": cache_key(claim, size), "cached": False, "seconds": 0.0,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "checks": [], "verdict": "error",
+            "rows": [], "measured": {}, "error": trace, "png": None}
+
+
+def _write_text(path: Path, text: str) -> None:
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(text, encoding="utf-8")
+    atomic_write(path, write)

@@ -1,0 +1,121 @@
+"""`tformer claims`: the registry, the verdict rule, Kendall's τ against scipy, the checks' ability to fail,
+and every claim's quick run through the command line (with the cache on the second run)."""
+
+import json
+import random
+
+import pytest
+
+from tformer.claims import VERDICTS, Check, Claim, all_claims, get_claims, verdict_of
+from tformer.claims.common import kendall_tau
+from tformer.claims.runner import cache_key, run_claims
+from tformer.cli import main
+from tformer.errors import InputError
+
+FIRST_EIGHT = ["sqrt-dk", "parameter-accounting", "position-symmetry", "alibi-extrapolation", "pre-vs-post-ln",
+               "kv-cache-gqa", "flash-memory", "attention-not-explanation"]
+
+
+def test_registry_lists_the_eight_claims_in_order():
+    claims = all_claims()
+    assert [c.name for c in claims][:8] == FIRST_EIGHT
+    for c in claims:
+        assert c.sentence and c.source and c.published and set(c.sizes) >= {"quick", "full"}
+
+
+def test_unknown_claim_is_an_input_error():
+    with pytest.raises(InputError, match="tformer claims"):
+        get_claims(["no-such-claim"])
+
+
+def test_verdict_rule():
+    yes, no = Check("a", True), Check("b", False)
+    assert verdict_of([yes, yes]) == "reproduced"
+    assert verdict_of([yes, no]) == "partly"
+    assert verdict_of([no, no]) == "not reproduced"
+    assert verdict_of([]) == "not reproduced"
+
+
+def test_kendall_tau_matches_scipy_with_ties():
+    stats = pytest.importorskip("scipy.stats")
+    rng = random.Random(0)
+    for n in (2, 5, 17, 40):
+        a = [rng.randint(0, 6) for _ in range(n)]          # many ties
+        b = [rng.gauss(0, 1) if i % 3 else a[i] for i in range(n)]
+        expected = stats.kendalltau(a, b).statistic        # τ-b
+        assert kendall_tau(a, b) == pytest.approx(expected, abs=1e-12)
+    assert kendall_tau([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_checks_fail_on_results_that_contradict_the_claim():
+    """The criteria are not vacuous: measurements against the claim give a worse verdict."""
+    by_name = {c.name: c for c in all_claims()}
+    # Press et al.: sinusoidal flat and ALiBi exploding is the opposite of the claim.
+    alibi = by_name["alibi-extrapolation"]
+    flipped = {"L": 16, "factors": [1, 2, 4, 8],
+               "ppl": {"sinusoidal": [10, 10, 10, 10], "learned": [10, 11, 12, 13], "rope": [10, 10, 11, 12],
+                       "alibi": [10, 15, 20, 40]}}
+    assert verdict_of(alibi.checks(flipped)) == "not reproduced"
+    # √d_k: an unscaled softmax that did not saturate.
+    sqrt = by_name["sqrt-dk"]
+    rows = [{"d_k": d, "scaled": s, "dot_var": 1.5 * d, "entropy": 3.0, "grad_norm": 0.5, "grad_norm_mean": 0.5}
+            for d in (16, 1024) for s in (True, False)]
+    assert verdict_of(sqrt.checks({"rows": rows, "keys": 64})) == "partly"   # only scaled entropy holds
+
+
+def test_cache_key_follows_the_config():
+    claim = get_claims(["sqrt-dk"])[0]
+    assert cache_key(claim, "quick") != cache_key(claim, "full")
+    assert cache_key(claim, "quick") == cache_key(claim, "quick")
+
+
+def test_a_crashing_claim_is_reported_and_the_others_still_run(tmp_path, capsys):
+    def boom(config, progress):
+        raise RuntimeError("deliberate failure")
+
+    bad = Claim(name="bad", order=0, title="t", sentence="s", source="x", published=[("a", "b")],
+                sizes={"quick": {}, "full": {}}, run=boom, checks=lambda m: [], rows=lambda m: [], plot=lambda m: None)
+    good = get_claims(["position-symmetry"])[0]
+    results = run_claims([bad, good], "quick", tmp_path, use_cache=False)
+    assert [c["verdict"] for c in results["claims"]] == ["error", "reproduced"]
+    assert "deliberate failure" in results["claims"][0]["error"]
+    assert "deliberate failure" in (tmp_path / "index.html").read_text(encoding="utf-8")
+    assert "deliberate failure" in capsys.readouterr().err                # the traceback is kept
+
+
+def test_claims_command_lists(capsys):
+    assert main(["claims"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in FIRST_EIGHT)
+
+
+def test_claims_run_unknown_name_exits_2(capsys, tmp_path):
+    assert main(["claims", "run", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown claim" in capsys.readouterr().err
+
+
+def test_quick_run_of_every_claim_writes_the_report_and_caches(claims_report):
+    out, results = claims_report
+    assert [c["name"] for c in results["claims"]][:8] == FIRST_EIGHT
+    for c in results["claims"]:
+        assert c["verdict"] in VERDICTS and c["checks"] and c["rows"] and not c["cached"]
+    by_name = {c["name"]: c for c in results["claims"]}
+    # Identities of the architecture hold at any size.
+    for name in ("parameter-accounting", "position-symmetry"):
+        assert by_name[name]["verdict"] == "reproduced", by_name[name]["checks"]
+    assert by_name["kv-cache-gqa"]["checks"][0]["passed"]                  # bytes = 2·L·n·h_kv·d·4
+    assert by_name["flash-memory"]["checks"][-1]["passed"]                 # exact in float64
+    html = (out / "index.html").read_text(encoding="utf-8")
+    assert html.count('<section class="claim"') == len(results["claims"])
+    assert html.count("data:image/png;base64,") == len(results["claims"])
+    assert "http://" not in html and "https://" not in html                 # nothing to fetch
+    assert (out / "results.md").read_text(encoding="utf-8").count("| sqrt-dk |") == 1
+
+
+def test_second_run_comes_from_the_cache(claims_report, tmp_path, capsys):
+    out, _ = claims_report
+    assert main(["claims", "run", "sqrt-dk", "position-symmetry", "--out", str(tmp_path / "again"),
+                 "--cache-dir", str(out / "cache")]) == 0
+    again = json.loads((tmp_path / "again" / "results.json").read_text(encoding="utf-8"))
+    assert [c["cached"] for c in again["claims"]] == [True, True]
+    assert "(cached)" in capsys.readouterr().out
