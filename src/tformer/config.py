@@ -259,6 +259,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         positions="rope", norm="rmsnorm", norm_eps=1e-6, ffn="swiglu", bias=False,
         tie_embeddings=False, rope_base=10000.0,
     ),
+    # Mamba-130m's shape (state-spaces/mamba-130m): 24 Mamba layers, no feed-forward, no positions.
+    "mamba-130m": dict(
+        vocab_size=50280, context_length=1 << 16, n_layers=24, n_heads=1, d_model=768, mixer="mamba", ffn="none",
+        positions="none", norm="rmsnorm", bias=False,
+        mixer_options={"mamba": dict(d_state=16, expand=2, d_conv=4, dt_rank="auto")},
+    ),
     # A BERT-sized encoder (bidirectional, post-norm).
     "bert-mini": dict(
         vocab_size=30522, context_length=512, n_layers=4, n_heads=4, d_model=256,

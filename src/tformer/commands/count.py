@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tformer.accounting import count_parameters, kv_cache_bytes, training_flops_per_token
+from tformer.accounting import count_parameters, state_bytes, training_flops_per_token
 from tformer.config import PRESETS, TransformerConfig
 from tformer.errors import InputError
 
@@ -30,5 +30,6 @@ def run(args: argparse.Namespace) -> int:
           f"({c.n_kv_heads} kv), positions {c.positions}, {c.norm}/{c.norm_placement}, ffn {c.ffn}")
     print(count_parameters(c).table())
     print(f"training FLOPs per token at T={T}: {training_flops_per_token(c, T):,}")
-    print(f"KV cache for {T} tokens ({args.bytes} bytes/element): {kv_cache_bytes(c, T, 1, args.bytes):,} bytes")
+    kind = "KV cache" if c.layer_mixers() == ["attention"] * c.n_layers else "inference state (every layer's mixer)"
+    print(f"{kind} for {T} tokens ({args.bytes} bytes/element): {state_bytes(c, T, 1, args.bytes):,} bytes")
     return 0

@@ -104,5 +104,12 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     elapsed = time.perf_counter() - start
     n = stats.get("new_tokens", 0)
     print(f"{n} tokens in {elapsed:.2f} s: {n / max(elapsed, 1e-9):.1f} tokens/s "
-          f"({dtype}, {'KV cache' if use_cache else 'no cache'}, {torch.get_num_threads()} threads)", file=sys.stderr)
+          f"({dtype}, {_state_kind(model) if use_cache else 'no cache'}, {torch.get_num_threads()} threads)",
+          file=sys.stderr)
     return 0
+
+
+def _state_kind(model) -> str:
+    """What the model keeps between tokens: a KV cache (attention) or a recurrent state (Mamba, hybrids)."""
+    mixers = set(model.config.layer_mixers())
+    return "KV cache" if mixers == {"attention"} else "inference state: " + " + ".join(sorted(mixers))

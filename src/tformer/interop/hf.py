@@ -21,11 +21,11 @@ import torch.nn as nn
 
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, ConfigError
-from tformer.interop import bart, bert, bloom, gpt2, llama, marian
+from tformer.interop import bart, bert, bloom, gpt2, llama, mamba, marian
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
 from tformer.models import model_class
 
-FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, bart, marian) for t in module.MODEL_TYPES}
+FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, mamba, bart, marian) for t in module.MODEL_TYPES}
 
 
 def family(model_type: str | None, source: str = "config.json field model_type"):
@@ -90,6 +90,8 @@ def infer_model_type(config: TransformerConfig) -> str:
             return named
     if config.model == "encoder-decoder":
         return "marian" if config.positions == "sinusoidal" else "bart"
+    if config.mixer == "mamba":
+        return "mamba"
     if not config.causal:
         return "bert"
     if config.positions == "alibi":

@@ -14,6 +14,7 @@ from tformer.errors import ConfigError
 
 MIXERS: dict[str, str | type] = {
     "attention": "tformer.attention.multihead:MultiHeadAttention",
+    "mamba": "tformer.ssm.mamba:MambaMixer",
 }
 
 

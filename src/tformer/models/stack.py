@@ -58,11 +58,14 @@ class TransformerStack(nn.Module):
         self.rope = rope
 
     def init_weights(self, scale_residual: bool = True) -> None:
-        """GPT-2's init: N(0, init_std) everywhere, and (``scale_residual``) the projections that write
+        """GPT-2's init: N(0, init_std) everywhere (then a mixer's own ``init_weights()``, if it has one), and (``scale_residual``) the projections that write
         into the residual stream, marked by their mixer or feed-forward, scaled by 1/sqrt(2·n_layers)
         so the stream's variance does not grow with depth. BERT's init (the encoder) does not scale."""
         c = self.config
         self.apply(lambda m: init_weights(m, c.init_std))
+        for block in self.blocks:  # a mixer with an initialisation of its own (Mamba's) applies it over that
+            if hasattr(block.attn, "init_weights"):
+                block.attn.init_weights()
         for m in self.modules() if scale_residual else ():
             if writes_residual(m):
                 nn.init.normal_(m.weight, mean=0.0, std=c.init_std / math.sqrt(2 * c.n_layers))
