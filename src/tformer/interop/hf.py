@@ -21,11 +21,11 @@ import torch.nn as nn
 
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, ConfigError
-from tformer.interop import bart, bert, bloom, gpt2, llama, mamba, marian
+from tformer.interop import bart, bert, bigbird, bloom, gpt2, llama, longformer, mamba, marian
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
 from tformer.models import model_class
 
-FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, mamba, bart, marian) for t in module.MODEL_TYPES}
+FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, mamba, longformer, bigbird, bart, marian) for t in module.MODEL_TYPES}
 
 
 def family(model_type: str | None, source: str = "config.json field model_type"):

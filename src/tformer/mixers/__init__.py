@@ -15,6 +15,10 @@ from tformer.errors import ConfigError
 MIXERS: dict[str, str | type] = {
     "attention": "tformer.attention.multihead:MultiHeadAttention",
     "mamba": "tformer.ssm.mamba:MambaMixer",
+    "longformer": "tformer.mixers.longformer:LongformerAttention",
+    "bigbird": "tformer.mixers.bigbird:BigBirdAttention",
+    "performer": "tformer.mixers.performer:PerformerAttention",
+    "linformer": "tformer.mixers.linformer:LinformerAttention",
 }
 
 

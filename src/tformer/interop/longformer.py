@@ -1,0 +1,120 @@
+"""Longformer <-> tformer's encoder with ``mixer="longformer"``: a RoBERTa-style post-norm encoder whose
+self-attention is a sliding window plus global tokens.
+
+HF's ``attention_window`` (even, per layer) covers ``attention_window / 2`` keys on each side, which is
+tformer's ``window = attention_window / 2 + 1`` (counting the token itself). HF takes the global
+tokens as an input (``global_attention_mask``); tformer fixes them in the config: the converter
+marks position 0 (``<s>``, as HF's classification heads do), and
+``mixer_options["longformer"]["global_positions"]`` can name others. HF counts positions from
+``pad_token_id + 1`` (RoBERTa); the converter keeps the table from that row on, so tformer's
+position 0 is HF's first real position. The pooler is optional; task heads are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tformer.config import TransformerConfig
+from tformer.errors import ConfigError
+from tformer.interop.bert import ACTIVATIONS, LAYER, QKV
+from tformer.interop.loader import TensorSource, refuse, require
+
+MODEL_TYPES = ("longformer",)
+PREFIX = "longformer."
+
+TOP = [("tok_emb.weight", "embeddings.word_embeddings.weight"),
+       ("type_emb.weight", "embeddings.token_type_embeddings.weight"),
+       ("emb_norm.weight", "embeddings.LayerNorm.weight"), ("emb_norm.bias", "embeddings.LayerNorm.bias")]
+POOLER = [("pooler.weight", "pooler.dense.weight"), ("pooler.bias", "pooler.dense.bias")]
+GLOBAL = ("query_global", "key_global", "value_global")
+
+
+def _windows(hf: dict) -> list[int]:
+    w = hf.get("attention_window", 512)
+    windows = list(w) if isinstance(w, (list, tuple)) else [w] * hf["num_hidden_layers"]
+    if len(windows) != hf["num_hidden_layers"] or any(x < 2 or x % 2 for x in windows):
+        raise refuse("attention_window", w, "it must be an even number >= 2 (or one per layer).")
+    return windows
+
+
+def config_from_hf(hf: dict, global_positions: list[int] | None = None) -> TransformerConfig:
+    act = hf.get("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise refuse("hidden_act", act, f"known activations are {', '.join(ACTIVATIONS)}.")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise refuse("position_embedding_type", hf["position_embedding_type"], "only absolute positions are implemented.")
+    offset = hf.get("pad_token_id", 1) + 1
+    return TransformerConfig(
+        vocab_size=hf["vocab_size"], context_length=hf.get("max_position_embeddings", 4098) - offset,
+        n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
+        d_ff=hf["intermediate_size"], positions="learned", norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-12),
+        norm_placement="post", ffn="mlp", activation=ACTIVATIONS[act], bias=True, tie_embeddings=True,
+        causal=False, embedding_norm=True, type_vocab_size=hf.get("type_vocab_size", 2), name="longformer",
+        mixer="longformer",
+        mixer_options={"longformer": {"window": [w // 2 + 1 for w in _windows(hf)],
+                                      "global_positions": list(global_positions if global_positions is not None else [0])}},
+    )
+
+
+def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
+    src.drop("embeddings.position_ids", "embeddings.token_type_ids")
+    state = {ours: src.take(theirs) for ours, theirs in TOP}
+    table = src.take("embeddings.position_embeddings.weight")                # (max_positions, C)
+    state["pos_emb.weight"] = table[table.shape[0] - c.context_length:]      # from pad_token_id + 1 on
+    has_global = bool(c.mixer_option("longformer", "global_positions", []))
+    for i in range(c.n_layers):
+        hf, ours = f"encoder.layer.{i}.", f"blocks.{i}."
+        for kind in ("weight", "bias"):
+            state[f"{ours}attn.qkv_proj.{kind}"] = torch.cat([src.take(f"{hf}attention.self.{p}.{kind}") for p in QKV])
+            glob = [src.take(f"{hf}attention.self.{p}.{kind}") for p in GLOBAL]
+            if has_global:
+                state[f"{ours}attn.global_qkv_proj.{kind}"] = torch.cat(glob)
+            for t, h in LAYER:
+                state[f"{ours}{t}.{kind}"] = src.take(f"{hf}{h}.{kind}")
+    if src.has("pooler.dense.weight"):
+        state.update({ours: src.take(theirs) for ours, theirs in POOLER})
+    return state
+
+
+def config_to_hf(c: TransformerConfig, model_type: str, **_) -> dict:
+    act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[c.activation]
+    windows = c.mixer_option("longformer", "window", 256)
+    windows = [windows[i % len(windows)] if isinstance(windows, list) else windows for i in range(c.n_layers)]
+    return {
+        "architectures": ["LongformerModel"], "model_type": "longformer", "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+        "intermediate_size": c.d_ff, "hidden_act": act, "max_position_embeddings": c.context_length + 2,
+        "type_vocab_size": c.type_vocab_size, "layer_norm_eps": c.norm_eps, "pad_token_id": 1,
+        "attention_window": [2 * (w - 1) for w in windows], "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0, "position_embedding_type": "absolute",
+    }
+
+
+def check_exportable(c: TransformerConfig, model_type: str) -> None:
+    """Refuse what Longformer cannot express, naming the field."""
+    require(c, model_type, mixer="longformer", positions="learned", norm="layernorm", norm_placement="post",
+            ffn="mlp", bias=True, qkv_bias=True, causal=False, embedding_norm=True, n_kv_heads=c.n_heads,
+            head_dim=c.d_model // c.n_heads)
+    if c.mixer_option("longformer", "dilation", 1) != 1:
+        raise ConfigError("cannot export as longformer: HF's Longformer has no dilation (it needs dilation=1).")
+    if c.mixer_option("longformer", "global_positions", []) != [0]:
+        raise ConfigError("cannot export as longformer: it needs global_positions=[0] (HF's global projections "
+                         "exist for every model; tformer's only with global tokens).")
+
+
+def state_to_hf(state: dict, c: TransformerConfig) -> dict:
+    out = {theirs: state[ours] for ours, theirs in TOP}
+    table = state["pos_emb.weight"]
+    out["embeddings.position_embeddings.weight"] = torch.cat([table.new_zeros(2, table.shape[1]), table])
+    q_dim = c.n_heads * c.head_dim
+    for i in range(c.n_layers):
+        hf, ours = f"encoder.layer.{i}.", f"blocks.{i}."
+        for kind in ("weight", "bias"):
+            for names, key in ((QKV, "qkv_proj"), (GLOBAL, "global_qkv_proj")):
+                for name, t in zip(names, state[f"{ours}attn.{key}.{kind}"].split(q_dim)):
+                    out[f"{hf}attention.self.{name}.{kind}"] = t
+            for t, h in LAYER:
+                out[f"{hf}{h}.{kind}"] = state[f"{ours}{t}.{kind}"]
+    if "pooler.weight" in state:
+        out.update({theirs: state[ours] for ours, theirs in POOLER})
+    return out

@@ -1,0 +1,128 @@
+"""What the efficient-attention mixers (Longformer, BigBird, Performer, Linformer) share with softmax
+attention: the projections. Only the kernel between them differs.
+
+    x (B, T, C) -> qkv_proj -> q (B, nh, T, hs), k, v (B, nkv, T, hs) -> [RoPE] -> kernel -> out_proj
+
+The layout is :class:`~tformer.attention.multihead.MultiHeadAttention`'s (one fused ``qkv_proj``
+of width ``(nh + 2·nkv)·hs``, ``out_proj`` back to ``C``), so a checkpoint's attention weights
+mean the same thing under every mixer. Grouped-query K/V are expanded to ``nh`` heads only in
+front of a kernel (a view, no copy).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tformer.config import TransformerConfig
+from tformer.errors import ConfigError
+from tformer.mixers.base import Shared, Step, mark_residual
+
+Tensor = torch.Tensor
+
+
+class ProjectedAttention(nn.Module):
+    """Base class: projections, RoPE and the protocol's bookkeeping; subclasses supply ``forward``.
+
+    Attributes:
+        name: the mixer's key in ``tformer.mixers.MIXERS`` (where its options live).
+    """
+
+    name = ""
+
+    def __init__(self, config: TransformerConfig, layer: int = 0, shared: Shared | None = None):
+        super().__init__()
+        c = self.config = config
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.causal = c.causal
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        self.qkv_proj = nn.Linear(c.d_model, q_dim + 2 * kv_dim, bias=c.qkv_bias)
+        self.out_proj = mark_residual(nn.Linear(q_dim, c.d_model, bias=c.bias))
+        self.rope = shared.rope if (shared is not None and c.positions == "rope") else None
+
+    def option(self, key: str, default=None):
+        """``config.mixer_options[self.name][key]``; a list there gives one value per layer (cycled)."""
+        value = self.config.mixer_option(self.name, key, default)
+        return value[self.layer % len(value)] if isinstance(value, (list, tuple)) else value
+
+    def project(self, x: Tensor, step: Step, proj: nn.Linear | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``x (B, T, C)`` -> ``q (B, nh, T, hs)``, ``k, v (B, nkv, T, hs)`` (RoPE applied at ``step.positions``);
+        ``proj`` replaces ``qkv_proj`` (Longformer's global projections)."""
+        B, T, _ = x.shape
+        nh, nkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = (proj or self.qkv_proj)(x).split([nh * hs, nkv * hs, nkv * hs], dim=-1)
+        q = q.view(B, T, nh, hs).transpose(1, 2)                             # (B, nh, T, hs)
+        k = k.view(B, T, nkv, hs).transpose(1, 2)                            # (B, nkv, T, hs)
+        v = v.view(B, T, nkv, hs).transpose(1, 2)                            # (B, nkv, T, hs)
+        if self.rope is not None:
+            q, k = self.rope(q, step.positions), self.rope(k, step.positions)
+        return q, k, v
+
+    def expand(self, t: Tensor) -> Tensor:
+        """``(B, nkv, m, hs)`` -> ``(B, nh, m, hs)``: each K/V head serves ``nh / nkv`` query heads."""
+        g = self.n_heads // self.n_kv_heads
+        if g == 1:
+            return t
+        B, nkv, m, hs = t.shape
+        return t[:, :, None].expand(B, nkv, g, m, hs).reshape(B, nkv * g, m, hs)
+
+    def finish(self, out: Tensor, step: Step):
+        """``(B, nh, T, hs)`` -> ``(B, T, C)`` through ``out_proj`` (plus ``None`` weights if asked)."""
+        B, _, T, _ = out.shape
+        out = self.out_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return (out, None) if step.return_weights else out
+
+    @staticmethod
+    def key_mask(step: Step, batch: int, m: int) -> Tensor | None:
+        """The padding mask over the ``m`` keys as ``(B, m)`` bool (``None``: no padding)."""
+        if step.mask is None:
+            return None
+        mask = torch.broadcast_to(step.mask, (batch, 1, step.mask.shape[-2], m))
+        return mask[:, 0, -1]                                                # (B, m): padding is per key
+
+    def new_state(self, batch_size: int, max_len: int, dtype=torch.float32, device=None):
+        return None
+
+    @classmethod
+    def count_parameters(cls, config: TransformerConfig) -> int:
+        """Parameters of one layer: the projections (subclasses add their own)."""
+        c = config
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        qkv = c.d_model * (q_dim + 2 * kv_dim) + ((q_dim + 2 * kv_dim) if c.qkv_bias else 0)
+        return qkv + q_dim * c.d_model + (c.d_model if c.bias else 0)
+
+    @classmethod
+    def state_bytes(cls, config: TransformerConfig, n_tokens: int, batch_size: int = 1,
+                    bytes_per_element: int = 4) -> int:
+        return 0
+
+    @classmethod
+    def check_config(cls, config: TransformerConfig) -> None:
+        """Refusals common to the four mixers (ALiBi, attention dropout); subclasses add theirs."""
+        if config.positions == "alibi":
+            raise ConfigError(f"mixer={cls.name!r} has no ALiBi bias; use positions='rope', 'learned', "
+                              f"'sinusoidal' or 'none'.")
+        if config.attn_dropout:
+            raise ConfigError(f"mixer={cls.name!r} does not apply attention dropout; set attn_dropout=0 "
+                              f"(dropout on the residual stream still applies).")
+        if config.sliding_window is not None:
+            raise ConfigError(f"mixer={cls.name!r} ignores sliding_window; set it to None (Longformer's "
+                              f"window is mixer_options['longformer']['window']).")
+        known = set(cls.OPTIONS)
+        unknown = sorted(set(config.mixer_options.get(cls.name, {})) - known)
+        if unknown:
+            raise ConfigError(f"mixer_options[{cls.name!r}] has unknown option(s) {', '.join(unknown)}; "
+                              f"known options are {', '.join(sorted(known))}.")
+
+    OPTIONS: tuple[str, ...] = ()
+
+    @classmethod
+    def int_option(cls, config: TransformerConfig, key: str, default: int, low: int = 1) -> list[int]:
+        """The option as a list of ints (one per layer pattern entry), each checked ``>= low``."""
+        value = config.mixer_option(cls.name, key, default)
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < low for v in values):
+            raise ConfigError(f"mixer_options[{cls.name!r}][{key!r}]={value!r} must be an integer >= {low} "
+                              f"(or a list of them, one per layer).")
+        return values
