@@ -1,0 +1,110 @@
+"""The ASGI app (Starlette): OpenAI's API, health, metrics, and the playground.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``,
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /v1/inspect`` (the
+playground's attention and attribution for one token; not part of OpenAI's API), ``GET /`` and
+``/static/*`` (the playground, served from this package: no CDN).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from pydantic import BaseModel, Field, StrictInt, StrictStr
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from tformer.serve import schemas as S
+from tformer.serve.inspect import explain
+from tformer.serve.openai_api import chat_completions, completions, embeddings, read_json
+from tformer.serve.server import PLAYGROUND, Server
+
+
+async def health(request: Request):
+    server: Server = request.app.state.server
+    sched = server.scheduler
+    alive = sched.thread.is_alive()
+    body = {"status": "ok" if alive else "error", "model": server.name, "running": len(sched.running),
+            "waiting": len(sched.waiting), "free_slots": len(sched.free), "slots": sched.pool.n_slots}
+    return JSONResponse(body, status_code=200 if alive else 503)
+
+
+async def metrics(request: Request):
+    return PlainTextResponse(request.app.state.server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def models(request: Request):
+    server: Server = request.app.state.server
+    data = [{"id": server.name, "object": "model", "created": int(server.started), "owned_by": "tformer"}]
+    if server.embedder is not None:
+        data.append({"id": server.embedder[0], "object": "model", "created": int(server.started), "owned_by": "tformer"})
+    return JSONResponse({"object": "list", "data": data})
+
+
+class InspectRequest(BaseModel):
+    """Explain the prediction of ``token_ids[index]`` after ``prompt`` + ``token_ids[:index]``."""
+
+    prompt: StrictStr
+    token_ids: list[StrictInt] = Field(min_length=1)
+    index: StrictInt = Field(ge=0)
+
+
+async def inspect(request: Request):
+    server: Server = request.app.state.server
+    req = await read_json(request, server.limits.max_body_bytes, InspectRequest)
+    if req.index >= len(req.token_ids):
+        raise S.APIError(400, f"index {req.index} is past the {len(req.token_ids)} tokens given.", param="index")
+    context = server.encode_prompts(req.prompt)[0] + req.token_ids[:req.index]
+    target = req.token_ids[req.index]
+    if not 0 <= target < server.model.config.vocab_size or len(context) > server.max_len:
+        raise S.APIError(400, f"the context must fit {server.max_len} tokens and the ids the vocabulary.")
+    fut = server.scheduler.run_job(lambda: explain(server.model, server.tokenizer, context, target))
+    return JSONResponse(await asyncio.wrap_future(fut))
+
+
+async def playground(request: Request):
+    return FileResponse(PLAYGROUND / "index.html")
+
+
+async def api_error(request: Request, exc: S.APIError):
+    if exc.status >= 400:
+        request.app.state.server.metrics.inc("tformer_requests_total", status=str(exc.status),
+                                             help="requests answered, by HTTP status")
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def http_error(request: Request, exc: HTTPException):
+    return JSONResponse(S.APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+
+async def server_error(request: Request, exc: Exception):
+    return JSONResponse(S.APIError(500, f"internal error: {exc!r}", "server_error").body(), status_code=500)
+
+
+def build_app(server: Server) -> Starlette:
+    """The app for ``server``; shutting the app down stops the scheduler."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        server.close()
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/v1/inspect", inspect, methods=["POST"]),
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/", playground),
+        Mount("/static", StaticFiles(directory=PLAYGROUND), name="static"),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        S.APIError: api_error, HTTPException: http_error, Exception: server_error})
+    app.state.server = server
+    return app

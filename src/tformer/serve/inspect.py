@@ -1,0 +1,63 @@
+"""What the playground shows for one predicted token: attention per layer and head, and attribution.
+
+For the prediction of ``target`` from ``context (t,)``:
+
+- **attention**: layer ``l``, head ``h``: the softmax weights of the last query (the position that
+  predicts ``target``) over the ``t`` context tokens, from :meth:`DecoderLM.attention_maps`. It says
+  where each head *reads*, not what the read contributes.
+- **attribution**: input × gradient (Shrikumar et al., 2016): for each context token ``i``,
+  ``|e_i · ∂ log p(target | context) / ∂ e_i|`` with ``e_i`` the token's embedding vector, normalised
+  to sum 1. A first-order estimate of how much each token's embedding moves the prediction's
+  log-probability. The two often disagree (Jain & Wallace, 2019: "Attention is not Explanation"),
+  which is the point of showing them side by side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def attention_rows(model, context: Tensor) -> Tensor:
+    """``(n_layers, n_heads, t)``: every head's weights from the last position of ``context (t,)``."""
+    maps = model.attention_maps(context[None])                       # n_layers x (1, nh, t, t)
+    return torch.stack([m[0, :, -1, :] for m in maps]).float()        # (L, nh, t)
+
+
+def input_x_gradient(model, context: Tensor, target: int) -> tuple[Tensor, float]:
+    """``(t,)`` normalised |input × gradient| per context token, and ``log p(target | context)``."""
+    captured: list[Tensor] = []
+
+    def keep(_module, _inputs, out):                                  # the token embeddings e (1, t, C)
+        out.requires_grad_(True)
+        captured.append(out)
+        return out
+
+    handle = model.tok_emb.register_forward_hook(keep)
+    try:
+        with torch.enable_grad():
+            logits, _ = model(context[None], last_only=True)             # (1, 1, vocab)
+            logp = torch.log_softmax(logits[0, -1].float(), dim=-1)[target]
+            (grad,) = torch.autograd.grad(logp, captured[0])              # (1, t, C)
+    finally:
+        handle.remove()
+    scores = (grad[0] * captured[0][0].detach()).sum(-1).abs().float()   # (t,)
+    return scores / scores.sum().clamp_min(1e-12), float(logp.detach())
+
+
+def explain(model, tokenizer, context_ids: list[int], target: int) -> dict:
+    """The playground's JSON for predicting ``target`` after ``context_ids``."""
+    device = model.tok_emb.weight.device
+    context = torch.tensor(context_ids, dtype=torch.long, device=device)   # (t,)
+    attention = attention_rows(model, context)                             # (L, nh, t)
+    attribution, logp = input_x_gradient(model, context, target)
+    return {
+        "tokens": [tokenizer.decode([i]) for i in context_ids],
+        "target": tokenizer.decode([target]),
+        "logprob": logp,
+        "n_layers": attention.shape[0],
+        "n_heads": attention.shape[1],
+        "attention": attention.tolist(),
+        "attribution": attribution.tolist(),
+    }

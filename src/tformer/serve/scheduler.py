@@ -1,0 +1,294 @@
+"""Continuous batching: one thread owns the model and decodes every running request together.
+
+Each loop iteration:
+
+1. runs queued *jobs* (anything else that needs the model, e.g. the playground's attention maps);
+2. drops requests whose client went away or whose time ran out, freeing their slots;
+3. admits up to ``prefill_per_step`` waiting requests into free slots of the :class:`KVPool` and
+   prefills each (so a long queue never stalls the running batch for more than a few prompts);
+4. runs ONE decode step for all running sequences: each row feeds its last token at its own
+   length, gets its own logits, and samples with its own options and random generator.
+
+A request joins the batch at the next step after its prefill and leaves the step it finishes
+(stop token, stop string, ``max_tokens``, the context, timeout or disconnect); its slot is free
+for the next waiting request at once. Results go back through each sequence's ``emit`` callback
+(the app turns them into SSE chunks), so the scheduler knows nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tformer.inference.generate import sample
+from tformer.inference.text import _TextTracker
+from tformer.serve.metrics import BATCH_BUCKETS, Metrics
+from tformer.serve.pool import KVPool
+
+Tensor = torch.Tensor
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit: the client should retry later (HTTP 503)."""
+
+
+@dataclass
+class Params:
+    """One sequence's sampling options (OpenAI's names)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None          # None: none; k >= 0: the chosen token's and the top k
+
+
+@dataclass
+class Token:
+    """One generated token as the client sees it."""
+
+    id: int
+    text: str                             # new showable text (may be "" while a stop string could start)
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Sequence:
+    """A request's sequence: prompt, options, slot, output so far, and where to send results.
+
+    ``emit(event)`` receives :class:`Token` objects, then one ``("done", finish_reason)`` or
+    ``("error", message)``. Called from the scheduler thread.
+    """
+
+    prompt: list[int]
+    params: Params
+    emit: Callable[[object], None]
+    tokenizer: object
+    stop_ids: frozenset = frozenset()
+    timeout: float = 600.0
+    slot: int | None = None
+    length: int = 0                        # tokens in the slot's cache
+    last: int = 0                          # the newest token (not yet in the cache)
+    generated: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    def __post_init__(self):
+        self.tracker = _TextTracker(self.tokenizer, self.params.stop)
+        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this sequence (the client left); its slot is freed next step."""
+        self.cancelled = True
+
+
+class Scheduler:
+    """Owns ``model`` on one thread; batches the decode steps of every running sequence.
+
+    Args:
+        model: a DecoderLM in eval mode.
+        n_slots: sequences decoded together at most (rows of the KV pool).
+        max_len: positions per slot; default the model's context.
+        max_queue: waiting sequences at most; :meth:`submit` raises :class:`QueueFull` beyond.
+        prefill_per_step: prompts prefilled between two decode steps at most.
+        metrics: where counts and latencies go.
+    """
+
+    def __init__(self, model, n_slots: int = 16, max_len: int | None = None, max_queue: int = 64,
+                 prefill_per_step: int = 4, metrics: Metrics | None = None):
+        self.model = model
+        self.max_len = max_len or model.config.context_length
+        self.pool = KVPool(model, n_slots, self.max_len)
+        self.max_queue, self.prefill_per_step = max_queue, prefill_per_step
+        self.metrics = metrics or Metrics()
+        self.free = list(range(n_slots))                    # a heap: lowest slots first keep rows contiguous
+        self.running: dict[int, Sequence] = {}              # slot -> sequence
+        self.waiting: deque[Sequence] = deque()
+        self.jobs: deque[tuple[Callable, Future]] = deque()
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="tformer-scheduler", daemon=True)
+        self._gauges()
+        self.thread.start()
+
+    # ------------------------------------------------------------------ called from other threads
+    def submit(self, seq: Sequence) -> None:
+        with self.cond:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                self.metrics.inc("tformer_rejected_total", help="requests refused because the queue was full")
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.append(seq)
+            self._gauges()
+            self.cond.notify()
+
+    def run_job(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn()`` on the scheduler thread between two steps; its result comes in the future."""
+        fut: Future = Future()
+        with self.cond:
+            self.jobs.append((fn, fut))
+            self.cond.notify()
+        return fut
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join(timeout=10)
+
+    # ------------------------------------------------------------------------- the thread
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not (self.stopping or self.jobs or self.waiting or self.running):
+                        self.cond.wait()
+                    if self.stopping:
+                        break
+                self._run_jobs()
+                self._drop_finished_clients()
+                self._admit()
+                if self.running:
+                    self._decode()
+                self._gauges()
+        except BaseException as e:  # a bug: fail every request loudly rather than hang them
+            self.error = e
+            raise
+        finally:
+            with self.cond:
+                left = list(self.running.values()) + list(self.waiting)
+                self.running.clear()
+                self.waiting.clear()
+            for seq in left:
+                seq.emit(("error", "the server is shutting down" if self.error is None else f"internal error: {self.error!r}"))
+
+    def _run_jobs(self) -> None:
+        while self.jobs:
+            fn, fut = self.jobs.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except Exception as e:  # reported to the caller, which turns it into a response
+                    fut.set_exception(e)
+
+    def _drop_finished_clients(self) -> None:
+        now = time.monotonic()
+        for slot, seq in list(self.running.items()):
+            if seq.cancelled:
+                self._finish(seq, None)
+            elif now - seq.submitted > seq.timeout:
+                self._finish(seq, "length")
+        with self.cond:
+            keep = deque()
+            for seq in self.waiting:
+                if seq.cancelled:
+                    continue
+                if now - seq.submitted > seq.timeout:
+                    seq.emit(("error", f"the request waited {seq.timeout:g} s for a free slot; retry later"))
+                    continue
+                keep.append(seq)
+            self.waiting = keep
+
+    def _admit(self) -> None:
+        for _ in range(self.prefill_per_step):
+            with self.cond:
+                if not (self.free and self.waiting):
+                    return
+                seq = self.waiting.popleft()
+            seq.slot = heapq.heappop(self.free)
+            self.running[seq.slot] = seq
+            ids = torch.tensor(seq.prompt, dtype=torch.long, device=self.pool.device)
+            try:
+                logits = self.pool.prefill(seq.slot, ids)                        # (vocab,)
+            except ValueError as e:  # bad input the server did not catch: fail this request only
+                self._finish(seq, None, "error")
+                seq.emit(("error", str(e)))
+                continue
+            seq.length = len(seq.prompt)
+            self.metrics.inc("tformer_prompt_tokens_total", len(seq.prompt), help="prompt tokens prefilled")
+            self._take(seq, logits[None])
+
+    def _decode(self) -> None:
+        hi = max(self.running) + 1
+        tokens = torch.zeros(hi, dtype=torch.long)
+        lengths = torch.zeros(hi, dtype=torch.long)
+        for slot, seq in self.running.items():
+            tokens[slot], lengths[slot] = seq.last, seq.length
+        start = time.perf_counter()
+        logits = self.pool.decode(tokens.to(self.pool.device), lengths.to(self.pool.device))   # (hi, vocab)
+        self.metrics.observe("tformer_decode_step_seconds", time.perf_counter() - start,
+                             help="time of one batched decode step")
+        self.metrics.observe("tformer_batch_size", len(self.running), BATCH_BUCKETS,
+                             help="sequences in each decode step")
+        greedy = logits.argmax(dim=-1).tolist()                 # one call for every greedy row
+        for slot, seq in list(self.running.items()):
+            seq.length += 1
+            self._take(seq, logits[slot:slot + 1], greedy[slot])
+
+    def _take(self, seq: Sequence, logits: Tensor, greedy: int | None = None) -> None:
+        """Sample ``seq``'s next token from ``logits (1, vocab)`` (``greedy``: its argmax, when known),
+        send it, and finish if it is done."""
+        p = seq.params
+        if p.temperature == 0 and greedy is not None:
+            tok = greedy
+        else:
+            tok = int(sample(logits, p.temperature, p.top_k, p.top_p if p.top_p < 1 else None, [seq.generator]))
+        self.metrics.inc("tformer_generated_tokens_total", help="tokens generated")
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
+            self.metrics.observe("tformer_time_to_first_token_seconds", seq.first_token_at - seq.submitted,
+                                 help="from submission to the first token")
+        if tok in seq.stop_ids:
+            return self._finish(seq, "stop")
+        seq.generated.append(tok)
+        seq.last = tok
+        seq.tracker.add(tok)
+        lp = top = None
+        if p.logprobs is not None:
+            logp = torch.log_softmax(logits[0].float(), dim=-1)                 # (vocab,)
+            lp = float(logp[tok])
+            if p.logprobs:
+                v, i = logp.topk(min(p.logprobs, logp.numel()))
+                top = list(zip(i.tolist(), v.tolist()))
+        seq.emit(Token(tok, seq.tracker.take(), lp, top))      # cut before a stop string, if one appeared
+        if seq.tracker.done:
+            self._finish(seq, "stop")
+        elif len(seq.generated) >= p.max_tokens or seq.length + 1 >= self.max_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str | None, label: str = "disconnect") -> None:
+        """Free ``seq``'s slot; tell the client why it ended (``None``: the client is gone)."""
+        self.running.pop(seq.slot, None)
+        heapq.heappush(self.free, seq.slot)
+        self._gauges()
+        if reason is not None:
+            seq.tracker.done = True
+            rest = seq.tracker.take()                       # text held back for a stop string that never came
+            if rest:
+                seq.emit(Token(-1, rest))
+            seq.emit(("done", reason))
+        self.metrics.inc("tformer_sequences_total", help="sequences finished", reason=reason or label)
+        self.metrics.observe("tformer_sequence_seconds", time.monotonic() - seq.submitted,
+                             help="from submission to the last token")
+
+    def _gauges(self) -> None:
+        m = self.metrics
+        m.set("tformer_queue_length", len(self.waiting), help="requests waiting for a slot")
+        m.set("tformer_running_sequences", len(self.running), help="sequences in the decode batch")
+        m.set("tformer_pool_slots_in_use", self.pool.n_slots - len(self.free), help="KV pool slots held")
+        m.set("tformer_pool_slots_total", self.pool.n_slots, help="KV pool slots")

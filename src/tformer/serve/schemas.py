@@ -1,0 +1,152 @@
+"""The OpenAI wire format: request bodies (validated), response objects, stream chunks, error bodies.
+
+Requests are pydantic models that accept the fields OpenAI documents and ignore unknown ones (clients
+send extras); a field tformer cannot honour (``logit_bias``, penalties, ``tools``, ...) is refused
+with a 400 naming it rather than silently ignored. Responses are plain dicts built by the helpers
+below, shaped exactly like OpenAI's (``id``, ``object``, ``created``, ``model``, ``choices``,
+``usage``), so the official client parses them into its own types.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+
+class APIError(Exception):
+    """An error to send as OpenAI's ``{"error": {...}}`` body with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=1)            # not OpenAI's; vLLM and others accept it
+    n: StrictInt = Field(default=1, ge=1, le=16)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported; leave it out")
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise ValueError("stop takes at most 4 strings")
+        return self
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+    return_tokens_as_token_ids: StrictBool = False     # vLLM's extension: logprobs tokens as "token_id:<id>"
+
+    @model_validator(mode="after")
+    def _completion_only(self):
+        if self.suffix:
+            raise ValueError("suffix (insertion) is not supported; leave it out")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported; leave it out or set it equal to n")
+        return self
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_only(self):
+        if self.tools:
+            raise ValueError("tools are not supported by this server; leave them out")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr
+    input: StrictStr | list[StrictStr] = Field(min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+
+
+# ------------------------------------------------------------------------------ response shapes
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_object(id_: str, model: str, choices: list[dict], use: dict | None, chunk: bool = False) -> dict:
+    """``text_completion`` (a full response, or one stream chunk: same object name in OpenAI's API)."""
+    out = {"id": id_, "object": "text_completion", "created": now(), "model": model, "choices": choices}
+    if use is not None or not chunk:
+        out["usage"] = use
+    return out
+
+
+def chat_object(id_: str, model: str, choices: list[dict], use: dict | None, chunk: bool = False) -> dict:
+    """``chat.completion``, or a ``chat.completion.chunk`` when ``chunk``."""
+    out = {"id": id_, "object": "chat.completion.chunk" if chunk else "chat.completion", "created": now(),
+           "model": model, "system_fingerprint": None, "choices": choices}
+    if use is not None or not chunk:
+        out["usage"] = use
+    return out

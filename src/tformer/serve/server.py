@@ -1,0 +1,124 @@
+"""What every route shares: the model, its tokenizer, the scheduler, limits and metrics; and the
+step from a parsed request to scheduled sequences (prompt encoding, length checks, one
+:class:`Sequence` per choice, events back on an asyncio queue)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tformer.serve import schemas as S
+from tformer.serve.metrics import Metrics
+from tformer.serve.scheduler import Params, QueueFull, Scheduler, Sequence
+
+PLAYGROUND = Path(__file__).parent / "playground"
+
+
+@dataclass
+class Limits:
+    """What one request may ask for."""
+
+    max_body_bytes: int = 512 * 1024
+    max_queue: int = 64
+    n_slots: int = 16
+    request_timeout: float = 300.0
+    max_embedding_inputs: int = 256
+
+
+class Server:
+    """Everything the routes share: model, tokenizer, scheduler, metrics, the optional embedder.
+
+    Args:
+        model: a DecoderLM (eval mode); its scheduler is started here.
+        tokenizer: ``encode``/``decode``.
+        name: the model id clients pass as ``model``.
+        eos: token ids that end a sequence (``finish_reason: "stop"``).
+        embedder: a zero-argument function returning ``(name, SentenceEncoder)`` on first use, or None.
+    """
+
+    def __init__(self, model, tokenizer, name: str, eos=(), embedder=None, limits: Limits | None = None):
+        self.model, self.tokenizer, self.name, self.eos = model, tokenizer, name, frozenset(eos)
+        self.limits = limits or Limits()
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(model, n_slots=self.limits.n_slots, max_queue=self.limits.max_queue,
+                                   metrics=self.metrics)
+        self.max_len = self.scheduler.max_len
+        self.embedder_factory, self.embedder, self.embed_lock = embedder, None, asyncio.Lock()
+        self.started = time.time()
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+    # ------------------------------------------------------------------ request -> sequences
+    def encode_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [self.tokenizer.encode(prompt)]
+        elif prompt and isinstance(prompt[0], str):
+            prompts = [self.tokenizer.encode(p) for p in prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompts = [list(prompt)]
+        else:
+            prompts = [list(p) for p in prompt]
+        if not prompts:
+            raise S.APIError(400, "prompt is empty; give at least one string or token.", param="prompt")
+        vocab = self.model.config.vocab_size
+        for p in prompts:
+            if not p:
+                raise S.APIError(400, "a prompt encodes to no tokens; give at least one character.", param="prompt")
+            if any(not 0 <= t < vocab for t in p):
+                raise S.APIError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt")
+        return prompts
+
+    def check_length(self, prompts: list[list[int]], max_tokens: int | None, default: int | None) -> int:
+        """``max_tokens`` to use; 400 when a prompt plus it does not fit the context (as OpenAI does)."""
+        longest = max(len(p) for p in prompts)
+        room = self.max_len - longest
+        if room < 1:
+            raise S.APIError(400, f"This model's maximum context length is {self.max_len} tokens, but the prompt "
+                                  f"has {longest}; shorten the prompt.", param="prompt", code="context_length_exceeded")
+        n = max_tokens if max_tokens is not None else (default if default is not None else room)
+        if n > room:
+            raise S.APIError(400, f"This model's maximum context length is {self.max_len} tokens; you requested "
+                                  f"{longest + n} ({longest} in the prompt, {n} for the completion). Lower max_tokens "
+                                  f"to at most {room}.", param="max_tokens", code="context_length_exceeded")
+        return n
+
+    def start(self, prompts: list[list[int]], req, max_tokens: int, logprobs: int | None):
+        """Submit ``len(prompts) * n`` sequences; return them and the queue their events arrive on."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def emitter(index: int):
+            def emit(event):  # scheduler thread -> event loop; the loop may be gone if the client is
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+                except RuntimeError:
+                    pass
+            return emit
+
+        seqs = []
+        for p, ids in enumerate(prompts):
+            for j in range(req.n):
+                params = Params(max_tokens, req.temperature, req.top_p, req.top_k,
+                                None if req.seed is None else req.seed + j, req.stops(), logprobs)
+                seqs.append(Sequence(ids, params, emitter(p * req.n + j), self.tokenizer, self.eos,
+                                     timeout=self.limits.request_timeout))
+        try:
+            for seq in seqs:
+                if max_tokens == 0:
+                    seq.emit(("done", "length"))
+                else:
+                    self.scheduler.submit(seq)
+        except QueueFull as e:
+            for seq in seqs:
+                seq.cancel()
+            self.metrics.inc("tformer_requests_total", status="503")
+            raise S.APIError(503, f"The server is full ({e}); retry later.", "server_error",
+                             code="server_overloaded") from None
+        return seqs, queue
+
+    def token_string(self, tok: int, as_ids: bool) -> str:
+        return f"token_id:{tok}" if as_ids else self.tokenizer.decode([tok])
+
+
