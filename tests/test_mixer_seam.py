@@ -165,3 +165,21 @@ def test_unknown_mixer_and_bad_pattern_are_one_sentence():
         config(["mean", "attention", "mean"])
     with pytest.raises(ConfigError, match="mixer_options names mamba, which no layer uses"):
         config(mixer_options={"mamba": {}})
+
+
+def test_compiled_decode_is_captured_once_across_steps_and_calls(monkeypatch):
+    """Every decode step, of every generation of the same shapes, reuses one compiled graph (a
+    counting backend stands in for inductor, so this runs in a second)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from tformer.inference import generate as gen
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    monkeypatch.setitem(gen._COMPILED, "step", torch.compile(gen._static_step, backend=counter, dynamic=False))
+    m = model_of(config("attention"))
+    ids = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(3))
+    ref = generate(m, ids, 12, temperature=0)
+    assert torch.equal(generate(m, ids, 12, temperature=0, compile=True), ref)
+    generate(m, ids, 5, temperature=0, compile=True)       # another length: same shapes per step
+    assert counter.frame_count == 1

@@ -70,6 +70,10 @@ class TransformerConfig:
             ...), or a list of them repeated over the stack: ``["mamba", "mamba", "attention"]``
             puts attention in every third layer. Its length must divide ``n_layers``.
         mixer_options: per-mixer settings, ``{mixer name: {option: value}}``, checked by the mixer.
+        encoder_layers: blocks in the encoder of an ``encoder-decoder`` model (``n_layers`` counts
+            the decoder's); defaults to ``n_layers``.
+        embedding_scale: multiply token embeddings by sqrt(d_model) before adding positions
+            (Vaswani et al. §3.4, Marian).
         hf_model_type: the HuggingFace ``model_type`` this config came from or exports to
             (``gpt2``, ``llama``, ...); ``name`` is the tformer preset, a separate thing.
     """
@@ -104,6 +108,8 @@ class TransformerConfig:
     model: str | None = None
     mixer: str | list[str] = "attention"
     mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    encoder_layers: int | None = None
+    embedding_scale: bool = False
     hf_model_type: str | None = None
     name: str = field(default="custom", compare=False)
 
@@ -169,6 +175,9 @@ class TransformerConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{f}={v!r} must be a finite number > 0.")
+        if self.encoder_layers is not None and (not isinstance(self.encoder_layers, int)
+                                                or isinstance(self.encoder_layers, bool) or self.encoder_layers < 1):
+            raise ConfigError(f"encoder_layers={self.encoder_layers!r} must be a positive integer or None (= n_layers).")
         if self.model is None:
             self.model = "decoder" if self.causal else "encoder"
         self._check_mixers()

@@ -85,6 +85,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="override one setting; repeatable (see the list below)")
     p.add_argument("--out", metavar="DIR", help="run folder for checkpoints and metrics (default: runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--task", choices=["lm", "seq2seq"], default="lm",
+                   help="lm: language model (default); seq2seq: translate source<TAB>target pairs (--data pairs.tsv; "
+                        "none = built-in English->French numbers task; settings: tformer.training.seq2seq.Seq2SeqSettings)")
     p.add_argument("--encoding", default=None, help="text encoding of the corpus (default utf-8; same as "
                                                     "--set encoding=...)")
     p.add_argument("--nproc", type=int, metavar="N", default=None,
@@ -138,6 +141,8 @@ def _launch_args(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from tformer.training import distributed
+    if args.nproc is not None and args.task == "seq2seq":
+        raise ConfigError("--task seq2seq trains in one process; drop --nproc.")
     if args.nproc is not None:
         if distributed.under_torchrun():
             raise ConfigError("--nproc starts torchrun itself; under torchrun drop --nproc "
@@ -153,6 +158,9 @@ def _train(args: argparse.Namespace) -> int:
     from tformer.training.trainer import Trainer
 
     settings = read_toml(args.config) if args.config else {}
+    if getattr(args, "task", "lm") == "seq2seq":
+        from tformer.training.seq2seq import run_command
+        return run_command(args, {**settings, **parse_settings(args.settings)})
     preset = args.preset or settings.pop("preset", None)
     settings.pop("preset", None)
     settings.update(parse_settings(args.settings))

@@ -179,7 +179,8 @@ class _Stepper:
             self.mask = torch.ones_like(self.out)
             self.mask[:, :T] = attention_mask
         self.chunk = opts.prefill_chunk or T
-        cache_len = min(total, self.context) if opts.use_cache else 0
+        # A compiled step sees the same shapes in every call only if the state always spans the context.
+        cache_len = (self.context if opts.compile else min(total, self.context)) if opts.use_cache else 0
         self.state = model.new_state(B, cache_len) if cache_len else None
         self.decode = None
         if self.state is not None and opts.is_static:
@@ -241,7 +242,8 @@ class _Stepper:
 
     def _static(self, pos: int) -> Tensor:
         slot = torch.full_like(self.next_pos, self.state.length)                # the cache index of ``pos``
-        logits = self.decode(self.model, self.out[:, pos:pos + 1], self.next_pos[:, None], slot, self.state)
+        tokens = self.out[:, pos:pos + 1].contiguous()      # (B, 1): its strides must not depend on ``out``'s size
+        logits = self.decode(self.model, tokens, self.next_pos[:, None], slot, self.state)
         self.state.length += 1
         self.next_pos += 1
         return logits

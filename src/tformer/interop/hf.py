@@ -5,7 +5,8 @@
 
 tformer's own checkpoint folder is written and read by ``tformer.checkpoint.save_model/load_model``.
 
-Each family module (``gpt2``, ``llama`` for Llama/Mistral/Qwen2, ``bloom``, ``bert``) has
+Each family module (``gpt2``, ``llama`` for Llama/Mistral/Qwen2, ``bloom``, ``bert``, ``bart``,
+``marian``) has
 ``config_from_hf``, ``state_from_hf``, ``config_to_hf``, ``check_exportable`` and ``state_to_hf``.
 Anything a converter does not implement (scaled RoPE, an unknown activation, an unknown model_type,
 an unexpected tensor) is refused with a message naming it. ``transformers`` is never imported.
@@ -20,11 +21,11 @@ import torch.nn as nn
 
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, ConfigError
-from tformer.interop import bert, bigbird, bloom, gpt2, llama, longformer, mamba
+from tformer.interop import bart, bert, bigbird, bloom, gpt2, llama, longformer, mamba, marian
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
 from tformer.models import model_class
 
-FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, mamba, longformer, bigbird) for t in module.MODEL_TYPES}
+FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, mamba, longformer, bigbird, bart, marian) for t in module.MODEL_TYPES}
 
 
 def family(model_type: str | None, source: str = "config.json field model_type"):
@@ -87,6 +88,8 @@ def infer_model_type(config: TransformerConfig) -> str:
     for named in (config.hf_model_type, config.name):
         if named in FAMILIES:
             return named
+    if config.model == "encoder-decoder":
+        return "marian" if config.positions == "sinusoidal" else "bart"
     if config.mixer == "mamba":
         return "mamba"
     if not config.causal:

@@ -15,6 +15,9 @@ from tformer.errors import ConfigError
 MODELS: dict[str, str] = {
     "decoder": "tformer.models.decoder:DecoderLM",
     "encoder": "tformer.models.encoder:EncoderModel",
+    "encoder-decoder": "tformer.models.seq2seq:EncoderDecoder",
+    "bahdanau": "tformer.models.rnn_seq2seq:BahdanauSeq2Seq",
+    "rnn-encoder-decoder": "tformer.models.rnn_seq2seq:RNNEncoderDecoder",
 }
 
 # Checkpoints written before the registry stored the class name.

@@ -156,11 +156,10 @@ class TransformerStack(nn.Module):
                 on a Python value that changes between steps.
         """
         T = ids.shape[1]
-        start = state.length if state is not None else 0
-        if slot is not None:
+        if slot is not None:   # never read state.length here: a changing int would recompile every step
             step = self._slot_step(ids, positions, state, slot)
         else:
-            step = self._step(T, start, attention_mask, positions, state)
+            step = self._step(T, state.length if state is not None else 0, attention_mask, positions, state)
         step.dropout = self.training and not torch.is_inference_mode_enabled()
         step.return_weights = return_weights
         x = F.dropout(self.embed(ids, step.positions, token_type_ids), self.config.dropout, step.dropout)
@@ -172,7 +171,7 @@ class TransformerStack(nn.Module):
                 x, w = x
                 weights.append(w)
         if state is not None and slot is None:
-            state.length = start + T
+            state.length = step.start_pos + T
         return (x, weights) if return_weights else x
 
     def _step(self, T: int, start: int, attention_mask: Tensor | None, positions: Tensor | None,

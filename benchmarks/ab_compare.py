@@ -1,0 +1,149 @@
+"""A/B: the same workloads on two checkouts of tformer, alternated in one run (medians and ratios).
+
+Used to check that a refactor made nothing slower: each round runs every workload once on each
+checkout (the order flips every round), in a fresh subprocess with that checkout's ``src`` first
+on the path, so both see the same machine at nearly the same moment.
+
+    git worktree add /tmp/prev-main <old commit>
+    python benchmarks/ab_compare.py --a /tmp/prev-main --b . --rounds 5 [--compiled]
+
+Each workload prints one number (higher is better); the table gives each side's median, the
+ratio of medians B/A, and the spread of the per-round ratios (min..max), which is the run-to-run
+noise to judge a ratio against. ``--compiled`` also times B's compiled static decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# Each workload uses only the API both checkouts have; it prints {"value": number}.
+COMMON = """
+import json, time, torch
+from tformer import DecoderLM, TransformerConfig
+from tformer.inference.generate import generate
+torch.manual_seed(0)
+def report(v): print(json.dumps({"value": v}))
+"""
+WORKLOADS = {
+    "train tiny (4L/128, ctx 64, batch 12): steps/s": """
+m = DecoderLM(TransformerConfig.from_name("tiny")); opt = torch.optim.AdamW(m.parameters(), 1e-3)
+x = torch.randint(0, 256, (12, 64)); y = torch.randint(0, 256, (12, 64))
+def step():
+    _, loss = m(x, targets=y); opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+for _ in range(5): step()
+t = time.perf_counter(); n = 40
+for _ in range(n): step()
+report(n / (time.perf_counter() - t))
+""",
+    "train 6L/384 (ctx 256, batch 4): steps/s": """
+m = DecoderLM(TransformerConfig.from_name("shakespeare-char")); opt = torch.optim.AdamW(m.parameters(), 1e-3)
+x = torch.randint(0, 65, (4, 256)); y = torch.randint(0, 65, (4, 256))
+def step():
+    _, loss = m(x, targets=y); opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+step()
+t = time.perf_counter(); n = 4
+for _ in range(n): step()
+report(n / (time.perf_counter() - t))
+""",
+    "decode tiny (200 tokens, greedy): tok/s": """
+m = DecoderLM(TransformerConfig.from_name("tiny")).eval(); ids = torch.randint(0, 256, (1, 8))
+generate(m, ids, 20, temperature=0)
+t = time.perf_counter(); generate(m, ids, 200, temperature=0); report(200 / (time.perf_counter() - t))
+""",
+    "decode GPT-2 124M fp32 (prompt 32, 48 new): tok/s": """
+m = DecoderLM(TransformerConfig.from_name("gpt2-124m")).eval(); ids = torch.randint(0, 50257, (1, 32))
+generate(m, ids, 4, temperature=0)
+t0 = time.perf_counter(); generate(m, ids, 1, temperature=0); prefill = time.perf_counter() - t0
+t = time.perf_counter(); generate(m, ids, 49, temperature=0); report(48 / (time.perf_counter() - t - prefill))
+""",
+    "prefill GPT-2 124M fp32 (128 tokens): tok/s": """
+m = DecoderLM(TransformerConfig.from_name("gpt2-124m")).eval(); ids = torch.randint(0, 50257, (1, 128))
+with torch.inference_mode():
+    m(ids, last_only=True)
+    t = time.perf_counter(); [m(ids, last_only=True) for _ in range(3)]; report(3 * 128 / (time.perf_counter() - t))
+""",
+    "encode bert-mini (32 x 64 tokens, padded): seq/s": """
+from tformer import EncoderModel
+m = EncoderModel(TransformerConfig.from_name("bert-mini")).eval(); ids = torch.randint(0, 30522, (32, 64))
+mask = torch.ones(32, 64, dtype=torch.long); mask[::2, 40:] = 0
+with torch.inference_mode():
+    m(ids, attention_mask=mask)
+    t = time.perf_counter(); [m(ids, attention_mask=mask) for _ in range(5)]; report(5 * 32 / (time.perf_counter() - t))
+""",
+}
+COMPILED = {
+    "decode GPT-2 124M fp32, eager static step: tok/s": """
+m = DecoderLM(TransformerConfig.from_name("gpt2-124m")).eval(); ids = torch.randint(0, 50257, (1, 32))
+generate(m, ids, 4, temperature=0, static=True)
+t0 = time.perf_counter(); generate(m, ids, 1, temperature=0, static=True); prefill = time.perf_counter() - t0
+t = time.perf_counter(); generate(m, ids, 49, temperature=0, static=True); report(48 / (time.perf_counter() - t - prefill))
+""",
+    "decode GPT-2 124M fp32, compiled static step: tok/s": """
+m = DecoderLM(TransformerConfig.from_name("gpt2-124m")).eval(); ids = torch.randint(0, 50257, (1, 32))
+t = time.perf_counter(); generate(m, ids, 4, temperature=0, compile=True); print("compile s", time.perf_counter() - t)
+t0 = time.perf_counter(); generate(m, ids, 1, temperature=0, compile=True); prefill = time.perf_counter() - t0
+t = time.perf_counter(); generate(m, ids, 49, temperature=0, compile=True); report(48 / (time.perf_counter() - t - prefill))
+""",
+}
+
+
+def run(checkout: Path, code: str, threads: int) -> float:
+    env = {**os.environ, "PYTHONPATH": str(checkout.resolve() / "src"), "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run([sys.executable, "-c", COMMON + code], env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise SystemExit(f"workload failed in {checkout}:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["value"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--a", type=Path, required=True, help="baseline checkout")
+    ap.add_argument("--b", type=Path, required=True, help="candidate checkout")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", nargs="*", default=None, help="substrings of workload names to run")
+    ap.add_argument("--compiled", action="store_true", help="also B's static and compiled decode (B only)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ab_compare.md")
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from machine import busy_cores, load_note
+
+    names = [n for n in WORKLOADS if not args.only or any(s in n for s in args.only)]
+    values = {n: {"A": [], "B": []} for n in names}
+    before = busy_cores()
+    for r in range(args.rounds):
+        order = ("A", "B") if r % 2 == 0 else ("B", "A")
+        for n in names:
+            for side in order:
+                values[n][side].append(run(args.a if side == "A" else args.b, WORKLOADS[n], args.threads))
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), "unknown CPU")
+    lines = [f"# A/B: {args.b} (B) against {args.a} (A)", "",
+             f"CPU: {cpu}, {args.threads} threads, {args.rounds} alternated rounds; before the run: {load_note(before)};"
+             f" after: {load_note(busy_cores())}.", "",
+             "| workload (higher is better) | A median | B median | B/A | per-round B/A min..max |",
+             "|---|---:|---:|---:|---|"]
+    for n in names:
+        a, b = values[n]["A"], values[n]["B"]
+        ratios = [y / x for x, y in zip(a, b)]
+        lines.append(f"| {n} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | "
+                     f"{statistics.median(b) / statistics.median(a):.3f} | {min(ratios):.2f}..{max(ratios):.2f} |")
+    if args.compiled:
+        lines += ["", "B only (one run each):", ""]
+        for n, code in COMPILED.items():
+            lines.append(f"- {n}: {run(args.b, code, args.threads):.2f}")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
