@@ -368,8 +368,8 @@ def load_training_state(folder: str | os.PathLike) -> tuple[dict, dict]:
     folder = Path(folder)
     try:
         state = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
-        opt = None if (folder / SHARDS).is_dir() else torch.load(folder / OPTIMIZER, map_location="cpu",
-                                                                    weights_only=True)
+        sharded = (folder / SHARDS).is_dir()     # FSDP keeps its optimizer state in the shards
+        opt = None if sharded else torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
     except FileNotFoundError as e:
         raise CheckpointError(f"{folder} has no trainer state ({e.filename}); it was saved for inference only "
                          f"and cannot be resumed. Start a new run with another --out.") from e
