@@ -181,5 +181,7 @@ def test_compiled_decode_is_captured_once_across_steps_and_calls(monkeypatch):
     ids = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(3))
     ref = generate(m, ids, 12, temperature=0)
     assert torch.equal(generate(m, ids, 12, temperature=0, compile=True), ref)
-    generate(m, ids, 5, temperature=0, compile=True)       # another length: same shapes per step
-    assert counter.frame_count == 1
+    generate(m, ids, 5, temperature=0, compile=True)       # other lengths: same shapes and strides per step
+    generate(m, ids[:1], 30, temperature=0, compile=True)
+    generate(m, ids[1:], 9, temperature=0, compile=True)    # another output buffer size: same strides
+    assert counter.frame_count == 2                          # batch 2, then batch 1: nothing else recompiles

@@ -186,6 +186,7 @@ class _Stepper:
         if self.state is not None and opts.is_static:
             real = attention_mask.long().sum(-1) if attention_mask is not None else torch.full((B,), T)
             self.next_pos = real.to(ids.device)            # (B,) position of each row's next token
+            self.step_tokens = torch.empty(B, 1, dtype=torch.long, device=ids.device)
             self.decode = _compiled_step(model) if opts.compile else _static_step
 
     def _grow(self) -> None:
@@ -242,8 +243,8 @@ class _Stepper:
 
     def _static(self, pos: int) -> Tensor:
         slot = torch.full_like(self.next_pos, self.state.length)                # the cache index of ``pos``
-        tokens = self.out[:, pos:pos + 1].contiguous()      # (B, 1): its strides must not depend on ``out``'s size
-        logits = self.decode(self.model, tokens, self.next_pos[:, None], slot, self.state)
+        self.step_tokens.copy_(self.out[:, pos:pos + 1])     # (B, 1): one buffer, so its strides never change
+        logits = self.decode(self.model, self.step_tokens, self.next_pos[:, None], slot, self.state)
         self.state.length += 1
         self.next_pos += 1
         return logits
