@@ -139,18 +139,16 @@ class MultiHeadAttention(nn.Module):
 
     def _attend_slot(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: Step) -> Tensor:
         """The static decode step: write one token per row at ``step.slot``, attend over the whole
-        preallocated cache. Causality, the window, padding and ALiBi all become one additive bias
-        over the ``max_len`` key slots, so no shape depends on how far decoding has gone."""
+        preallocated cache under ``step.mask`` (real tokens up to the slot, built once by the model),
+        narrowed by the window and biased by ALiBi here, so no shape depends on how far decoding has gone."""
         k_all, v_all = cache.write_slot(step.slot, k, v)                       # (B, nkv, L, hs)
-        L = k_all.shape[2]
-        dist = step.slot[:, None] - torch.arange(L, device=q.device)[None]     # (B, L): query - key index
-        allowed = dist >= 0
-        if self.window is not None:
-            allowed = allowed & (dist < self.window)
-        if step.mask is not None:
-            allowed = allowed & step.mask.reshape(q.shape[0], L)
-        bias = None
-        if self.alibi_slopes is not None:
-            bias = -self.alibi_slopes.to(q.dtype)[None, :, None, None] * dist.abs().to(q.dtype)[:, None, None, :]
-        return scaled_dot_product_attention(q, k_all, v_all, mask=allowed[:, None, None, :], bias=bias,
+        mask, bias = step.mask, None                                           # (B, 1, 1, L)
+        if self.window is not None or self.alibi_slopes is not None:
+            keys = torch.arange(k_all.shape[2], device=q.device)
+            dist = (step.slot[:, None] - keys[None])[:, None, None, :]         # (B, 1, 1, L): query - key index
+            if self.window is not None:
+                mask = mask & (dist < self.window)
+            if self.alibi_slopes is not None:
+                bias = -self.alibi_slopes.to(q.dtype)[None, :, None, None] * dist.abs().to(q.dtype)
+        return scaled_dot_product_attention(q, k_all, v_all, mask=mask, bias=bias,
                                             backend="math" if self.backend == "math" else "torch")

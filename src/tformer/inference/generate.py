@@ -186,8 +186,9 @@ class _Stepper:
         if self.state is not None and opts.is_static:
             real = attention_mask.long().sum(-1) if attention_mask is not None else torch.full((B,), T)
             self.next_pos = real.to(ids.device)            # (B,) position of each row's next token
-            self.step_tokens = torch.empty(B, 1, dtype=torch.long, device=ids.device)
-            self.decode = _compiled_step(model) if opts.compile else _static_step
+            self.step_tokens = torch.empty(B, 1, dtype=torch.long, device=ids.device)   # one buffer each, so
+            self.slot = torch.empty(B, dtype=torch.long, device=ids.device)            # shapes/strides never change
+            self.decode = _compiled_step() if opts.compile else _static_step
 
     def _grow(self) -> None:
         if self.cur < self.out.shape[1]:
@@ -242,9 +243,9 @@ class _Stepper:
         return self._run(self.offset, self.cur, None)                    # recompute the window
 
     def _static(self, pos: int) -> Tensor:
-        slot = torch.full_like(self.next_pos, self.state.length)                # the cache index of ``pos``
-        self.step_tokens.copy_(self.out[:, pos:pos + 1])     # (B, 1): one buffer, so its strides never change
-        logits = self.decode(self.model, self.step_tokens, self.next_pos[:, None], slot, self.state)
+        self.slot.fill_(self.state.length)                                       # the cache index of ``pos``
+        self.step_tokens.copy_(self.out[:, pos:pos + 1])
+        logits = self.decode(self.model, self.step_tokens, self.next_pos[:, None], self.slot, self.state)
         self.state.length += 1
         self.next_pos += 1
         return logits
@@ -257,11 +258,11 @@ def _static_step(model, tokens: Tensor, positions: Tensor, slot: Tensor, state) 
     return logits[:, -1]
 
 
-_COMPILED: dict[int, object] = {}
+_COMPILED: dict[str, object] = {}
 
 
-def _compiled_step(model):
-    """``torch.compile`` of :func:`_static_step`, made once per process (the graph is per model shape)."""
+def _compiled_step():
+    """``torch.compile`` of :func:`_static_step`, made once per process (dynamo keeps a graph per model)."""
     if "step" not in _COMPILED:
         _COMPILED["step"] = torch.compile(_static_step, dynamic=False)
     return _COMPILED["step"]

@@ -193,12 +193,15 @@ class TransformerStack(nn.Module):
         return Step(positions=positions, mask=mask, tokens=tokens, start_pos=start)
 
     def _slot_step(self, ids: Tensor, positions: Tensor | None, state: InferenceState | None, slot: Tensor) -> Step:
-        """The static decode path: one token per row, written at ``slot``; the mask is ``state.valid``."""
+        """The static decode path: one token per row, written at ``slot``. The mask, built once here
+        for every layer, is the state's real tokens up to and including ``slot`` (causality)."""
         if state is None or positions is None or ids.shape[1] != 1:
             raise InputError("a static decode step (slot=...) needs one token per row, positions (B, 1) and a state.")
         rows = torch.arange(ids.shape[0], device=ids.device)
         state.valid[rows, slot] = True
-        return Step(positions=positions, mask=state.valid[:, None, None, :], slot=slot)
+        keys = torch.arange(state.max_len, device=ids.device)
+        mask = state.valid & (keys[None] <= slot[:, None])                      # (B, L)
+        return Step(positions=positions, mask=mask[:, None, None, :], slot=slot)
 
     def _ensure_positions(self, length: int) -> None:
         """Check (with Python ints) that positions below ``length`` fit the position table."""
