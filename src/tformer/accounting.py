@@ -121,18 +121,16 @@ def training_flops_per_token(config: TransformerConfig, seq_len: int | None = No
     ``6N``: forward (2 FLOPs per multiply-add per parameter) plus backward (twice the forward),
     with N the non-embedding parameters plus the LM-head matrix (it is a matmul for every token,
     tied or not). ``12 L T d_attn``: the attention scores and the weighted sum, which no parameter
-    counts, for each attention layer (other mixers add their own ``extra_training_flops_per_token``).
+    counts, for each attention layer; every mixer reports such work through ``extra_training_flops_per_token``.
     ``seq_len`` defaults to the context length.
     """
     c = config
     T = c.context_length if seq_len is None else seq_len
     n = count_parameters(c).non_embedding + c.vocab_size * c.d_model
     extra = 0
-    for name in c.layer_mixers():
+    for name in c.layer_mixers():   # work no parameter counts: attention's scores, a scan, ...
         cls = mixer_class(name)
-        if name == "attention":
-            extra += 12 * T * c.n_heads * c.head_dim
-        elif hasattr(cls, "extra_training_flops_per_token"):   # work no parameter counts (a scan, ...)
+        if hasattr(cls, "extra_training_flops_per_token"):
             extra += cls.extra_training_flops_per_token(c, T)
     return 6 * n + extra
 

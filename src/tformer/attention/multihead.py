@@ -72,6 +72,12 @@ class MultiHeadAttention(nn.Module):
         """One layer's KV cache: ``2 · n · h_kv · d_head · bytes`` per sequence."""
         return 2 * n_tokens * config.n_kv_heads * config.head_dim * bytes_per_element * batch_size
 
+    @classmethod
+    def extra_training_flops_per_token(cls, config: TransformerConfig, seq_len: int) -> int:
+        """The scores Q·Kᵀ and the weighted sum A·V, which no parameter counts: forward 2·2·T·d_attn
+        per token, times 3 with the backward (PaLM, appendix B)."""
+        return 12 * seq_len * config.n_heads * config.head_dim
+
     def new_state(self, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
                   device: torch.device | str | None = None) -> KVCache:
         return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, dtype, device)
