@@ -59,7 +59,7 @@ class MLP(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
-        self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.down = mark_residual(nn.Linear(config.d_ff, config.d_model, bias=config.bias))
         self.act = _ACTIVATIONS[config.activation]
 
     def forward(self, x: Tensor) -> Tensor:
@@ -76,7 +76,7 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
         self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
-        self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.down = mark_residual(nn.Linear(config.d_ff, config.d_model, bias=config.bias))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -115,8 +115,6 @@ class Block(nn.Module):
         self.cross_attn = MultiHeadAttention(config, cross=True) if cross_attention else None
         self.ffn = make_feed_forward(config)
         self.ffn_norm = make_norm(config) if self.ffn is not None else None
-        if isinstance(self.ffn, (MLP, SwiGLU)):
-            mark_residual(self.ffn.down)
 
     def _residual(self, x: Tensor, norm: nn.Module, f, dropout: bool) -> Tensor:
         if self.pre_norm:

@@ -48,15 +48,12 @@ DEFAULT = dict(budgets=[1e10, 3e10, 1e11], center_tokens_per_param=100.0, batch_
 
 def build_spec(args: argparse.Namespace):
     from tformer.scaling.sweep import QUICK, SweepSpec
+    from tformer.commands.train import parse_settings
     from tformer.training.config import cast_value
 
     kw = dict(QUICK) if args.quick else dict(DEFAULT)
     settings = dict(kw.pop("settings", {}))
-    for item in args.settings:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {item!r} is not KEY=VALUE; write e.g. --set lr=2e-3.")
-        settings[key.strip()] = cast_value(key.strip(), value.strip())
+    settings.update({k: cast_value(k, v.strip()) for k, v in parse_settings(args.settings).items()})
     if args.data:
         settings["data"] = args.data
     if args.budgets:

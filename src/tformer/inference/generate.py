@@ -333,8 +333,8 @@ def generate_tokens(
             if stops.numel():
                 tok = tok.masked_fill(finished, pad)
                 finished = finished | torch.isin(tok, stops)
-        yield tok.clone()
-        if step + 1 == max_new_tokens or bool(finished.all()):
+        yield tok                                             # a fresh tensor every step
+        if step + 1 == max_new_tokens or (stops.numel() and bool(finished.all())):
             return
         logits = stepper.next(tok)
 

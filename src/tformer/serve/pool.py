@@ -83,11 +83,7 @@ class KVPool:
     def prefill(self, slot: int, ids: Tensor) -> Tensor:
         """Write the prompt ``ids (T,)`` into ``slot``; return the next-token logits ``(vocab,)``."""
         row = self.view(slot, slot + 1)
-        row.length = 0
-        row.valid.zero_()                                      # forget the slot's previous occupant
-        for layer in row.layers:                               # recurrent states start from zero
-            if hasattr(layer, "reset"):
-                layer.reset()
+        row.reset()                                            # forget the slot's previous occupant
         logits, _ = self.model(ids[None], state=row, last_only=True)           # (1, 1, vocab)
         return logits[0, -1]
 

@@ -179,14 +179,20 @@ TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(TransformerConfig) if f.name not in ("name", "vocab_size"))
 
 
-def cast_value(key: str, value: Any) -> Any:
+def cast_value(key: str, value: Any, schema: type | None = None) -> Any:
     """Convert ``value`` (a ``--set`` string or a TOML value) to the type of field ``key``.
 
+    Args:
+        schema: the dataclass whose fields are the settings (default: TrainConfig and the model's
+            TransformerConfig fields, as ``tformer train`` takes them).
     Raises:
-        ValueError: an unknown key (listing the valid ones) or a value of the wrong type.
+        ConfigError: an unknown key (listing the valid ones) or a value of the wrong type.
     """
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    fields.update({f.name: f for f in dataclasses.fields(TransformerConfig) if f.name in MODEL_KEYS})
+    if schema is not None:
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+    else:
+        fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+        fields.update({f.name: f for f in dataclasses.fields(TransformerConfig) if f.name in MODEL_KEYS})
     if key not in fields:
         hint = " (it comes from the tokenizer; set bpe_vocab_size for BPE)" if key == "vocab_size" else ""
         raise ConfigError(f"unknown setting {key!r}{hint}; valid keys are: {', '.join(sorted(fields))}.")

@@ -82,19 +82,9 @@ class Seq2SeqSettings:
     @classmethod
     def from_strings(cls, values: dict[str, Any]) -> "Seq2SeqSettings":
         """Settings from ``--set`` strings, cast to each field's type; unknown keys are refused."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(fields))
-        if unknown:
-            raise ConfigError(f"unknown seq2seq setting(s) {', '.join(unknown)}; valid: {', '.join(fields)}.")
-        out = {}
-        for k, v in values.items():
-            kind = type(fields[k].default) if fields[k].default is not None else str
-            if isinstance(v, str) and kind is not str:
-                try:
-                    v = {"true": True, "false": False}[v.lower()] if kind is bool else kind(v)
-                except (ValueError, KeyError):
-                    raise ConfigError(f"{k}={v!r} is not a valid {kind.__name__}.") from None
-            out[k] = v
+        from tformer.training.config import cast_value
+
+        out = {k: cast_value(k, v, schema=cls) for k, v in values.items()}
         return cls(**out)
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
