@@ -85,3 +85,18 @@ def test_bf16_autocast_training_attention_matches_fp32():
     assert out.dtype == torch.bfloat16
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_dropout_equals_formula_with_the_same_mask_fp64():
+    from tformer.attention.dropout import dropout
+    x = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, 7, dtype=torch.float64)
+    torch.manual_seed(11)
+    out = dropout(x, 0.3)
+    (dx,) = torch.autograd.grad(out, x, g)
+    torch.manual_seed(11)
+    keep = keep_mask((3, 5, 7), 0.3)
+    c = 1 / keep_probability(0.3)
+    torch.testing.assert_close(out, x * keep * c, atol=1e-12, rtol=0)
+    torch.testing.assert_close(dx, g * keep * c, atol=1e-12, rtol=0)
+    assert dropout(x, 0.3, training=False) is x or torch.equal(dropout(x, 0.3, training=False), x)

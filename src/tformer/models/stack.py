@@ -17,8 +17,8 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from tformer.attention.dropout import dropout as cpu_dropout
 from tformer.attention.masks import padding_mask
 from tformer.config import TransformerConfig
 from tformer.errors import InputError
@@ -162,7 +162,7 @@ class TransformerStack(nn.Module):
             step = self._step(T, state.length if state is not None else 0, attention_mask, positions, state)
         step.dropout = self.training and not torch.is_inference_mode_enabled()
         step.return_weights = return_weights
-        x = F.dropout(self.embed(ids, step.positions, token_type_ids), self.config.dropout, step.dropout)
+        x = cpu_dropout(self.embed(ids, step.positions, token_type_ids), self.config.dropout, step.dropout)
         weights = []
         for i, block in enumerate(self.blocks):
             layer_state = state.layers[i] if state is not None else None
