@@ -61,7 +61,8 @@ LARGE = dict(n_layers=6, n_heads=6, d_model=384, context_length=256, dropout=0.2
              batch_size=64, lr=1e-3, beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_batches=1, tokenizer="char",
              sample_tokens=0, progress=False, device="cpu")
 PRECISION = re.compile(r"(bfloat16|float32) on cpu")
-STATE = RESULTS / "train_shakespeare_char.json"
+NAME = "train_shakespeare_char"                  # results files: <NAME>.json / .md / _large.png
+STATE = RESULTS / f"{NAME}.json"
 VAL = re.compile(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
 
 
@@ -100,7 +101,8 @@ def prepare_nanogpt(peer: Path, data: str, tmp: str) -> Path:
 
 
 def tformer_cmd(data: str, out: str, steps: int, cache: str) -> list[str]:
-    settings = {**SMALL, "max_steps": steps, "decay_steps": steps, "threads": os.cpu_count(), "cache_dir": cache,
+    settings = {**SMALL, "max_steps": steps, "decay_steps": steps, "threads": int(os.environ["OMP_NUM_THREADS"]),
+                "cache_dir": cache,
                 "eval_interval": min(steps, SMALL["eval_interval"])}  # a smoke test with < 250 steps still evaluates
     cmd = [sys.executable, "-m", "tformer", "train", "--data", data, "--out", out]
     for k, v in settings.items():
@@ -116,7 +118,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds, nanoGPT then tformer (default 3)")
     ap.add_argument("--large-steps", type=int, default=0, help="timed steps of the 6L/384 config (0 = skip)")
     ap.add_argument("--fresh", action="store_true", help="forget the rounds of earlier invocations")
+    ap.add_argument("--tag", default="", help="suffix of the results files (e.g. 1thread), to keep runs apart")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of both (default: all cores)")
     args = ap.parse_args()
+    global STATE, NAME
+    NAME = "train_shakespeare_char" + (f"-{args.tag}" if args.tag else "")
+    STATE = RESULTS / f"{NAME}.json"
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)           # nanoGPT keeps torch's default, which reads it
     data = args.data or str(find_default("data", "tinyshakespeare.txt"))
     peer = Path(args.nanogpt) if args.nanogpt else find_default("peers", "nanoGPT")
     if not os.path.isfile(data):
@@ -126,6 +134,7 @@ def main() -> int:
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores", flush=True)
     if not have_peer:
         print(f"nanoGPT not found at {peer}: tformer alone runs, and no ratio is printed.", flush=True)
+    RESULTS.mkdir(exist_ok=True)
     state = {"rounds": [], "large": []} if args.fresh or not STATE.exists() else json.loads(STATE.read_text())
     tmp = tempfile.mkdtemp(prefix="tformer-bench-")
     nano_dir = prepare_nanogpt(peer, data, tmp) if have_peer else None
@@ -134,7 +143,7 @@ def main() -> int:
     cache = f"{tmp}/cache"
     timed(tformer_cmd(data, f"{tmp}/warm", 1, cache) + ["--set", "eval_interval=1000"], str(ROOT))  # tokenise once,
     for r in range(args.rounds):                            # as nanoGPT's prepare.py does before its timing
-        rec = {"steps": args.steps, "busy_before": busy_cores()}
+        rec = {"steps": args.steps, "threads": args.threads, "busy_before": busy_cores()}
         print(load_note(rec["busy_before"]), flush=True)
         if nano_dir is not None:
             shutil.rmtree(nano_dir / "out-shakespeare-char", ignore_errors=True)
@@ -165,8 +174,9 @@ def run_large(data: str, tmp: str, nano_dir: Path | None, steps: int) -> dict:
     from tformer.training.perf import bf16_supported
     from tformer.training.trainer import Trainer
 
-    torch.set_num_threads(os.cpu_count())
-    trs = {f"tformer {p}": Trainer.create({**LARGE, "precision": p, "threads": os.cpu_count(), "data": data,
+    threads = int(os.environ["OMP_NUM_THREADS"])
+    torch.set_num_threads(threads)
+    trs = {f"tformer {p}": Trainer.create({**LARGE, "precision": p, "threads": threads, "data": data,
                                            "out_dir": f"{tmp}/large-{p}", "cache_dir": f"{tmp}/cache"},
                                           log=lambda m: None)
            for p in (["fp32", "bf16"] if bf16_supported() else ["fp32"])}
@@ -203,7 +213,7 @@ def run_large(data: str, tmp: str, nano_dir: Path | None, steps: int) -> dict:
             if i > 0:                                                     # step 0 is the warm-up
                 times[name].append(time.perf_counter() - t)
             losses[name].append(loss)
-    out = {"steps": steps, "busy": busy_cores(), "s_per_step": {k: statistics.median(v) for k, v in times.items()},
+    out = {"steps": steps, "threads": threads, "busy": busy_cores(), "s_per_step": {k: statistics.median(v) for k, v in times.items()},
            "losses": losses}
     print("large: " + ", ".join(f"{k} {v:.2f} s/step" for k, v in out["s_per_step"].items()), flush=True)
     return out
@@ -227,19 +237,19 @@ def _tformer_step(tr, xy) -> float:
 def write_report(state: dict, nano_cmd: str) -> None:
     rounds = [r for r in state["rounds"] if "tformer" in r]
     lines = ["# Training benchmark: tinyshakespeare, character level, tformer and nanoGPT in the same run", "",
-             f"CPU: {cpu_name()}, {os.cpu_count()} cores, torch threads = cores. Goals (issue 17): whole-command "
+             f"CPU: {cpu_name()}, {os.cpu_count()} cores (threads per table). Goals (issue 17): whole-command "
              "wall <= 0.6x nanoGPT's with val loss <= 1.89; 6L/384 tformer fp32 >= 1.2x nanoGPT's speed, bf16 >= 2x.", ""]
     if rounds:
         lines += [f"## nanoGPT's CPU configuration: 4L/4H/128, context 64, batch 12, {rounds[-1]['steps']} iterations",
                   "", f"nanoGPT command (its README's CPU run, in a scratch copy): `{nano_cmd}`. tformer: `tformer train` "
                   "with the same settings (`precision` left at `auto`; the column says what it chose). Each round runs "
                   "nanoGPT, then tformer, as whole commands.", "",
-                  "| round | busy cores before / after | nanoGPT wall (s) | val | tformer wall (s) | precision | val | ratio |",
-                  "|---:|---|---:|---:|---:|---|---:|---:|"]
+                  "| round | threads | busy cores before / after | nanoGPT wall (s) | val | tformer wall (s) | precision | val | ratio |",
+                  "|---:|---:|---|---:|---:|---:|---|---:|---:|"]
         for i, r in enumerate(rounds):
             nano = r.get("nanoGPT")
             ratio = f"{r['tformer'][0] / nano[0]:.2f}x" if nano else "-"
-            lines.append(f"| {i + 1} | {r['busy_before']:.2f} / {r['busy_after']:.2f} | "
+            lines.append(f"| {i + 1} | {r.get('threads', os.cpu_count())} | {r['busy_before']:.2f} / {r['busy_after']:.2f} | "
                          f"{nano[0] if nano else float('nan'):.1f} | {nano[1] if nano else float('nan'):.4f} | "
                          f"{r['tformer'][0]:.1f} | {r['precision']} | {r['tformer'][1]:.4f} | {ratio} |")
         both = [r for r in rounds if "nanoGPT" in r]
@@ -253,19 +263,20 @@ def write_report(state: dict, nano_cmd: str) -> None:
         sps = big["s_per_step"]
         ref = sps.get("nanoGPT fp32")
         lines += ["", f"## nanoGPT's shakespeare_char configuration: 6L/6H/384, context 256, batch 64, dropout 0.2 "
-                      f"(attention too); {big['steps']} steps each, alternated in one process, same batches; "
+                      f"(attention too); {big['steps']} steps each, {big.get('threads', os.cpu_count())} thread(s), alternated "
+                      "in one process, same batches; "
                       f"busy cores at the end {big['busy']:.2f}", "",
                   "| | s/step (median) | speed vs nanoGPT fp32 | mean train loss, last half |", "|---|---:|---:|---:|"]
         for k, v in sps.items():
             tail = big["losses"][k][len(big["losses"][k]) // 2:]
             lines.append(f"| {k} | {v:.2f} | {f'{ref / v:.2f}x' if ref else '-'} | {statistics.mean(tail):.4f} |")
         _plot_losses(big["losses"])
-        lines += ["", "Loss curves: train_shakespeare_char_large.png."]
+        lines += ["", f"Loss curves: {NAME}_large.png."]
     lines += ["", "Reproduce (one round per exclusive hold; rounds accumulate): `flock /tmp/tformer-bench.lock env "
                   "PYTHONPATH=src .venv/bin/python benchmarks/train_shakespeare_char.py --rounds 1` (first with "
                   "`--fresh`), and `--rounds 0 --large-steps 20` for the 6L/384 table."]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "train_shakespeare_char.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -281,7 +292,7 @@ def _plot_losses(losses: dict) -> None:
     ax.set_title("6L/384 shakespeare_char, dropout 0.2")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "train_shakespeare_char_large.png", dpi=110)
+    fig.savefig(RESULTS / f"{NAME}_large.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ def _torch_attention(q, k, v, mask, bias, causal, window, scale, dropout_p):
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.requires_grad \
             and torch.is_grad_enabled():
         # PyTorch 2.13's CPU flash kernel is slower in bf16 than in fp32 once its backward counts (measured
-        # fwd+bwd at (12, 4, 64, 32): 7.5 ms against 1.6 ms; docs/training-speed.md): train it in fp32.
+        # fwd+bwd at (12, 4, 64, 32): 7.5 ms against 1.6 ms; docs/training.md): train it in fp32.
         with torch.autocast("cpu", enabled=False):
             args = (t.float() for t in (q, k, v))
             fbias = None if bias is None else bias.float()

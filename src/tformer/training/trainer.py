@@ -46,7 +46,7 @@ from tformer.training.tokenizer import load_tokenizer
 
 _DEFAULT_THREADS = torch.get_num_threads()
 # Evaluation stacks its fixed batches into forwards of up to this many tokens: one pass of 15,360
-# tokens costs less than 20 passes of 768 at nanoGPT's CPU configuration (see docs/training-speed.md).
+# tokens costs less than 20 passes of 768 at nanoGPT's CPU configuration (see docs/training.md).
 EVAL_TOKENS_PER_PASS = 16384
 
 
