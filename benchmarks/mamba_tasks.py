@@ -73,10 +73,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def train(config: TransformerConfig, task, steps: int, batch: int, lr: float = 3e-3, seed: int = 0,
-          desc: str = "", stop: tuple | None = None) -> tuple[torch.nn.Module, list[float], float, int]:
+          desc: str = "", stop: tuple | None = None, max_seconds: float = float("inf")) -> tuple[torch.nn.Module, list[float], float, int]:
     """AdamW with a linear warm-up then cosine decay over ``steps`` on fresh batches from
     ``task(batch, g)``. ``stop = (ids, targets, every, level)``: every ``every`` steps measure
-    :func:`accuracy` on that held-out set and stop once it reaches ``level``.
+    :func:`accuracy` on that held-out set and stop once it reaches ``level``; stop too once
+    ``max_seconds`` of training have passed (the schedule is still the one for ``steps``).
     Returns ``(model, losses, seconds, steps run)``."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
@@ -101,6 +102,8 @@ def train(config: TransformerConfig, task, steps: int, batch: int, lr: float = 3
             model.train()
             if held_out >= stop[3]:
                 break
+        if time.perf_counter() - start > max_seconds:
+            break
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", acc=f"{held_out:.2f}", refresh=False)
     return model.eval(), losses, time.perf_counter() - start, len(losses)
 
