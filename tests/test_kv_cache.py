@@ -151,3 +151,28 @@ def test_update_past_capacity_raises():
     cache = KVCache(1, 1, 4, 2)
     with pytest.raises(ValueError, match="larger max_len"):
         cache.update(3, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+
+
+def test_inference_state_map_moves_rows_of_every_layer_and_honours_batch_dims():
+    from tformer.inference.kv_cache import KVCache
+    from tformer.inference.state import InferenceState
+
+    class Transposed:                                    # a layer state with its rows on dimension 1
+        BATCH_DIMS = {"h": 1}
+
+        def __init__(self):
+            self.h = torch.arange(12.0).view(4, 3)       # (features, B)
+            self.scale = 2.0
+
+    cache = KVCache(3, 2, 5, 4)
+    cache.k.copy_(torch.randn_like(cache.k))
+    state = InferenceState([cache, None, Transposed()], batch_size=3, max_len=5)
+    state.length, state.valid[1, :2] = 2, True
+    rep = state.map(lambda t: t.repeat_interleave(2, dim=0))
+    assert rep.batch_size == 6 and rep.length == 2 and rep.layers[1] is None
+    assert torch.equal(rep.layers[0].k, cache.k.repeat_interleave(2, 0)) and rep.layers[0].max_len == 5
+    assert torch.equal(rep.layers[2].h, state.layers[2].h.repeat_interleave(2, 1)) and rep.layers[2].scale == 2.0
+    assert torch.equal(rep.valid, state.valid.repeat_interleave(2, 0)) and state.layers[0].k.shape[0] == 3
+    Transposed.BATCH_DIMS = {}                           # undeclared: dimension 0 has 4 rows, not 3
+    with pytest.raises(ValueError, match="Transposed.h of shape \\(4, 3\\) has no batch dimension 0"):
+        state.map(lambda t: t)
