@@ -76,15 +76,16 @@ class LongformerAttention(ProjectedAttention):
             width = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
             self.global_qkv_proj = nn.Linear(c.d_model, width, bias=c.qkv_bias)
 
-    def global_mask(self, batch: int, n: int, offset: int, device) -> Tensor | None:
-        """``(B, n)`` bool: which of the positions ``offset .. offset + n - 1`` are global."""
+    def global_mask(self, step: Step, batch: int, n: int) -> Tensor | None:
+        """``(B, n)`` bool: which of the ``n`` tokens are global: real tokens whose position (the
+        model's, ``step.positions``) is in ``global_positions``. A decoder counts positions over real
+        tokens, so a left-padded row marks the same tokens as the row alone."""
         if not self.global_positions:
             return None
-        pos = torch.tensor(self.global_positions, device=device) - offset
-        pos = pos[(pos >= 0) & (pos < n)]
-        mask = torch.zeros(batch, n, dtype=torch.bool, device=device)
-        mask[:, pos] = True
-        return mask
+        pos = torch.broadcast_to(step.positions, (batch, n))                             # (B, n)
+        mask = torch.isin(pos, torch.tensor(self.global_positions, device=pos.device))  # (B, n)
+        real = self.key_mask(step, batch, n)
+        return mask if real is None else mask & real
 
     def forward(self, x: Tensor, step: Step, state: RingState | None = None):
         """``x (B, T, C)`` -> ``(B, T, C)``; with ``state``, ``x`` continues the text at ``step.start_pos``."""
@@ -93,7 +94,7 @@ class LongformerAttention(ProjectedAttention):
         if state is not None:
             attend = self._slot if step.slot is not None else self._cached
             return self.finish(attend(q, k, v, step, state), step)
-        gmask = self.global_mask(B, T, 0, x.device)
+        gmask = self.global_mask(step, B, T)
         gqkv = None
         if gmask is not None:
             gq, gk, gv = self.project(x, step, self.global_qkv_proj)
