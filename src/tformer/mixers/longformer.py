@@ -161,6 +161,18 @@ class LongformerAttention(ProjectedAttention):
         return base + c.d_model * width + (width if c.qkv_bias else 0)
 
     @classmethod
+    def extra_training_flops_per_token(cls, config: TransformerConfig, seq_len: int, layer: int = 0) -> int:
+        """Scores and weighted sums as the kernel computes them, ``12 · nh · hs`` per key a query
+        meets (PaLM's count for attention, with these keys for ``T``): each query block's key span
+        ``L = 3w - 2`` (``2w - 1`` causal; dilation only spaces them), plus, with ``g`` global
+        tokens, every query against the ``g`` global keys and the ``g`` global queries against all
+        ``T`` keys (``g`` more per token)."""
+        w = cls.layer_option(config, "window", 256, layer)
+        span = 2 * w - 1 if config.causal else 3 * w - 2
+        g = sum(1 for p in config.mixer_option(cls.name, "global_positions", []) if p < seq_len)
+        return 12 * config.n_heads * config.head_dim * (span + 2 * g)
+
+    @classmethod
     def state_bytes(cls, config: TransformerConfig, n_tokens: int, batch_size: int = 1,
                     bytes_per_element: int = 4) -> int:
         """Ring buffer bytes (the largest window of the stack): ``2·B·nkv·min(n, (w-1)·d)·hs``."""
