@@ -78,6 +78,23 @@ def test_cached_logits_equal_full_recomputation(positions, layout, padded):
     assert all(sorted(vars(b.attn)) == attrs for b in model.blocks)      # the model holds no request state
 
 
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_a_mask_of_the_new_tokens_reads_the_earlier_ones_from_the_state(positions):
+    """With a state, the mask may cover the new tokens only: padding and positions of the held
+    tokens come from ``state.valid`` (left padding, chunked prefill, then one token at a time)."""
+    model = tiny(positions, 2)
+    T, steps = 7, 5
+    ids, mask = padded_batch([7, 3, 5], T + steps)
+    mask[:, T:] = 1
+    ref = full_logits(model, ids, mask)
+    state = model.new_state(3, T + steps)
+    with torch.no_grad():
+        for s, e in [(0, 3), (3, T)] + [(t, t + 1) for t in range(T, T + steps)]:
+            logits, _ = model(ids[:, s:e], state=state, attention_mask=mask[:, s:e])
+            real = mask[:, s:e].bool()
+            torch.testing.assert_close(logits[real], ref[:, s:e][real], atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("positions", POSITIONS)
 def test_static_decode_step_equals_full_recomputation(positions, layout):
