@@ -110,3 +110,20 @@ def test_a_longformer_decoder_trains_through_the_trainer(tmp_path):
     assert model.config.mixer == "longformer"
     out = generate(model, torch.tensor([[1, 2, 3]]), 10, temperature=0)
     assert out.shape == (1, 13)
+
+
+def test_forward_makes_no_host_sync(monkeypatch):
+    """Longformer's global tokens are bounded by the config, so the kernel reads nothing back."""
+    models = [_model("longformer", {"window": 3, "global_positions": [0, 2]}), _model("longformer", {"window": 3}),
+              _model("performer", DECODERS["performer"])]
+    ids = torch.randint(1, 50, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+
+    def refuse(*a, **k):
+        raise AssertionError("a host sync in forward")
+    for name in ("item", "__int__", "__float__", "__bool__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    with torch.no_grad():
+        for model in models:
+            model(ids, attention_mask=mask)

@@ -101,7 +101,8 @@ class LongformerAttention(ProjectedAttention):
             gqkv = (gq, self.expand(gk), self.expand(gv))
         out = longformer_attention(q, self.expand(k), self.expand(v), self.window, causal=self.causal,
                                    dilation=self.dilation, key_mask=self.key_mask(step, B, T),
-                                   global_mask=gmask, global_qkv=gqkv)     # (B, nh, T, hs)
+                                   global_mask=gmask, global_qkv=gqkv,
+                                   max_global=len(self.global_positions))  # (B, nh, T, hs)
         return self.finish(out, step)
 
     def _cached(self, q: Tensor, k: Tensor, v: Tensor, step: Step, state: RingState) -> Tensor:
