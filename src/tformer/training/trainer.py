@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tformer.accounting import training_flops_per_token
-from tformer.checkpoint import POINTER, load_config, load_training_state, resolve_checkpoint
+from tformer.checkpoint import load_config, load_training_state, read_pointer, resolve_checkpoint
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError, InputError
 from tformer.inference.generate import generate
@@ -116,8 +116,8 @@ class Trainer:
 
     @classmethod
     def _new(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
-        if (out_dir / POINTER).exists():
-            step = json.loads((out_dir / POINTER).read_text(encoding="utf-8")).get("step")
+        if (pointer := read_pointer(out_dir, missing_ok=True)) is not None:
+            step = pointer["step"]
             raise InputError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
                              f"or choose another --out to start a new run.")
         cfg = TrainConfig(**{**train_kw, "out_dir": str(out_dir)})
