@@ -170,3 +170,12 @@ def test_without_the_extension_torch_kernels_run_and_agree(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "fallback" in out.stdout
+
+
+def test_forget_drops_only_this_machines_choices(monkeypatch, tmp_path):
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))
+    (tmp_path / "kernels.json").write_text(json.dumps({kernels.machine_key(): {"bf16": {"kernel": "mv"}},
+                                                       "other cpu": {"bf16": {"kernel": "linear"}}}))
+    assert kernels.chosen() == {"bf16": {"kernel": "mv"}}
+    kernels.forget()
+    assert kernels.chosen() == {} and "other cpu" in json.loads((tmp_path / "kernels.json").read_text())

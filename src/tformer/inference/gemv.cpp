@@ -7,7 +7,8 @@
 // order of the float32 sums. Rows are split between torch's intra-op threads (at::parallel_for,
 // the same OpenMP pool every other torch op uses); four rows at a time keep four streams of loads
 // in flight. Built at first use by tformer/inference/gemv.py (torch.utils.cpp_extension.load).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>

@@ -124,3 +124,24 @@ def choose(kind: str) -> str:
             pass                                                             # a read-only home: measure per process
     _CHOSEN[kind] = entry["kernel"]
     return _CHOSEN[kind]
+
+
+def forget() -> None:
+    """Drop this machine's stored choices (this key only), so the next :func:`choose` measures again:
+    for a benchmark that must choose on a quiet machine."""
+    _CHOSEN.clear()
+    try:
+        cached = json.loads(_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if cached.pop(machine_key(), None) is not None:
+        from tformer.checkpoint import atomic_write
+        atomic_write(_path(), lambda tmp: Path(tmp).write_text(json.dumps(cached, indent=1), encoding="utf-8"))
+
+
+def chosen() -> dict[str, dict]:
+    """This machine's stored choices: kind -> {"kernel", "seconds" per candidate}."""
+    try:
+        return json.loads(_path().read_text(encoding="utf-8")).get(machine_key(), {})
+    except (OSError, ValueError):
+        return {}

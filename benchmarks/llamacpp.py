@@ -1,0 +1,67 @@
+"""llama.cpp through llama-cpp-python (the `bench` extra), on a GGUF that tformer exported.
+
+Used by benchmarks/generate.py (llama.cpp as a contender in the same run) and by
+tests/test_llama_cpp.py (llama.cpp's logits as an independent check of the exporter). Token ids go in
+and come out: tformer's exported models carry no llama.cpp tokenizer unless an HF byte-level BPE one
+sits beside the weights, and ids are what both sides are compared on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tformer.interop.gguf import save_gguf
+
+
+def export(model: torch.nn.Module, folder: Path, kinds: list[str], model_type: str | None = None) -> dict[str, Path]:
+    """``model`` written as one GGUF per type in ``kinds`` (f32, f16, bf16, q8_0, q4_0): type -> path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for kind in kinds:
+        paths[kind] = folder / f"model-{kind}.gguf"
+        save_gguf(model, paths[kind], kind, model_type=model_type)
+    return paths
+
+
+class LlamaCpp:
+    """One llama.cpp model and context: ``logits(ids)`` for every position, ``generate(ids, n)`` greedy.
+
+    Args:
+        path: the GGUF file.
+        n_ctx: context size to allocate (prompt + new tokens).
+        threads: llama.cpp's threads for decode and prefill.
+        logits_all: keep the logits of every position (for :meth:`logits`; a little slower).
+    """
+
+    def __init__(self, path: Path, n_ctx: int, threads: int = 2, logits_all: bool = False):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                                   n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
+                                   verbose=False)
+        self.vocab = self.llm.n_vocab()
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self.lib.llama_get_logits_ith(self.llm._ctx.ctx, -1)                 # the last evaluated row
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab,))
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """``(T, vocab)`` float32 logits of every prompt position (needs ``logits_all=True``)."""
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[:len(ids)], dtype=np.float32)
+
+    def generate(self, ids: list[int], n: int) -> list[int]:
+        """``n`` greedy tokens after ``ids`` (argmax of llama.cpp's logits, as tformer's temperature=0)."""
+        self.llm.reset()
+        self.llm.eval(ids)
+        out = []
+        for i in range(n):
+            out.append(int(self._last_logits().argmax()))
+            if i + 1 < n:
+                self.llm.eval([out[-1]])
+        return out
