@@ -122,18 +122,27 @@ def gguf_read_bytes(path: Path) -> int:
 
 @torch.inference_mode()
 def llama_cpp_parity(base: DecoderLM, path: Path, prompt: torch.Tensor, new: int = 16) -> dict:
-    """llama.cpp's logits on the f32 GGUF against tformer's (fp32) and greedy tokens: asserted, reported."""
-    from llamacpp import LlamaCpp
+    """llama.cpp's logits on the f32 GGUF (float32 KV cache) against tformer fp32's, and greedy tokens.
 
-    cpp = LlamaCpp(path, n_ctx=prompt.shape[1] + new, threads=torch.get_num_threads(), logits_all=True)
-    ours = base(prompt)[0][0].numpy()
-    err = float(abs(cpp.logits(prompt[0].tolist()) - ours).max())
-    ref = generate(base, prompt, new, temperature=0)[0, prompt.shape[1]:].tolist()
+    ggml computes GELU through a float16 table; over GPT-2 124M's 12 layers that alone moves logits by
+    ~1e-3. So the same comparison is also made against tformer with that rounding emulated
+    (``with_ggml_gelu``): that one is asserted (<= 1e-3, greedy tokens equal); both are reported."""
+    from llamacpp import LlamaCpp, with_ggml_gelu
+
+    cpp = LlamaCpp(path, n_ctx=prompt.shape[1] + new, threads=torch.get_num_threads(), logits_all=True,
+                   f32_cache=True)
+    theirs = cpp.logits(prompt[0].tolist())
     got = cpp.generate(prompt[0].tolist(), new)
     del cpp
-    row = dict(max_err=err, scale=float(abs(ours).max()), tokens=new, agree=sum(a == b for a, b in zip(ref, got)))
-    assert err <= 1e-3, f"llama.cpp's f32 logits differ from tformer's by {err:.2e} (> 1e-3)"
-    assert got == ref, f"llama.cpp's greedy tokens {got} differ from tformer's {ref}"
+    row = dict(tokens=new)
+    for label, model in (("plain", base), ("ggml_gelu", with_ggml_gelu(base))):
+        ours = model(prompt)[0][0].numpy()
+        ref = generate(model, prompt, new, temperature=0)[0, prompt.shape[1]:].tolist()
+        row[label] = dict(max_err=float(abs(theirs - ours).max()), scale=float(abs(ours).max()),
+                          agree=sum(a == b for a, b in zip(ref, got)))
+    e = row["ggml_gelu"]
+    assert e["max_err"] <= 1e-3, f"llama.cpp's f32 logits differ from tformer's by {e['max_err']:.2e} (> 1e-3)"
+    assert e["agree"] == new, f"llama.cpp's greedy tokens agree with tformer's on {e['agree']}/{new} only"
     return row
 
 
@@ -352,10 +361,12 @@ def main() -> None:
         by = {r["name"]: r for r in rows}
         hf = by.get("HF transformers fp32", {}).get("e2e")
         if parity and parity[0]:
-            q = parity[0]
-            lines.append(f"llama.cpp on the f32 GGUF exported by tformer, same weights: max |logit difference| "
-                         f"{q['max_err']:.1e} (logits up to {q['scale']:.2f}; asserted <= 1e-3), greedy tokens "
-                         f"{q['agree']}/{q['tokens']} equal (asserted).\n")
+            q, g = parity[0]["plain"], parity[0]["ggml_gelu"]
+            lines.append(f"llama.cpp on the f32 GGUF exported by tformer (same weights, float32 KV cache, 32-token "
+                         f"prompt): max |logit difference| from tformer fp32 {q['max_err']:.1e} (logits up to "
+                         f"{q['scale']:.2f}), greedy tokens {q['agree']}/{parity[0]['tokens']} equal; with ggml's "
+                         f"float16 GELU table emulated in tformer: {g['max_err']:.1e}, {g['agree']}/"
+                         f"{parity[0]['tokens']} (asserted: <= 1e-3 and all equal).\n")
         lines += [f"## GPT-2 124M shape (random weights, the same in every contender), batch 1, prompt {args.prompt}, "
                   f"{args.new_tokens} new tokens, greedy; median of {args.repeats} alternated rounds "
                   f"(decode: range over rounds; no cache: {args.nocache_tokens} new tokens, 1 run)\n",

@@ -26,6 +26,25 @@ def export(model: torch.nn.Module, folder: Path, kinds: list[str], model_type: s
     return paths
 
 
+def ggml_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh form) as ggml's CPU backend computes it: through a float16 table (GGML_GELU_FP16 in
+    ggml-cpu/vec.h): the input rounded to float16, the table value rounded to float16; 0 below -10 and
+    the identity above 10."""
+    table = torch.nn.functional.gelu(x.half().float(), approximate="tanh").half().float()
+    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, table))
+
+
+def with_ggml_gelu(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose MLPs use :func:`ggml_gelu` (to tell the table's rounding from the export's)."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        if type(m).__name__ == "MLP":
+            m.act = ggml_gelu
+    return twin
+
+
 class LlamaCpp:
     """One llama.cpp model and context: ``logits(ids)`` for every position, ``generate(ids, n)`` greedy.
 
@@ -34,15 +53,18 @@ class LlamaCpp:
         n_ctx: context size to allocate (prompt + new tokens).
         threads: llama.cpp's threads for decode and prefill.
         logits_all: keep the logits of every position (for :meth:`logits`; a little slower).
+        f32_cache: keys and values cached in float32 (llama.cpp's default is float16, which alone
+            moves logits by ~1e-3; the exactness check needs float32, the speed runs keep the default).
     """
 
-    def __init__(self, path: Path, n_ctx: int, threads: int = 2, logits_all: bool = False):
+    def __init__(self, path: Path, n_ctx: int, threads: int = 2, logits_all: bool = False, f32_cache: bool = False):
         import llama_cpp
 
         self.lib = llama_cpp
+        cache = dict(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32) if f32_cache else {}
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                                    n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
-                                   verbose=False)
+                                   verbose=False, **cache)
         self.vocab = self.llm.n_vocab()
 
     def _last_logits(self) -> np.ndarray:
