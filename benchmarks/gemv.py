@@ -23,7 +23,7 @@ import torch
 from generate import read_bandwidth                   # benchmarks/generate.py
 from machine import busy_cores, cpu_name, load_note   # benchmarks/machine.py
 from tformer.inference import gemv, kernels
-from tformer.inference.quantize import Int4Linear
+from tformer.inference.quantize import quantize_weight_int4
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {"qkv 768x2304": (2304, 768), "out 768x768": (768, 768), "fc 768x3072": (3072, 768),
@@ -39,17 +39,13 @@ def contenders(kind: str, shapes) -> dict[str, list]:
     """candidate -> one run(x) per weight of the walk (weights made once per dtype, shared)."""
     g = torch.Generator().manual_seed(0)
     out: dict[str, list] = {}
-    if kind == "int4":
-        lins = []
-        for _, (n, k) in shapes:
-            lin = torch.nn.Linear(k, n, bias=False)
-            torch.nn.init.normal_(lin.weight, std=0.02, generator=g)
-            lins.append(Int4Linear(lin))
-        out["int4pack"] = [lambda x, m=m: m(x) for m in lins]
-        return out
     ws = []
     for _, (n, k) in shapes:
-        if kind == "int8":
+        if kind == "int4":                     # q and (G, N, 2) scales/zeros as quantize_weight_int4 makes them
+            w = torch.randn(n, k, generator=g) * 0.02
+            q, sz = quantize_weight_int4(w)
+            ws.append((q[:n], sz[:, :n].contiguous() if n % 16 else sz))
+        elif kind == "int8":
             ws.append((torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g)))
         else:
             ws.append((torch.randn(n, k, generator=g).to(kernels.DTYPES[kind]), None))

@@ -179,3 +179,34 @@ def test_forget_drops_only_this_machines_choices(monkeypatch, tmp_path):
     assert kernels.chosen() == {"bf16": {"kernel": "mv"}}
     kernels.forget()
     assert kernels.chosen() == {} and "other cpu" in json.loads((tmp_path / "kernels.json").read_text())
+
+
+@pytest.mark.parametrize("n, k", [(37, 768), (5, 64), (1, 32)])
+def test_ext_int4_gemv_matches_float64_reference(n, k):
+    ext()
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    s, c = torch.rand(n, k // 32, generator=g) / 10, torch.randn(n, k // 32, generator=g) / 10
+    x, b = torch.randn(k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    y = gemv.load_q4()(gemv.pack_int4(q), x, s, c, b)
+    w = q.double() * s.double().repeat_interleave(32, 1) + c.double().repeat_interleave(32, 1)
+    assert y.dtype == torch.bfloat16
+    assert_gemv_close(y, gemv.reference_q4(q, s, c, x, b), w, x)
+
+
+@pytest.mark.parametrize("kernel", ["ext", "int4pack"])
+def test_int4_linear_one_row_equals_the_dequantised_reference_with_either_kernel(kernel, monkeypatch):
+    if kernel == "ext":
+        ext()
+    monkeypatch.setenv(kernels.FORCED, kernel)
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40)
+    layer = Int4Linear(lin)
+    assert layer.kernel == kernel
+    q, sz = quantize_weight_int4(lin.weight, 32)
+    s, z = sz.double()[..., 0].T[:40], sz.double()[..., 1].T[:40]
+    deq = (q[:40].double().view(40, 3, 32) - 8) * s[..., None] + z[..., None]
+    x = torch.randn(1, 96).bfloat16()
+    ref = x.double() @ deq.view(40, 96).T + lin.bias.double()
+    mag = x.double().abs() @ deq.view(40, 96).abs().T
+    assert bool(((layer(x).double() - ref).abs() <= 4 * ULP[torch.bfloat16] * mag).all())

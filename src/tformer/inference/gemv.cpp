@@ -13,6 +13,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -121,6 +122,59 @@ at::Tensor gemv(const at::Tensor& weight, const at::Tensor& x, const c10::option
   return y;
 }
 
+// One row of int4 weights: groups of 32 along K in 16 bytes (byte j: weight j in the low nibble,
+// weight j + 16 in the high one), w = q * s_g + c_g with q in 0..15. Per group the 32 products q x
+// are summed in a vector, scaled by s_g once; the offsets add c_g * (sum of x over the group).
+inline void q4_row(const uint8_t* w, const float* s, const float* c, const float* x, const float* xsum,
+                   int64_t G, __m512& acc, float& off) {
+  const __m512i low = _mm512_set1_epi32(0xF);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * g)));
+    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), _mm512_loadu_ps(x + 32 * g));
+    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), _mm512_loadu_ps(x + 32 * g + 16), t);
+    acc = _mm512_fmadd_ps(t, _mm512_set1_ps(s[g]), acc);
+    off += c[g] * xsum[g];
+  }
+}
+
+// y (N,) = W x + bias for int4 W given as packed (N, K/2) uint8, scales and offsets (N, K/32) float32.
+at::Tensor gemv_q4(const at::Tensor& packed, const at::Tensor& x, const at::Tensor& scales, const at::Tensor& offsets,
+                   const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte,
+              "gemv_q4: packed must be a contiguous (N, K/2) uint8 matrix");
+  const int64_t N = packed.size(0), K = 2 * packed.size(1), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && x.dim() == 1 && x.size(0) == K, "gemv_q4: x must be (K,), K a multiple of 32");
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * G,
+                "gemv_q4: scales and offsets must be contiguous float32 (N, K/32)");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == N), "gemv_q4: bias must be float32 (N,)");
+  at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  std::vector<float> xsum(G);
+  for (int64_t g = 0; g < G; ++g) { float a = 0; for (int64_t k = 0; k < 32; ++k) a += xp[32 * g + k]; xsum[g] = a; }
+  at::Tensor y = at::empty({N}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>(); const float* cp = offsets.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto run = [&](auto* out) {
+    at::parallel_for(0, N, std::max<int64_t>(4, 65536 / (K / 2)), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        __m512 acc = _mm512_setzero_ps(); float off = 0;
+        q4_row(wp + n * (K / 2), sp + n * G, cp + n * G, xp, xsum.data(), G, acc, off);
+        float v = _mm512_reduce_add_ps(acc) + off + (bp ? bp[n] : 0.0f);
+        out[n] = static_cast<std::remove_pointer_t<decltype(out)>>(v);
+      }
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(y.data_ptr<float>()); break;
+    case at::kBFloat16: run(y.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: run(y.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "gemv_q4: x must be float32, bfloat16 or float16");
+  }
+  return y;
+}
+
 // Whether this CPU runs the AVX-512 instructions the loops above were compiled for.
 bool supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
 
@@ -128,8 +182,12 @@ bool supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_sup
 
 TORCH_LIBRARY(tformer_gemv, m) {
   m.def("gemv(Tensor weight, Tensor x, Tensor? scales=None, Tensor? bias=None) -> Tensor");
+  m.def("gemv_q4(Tensor packed, Tensor x, Tensor scales, Tensor offsets, Tensor? bias=None) -> Tensor");
   m.def("supported() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(tformer_gemv, CPU, m) { m.impl("gemv", &gemv); }
+TORCH_LIBRARY_IMPL(tformer_gemv, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("gemv_q4", &gemv_q4);
+}
 TORCH_LIBRARY_IMPL(tformer_gemv, CompositeExplicitAutograd, m) { m.impl("supported", &supported); }

@@ -66,6 +66,19 @@ def _build():
     return op.gemv
 
 
+def load_q4():
+    """The int4 ``gemv_q4(packed, x, scales, offsets, bias=None)`` op (see :func:`pack_int4`), or ``None``."""
+    return torch.ops.tformer_gemv.gemv_q4 if load() is not None else None
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """``q (N, K)`` integers in 0..15 -> ``(N, K/2)`` uint8 in gemv_q4's layout: per group of 32, byte j
+    holds weight j (low nibble) and weight j + 16 (high nibble)."""
+    N, K = q.shape
+    g = q.to(torch.uint8).view(N, K // 32, 2, 16)                              # (N, G, half, 16)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+
+
 def load():
     """The ``gemv(weight, x, scales=None, bias=None)`` op, building it the first time; ``None`` when
     it cannot be built or run here (the reason is in ``STATUS["state"]``)."""
@@ -79,6 +92,12 @@ def load():
                     _OP.append(None)
                     STATUS["state"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return _OP[0]
+
+
+def reference_q4(q: Tensor, scales: Tensor, offsets: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``(q s + c) x + b`` in float64 for ``q (N, K)``, group scales/offsets ``(N, K/32)``: ``(N,)``."""
+    w = q.double() * scales.double().repeat_interleave(32, 1) + offsets.double().repeat_interleave(32, 1)
+    return reference(w, x, None, bias)
 
 
 def reference(weight: Tensor, x: Tensor, scales: Tensor | None = None, bias: Tensor | None = None) -> Tensor:

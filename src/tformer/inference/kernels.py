@@ -15,7 +15,8 @@ checks against a float64 reference):
 - ``mm_t``: ``x @ Wᵀ`` with ``Wᵀ`` stored contiguous ``(K, N)`` (float32 only);
 - ``mv``: ``torch.mv(W, x)``;
 - ``int8pack``: ``aten._weight_int8pack_mm`` (int8 only);
-- ``ext``: tformer's own AVX-512 loop (``gemv.cpp``), when it builds here.
+- ``int4pack``: ``aten._weight_int4pack_mm_for_cpu`` (int4, groups of 32);
+- ``ext``: tformer's own AVX-512 loops (``gemv.cpp``: ``gemv``, and ``gemv_q4`` for int4), when they build here.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from tformer.inference import gemv
 
 Tensor = torch.Tensor
 CANDIDATES = {"fp32": ("linear", "mm_t", "ext"), "bf16": ("linear", "mv", "ext"), "fp16": ("linear", "mv", "ext"),
-              "int8": ("int8pack", "ext")}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}
+              "int8": ("int8pack", "ext"), "int4": ("int4pack", "ext")}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16,
+          "int4": torch.bfloat16}
 _CHOSEN: dict[str, str] = {}
 FORCED = "TFORMER_DECODE_KERNEL"      # e.g. "ext" or "linear": skip the measurement (tests, A/B runs)
 
@@ -52,7 +54,18 @@ def machine_key() -> str:
 
 
 def runner(kind: str, kernel: str, w: Tensor, scales: Tensor | None = None):
-    """A ``run(x (1, K)) -> (1, N)`` closure for one kernel on one weight ``w (N, K)`` (prepared here)."""
+    """A ``run(x (1, K)) -> (1, N)`` closure for one kernel on one weight ``w (N, K)`` (prepared here);
+    for int4, ``w`` is ``q (N, K)`` in 0..15 and ``scales`` the ``(G, N, 2)`` scales and zeros."""
+    if kind == "int4":
+        if kernel == "ext":
+            op, s = gemv.load_q4(), scales[..., 0].float().t().contiguous()
+            packed, c = gemv.pack_int4(w), (scales[..., 1].float().t() - 8 * s).contiguous()
+            return lambda x: op(packed, x[0], s, c, None).unsqueeze(0)
+        n, pad = w.shape[0], -w.shape[0] % 16                              # torch's kernel: N a multiple of 16
+        q = torch.cat([w.to(torch.int32), w.new_zeros(pad, w.shape[1], dtype=torch.int32)])
+        sz = torch.cat([scales, scales.new_zeros(scales.shape[0], pad, 2)], 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)[:, :n]
     if kernel == "ext":
         op = gemv.load()
         return lambda x: op(w, x[0], scales, None).unsqueeze(0)
@@ -79,8 +92,13 @@ def measure(kind: str, copies: int = 8, rounds: int = 7, d: int = 768) -> dict[s
     shapes = [(4 * d, d), (d, 4 * d)] * copies
     weights = []
     for n, k in shapes:
-        weights.append((torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n) / 100)
-                       if kind == "int8" else (torch.rand(n, k, generator=g).sub_(0.5).to(DTYPES[kind]), None))
+        if kind == "int8":
+            weights.append((torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n) / 100))
+        elif kind == "int4":
+            weights.append((torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32),
+                            torch.rand(k // 32, n, 2, generator=g).to(torch.bfloat16)))
+        else:
+            weights.append((torch.rand(n, k, generator=g).sub_(0.5).to(DTYPES[kind]), None))
     x = {k: torch.randn(1, k, generator=g).to(DTYPES[kind]) for k in (d, 4 * d)}
     runs = {c: [runner(kind, c, w, s) for w, s in weights] for c in available(kind)}
     times = {c: [] for c in runs}

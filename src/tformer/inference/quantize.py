@@ -14,7 +14,7 @@ AVX-512 loop (``gemv.cpp``), which widens the int8 weights to float32 and applie
 
 Int4 (:class:`Int4Linear`) is weight-only too, in groups of 32 weights along K with a scale and an
 offset per group (asymmetric, 16 levels from the group's min to its max), run by torch's
-``aten._weight_int4pack_mm_for_cpu``.
+``aten._weight_int4pack_mm_for_cpu`` or, for one row when measured faster, tformer's ``gemv_q4``.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def weight_bytes(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, (nn.Linear, Int8Linear, Int4Linear, DecodeLinear, nn.LayerNorm)) or type(m).__name__ == "RMSNorm":
             skip = m._non_persistent_buffers_set                  # float32 copies of scales / bias
-            tensors = list(m.parameters(recurse=False)) + [b for n, b in m.named_buffers(recurse=False) if n not in skip]
+            tensors = m.decode_tensors() if hasattr(m, "decode_tensors") else \
+                list(m.parameters(recurse=False)) + [b for n, b in m.named_buffers(recurse=False) if n not in skip]
             for t in tensors:
                 if t is not None and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
@@ -203,15 +204,32 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group: int = 32):
         super().__init__()
         self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
-        self.kernel = "int4pack"
         q, sz = quantize_weight_int4(linear.weight, group)
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales_zeros", sz)                                   # (G, Np, 2) bf16
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         self.register_buffer("bias", bias)
+        self.kernel = kernels.choose("int4") if group == 32 else "int4pack"        # for one row
+        self.gemv = gemv.load_q4() if self.kernel == "ext" else None
+        if self.gemv is not None:                                                 # the same q, s, z in gemv_q4's layout
+            N = self.out_features
+            s, z = sz[..., 0].float().t()[:N], sz[..., 1].float().t()[:N]           # (N, G)
+            self.register_buffer("packed", gemv.pack_int4(q[:N]), persistent=False)        # (N, K/2) uint8
+            self.register_buffer("scales32", s.contiguous(), persistent=False)
+            self.register_buffer("offsets32", (z - 8 * s).contiguous(), persistent=False)  # w = q s + (z - 8 s)
+            self.register_buffer("bias32", bias.float() if bias is not None else None, persistent=False)
+
+    def decode_tensors(self) -> list[Tensor]:
+        """What a one-row (decode) call reads: for :func:`weight_bytes`."""
+        if self.gemv is not None:
+            return [t for t in (self.packed, self.scales32, self.offsets32, self.bias32) if t is not None]
+        return [t for t in (self.weight, self.scales_zeros, self.bias) if t is not None]
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)                      # (M, K)
+        if self.gemv is not None and x2.shape[0] == 1:
+            y = self.gemv(self.packed, x2[0], self.scales32, self.offsets32, self.bias32)   # (N,) bias included
+            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scales_zeros)  # (M, Np)
         y = y[:, :self.out_features].to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y + self.bias.to(x.dtype) if self.bias is not None else y
