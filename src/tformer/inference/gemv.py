@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -53,6 +54,9 @@ def _build():
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
     build = cache_dir() / f"gemv-{digest}"
     build.mkdir(parents=True, exist_ok=True)
+    if not (build / "tformer_gemv.so").exists():
+        print(f"tformer: building the decode kernels once for this machine into {build} (about a minute)",
+              file=sys.stderr, flush=True)
     cpp_extension.load(name="tformer_gemv", sources=[str(SOURCE)], build_directory=str(build),
                        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c"],
                        is_python_module=False, verbose=False)
