@@ -193,11 +193,16 @@ def gpt2_contenders(args, parity_rows: list) -> dict:
         files = gguf_files(base, args.llama_types)
         parity_rows.append(llama_cpp_parity(base, files["f32"], ids[:, :32]) if "f32" in files else {})
         for kind, path in files.items():
-            cpp = LlamaCpp(path, n_ctx=args.prompt + n, threads=args.threads)
+            # With q8_0 / q4_0 weights, a batch of more than one token stops this llama.cpp build (0.3.36,
+            # built from PyPI here) with a general protection fault in libggml-cpu on this CPU (AMX-INT8):
+            # their prompt goes in one token at a time, so their prefill is not comparable.
+            one_by_one = kind in ("q8_0", "q4_0")
+            cpp = LlamaCpp(path, n_ctx=args.prompt + n, threads=args.threads, n_batch=1 if one_by_one else None)
             prompt = ids[0].tolist()
             out[f"llama.cpp {kind}"] = (lambda c=cpp: c.generate(prompt, n), n, gguf_read_bytes(path),
                                         lambda c=cpp: c.generate(prompt, 1))
-            RAN[f"llama.cpp {kind}"] = f"ggml ({llama_cpp.__version__}), {kind} GGUF exported by tformer"
+            RAN[f"llama.cpp {kind}"] = (f"ggml ({llama_cpp.__version__}), {kind} GGUF exported by tformer"
+                                        + (", prompt fed one token at a time (batched: crash)" if one_by_one else ""))
     out["tformer no cache"] = (lambda: generate(base, ids, args.nocache_tokens, temperature=0, use_cache=False),
                                args.nocache_tokens, weight_bytes(base), None)
     RAN["tformer no cache"] = kernels_of(base) + ", full recomputation of the window every token"

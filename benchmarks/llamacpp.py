@@ -55,14 +55,17 @@ class LlamaCpp:
         logits_all: keep the logits of every position (for :meth:`logits`; a little slower).
         f32_cache: keys and values cached in float32 (llama.cpp's default is float16, which alone
             moves logits by ~1e-3; the exactness check needs float32, the speed runs keep the default).
+        n_batch: tokens per llama.cpp batch (default: the whole prompt at once).
     """
 
-    def __init__(self, path: Path, n_ctx: int, threads: int = 2, logits_all: bool = False, f32_cache: bool = False):
+    def __init__(self, path: Path, n_ctx: int, threads: int = 2, logits_all: bool = False, f32_cache: bool = False,
+                 n_batch: int | None = None):
         import llama_cpp
 
         self.lib = llama_cpp
         cache = dict(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32) if f32_cache else {}
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+        batch = n_batch or n_ctx
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=batch, n_ubatch=batch,
                                    n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
                                    verbose=False, **cache)
         self.vocab = self.llm.n_vocab()

@@ -51,14 +51,17 @@ def _build():
         raise RuntimeError("this CPU has no AVX-512 (avx512f, avx512bw)")
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + b"-fopenmp").hexdigest()[:12]
     build = cache_dir() / f"gemv-{digest}"
     build.mkdir(parents=True, exist_ok=True)
     if not (build / "tformer_gemv.so").exists():
         print(f"tformer: building the decode kernels once for this machine into {build} (about a minute)",
               file=sys.stderr, flush=True)
     cpp_extension.load(name="tformer_gemv", sources=[str(SOURCE)], build_directory=str(build),
-                       extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c"],
+                       # -fopenmp: at::parallel_for is an OpenMP pragma in a header, a serial loop without it;
+                       # the library then shares the libgomp torch has already loaded (same soname)
+                       extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
     op = torch.ops.tformer_gemv
     if not op.supported():
