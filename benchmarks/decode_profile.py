@@ -22,7 +22,7 @@ from tformer import DecoderLM, TransformerConfig
 from tformer.inference.generate import generate
 from tformer.inference.quantize import set_precision
 
-PRODUCTS = ("mm", "addmm", "mv", "linear", "gemv", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "bmm",
+PRODUCTS = ("mm", "addmm", "mv", "addmv_", "linear", "gemv", "gemv_q4", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "bmm",
             "mkldnn", "mkl_linear")
 
 
