@@ -3,16 +3,28 @@
 The model is GPT-2 124M's shape with random weights (transformers' GPT2LMHeadModel, saved once and
 converted with `tformer convert --from-hf`), and a word-level tokenizer over its 50257 ids, so
 every request is exactly ``--prompt-tokens`` in and up to ``--max-tokens`` out (``w123`` is token 123).
-Both servers run as subprocesses on 127.0.0.1 with the same torch thread count. For each number of
-concurrent streams (1, 2, 4, 8, 16) each server gets ``--rounds`` rounds, alternating which goes
-first; in a round every stream sends one streaming greedy completion. Reported per server:
-total generated tokens/s (medians over rounds), and p50/p99 of the request latency and of the gap
-between two streamed tokens. Before timing, both servers' greedy text for one prompt is compared.
+The servers run as subprocesses on 127.0.0.1 with the same torch thread count: tformer serve, and
+``--peers`` of transformers serve: ``transformers`` (its default: requests run one after another,
+each through ``model.generate`` on one inference thread) and ``transformers-cb`` (its
+``--continuous-batching`` mode, paged attention). For each number of concurrent streams each server
+gets ``--rounds`` rounds, rotating which goes first; in a round every stream sends one streaming
+greedy completion. Reported per server: total generated tokens/s (medians over rounds), and p50/p99
+of the request latency and of the gap between two streamed tokens. Before timing, every server's
+greedy text for one prompt is compared.
+
+To explain the ratio between servers, the same run first times *plain generation in this process*
+(no server: ``tformer.generate`` and transformers' ``model.generate``, batch 1, the same prompt and
+new tokens, alternating, medians): the servers' 1-stream ratio is then (the models' own speed
+ratio) × (each server's overhead per request, its 1-stream tokens/s over its plain generation's),
+and at more streams × what batching adds.
+
+Success criteria (set before the runs): 8 streams give >= 3x the total tokens/s of one stream for
+tformer serve, and >= 1.5x transformers serve at 8 streams.
 
     flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src python benchmarks/serve.py
 
-Needs the bench extra (`accelerate`, which `transformers serve` needs on CPU) and the serve extra.
-Writes benchmarks/results/serve.md and serve.png.
+Needs the bench extra (`accelerate`, which `transformers serve` loads the model with) and the serve
+extra. Writes benchmarks/results/serve.md and serve.png.
 """
 
 from __future__ import annotations
@@ -102,6 +114,32 @@ def round_(url: str, model: str, streams: int, prompt_tokens: int, max_tokens: i
             "latencies": [r["latency"] for r in results], "gaps": [g for r in results for g in r["gaps"]]}
 
 
+def plain_generation(hf: Path, ckpt: Path, prompt_tokens: int, new_tokens: int, rounds: int) -> dict[str, float]:
+    """Tokens/s of batch-1 greedy generation in this process (no server), per model, alternating; medians."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from tformer.checkpoint import load_model
+    from tformer.inference.generate import generate
+
+    hf_model = GPT2LMHeadModel.from_pretrained(hf).eval()
+    tf_model = load_model(ckpt).eval()
+    ids = torch.arange(1, prompt_tokens + 1)[None]
+    runs = {"tformer": lambda: generate(tf_model, ids, new_tokens, temperature=0),
+            "transformers": lambda: hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                      do_sample=False, pad_token_id=0)}
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    with torch.inference_mode():
+        for f in runs.values():                                    # warm-up
+            f()
+        for r in range(rounds):
+            for n in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+                t = time.perf_counter()
+                runs[n]()
+                times[n].append(time.perf_counter() - t)
+    return {n: new_tokens / statistics.median(ts) for n, ts in times.items()}
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
@@ -115,7 +153,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    ap.add_argument("--peers", default="transformers,transformers-cb",
+                    help="comma-separated: transformers, transformers-cb (its --continuous-batching), or none")
     ap.add_argument("--name", default="serve", help="results file stem under benchmarks/results (default: serve)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tformer-serve-bench-"))
@@ -125,18 +164,26 @@ def main() -> None:
            "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     subprocess.run([sys.executable, "-m", "tformer.cli", "convert", "--from-hf", str(hf), "--out", str(ckpt)],
                    env=env, check=True, stdout=subprocess.DEVNULL)
-    ports = {"tformer": 18401, "transformers": 18402}
+    ports = {"tformer": 18401, "transformers": 18402, "transformers-cb": 18403}
     servers = {"tformer": [sys.executable, "-m", "tformer.cli", "serve", "--ckpt", str(ckpt), "--port",
                            str(ports["tformer"]), "--threads", str(args.threads), "--slots", "16"]}
-    if args.peer == "transformers":
-        exe = Path(sys.executable).with_name("transformers")
-        servers["transformers"] = [str(exe), "serve", str(hf), "--port", str(ports["transformers"]), "--device", "cpu"]
+    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    exe = Path(sys.executable).with_name("transformers")
+    for peer in peers:
+        servers[peer] = [str(exe), "serve", str(hf), "--port", str(ports[peer]), "--device", "cpu"] + \
+            (["--continuous-batching"] if peer == "transformers-cb" else [])
+    plain = {}
+    if peers:
+        import torch
+        torch.set_num_threads(args.threads)
+        plain = plain_generation(hf, ckpt, args.prompt_tokens, args.max_tokens, max(3, args.rounds))
+        print("plain generation in-process, tok/s:", {n: round(v, 1) for n, v in plain.items()}, flush=True)
     procs = {}
     try:
         for name, cmd in servers.items():
             procs[name] = start(cmd, ports[name], env)
         urls = {n: f"http://127.0.0.1:{ports[n]}" for n in servers}
-        models = {"tformer": "tformer", "transformers": str(hf)}
+        models = {"tformer": "tformer", "transformers": str(hf), "transformers-cb": str(hf)}
         prompt = " ".join(f"w{i}" for i in range(1, args.prompt_tokens + 1))
         texts = {n: httpx.post(urls[n] + "/v1/completions", timeout=600, json={
             "model": models[n], "prompt": prompt, "max_tokens": 16, "temperature": 0}).json()["choices"][0]["text"].strip()
@@ -148,7 +195,8 @@ def main() -> None:
         for level, streams in enumerate(int(s) for s in args.streams.split(",")):
             got = {n: [] for n in servers}
             for r in range(args.rounds):
-                order = list(servers) if (level + r) % 2 == 0 else list(reversed(servers))
+                k = (level + r) % len(servers)
+                order = list(servers)[k:] + list(servers)[:k]            # rotate who goes first
                 for n in order:
                     got[n].append(round_(urls[n], models[n], streams, args.prompt_tokens, args.max_tokens,
                                          random.Random(1000 * level + r)))
@@ -160,15 +208,15 @@ def main() -> None:
                 print(f"{streams:>3} streams  {n:<13} {tps:8.1f} tok/s  latency p50 {pct(lat, 50):6.2f} s "
                       f"p99 {pct(lat, 99):6.2f} s  token gap p50 {pct(gaps, 50) * 1e3:7.1f} ms p99 {pct(gaps, 99) * 1e3:7.1f} ms",
                       flush=True)
-            write(rows, args, same, busy_before, None)          # a partial table survives an interruption
-        write(rows, args, same, busy_before, busy_cores())
+            write(rows, args, same, busy_before, None, plain)          # a partial table survives an interruption
+        write(rows, args, same, busy_before, busy_cores(), plain)
     finally:
         for p in procs.values():
             p.terminate()
             p.wait(timeout=30)
 
 
-def write(rows, args, same, busy_before, busy_after) -> None:
+def write(rows, args, same, busy_before, busy_after, plain) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     one = {n: tps for s, n, tps, *_ in rows if s == rows[0][0]}
@@ -186,10 +234,19 @@ def write(rows, args, same, busy_before, busy_after) -> None:
     ]
     for s, n, tps, l50, l99, g50, g99 in rows:
         lines.append(f"| {s} | {n} | {tps:.1f} | {tps / one[n]:.2f} | {l50:.2f} | {l99:.2f} | {g50:.1f} | {g99:.1f} |")
-    ratios = [f"{s} streams: {tps / dict(((s2, n2), t2) for s2, n2, t2, *_ in rows)[(s, 'transformers')]:.2f}×"
-              for s, n, tps, *_ in rows if n == "tformer" and any(r[0] == s and r[1] == "transformers" for r in rows)]
-    if ratios:
-        lines += ["", "tformer / transformers total tokens/s: " + ", ".join(ratios) + "."]
+    tps_of = {(s, n): tps for s, n, tps, *_ in rows}
+    for peer in dict.fromkeys(n for _, n, *_ in rows if n != "tformer"):
+        ratios = [f"{s} streams: {tps_of[(s, 'tformer')] / tps_of[(s, peer)]:.2f}×"
+                  for s, n, *_ in rows if n == "tformer" and (s, peer) in tps_of]
+        lines += ["", f"tformer / {peer} total tokens/s: " + ", ".join(ratios) + "."]
+    if plain:
+        first = rows[0][0]
+        lines += ["", f"Plain generation in this process (no server; batch 1, {args.prompt_tokens} + {args.max_tokens} "
+                      f"tokens, medians): " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in plain.items())
+                  + f"; tformer / transformers {plain['tformer'] / plain['transformers']:.2f}×.",
+                  f"Each server's {first}-stream tokens/s over its model's plain generation (what the server path "
+                  f"keeps): " + ", ".join(f"{n} {tps_of[(first, n)] / plain['tformer' if n == 'tformer' else 'transformers']:.2f}"
+                                          for n in dict.fromkeys(r[1] for r in rows) if (first, n) in tps_of) + "."]
     lines += ["", "Reproduce: `flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src python benchmarks/serve.py "
               + " ".join(sys.argv[1:]) + "`", ""]
     RESULTS.mkdir(exist_ok=True)

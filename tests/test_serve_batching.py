@@ -44,7 +44,8 @@ def run_together(scheduler, tokenizer, prompts, max_tokens) -> list[list[int]]:
 
 @pytest.mark.parametrize("context, positions, options", [
     (64, "learned", {}), (64, "rope", {"n_kv_heads": 2}), (64, "alibi", {}), (64, "rope", {"sliding_window": 8}),
-    (200, "learned", {})])                      # rows cross the decode step's 64-key buckets at 64 and 128
+    (200, "learned", {}),                       # rows cross the decode step's 64-key buckets at 64 and 128
+    (64, "none", {"mixer": ["mamba", "attention"]})])   # a recurrent state: prompts prefilled one at a time
 def test_batched_greedy_tokens_equal_each_request_alone(tmp_path, one_thread, context, positions, options):
     model, tok = tiny_checkpoint(tmp_path, context=context, positions=positions, **options)
     reference_model = copy.deepcopy(model)
@@ -60,6 +61,10 @@ def test_batched_greedy_tokens_equal_each_request_alone(tmp_path, one_thread, co
         together = run_together(scheduler, tok, prompts, max_tokens)
         b, counts, _ = scheduler.metrics.hists["tformer_batch_size"]
         assert sum(counts[b.index(4) + 1:]) > 0              # some steps really decoded more than 4 rows
+        b, counts, _ = scheduler.metrics.hists["tformer_prefill_batch_size"]
+        assert scheduler.pool.batched_prefill == (positions != "none")
+        if scheduler.pool.batched_prefill:                   # prompts of different lengths, right-padded together
+            assert sum(counts[b.index(1) + 1:]) > 0
         assert scheduler.metrics.value("tformer_pool_slots_in_use") == 0
     finally:
         scheduler.close()
@@ -171,3 +176,26 @@ def test_queue_limit_and_request_timeout(tmp_path, one_thread):
         assert scheduler.metrics.value("tformer_pool_slots_in_use") == 0
     finally:
         scheduler.close()
+
+
+def test_batch_choice_equals_each_row_alone():
+    """choose() on a batch of rows with different options gives each row what it gets alone, and its
+    log-probabilities equal torch.log_softmax's (reference) to 1e-6."""
+    from tformer.serve.sampling import choose
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    params = [Params(1, temperature=0.0), Params(1, temperature=0.7, seed=1, logprobs=3), Params(1, top_k=5, seed=2),
+              Params(1, temperature=0.0, logprobs=0), Params(1, temperature=0.7, seed=3), Params(1, top_p=0.5, logprobs=5)]
+    gens = lambda: [torch.Generator().manual_seed(p.seed or 0) for p in params]    # noqa: E731
+    together = choose(logits, params, gens())
+    alone = [choose(logits[i:i + 1], [p], [g])[0] for i, (p, g) in enumerate(zip(params, gens()))]
+    assert together == alone
+    assert together[0][0] == int(logits[0].argmax()) and together[3][0] == int(logits[3].argmax())
+    for i in (1, 3, 5):
+        tok, lp, top = together[i]
+        ref = torch.log_softmax(logits[i].double(), -1)
+        assert abs(lp - float(ref[tok])) < 1e-6
+        assert (top is None) == (params[i].logprobs == 0)
+        if top:
+            assert [t for t, _ in top] == ref.topk(params[i].logprobs).indices.tolist()
+            assert max(abs(v - float(ref[t])) for t, v in top) < 1e-6

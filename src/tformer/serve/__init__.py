@@ -1,8 +1,9 @@
 """`tformer serve`: OpenAI's HTTP API with continuous batching, and the playground.
 
     schemas.py     request validation, response objects, error bodies (OpenAI's wire format)
-    pool.py        the preallocated pool of per-sequence inference states; prefill and decode calls
-    scheduler.py   the thread that owns the model: admission, batched decode, sampling, finishing
+    pool.py        the preallocated pool of per-sequence inference states; batched prefill and decode calls
+    scheduler.py   the thread that owns the model: admission, batched prefill and decode, finishing
+    sampling.py    each row's token choice (greedy, sampled, logprobs) for a whole batch at once
     server.py      what the routes share: model, tokenizer, limits, metrics; request -> sequences
     openai_api.py  /v1/completions, /v1/chat/completions, /v1/embeddings (JSON and SSE)
     inspect.py     attention and input x gradient attribution of one prediction (the playground)

@@ -3,16 +3,25 @@
 The pool is ONE :class:`~tformer.inference.state.InferenceState` from ``model.new_state(n_slots,
 max_len)``, made at start: row ``r`` of every layer's state (a KV cache ``(n_slots, n_kv_heads,
 max_len, head_dim)``, or another mixer's state) belongs to the request in slot ``r`` from admission
-until it finishes. Nothing is allocated per token or per request.
+until it finishes. Nothing is allocated per token.
 
-- :meth:`KVPool.prefill` runs one prompt through the model's eager path with a batch-1 *row view*
-  of the pool (every layer's tensors sliced ``[slot:slot+1]``: views, so the writes land in the
-  pool) and returns the next-token logits.
+Row ``r`` keeps its tokens at cache indices ``0 .. n-1`` (no padding inside a row), so a row's
+length, its next write index and its next position are all ``n = state.valid[r].sum()``: the pool
+reads lengths from ``valid`` and keeps no count of its own.
+
+- :meth:`KVPool.prefill` writes several prompts in ONE forward: the prompts are *right*-padded to
+  the longest, ``(b, T)``, and each layer's keys and values go straight into the pool rows of their
+  slots. Right padding changes no real token's output: a causal model's token ``t`` reads only keys
+  ``j <= t``, which are the prompt's own, so the pad tokens after a prompt are invisible to it (they
+  compute throw-away values, which ``valid`` then marks as not real and the row's next tokens
+  overwrite). Each prompt's next-token logits are taken at its own last token. This needs every
+  layer's state to be a KV cache (a recurrent state would absorb the pads); a model with another
+  mixer prefills one prompt at a time, through a batch-1 row view of the pool.
 - :meth:`KVPool.decode` runs the model's static decode step (``slot=``) on a view of rows
-  ``0 .. hi-1``: row ``r`` feeds its last token at position ``length[r]``, writes its keys and values
-  at index ``length[r]``, and reads keys ``j <= length[r]`` that ``state.valid`` marks real. Rows of
-  different lengths therefore decode together exactly. Idle rows inside the range compute a
-  throw-away token (their slot is re-initialised at its next admission); keeping the range
+  ``0 .. hi-1``: row ``r`` feeds its last token at position ``n_r``, writes its key and value at
+  index ``n_r``, and reads keys ``j <= n_r`` that ``valid`` marks real. Rows of different lengths
+  therefore decode together exactly. Idle rows inside the range write at index 0 and compute a
+  throw-away token (their row is re-initialised at its next admission); keeping the range
   contiguous avoids gathering rows, and stopping at ``hi`` avoids computing rows past the last one
   in use. The step reads the first multiple of 64 positions that covers the longest row, not all
   ``max_len``, so short sequences do not pay for attention over the whole context; shapes change
@@ -25,6 +34,7 @@ import copy
 
 import torch
 
+from tformer.inference.kv_cache import KVCache
 from tformer.inference.state import InferenceState
 
 Tensor = torch.Tensor
@@ -46,6 +56,21 @@ def _rows(layer_state, n: int, max_len: int, rows: slice, keys: int):
     return view
 
 
+class _ScatterCache:
+    """Stands in for one layer's KV cache during a batched prefill from an empty row: writes the new
+    keys and values ``(b, nkv, T, hs)`` into the pool cache's rows ``slots (b,)`` at ``0 .. T-1`` and
+    hands them back unchanged (they are everything the rows hold)."""
+
+    def __init__(self, cache: KVCache, slots: Tensor):
+        self.cache, self.slots = cache, slots
+
+    def update(self, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        T = k.shape[2]
+        self.cache.k[self.slots, :, :T] = k                                     # (b, nkv, T, hs) scattered
+        self.cache.v[self.slots, :, :T] = v
+        return k, v
+
+
 class KVPool:
     """``n_slots`` rows of per-sequence state, ``max_len`` positions each, for ``model`` (a DecoderLM).
 
@@ -59,11 +84,17 @@ class KVPool:
         self.model, self.n_slots, self.max_len = model, n_slots, max_len
         self.state = model.new_state(n_slots, max_len)
         self.device = model.tok_emb.weight.device
+        self.active = torch.zeros(n_slots, dtype=torch.bool, device=self.device)   # rows held by a sequence
+        self.batched_prefill = bool(model.config.causal) and all(isinstance(s, KVCache) for s in self.state.layers)
         self._views: dict[tuple[int, int], InferenceState] = {}
 
     @property
     def nbytes(self) -> int:
         return self.state.nbytes
+
+    def lengths(self, stop: int | None = None) -> Tensor:
+        """Tokens held by rows ``0 .. stop-1``, ``(stop,)``, read from ``valid`` (0 for idle rows)."""
+        return self.state.valid[:stop].sum(-1) * self.active[:stop]
 
     def view(self, start: int, stop: int, keys: int | None = None) -> InferenceState:
         """Rows ``start .. stop-1`` and positions ``0 .. keys-1`` of the pool as an InferenceState of
@@ -73,25 +104,57 @@ class KVPool:
         if key not in self._views:
             rows = slice(start, stop)
             layers = [_rows(s, self.n_slots, self.max_len, rows, keys) for s in self.state.layers]
-            v = InferenceState.__new__(InferenceState)
-            v.layers, v.batch_size, v.max_len = layers, stop - start, keys
-            v.length, v.valid = 0, self.state.valid[rows, :keys]
-            self._views[key] = v
+            self._views[key] = self._state(layers, stop - start, keys, self.state.valid[rows, :keys])
         return self._views[key]
 
-    @torch.inference_mode()
-    def prefill(self, slot: int, ids: Tensor) -> Tensor:
-        """Write the prompt ``ids (T,)`` into ``slot``; return the next-token logits ``(vocab,)``."""
-        row = self.view(slot, slot + 1)
-        row.reset()                                            # forget the slot's previous occupant
-        logits, _ = self.model(ids[None], state=row, last_only=True)           # (1, 1, vocab)
-        return logits[0, -1]
+    @staticmethod
+    def _state(layers: list, batch_size: int, max_len: int, valid: Tensor) -> InferenceState:
+        s = InferenceState.__new__(InferenceState)
+        s.layers, s.batch_size, s.max_len, s.length, s.valid = layers, batch_size, max_len, 0, valid
+        return s
+
+    def release(self, slot: int) -> None:
+        """``slot``'s sequence left: the row idles (and is overwritten at its next admission)."""
+        self.active[slot] = False
 
     @torch.inference_mode()
-    def decode(self, tokens: Tensor, lengths: Tensor) -> Tensor:
-        """One static step for rows ``0 .. hi-1``: ``tokens (hi,)`` at index ``lengths (hi,)``; logits ``(hi, vocab)``."""
-        need = int(lengths.max()) + 1                     # keys the longest row reads after this write
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> Tensor:
+        """Write ``prompts`` into rows ``slots`` (emptying them first); return each prompt's
+        next-token logits, ``(len(slots), vocab)``."""
+        if not self.batched_prefill:
+            return torch.cat([self._prefill_one(s, p) for s, p in zip(slots, prompts)])
+        b, T = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(b, T, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p)                                   # right padding with token 0
+        n = torch.tensor([len(p) for p in prompts], device=self.device)         # (b,) real tokens per row
+        rows = torch.tensor(slots, device=self.device)
+        layers = [_ScatterCache(s, rows) for s in self.state.layers]
+        scratch = self._state(layers, b, self.max_len, torch.zeros(b, T, dtype=torch.bool, device=self.device))
+        x = self.model.hidden_states(ids.to(self.device), state=scratch)         # (b, T, C)
+        last = x[torch.arange(b, device=self.device), n - 1]                     # (b, C): each prompt's last token
+        valid = torch.arange(self.max_len, device=self.device)[None] < n[:, None]   # (b, max_len): the prompt only
+        self.state.valid[rows] = valid
+        self.active[rows] = True
+        return self.model.lm_head(self.model.final_norm(last))                  # (b, vocab)
+
+    def _prefill_one(self, slot: int, prompt: list[int]) -> Tensor:
+        """One prompt through the eager path on a batch-1 row view (any mixer's state)."""
+        row = self.view(slot, slot + 1)
+        row.reset()                                            # forget the slot's previous occupant
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        logits, _ = self.model(ids, state=row, last_only=True)                 # (1, 1, vocab)
+        self.active[slot] = True
+        return logits[:, -1]                                                    # (1, vocab)
+
+    @torch.inference_mode()
+    def decode(self, tokens: Tensor, need: int) -> Tensor:
+        """One static step for rows ``0 .. hi-1``: row ``r`` feeds ``tokens[r]`` at index and position
+        ``lengths()[r]``; ``need`` (a Python int) bounds the keys any row reads after its write.
+        Returns the logits ``(hi, vocab)``."""
+        hi = tokens.shape[0]
         keys = min(self.max_len, -(-need // KEY_BUCKET) * KEY_BUCKET)
-        rows = self.view(0, tokens.shape[0], keys)
-        logits, _ = self.model(tokens[:, None], positions=lengths[:, None], state=rows, slot=lengths)
+        at = self.lengths(hi)                                                   # (hi,) write index = position
+        rows = self.view(0, hi, keys)
+        logits, _ = self.model(tokens[:, None], positions=at[:, None], state=rows, slot=at)
         return logits[:, -1]                                                    # (hi, vocab)

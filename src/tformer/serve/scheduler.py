@@ -5,9 +5,11 @@ Each loop iteration:
 1. runs queued *jobs* (anything else that needs the model, e.g. the playground's attention maps);
 2. drops requests whose client went away or whose time ran out, freeing their slots;
 3. admits up to ``prefill_per_step`` waiting requests into free slots of the :class:`KVPool` and
-   prefills each (so a long queue never stalls the running batch for more than a few prompts);
+   prefills them together in one forward (so a long queue never stalls the running batch for more
+   than one prefill);
 4. runs ONE decode step for all running sequences: each row feeds its last token at its own
-   length, gets its own logits, and samples with its own options and random generator.
+   length, gets its own logits, and picks its token with its own options and random generator
+   (:func:`tformer.serve.sampling.choose`: one host transfer for the whole batch).
 
 A request joins the batch at the next step after its prefill and leaves the step it finishes
 (stop token, stop string, ``max_tokens``, the context, timeout or disconnect); its slot is free
@@ -28,10 +30,10 @@ from typing import Callable
 
 import torch
 
-from tformer.inference.generate import sample
 from tformer.inference.text import _TextTracker
 from tformer.serve.metrics import BATCH_BUCKETS, Metrics
 from tformer.serve.pool import KVPool
+from tformer.serve.sampling import choose
 
 Tensor = torch.Tensor
 
@@ -78,7 +80,6 @@ class Sequence:
     stop_ids: frozenset = frozenset()
     timeout: float = 600.0
     slot: int | None = None
-    length: int = 0                        # tokens in the slot's cache
     last: int = 0                          # the newest token (not yet in the cache)
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
@@ -89,6 +90,11 @@ class Sequence:
         self.tracker = _TextTracker(self.tokenizer, self.params.stop)
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def positions(self) -> int:
+        """Cache positions the sequence holds once its newest token is written (prompt + generated)."""
+        return len(self.prompt) + len(self.generated)
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this sequence (the client left); its slot is freed next step."""
@@ -103,12 +109,12 @@ class Scheduler:
         n_slots: sequences decoded together at most (rows of the KV pool).
         max_len: positions per slot; default the model's context.
         max_queue: waiting sequences at most; :meth:`submit` raises :class:`QueueFull` beyond.
-        prefill_per_step: prompts prefilled between two decode steps at most.
+        prefill_per_step: prompts prefilled (in one forward) between two decode steps at most.
         metrics: where counts and latencies go.
     """
 
     def __init__(self, model, n_slots: int = 16, max_len: int | None = None, max_queue: int = 64,
-                 prefill_per_step: int = 4, metrics: Metrics | None = None):
+                 prefill_per_step: int = 8, metrics: Metrics | None = None):
         self.model = model
         self.max_len = max_len or model.config.context_length
         self.pool = KVPool(model, n_slots, self.max_len)
@@ -205,75 +211,70 @@ class Scheduler:
             self.waiting = keep
 
     def _admit(self) -> None:
-        for _ in range(self.prefill_per_step):
-            with self.cond:
-                if not (self.free and self.waiting):
-                    return
+        """Move up to ``prefill_per_step`` waiting sequences into free slots and prefill them together."""
+        with self.cond:
+            seqs = []
+            while self.free and self.waiting and len(seqs) < self.prefill_per_step:
                 seq = self.waiting.popleft()
-            seq.slot = heapq.heappop(self.free)
-            self.running[seq.slot] = seq
-            ids = torch.tensor(seq.prompt, dtype=torch.long, device=self.pool.device)
-            try:
-                logits = self.pool.prefill(seq.slot, ids)                        # (vocab,)
-            except ValueError as e:  # bad input the server did not catch: fail this request only
+                seq.slot = heapq.heappop(self.free)
+                self.running[seq.slot] = seq
+                seqs.append(seq)
+        if not seqs:
+            return
+        try:
+            logits = self.pool.prefill([s.slot for s in seqs], [s.prompt for s in seqs])     # (b, vocab)
+        except ValueError as e:  # bad input the server did not catch: fail these requests only
+            for seq in seqs:
                 self._finish(seq, None, "error")
                 seq.emit(("error", str(e)))
-                continue
-            seq.length = len(seq.prompt)
-            self.metrics.inc("tformer_prompt_tokens_total", len(seq.prompt), help="prompt tokens prefilled")
-            self._take(seq, logits[None])
+            return
+        self.metrics.inc("tformer_prompt_tokens_total", sum(len(s.prompt) for s in seqs), help="prompt tokens prefilled")
+        self.metrics.observe("tformer_prefill_batch_size", len(seqs), BATCH_BUCKETS, help="prompts in each prefill")
+        self._take(seqs, logits)
 
     def _decode(self) -> None:
         hi = max(self.running) + 1
-        tokens = torch.zeros(hi, dtype=torch.long)
-        lengths = torch.zeros(hi, dtype=torch.long)
+        tokens = [0] * hi                                       # idle rows feed token 0 (thrown away)
         for slot, seq in self.running.items():
-            tokens[slot], lengths[slot] = seq.last, seq.length
+            tokens[slot] = seq.last
+        need = max(seq.positions for seq in self.running.values())      # keys the longest row reads
         start = time.perf_counter()
-        logits = self.pool.decode(tokens.to(self.pool.device), lengths.to(self.pool.device))   # (hi, vocab)
+        logits = self.pool.decode(torch.tensor(tokens, device=self.pool.device), need)   # (hi, vocab)
         self.metrics.observe("tformer_decode_step_seconds", time.perf_counter() - start,
                              help="time of one batched decode step")
         self.metrics.observe("tformer_batch_size", len(self.running), BATCH_BUCKETS,
                              help="sequences in each decode step")
-        greedy = logits.argmax(dim=-1).tolist()                 # one call for every greedy row
-        for slot, seq in list(self.running.items()):
-            seq.length += 1
-            self._take(seq, logits[slot:slot + 1], greedy[slot])
+        slots = sorted(self.running)
+        self._take([self.running[s] for s in slots], logits[slots])
 
-    def _take(self, seq: Sequence, logits: Tensor, greedy: int | None = None) -> None:
-        """Sample ``seq``'s next token from ``logits (1, vocab)`` (``greedy``: its argmax, when known),
-        send it, and finish if it is done."""
-        p = seq.params
-        if p.temperature == 0 and greedy is not None:
-            tok = greedy
-        else:
-            tok = int(sample(logits, p.temperature, p.top_k, p.top_p if p.top_p < 1 else None, [seq.generator]))
-        self.metrics.inc("tformer_generated_tokens_total", help="tokens generated")
-        if seq.first_token_at is None:
-            seq.first_token_at = time.monotonic()
-            self.metrics.observe("tformer_time_to_first_token_seconds", seq.first_token_at - seq.submitted,
-                                 help="from submission to the first token")
-        if tok in seq.stop_ids:
-            return self._finish(seq, "stop")
-        seq.generated.append(tok)
-        seq.last = tok
-        seq.tracker.add(tok)
-        lp = top = None
-        if p.logprobs is not None:
-            logp = torch.log_softmax(logits[0].float(), dim=-1)                 # (vocab,)
-            lp = float(logp[tok])
-            if p.logprobs:
-                v, i = logp.topk(min(p.logprobs, logp.numel()))
-                top = list(zip(i.tolist(), v.tolist()))
-        seq.emit(Token(tok, seq.tracker.take(), lp, top))      # cut before a stop string, if one appeared
-        if seq.tracker.done:
-            self._finish(seq, "stop")
-        elif len(seq.generated) >= p.max_tokens or seq.length + 1 >= self.max_len:
-            self._finish(seq, "length")
+    def _take(self, seqs: list[Sequence], logits: Tensor) -> None:
+        """Pick each sequence's next token from its row of ``logits (len(seqs), vocab)`` with its own
+        options, send it, and finish the sequences that are done."""
+        picked = choose(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        self.metrics.inc("tformer_generated_tokens_total", len(seqs), help="tokens generated")
+        now = time.monotonic()
+        for seq, (tok, lp, top) in zip(seqs, picked):
+            p = seq.params
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.metrics.observe("tformer_time_to_first_token_seconds", now - seq.submitted,
+                                     help="from submission to the first token")
+            if tok in seq.stop_ids:
+                self._finish(seq, "stop")
+                continue
+            seq.generated.append(tok)
+            seq.last = tok
+            seq.tracker.add(tok)
+            seq.emit(Token(tok, seq.tracker.take(), lp, top))   # cut before a stop string, if one appeared
+            if seq.tracker.done:
+                self._finish(seq, "stop")
+            elif len(seq.generated) >= p.max_tokens or seq.positions >= self.max_len:
+                self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str | None, label: str = "disconnect") -> None:
         """Free ``seq``'s slot; tell the client why it ended (``None``: the client is gone)."""
         self.running.pop(seq.slot, None)
+        self.pool.release(seq.slot)
         heapq.heappush(self.free, seq.slot)
         self._gauges()
         if reason is not None:
