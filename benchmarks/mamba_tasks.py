@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -62,20 +63,32 @@ def attention_config(vocab: int, d: int = 64, n_layers: int = 2, n_heads: int = 
                              attention_backend="torch", **kw)
 
 
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: not on ``A_log`` (it would pull A towards -1), D, Δ's bias,
+    norms or biases (as the Mamba reference code does)."""
+    decay, plain = [], []
+    for name, p in model.named_parameters():
+        (plain if p.dim() < 2 or name.endswith("A_log") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+
+
 def train(config: TransformerConfig, task, steps: int, batch: int, lr: float = 3e-3, seed: int = 0,
-          desc: str = "") -> tuple[torch.nn.Module, list[float], float]:
-    """AdamW with a linear warm-up then cosine decay on fresh batches from ``task(batch, g)``;
-    returns ``(model, losses, seconds)``."""
+          desc: str = "", stop: tuple | None = None, max_seconds: float = float("inf")) -> tuple[torch.nn.Module, list[float], float, int]:
+    """AdamW with a linear warm-up then cosine decay over ``steps`` on fresh batches from
+    ``task(batch, g)``. ``stop = (ids, targets, every, level)``: every ``every`` steps measure
+    :func:`accuracy` on that held-out set and stop once it reaches ``level``; stop too once
+    ``max_seconds`` of training have passed (the schedule is still the one for ``steps``).
+    Returns ``(model, losses, seconds, steps run)``."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = build_model(config).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=lr, betas=(0.9, 0.98))
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + torch.cos(torch.tensor(s / steps * torch.pi)).item()))
-    losses, start = [], time.perf_counter()
-    bar = tqdm(range(steps), desc=desc, mininterval=5)
-    for _ in bar:
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    losses, start, held_out = [], time.perf_counter(), float("nan")
+    bar = tqdm(range(steps), desc=desc, mininterval=10)
+    for step in bar:
         ids, targets = task(batch, g=g)
         _, loss = model(ids, targets=targets)
         opt.zero_grad(set_to_none=True)
@@ -84,8 +97,15 @@ def train(config: TransformerConfig, task, steps: int, batch: int, lr: float = 3
         opt.step()
         sched.step()
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-    return model.eval(), losses, time.perf_counter() - start
+        if stop is not None and (step + 1) % stop[2] == 0:
+            held_out = accuracy(model.eval(), stop[0], stop[1])
+            model.train()
+            if held_out >= stop[3]:
+                break
+        if time.perf_counter() - start > max_seconds:
+            break
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", acc=f"{held_out:.2f}", refresh=False)
+    return model.eval(), losses, time.perf_counter() - start, len(losses)
 
 
 @torch.no_grad()

@@ -2,10 +2,11 @@
 
     env PYTHONPATH=src python benchmarks/scaling_sweep.py [--out runs/sweep-cpu] [--budgets 1e10,3e10,1e11]
 
-Runs (or continues: the sweep is resumable) ``tformer sweep`` with the settings below, then writes
+Runs (or continues: the sweep is resumable) ``tformer sweep`` with its defaults (``DEFAULT`` in
+tformer/commands/sweep.py) and one thread per run, then writes
 benchmarks/results/scaling_sweep.md and copies the two plots there as scaling_isoflop.png and
 scaling_fits.png. Tiny models need far more tokens per parameter and a higher learning rate than
-Chinchilla's, hence ``--tokens-per-param 100`` and ``lr=3e-3``.
+Chinchilla's, hence DEFAULT's 100 tokens per parameter and lr 3e-3.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import subprocess
 from pathlib import Path
 
 from tformer.cli import main as tformer
+from tformer.commands.sweep import DEFAULT
+from tformer.scaling.report import fit_rows
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -32,19 +35,8 @@ def cpu_name() -> str:
 
 def table(fits: dict, runs: list[dict]) -> str:
     rows = ["| | a (N_opt ∝ C^a) | b (D_opt ∝ C^b) | D/N at the largest budget |", "|---|---:|---:|---:|"]
-    top = max(fits["budgets"])
-    for name, p in fits["papers"].items():
-        tpp = p.get("tokens_per_param_at_top_budget")
-        rows.append(f"| {name} | {p['a']:.3f} | {p['b']:.3f} | {f'{tpp:.1f}' if tpp else '–'} |")
-    if "approach2" in fits:
-        a2 = fits["approach2"]
-        ci = f" [{a2['a_ci'][0]:.2f}, {a2['a_ci'][1]:.2f}]" if a2.get("a_ci") else ""
-        rows.append(f"| this machine, Approach 2 | {a2['a']:.3f}{ci} | {a2['b']:.3f} | {a2['tokens_per_param'][-1]:.0f} |")
-    if "approach3" in fits:
-        a3 = fits["approach3"]
-        ci = f" [{a3['ci']['a'][0]:.2f}, {a3['ci']['a'][1]:.2f}]" if a3.get("ci") else ""
-        rows.append(f"| this machine, Approach 3 | {a3['a']:.3f}{ci} | {a3['b']:.3f} | {a3['tokens_per_param'][-1]:.0f} |")
-    lines = rows + ["", f"Largest budget {top:.3g} FLOPs; brackets: 90 % bootstrap intervals.", ""]
+    rows += [f"| {name} | {a} | {b} | {tpp} |" for name, a, b, tpp in fit_rows(fits)]
+    lines = rows + ["", f"Largest budget {max(fits['budgets']):.3g} FLOPs; brackets: 90 % bootstrap intervals.", ""]
     if "approach3" in fits:
         a3 = fits["approach3"]
         lines.append(f"Approach 3 law: E {a3['E']:.3f}, A {a3['A']:.4g}, B {a3['B']:.4g}, α {a3['alpha']:.3f}, "
@@ -64,11 +56,10 @@ def table(fits: dict, runs: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/sweep-cpu")
-    ap.add_argument("--budgets", default="1e10,3e10,1e11")
+    ap.add_argument("--budgets", default=None, help="default: tformer sweep's (commands/sweep.py DEFAULT)")
     ap.add_argument("--bootstrap", type=int, default=200)
     args = ap.parse_args(argv)
-    settings = ["--budgets", args.budgets, "--tokens-per-param", "100", "--batch-size", "8",
-                "--set", "lr=3e-3", "--set", "min_lr=3e-4", "--set", "threads=1"]
+    settings = (["--budgets", args.budgets] if args.budgets else []) + ["--set", "threads=1"]
     rc = tformer(["sweep", "--out", args.out, "--bootstrap", str(args.bootstrap), *settings])
     if rc:
         return rc
@@ -81,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join([
         "# IsoFLOP sweep on this machine", "",
         f"CPU: {cpu_name()}, 1 torch thread per run, on a shared machine busy with other work (the seconds are noisy; "
-        f"the losses are not). Corpus: the built-in stdlib source, character level. Context 64, batch 8, AdamW, "
-        f"lr 3e-3 → 3e-4 cosine per run, C = 6ND with N all parameters.", "",
+        f"the losses are not). Corpus: the built-in stdlib source, character level. Context 64, batch "
+        f"{DEFAULT['batch_size']}, AdamW, lr {DEFAULT['settings']['lr']:g} → {DEFAULT['settings']['min_lr']:g} cosine "
+        f"per run, {DEFAULT['center_tokens_per_param']:g} tokens per parameter at each budget's middle size, "
+        f"C = 6ND with N all parameters.", "",
         table(fits, runs), "",
         "Reproduce: `env PYTHONPATH=src python benchmarks/scaling_sweep.py` "
         f"(or `tformer sweep --out {args.out} {' '.join(settings)}`).", ""])

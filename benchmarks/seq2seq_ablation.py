@@ -51,7 +51,7 @@ def main() -> int:
     rows = []
     for name, change, paper in VARIANTS:
         s = Seq2SeqSettings(max_steps=args.steps, out_dir=f"runs/bench-ablation-{len(rows)}", eval_max=args.n_test,
-                            progress=False, **change)
+                            progress=False, architecture=change)
         m = train(s, log=lambda msg: print(msg, file=sys.stderr, flush=True), data=data)
         rows.append({"row": name, "change": change, "paper": paper,
                      **{k: m[k] for k in ("bleu", "chrf", "exact", "parameters", "final_loss", "train_seconds")}})

@@ -86,7 +86,7 @@ def main() -> int:
     for label, kind in MODELS:
         if args.only and kind != args.only:
             continue
-        s = Seq2SeqSettings(model=kind, max_steps=args.steps, out_dir=f"runs/bench-seq2seq-{kind}",
+        s = Seq2SeqSettings(architecture={"model": kind}, max_steps=args.steps, out_dir=f"runs/bench-seq2seq-{kind}",
                             eval_max=args.n_test, progress=False, **({"lr": args.lr} if args.lr else {}))
         if args.retable:
             metrics = json.loads((Path(s.out_dir) / "metrics.json").read_text())

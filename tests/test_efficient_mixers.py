@@ -164,3 +164,41 @@ def test_causal_longformer_with_global_tokens_refuses_a_state():
     m = _mixer(_config("longformer", {"window": 4, "global_positions": [0]}))
     with pytest.raises(ConfigError, match="global"):
         m.new_state(1, 32)
+
+
+@pytest.mark.parametrize("mixer, options, causal", [
+    ("longformer", {"window": 4}, True), ("longformer", {"window": 4, "dilation": 2}, False),
+    ("longformer", {"window": [4, 2], "global_positions": [0, 5]}, False),
+    ("bigbird", {"block_size": 4, "num_random_blocks": 1}, False),
+    ("bigbird", {"block_size": 8, "num_random_blocks": 1}, False),          # 64 tokens: the dense fallback
+    ("performer", {"features": 6, "chunk": 8}, True), ("performer", {"features": 6}, False),
+    ("linformer", {"k": 8}, False), ("linformer", {"k": 8, "sharing": "none"}, False)])
+def test_sparse_mixers_report_the_matmuls_they_run(mixer, options, causal):
+    """Reference: torch's FlopCounterMode over one forward of the mixer (every matmul it runs),
+    times 3 for the backward, equals 6 · its parameters + its extra_training_flops_per_token."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from tformer.models import build_model
+
+    T = 64
+    c = TransformerConfig(model="decoder" if causal else "encoder", vocab_size=40, context_length=T, n_layers=2,
+                          d_model=32, n_heads=4, positions="none", bias=False, qkv_bias=False, causal=causal,
+                          mixer=mixer, mixer_options={mixer: options})
+    model = build_model(c).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(0, 40, (1, T)))
+    counts = counter.get_flop_counts()
+    cls = mixer_class(mixer)
+    for layer in range(2):
+        measured = sum(next(v for k, v in counts.items() if k.endswith(f"blocks.{layer}.attn")).values())
+        assert 3 * measured == T * (6 * cls.count_parameters(c) + cls.extra_training_flops_per_token(c, T, layer=layer))
+
+
+def test_longformer_flops_by_hand():
+    """w = 4, bidirectional: each query block of 4 sees a span of 4 + 2·3 = 10 keys; 2 global tokens add
+    2 keys to every query and 2 rows over all T keys: 12 · (4 heads · 8) · (10 + 2·2) FLOPs per token."""
+    from tformer.accounting import count_parameters, training_flops_per_token
+    c = TransformerConfig(model="encoder", vocab_size=40, context_length=64, n_layers=1, d_model=32, n_heads=4,
+                          causal=False, mixer="longformer", mixer_options={"longformer": {"window": 4,
+                                                                                        "global_positions": [0, 5]}})
+    six_n = 6 * (count_parameters(c).non_embedding + 40 * 32)
+    assert training_flops_per_token(c) - six_n == 12 * 32 * 14

@@ -58,8 +58,19 @@ def test_left_padded_batch_equals_each_prompt_alone(mixer):
     mask[1, :3] = 0
     both = generate(model, ids, 8, temperature=0, attention_mask=mask)
     assert torch.equal(both[0, 9:], generate(model, a, 8, temperature=0)[0, 9:])
-    if mixer == "performer":                       # Longformer's window counts padding slots too
-        assert torch.equal(both[1, 9:], generate(model, b, 8, temperature=0)[0, 6:])
+    assert torch.equal(both[1, 9:], generate(model, b, 8, temperature=0)[0, 6:])
+    assert torch.equal(both, generate(model, ids, 8, temperature=0, attention_mask=mask, static=True))
+
+
+def test_longformer_global_tokens_are_counted_among_real_tokens():
+    """A left-padded row marks the same tokens global as the row alone (positions follow the mask)."""
+    model = _model("longformer", {"window": 3, "global_positions": [0, 2]})
+    ids = torch.randint(1, 50, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        both, alone = model(ids, attention_mask=mask)[0], model(ids[1:, 4:])[0]
+    torch.testing.assert_close(both[1, 4:], alone[0], atol=1e-5, rtol=0)
 
 
 def test_hybrid_stack_and_accounting():
@@ -99,3 +110,20 @@ def test_a_longformer_decoder_trains_through_the_trainer(tmp_path):
     assert model.config.mixer == "longformer"
     out = generate(model, torch.tensor([[1, 2, 3]]), 10, temperature=0)
     assert out.shape == (1, 13)
+
+
+def test_forward_makes_no_host_sync(monkeypatch):
+    """Longformer's global tokens are bounded by the config, so the kernel reads nothing back."""
+    models = [_model("longformer", {"window": 3, "global_positions": [0, 2]}), _model("longformer", {"window": 3}),
+              _model("performer", DECODERS["performer"])]
+    ids = torch.randint(1, 50, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+
+    def refuse(*a, **k):
+        raise AssertionError("a host sync in forward")
+    for name in ("item", "__int__", "__float__", "__bool__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    with torch.no_grad():
+        for model in models:
+            model(ids, attention_mask=mask)

@@ -282,6 +282,16 @@ def test_a_damaged_trainer_json(run, tmp_path, capsys, edit):
     cli(capsys, "train", "--resume", "--out", tmp_path / "r", "--set", "max_steps=5", needles=["trainer.json"])
 
 
+@pytest.mark.parametrize("pointer", ["{\"latest\": ", "[]", "{\"latest\": 5, \"step\": 2}", "{\"step\": 2}"])
+def test_a_damaged_pointer_is_one_line_for_every_reader(run, tmp_path, capsys, pointer):
+    import shutil
+    shutil.copytree(run, tmp_path / "r")
+    (tmp_path / "r" / "checkpoint.json").write_text(pointer)
+    for args in (["train", "--out", tmp_path / "r"], ["train", "--resume", "--out", tmp_path / "r"],
+                 ["generate", "--ckpt", tmp_path / "r", "--prompt", "to"]):
+        cli(capsys, *args, needles=["checkpoint.json is damaged"])
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--temperature", "nan"], "--temperature nan"), (["--temperature", "inf"], "--temperature inf"),
     (["--max-new-tokens", "1000000000000"], "--max-new-tokens"), (["--threads", "100000"], "--threads 100000"),

@@ -41,6 +41,14 @@ def test_greedy_same_tokens_with_and_without_cache(positions, n_kv_heads):
     assert torch.equal(cached, uncached) and torch.equal(cached, chunked)
 
 
+def test_chunked_prefill_of_a_left_padded_batch_equals_uncached():
+    model = tiny("rope")
+    ids, mask = left_pad([[1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13]])
+    ref = generate(model, ids, 10, temperature=0, attention_mask=mask, use_cache=False)
+    for kw in (dict(prefill_chunk=2), dict(prefill_chunk=4, static=True)):
+        assert torch.equal(generate(model, ids, 10, temperature=0, attention_mask=mask, **kw), ref)
+
+
 @pytest.mark.parametrize("overflow", ["window", "shift"])
 @pytest.mark.parametrize("positions", ["learned", "alibi"])
 def test_past_the_context_cached_equals_uncached(overflow, positions):

@@ -70,6 +70,12 @@ def check_close(got: np.ndarray, want: np.ndarray, kind: str, ndim: int) -> None
         np.testing.assert_allclose(got, want, rtol=2 ** -11, atol=2 ** -24)
     elif kind == "bf16":                       # 8 significant bits: relative error <= 2^-8
         np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=0)
+    elif kind == "q4_0":                       # blocks of 32: d = (the signed value of max |x|) / -8, f16;
+        blocks = want.reshape(-1, 32)          # x = (q - 8) d, q in 0..15: -8 d .. 7 d, so values near +8 d
+        d = np.abs(blocks).max(axis=1, keepdims=True).astype(np.float64) / 8    # clamp to 7 d (one step);
+        bound = d * (1 + 8 * 2 ** -11) + 1e-9  # elsewhere half a step; plus 8 times the f16 rounding of d
+        err = np.abs(got.reshape(-1, 32) - blocks)
+        assert (err <= bound).all(), (err - bound).max()
     else:                                      # q8_0: blocks of 32 share scale max|x|/127, stored as f16
         blocks = want.reshape(-1, 32)          # x = q * d16 with |q| <= 127: rounding of q, plus 127 times
         d = np.abs(blocks).max(axis=1, keepdims=True).astype(np.float64) / 127   # the f16 rounding of d
@@ -79,7 +85,7 @@ def check_close(got: np.ndarray, want: np.ndarray, kind: str, ndim: int) -> None
         assert (err <= bound).all(), (err - bound).max()
 
 
-@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0", "q4_0"])
 def test_gpt2_gguf_round_trips_every_tensor_and_has_llama_cpp_keys(tmp_path, kind):
     tok = bpe_tokenizer()
     torch.manual_seed(0)

@@ -78,6 +78,23 @@ def test_cached_logits_equal_full_recomputation(positions, layout, padded):
     assert all(sorted(vars(b.attn)) == attrs for b in model.blocks)      # the model holds no request state
 
 
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_a_mask_of_the_new_tokens_reads_the_earlier_ones_from_the_state(positions):
+    """With a state, the mask may cover the new tokens only: padding and positions of the held
+    tokens come from ``state.valid`` (left padding, chunked prefill, then one token at a time)."""
+    model = tiny(positions, 2)
+    T, steps = 7, 5
+    ids, mask = padded_batch([7, 3, 5], T + steps)
+    mask[:, T:] = 1
+    ref = full_logits(model, ids, mask)
+    state = model.new_state(3, T + steps)
+    with torch.no_grad():
+        for s, e in [(0, 3), (3, T)] + [(t, t + 1) for t in range(T, T + steps)]:
+            logits, _ = model(ids[:, s:e], state=state, attention_mask=mask[:, s:e])
+            real = mask[:, s:e].bool()
+            torch.testing.assert_close(logits[real], ref[:, s:e][real], atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("positions", POSITIONS)
 def test_static_decode_step_equals_full_recomputation(positions, layout):
@@ -151,3 +168,28 @@ def test_update_past_capacity_raises():
     cache = KVCache(1, 1, 4, 2)
     with pytest.raises(ValueError, match="larger max_len"):
         cache.update(3, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+
+
+def test_inference_state_map_moves_rows_of_every_layer_and_honours_batch_dims():
+    from tformer.inference.kv_cache import KVCache
+    from tformer.inference.state import InferenceState
+
+    class Transposed:                                    # a layer state with its rows on dimension 1
+        BATCH_DIMS = {"h": 1}
+
+        def __init__(self):
+            self.h = torch.arange(12.0).view(4, 3)       # (features, B)
+            self.scale = 2.0
+
+    cache = KVCache(3, 2, 5, 4)
+    cache.k.copy_(torch.randn_like(cache.k))
+    state = InferenceState([cache, None, Transposed()], batch_size=3, max_len=5)
+    state.length, state.valid[1, :2] = 2, True
+    rep = state.map(lambda t: t.repeat_interleave(2, dim=0))
+    assert rep.batch_size == 6 and rep.length == 2 and rep.layers[1] is None
+    assert torch.equal(rep.layers[0].k, cache.k.repeat_interleave(2, 0)) and rep.layers[0].max_len == 5
+    assert torch.equal(rep.layers[2].h, state.layers[2].h.repeat_interleave(2, 1)) and rep.layers[2].scale == 2.0
+    assert torch.equal(rep.valid, state.valid.repeat_interleave(2, 0)) and state.layers[0].k.shape[0] == 3
+    Transposed.BATCH_DIMS = {}                           # undeclared: dimension 0 has 4 rows, not 3
+    with pytest.raises(ValueError, match="Transposed.h of shape \\(4, 3\\) has no batch dimension 0"):
+        state.map(lambda t: t)

@@ -103,5 +103,5 @@ def test_set_precision_generates_and_matches_fp32_in_fp32(precision):
     # measured: fp32 1e-6, bf16 0.055, fp16 0.0073, int8 0.097 on logits of max |30|
     assert err < {"fp32": 1e-5, "bf16": 0.3, "fp16": 0.05, "int8": 0.3}[precision]
     assert generate(model, ids, 5, temperature=0).shape == (1, 9)
-    with pytest.raises(ValueError, match="unknown precision 'int4'"):
-        set_precision(tiny(), "int4")
+    with pytest.raises(ValueError, match="unknown precision 'int3'"):
+        set_precision(tiny(), "int3")

@@ -144,3 +144,48 @@ def test_sampling_is_reproducible_and_bad_input_is_refused(one_thread):
         beam_search(model, src, bos=BOS, eos=EOS, num_beams=2, n_best=3)
     with pytest.raises(InputError):
         greedy(model, src, bos=BOS, eos=EOS, max_new_tokens=0)
+
+
+def test_sampling_a_batch_equals_each_source_alone(one_thread):
+    """Rows are seeded alike (as in tformer.inference.generate), so a row does not depend on its index."""
+    model = tiny()
+    src = torch.tensor([[3, 4, 5, 6], [7, 8, PAD, PAD]])
+    mask = (src != PAD).long()
+    both = sample_decode(model, src, mask, bos=BOS, eos=EOS, temperature=1.0, seed=5, max_new_tokens=8)
+    alone = [sample_decode(model, src[i:i + 1, :int(mask[i].sum())], bos=BOS, eos=EOS, temperature=1.0, seed=5,
+                           max_new_tokens=8)[0] for i in range(2)]
+    assert both == alone
+
+
+def test_reorder_copies_rows_in_place(one_thread):
+    model = tiny()
+    src = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    state = model.new_state(src, max_len=4).repeat(2)                                  # 4 rows
+    model.decode_step(torch.tensor([[BOS], [3], [4], [5]]), state)
+    before = [(s.k.clone(), s.v.clone(), s.k.data_ptr()) for s in state.decoder.layers]
+    valid = state.decoder.valid.clone()
+    state.reorder(torch.tensor([0, 0, 3]), torch.tensor([1, 0, 2]))                    # rows 1, 0, 2 <- 0, 0, 3
+    pick = torch.tensor([0, 0, 3, 3])
+    for s, (k, v, ptr) in zip(state.decoder.layers, before):
+        assert s.k.data_ptr() == ptr                                                   # the same buffer
+        assert torch.equal(s.k, k[pick]) and torch.equal(s.v, v[pick])
+    assert torch.equal(state.decoder.valid, valid[pick])
+
+
+def test_beam_search_makes_one_host_sync_per_step(one_thread, monkeypatch):
+    model = tiny()
+    src = torch.tensor([[3, 4, 5, 6], [7, 8, PAD, PAD]])
+    calls = {"tolist": 0, "scalar": 0}
+    tolist, item = torch.Tensor.tolist, torch.Tensor.item
+
+    def count(name, f):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return f(*a, **k)
+        return wrapped
+    monkeypatch.setattr(torch.Tensor, "tolist", count("tolist", tolist))
+    for name in ("item", "__int__", "__float__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, count("scalar", getattr(torch.Tensor, name)))
+    beam_search(model, src, (src != PAD).long(), bos=BOS, eos=EOS, num_beams=3, max_new_tokens=6,
+                early_stopping="never")
+    assert calls == {"tolist": 6, "scalar": 0}

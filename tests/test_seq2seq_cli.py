@@ -61,3 +61,17 @@ def test_seq2seq_bad_input_is_one_line_and_exit_2(tmp_path, capsys, one_thread):
     with pytest.raises(ValueError):
         read_pairs(str(tmp_path / "missing*.tsv"))
     assert len(split_pairs(_pairs(10), 0.2)[1]) == 2
+
+
+def test_seq2seq_takes_model_fields_through_transformer_config():
+    from tformer.errors import ConfigError
+    from tformer.training.seq2seq import Seq2SeqSettings
+
+    s = Seq2SeqSettings.from_strings({"d_model": "48", "n_kv_heads": "2", "activation": "gelu", "lr": "2e-3"})
+    c = s.model_config(vocab_size=30)
+    assert (c.model, c.d_model, c.n_kv_heads, c.activation, c.n_layers, c.norm_placement) == \
+        ("encoder-decoder", 48, 2, "gelu", 2, "post") and s.lr == 2e-3 and c.embedding_scale
+    rnn = Seq2SeqSettings.from_strings({"model": "bahdanau", "d_model": "16"}).model_config(vocab_size=30)
+    assert (rnn.model, rnn.n_layers, rnn.d_model) == ("bahdanau", 1, 16)
+    with pytest.raises(ConfigError, match="unknown setting 'eval_interval' for --task seq2seq"):
+        Seq2SeqSettings.from_strings({"eval_interval": "5"})

@@ -128,10 +128,10 @@ def training_flops_per_token(config: TransformerConfig, seq_len: int | None = No
     T = c.context_length if seq_len is None else seq_len
     n = count_parameters(c).non_embedding + c.vocab_size * c.d_model
     extra = 0
-    for name in c.layer_mixers():   # work no parameter counts: attention's scores, a scan, ...
+    for i, name in enumerate(c.layer_mixers()):   # work no parameter counts: attention's scores, a scan, ...
         cls = mixer_class(name)
         if hasattr(cls, "extra_training_flops_per_token"):
-            extra += cls.extra_training_flops_per_token(c, T)
+            extra += cls.extra_training_flops_per_token(c, T, layer=i)
     return 6 * n + extra
 
 

@@ -287,6 +287,27 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu", verify: 
 POINTER, TRAINER_STATE, OPTIMIZER, SHARDS = "checkpoint.json", "trainer.json", "optimizer.pt", "shards"
 
 
+def read_pointer(run_dir: str | os.PathLike, missing_ok: bool = False) -> dict | None:
+    """A run folder's pointer ``{"latest": "ckpt/step-N", "step": N}``; ``None`` if there is none and ``missing_ok``.
+
+    Raises:
+        CheckpointError: the pointer is missing (unless ``missing_ok``), unreadable, or not of that form.
+    """
+    pointer = Path(run_dir) / POINTER
+    try:
+        data = json.loads(pointer.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        if missing_ok:
+            return None
+        raise CheckpointError(f"{pointer} is missing; pass the --out folder of a `tformer train` run.") from e
+    except (OSError, ValueError) as e:
+        data = e
+    if not (isinstance(data, dict) and isinstance(data.get("latest"), str) and type(data.get("step")) is int):
+        raise CheckpointError(f"{pointer} is damaged (expected {{\"latest\": \"ckpt/step-N\", \"step\": N}}); "
+                              f"restore it or point it at a complete folder under {pointer.parent / 'ckpt'}.")
+    return data
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The checkpoint folder for a run folder (its latest step) or a checkpoint folder itself.
 
@@ -299,12 +320,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if not path.is_dir() or not os.access(path, os.R_OK | os.X_OK):
         raise CheckpointError(f"cannot read checkpoint folder {path}; pass a readable folder written by `tformer train`.")
     if (path / POINTER).is_file():
-        try:
-            latest = json.loads((path / POINTER).read_text(encoding="utf-8"))["latest"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"cannot read {path / POINTER}: {e}. The run folder is damaged; "
-                             f"pass a checkpoint folder under {path / 'ckpt'} instead.") from e
-        folder = path / latest
+        folder = path / read_pointer(path)["latest"]
         if not (folder / CONFIG).is_file():
             raise CheckpointError(f"{path / POINTER} points to {folder}, which is not a complete checkpoint; "
                              f"pass another folder under {path / 'ckpt'}.")
@@ -337,7 +353,7 @@ def save_training_checkpoint(run_dir: str | os.PathLike, step: int, model: torch
     rel = f"ckpt/step-{step:07d}"
     folder = run_dir / rel
     pointer = run_dir / POINTER
-    if pointer.is_file() and json.loads(pointer.read_text(encoding="utf-8")).get("latest") == rel:
+    if (read_pointer(run_dir, missing_ok=True) or {}).get("latest") == rel:
         return folder                                       # this step is saved already
     if optimizer_state is None:                             # sharded: shards/ is there already
         (save_model if weights else write_model_config)(folder, model)

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tformer.attention.dropout import dropout as cpu_dropout
 from tformer.attention.multihead import MultiHeadAttention
 from tformer.config import TransformerConfig
 from tformer.mixers import mixer_class
@@ -118,8 +119,8 @@ class Block(nn.Module):
 
     def _residual(self, x: Tensor, norm: nn.Module, f, dropout: bool) -> Tensor:
         if self.pre_norm:
-            return x + F.dropout(f(norm(x)), self.p_drop, dropout)
-        return norm(x + F.dropout(f(x), self.p_drop, dropout))
+            return x + cpu_dropout(f(norm(x)), self.p_drop, dropout)
+        return norm(x + cpu_dropout(f(x), self.p_drop, dropout))
 
     def forward(
         self,

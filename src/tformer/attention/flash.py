@@ -235,12 +235,79 @@ def _live_key_blocks(mask5: Tensor | None, geo: _Geometry) -> list[bool]:
     return [bool(mask5[..., j0:j1].any()) for j0, j1 in geo.k_blocks]
 
 
+# ------------------------------------------------------------- forward on PyTorch's fused block kernel
+_fused_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _spans(geo: _Geometry, i0: int, i1: int, merge: bool):
+    """The visible key ranges of query block [i0, i1) as ``(j0, j1, state)``; with ``merge``, runs of
+    FULL blocks become one range (they need no mask, so one kernel call serves them all)."""
+    spans: list[list] = []
+    for j0, j1 in geo.k_blocks:
+        state = geo.state(i0, i1, j0, j1)
+        if state == SKIP:
+            continue
+        if merge and state == FULL and spans and spans[-1][2] == FULL and spans[-1][1] == j0:
+            spans[-1][1] = j1
+        else:
+            spans.append([j0, j1, state])
+    return spans
+
+
+def _forward_by_fused_blocks(q5, k4, v4, slopes5, geo: _Geometry) -> tuple[Tensor, Tensor]:
+    """The forward without masks or dense biases, on the CPU: for each query block, PyTorch's fused
+    kernel over each visible key range gives a normalised partial output ``O_j`` and its log-sum-exp
+    ``L_j``; they combine exactly as ``L = log Σ_j exp(L_j)``, ``O = Σ_j exp(L_j - L) O_j`` (the online
+    softmax, applied to whole ranges). Causal and window edges (PARTIAL blocks) and ALiBi reach the
+    kernel as a per-block ``(rows, bm)`` bias, so memory stays O(n · block). Returns ``out5, lse5``."""
+    b, hkv, n, g, dk = q5.shape
+    dv = v4.shape[-1]
+    out5 = q5.new_zeros(b, hkv, n, g, dv)
+    lse5 = q5.new_full((b, hkv, n, g, 1), float("inf"))   # +inf: exp(s - lse) = 0 on empty rows
+    for i0, i1 in geo.q_blocks:
+        bn = i1 - i0
+        rows = bn * g
+        qb = q5[:, :, i0:i1].reshape(b, hkv, rows, dk)                       # row r = (query r // g, head r % g)
+        acc = lse = None
+        for j0, j1, state in _spans(geo, i0, i1, merge=slopes5 is None):
+            bias, dead = None, None
+            if slopes5 is not None:                                            # -slope_h |p_q - p_k|: (1, Hkv, rows, bm)
+                dist = geo.distance(i0, i1, j0, j1, q5.dtype, q5.device)      # (bn, 1, bm)
+                bias = (-slopes5.view(1, hkv, 1, g, 1) * dist).reshape(1, hkv, rows, j1 - j0)
+            if state == PARTIAL:
+                allowed = geo.structural(i0, i1, j0, j1, q5.device).expand(bn, g, j1 - j0)
+                blocked = torch.zeros((), dtype=q5.dtype, device=q5.device).masked_fill(~allowed, float("-inf"))
+                blocked = blocked.expand(bn, g, j1 - j0).reshape(1, 1, rows, j1 - j0)
+                bias = blocked if bias is None else bias + blocked
+                dead = ~allowed.any(-1).reshape(rows)                          # rows that see no key here
+            o, lj = _fused_cpu(qb, k4[:, :, j0:j1], v4[:, :, j0:j1], 0.0, False, attn_mask=bias, scale=1.0)
+            if dead is not None and bool(dead.any()):
+                lj = lj.masked_fill(dead, float("-inf"))                       # the kernel reports 0 for them
+            if acc is None:
+                acc, lse = o, lj                                               # (B, Hkv, rows, d_v), (B, Hkv, rows)
+                continue
+            new = torch.logaddexp(lse, lj)
+            safe = new.masked_fill(new == float("-inf"), 0.0)
+            acc = acc * (lse - safe).exp().unsqueeze(-1) + o * (lj - safe).exp().unsqueeze(-1)
+            lse = new
+        if acc is None:
+            continue                                                           # no visible key at all
+        out5[:, :, i0:i1] = acc.view(b, hkv, bn, g, dv)
+        lse5[:, :, i0:i1] = lse.masked_fill(lse == float("-inf"), float("inf")).view(b, hkv, bn, g, 1)
+    return out5, lse5
+
+
 # --------------------------------------------------------------------------- the autograd kernel
 class _FlashAttention(torch.autograd.Function):
     """q5 ``(B, Hkv, n, G, d_k)`` pre-scaled, k4 ``(B, Hkv, m, d_k)``, v4 ``(B, Hkv, m, d_v)``."""
 
     @staticmethod
     def forward(ctx, q5, k4, v4, bias5, slopes5, mask5, geo):
+        if mask5 is None and bias5 is None and q5.device.type == "cpu" and q5.shape[-1] == v4.shape[-1]:
+            out5, lse5 = _forward_by_fused_blocks(q5, k4, v4, slopes5, geo)
+            ctx.save_for_backward(q5, k4, v4, bias5, slopes5, mask5, out5, lse5)
+            ctx.geo = geo
+            return out5
         b, hkv, n, g, _ = q5.shape
         dv = v4.shape[-1]
         out5 = q5.new_zeros(b, hkv, n, g, dv)

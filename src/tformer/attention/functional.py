@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tformer.attention.checks import check_shapes as _check_shapes
+from tformer.attention.dropout import dropout_attention
 from tformer.attention.flash import flash_backend
 from tformer.attention.masks import causal_mask, sliding_window_mask
 from tformer.errors import InputError
@@ -230,6 +231,18 @@ def _math_attention(q, k, v, mask, bias, causal, window, scale, dropout_p, retur
 def _torch_attention(q, k, v, mask, bias, causal, window, scale, dropout_p):
     n, m = q.shape[-2], k.shape[-2]
     groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() == q.dim() else 1
+    plain = mask is None and bias is None and window is None and (not causal or n == m)
+    if q.device.type == "cpu" and dropout_p > 0 and plain and groups == 1 and q.dim() == 4:
+        # PyTorch's CPU kernel has no dropout (it falls back to a slow math path): see attention/dropout.py
+        return dropout_attention(q, k, v, p=dropout_p, scale=scale, causal=causal)
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.requires_grad \
+            and torch.is_grad_enabled():
+        # PyTorch 2.13's CPU flash kernel is slower in bf16 than in fp32 once its backward counts (measured
+        # fwd+bwd at (12, 4, 64, 32): 7.5 ms against 1.6 ms; docs/training.md): train it in fp32.
+        with torch.autocast("cpu", enabled=False):
+            args = (t.float() for t in (q, k, v))
+            fbias = None if bias is None else bias.float()
+            return _torch_attention(*args, mask, fbias, causal, window, scale, dropout_p).to(q.dtype)
     # The fused kernel's own is_causal is top-left aligned: only use it when that is the same thing.
     if mask is None and bias is None and window is None and causal and n == m:
         if groups > 1:

@@ -89,11 +89,14 @@ def _merge_dilation(x: Tensor, H: int, d: int) -> Tensor:
     return x.reshape(B, H, d, m, *rest).transpose(2, 3).reshape(B, H, m * d, *rest)
 
 
-def global_index(global_mask: Tensor) -> tuple[Tensor, Tensor]:
+def global_index(global_mask: Tensor, g: int | None = None) -> tuple[Tensor, Tensor]:
     """``(B, n)`` bool -> ``idx (B, g)`` positions of the global tokens (ascending) and ``valid (B, g)``
-    (rows with fewer global tokens are padded), ``g`` the largest count in the batch."""
+    (rows with fewer global tokens are padded); ``g``: at least the largest count in the batch
+    (default: that count, read from the device)."""
     counts = global_mask.sum(dim=1)                                           # (B,)
-    g = int(counts.max()) if global_mask.numel() else 0
+    if g is None:
+        g = int(counts.max()) if global_mask.numel() else 0
+    g = min(g, global_mask.shape[1])
     order = torch.sort((~global_mask).to(torch.int8), dim=1, stable=True).indices  # globals first, in order
     idx = order[:, :g]                                                        # (B, g)
     valid = torch.arange(g, device=idx.device).unsqueeze(0) < counts.unsqueeze(1)
@@ -109,6 +112,7 @@ def longformer_attention(
     q: Tensor, k: Tensor, v: Tensor, window: int, *, causal: bool = False, dilation: int = 1,
     key_mask: Tensor | None = None, global_mask: Tensor | None = None,
     global_qkv: tuple[Tensor, Tensor, Tensor] | None = None, scale: float | None = None,
+    max_global: int | None = None,
 ) -> Tensor:
     """Sliding-window attention with optional dilation and global tokens.
 
@@ -122,13 +126,15 @@ def longformer_attention(
         global_qkv: ``(q_g, k_g, v_g)``, each ``(B, H, n, e)``: the global projections of every
             token (only global rows of ``q_g`` are used); default ``(q, k, v)``.
         scale: default ``1/sqrt(e)``.
+        max_global: an upper bound on any row's global tokens, known without reading the mask
+            (the mixer's configured count); then nothing is read back from the device.
     Returns:
         ``(B, H, n, e)``.
     """
     B, H, n, e = q.shape
     scale = 1.0 / math.sqrt(e) if scale is None else scale
     key_ok = torch.ones(B, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask.bool()
-    has_global = global_mask is not None and bool(global_mask.any())
+    has_global = global_mask is not None and (bool(global_mask.any()) if max_global is None else max_global > 0)
     local_ok = key_ok & ~global_mask if has_global else key_ok               # a global key counts once
     step = window * dilation                                                 # pad n to whole dilated blocks
     pad = (-n) % step
@@ -140,7 +146,7 @@ def longformer_attention(
         out = torch.matmul(masked_softmax(scores, ok), span(vd))             # (B, H·d, nb, c, e)
         return _merge_dilation(out.flatten(2, 3), H, dilation)[:, :, :n]
 
-    idx, valid = global_index(global_mask)                                   # (B, g)
+    idx, valid = global_index(global_mask, max_global)                       # (B, g)
     out = _window_and_globals(qp, vd, scores, ok, span, k, v, idx, valid, key_ok, causal, dilation, scale)
     out = _merge_dilation(out.flatten(2, 3), H, dilation)[:, :, :n]          # (B, H, n, e)
     g_out = _global_rows(*(global_qkv or (q, k, v)), idx, key_ok, causal, scale)  # (B, H, g, e)

@@ -73,7 +73,7 @@ class MultiHeadAttention(nn.Module):
         return 2 * n_tokens * config.n_kv_heads * config.head_dim * bytes_per_element * batch_size
 
     @classmethod
-    def extra_training_flops_per_token(cls, config: TransformerConfig, seq_len: int) -> int:
+    def extra_training_flops_per_token(cls, config: TransformerConfig, seq_len: int, layer: int = 0) -> int:
         """The scores Q·Kᵀ and the weighted sum A·V, which no parameter counts: forward 2·2·T·d_attn
         per token, times 3 with the backward (PaLM, appendix B)."""
         return 12 * seq_len * config.n_heads * config.head_dim

@@ -2,7 +2,7 @@
 
     tformer convert --from-hf HF_DIR --out CKPT_DIR     # config.json + *.safetensors -> tformer
     tformer convert --to-hf CKPT_DIR --out HF_DIR       # tformer -> folder transformers loads
-    tformer convert --to-gguf CKPT_DIR --out MODEL.gguf [--type f32|f16|bf16|q8_0]   # -> llama.cpp
+    tformer convert --to-gguf CKPT_DIR --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0]   # -> llama.cpp
 
 A non-empty --out is refused unless --force is given, and then replaced whole: the new folder is
 written beside it under a hidden name and swapped in by two renames once complete, so no file of
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                        "(llama.cpp; GPT-2 and Llama layouts)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be empty or new); "
                                                                 "with --to-gguf the .gguf file")
-    p.add_argument("--type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+    p.add_argument("--type", default="f32", choices=["f32", "f16", "bf16", "q8_0", "q4_0"],
                    help="with --to-gguf: type of the weight matrices (norms and biases stay f32)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--model-type", default=None,

@@ -98,16 +98,12 @@ def run(args: argparse.Namespace) -> int:
 
 def summary(analysis: dict) -> str:
     """Our exponents and tokens per parameter beside the papers'."""
+    from tformer.scaling.report import fit_rows
+
     lines = [f"{'':<24}{'a (N_opt ∝ C^a)':>18}{'b (D_opt ∝ C^b)':>18}{'D/N at largest C':>18}"]
-    for name, p in analysis["papers"].items():
-        tpp = p.get("tokens_per_param_at_top_budget")
-        lines.append(f"{name:<24}{p['a']:>18.3f}{p['b']:>18.3f}{(f'{tpp:.1f}' if tpp else '-'):>18}")
+    lines += [f"{name:<24}{a:>18}{b:>18}{tpp:>18}" for name, a, b, tpp in fit_rows(analysis)]
     if "approach2" in analysis:
         a2 = analysis["approach2"]
-        ci = f" [{a2['a_ci'][0]:.2f}, {a2['a_ci'][1]:.2f}]" if a2.get("a_ci") else ""
-        a = f"{a2['a']:.3f}{ci}"
-        lines.append(f"{'this sweep, Approach 2':<24}{a:>18}{a2['b']:>18.3f}"
-                     f"{a2['tokens_per_param'][-1]:>18.1f}")
         outside = [f"{c:.3g}" for c, ok in zip(a2["budgets"], a2["bracketed"]) if not ok]
         if outside:
             lines.append(f"  warning: at C = {', '.join(outside)} the parabola's minimum lies outside the sizes trained "
@@ -116,12 +112,9 @@ def summary(analysis: dict) -> str:
         lines.append(f"this sweep, Approach 2: not fitted ({analysis['approach2_error']})")
     if "approach3" in analysis:
         a3 = analysis["approach3"]
-        ci = f" [{a3['ci']['a'][0]:.2f}, {a3['ci']['a'][1]:.2f}]" if a3.get("ci") else ""
-        a = f"{a3['a']:.3f}{ci}"
-        lines.append(f"{'this sweep, Approach 3':<24}{a:>18}{a3['b']:>18.3f}"
-                     f"{a3['tokens_per_param'][-1]:>18.1f}")
         lines.append(f"  Approach 3 law: E {a3['E']:.3f}, A {a3['A']:.4g}, B {a3['B']:.4g}, "
                      f"alpha {a3['alpha']:.3f}, beta {a3['beta']:.3f}")
     else:
         lines.append(f"this sweep, Approach 3: not fitted ({analysis['approach3_error']})")
     return "\n".join(lines + ["(brackets: 90% bootstrap intervals; D/N: compute-optimal tokens per parameter)"])
+

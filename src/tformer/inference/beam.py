@@ -5,7 +5,7 @@ RNNs of :mod:`tformer.models.rnn_seq2seq`):
 
     state = model.new_state(src, src_mask, max_len)   # encodes once; per-request state
     logits = model.decode_step(tokens, state)         # (B, T) -> (B, T, V), advances the state
-    state.repeat(k); state.reorder(index)             # beam search: k rows per source; pick rows
+    state.repeat(k); state.reorder(index, rows)       # beam search: k rows per source; copy rows in place
 
 Beam search (Graves, 2012; Sutskever et al., 2014) keeps the ``num_beams`` best prefixes by summed
 log-probability. A prefix that picks EOS among the top ``num_beams`` candidates becomes a finished
@@ -63,19 +63,20 @@ def sample_decode(model, src: Tensor, src_mask: Tensor | None = None, *, bos: in
     check_sampling(temperature, top_k, top_p)
     B = src.shape[0]
     gens = None
-    if seed is not None:
-        gens = [torch.Generator(device=src.device).manual_seed(seed + i) for i in range(B)]
+    if seed is not None:  # one generator per row, all seeded alike: a batched result equals each source alone
+        gens = [torch.Generator(device=src.device).manual_seed(seed) for _ in range(B)]
     state = model.new_state(src, src_mask, max_len=max_new_tokens + 1)
     tokens = torch.full((B, 1), bos, dtype=torch.long, device=src.device)
-    out = [[] for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
     for _ in range(max_new_tokens):
         logits = model.decode_step(tokens, state)[:, -1]                                 # (B, V)
         tokens = sample(logits, temperature, top_k, top_p, gens)[:, None]                # (B, 1)
-        for b in (~done).nonzero().flatten().tolist():
-            out[b].append(int(tokens[b]))
-        done |= tokens[:, 0] == eos
-        if bool(done.all()):
+        for b, t in enumerate(tokens[:, 0].tolist()):                                    # the step's one host sync
+            if not done[b]:
+                out[b].append(t)
+                done[b] = t == eos
+        if all(done):
             break
     return out
 
@@ -110,39 +111,44 @@ def beam_search(model, src: Tensor, src_mask: Tensor | None = None, *, bos: int,
         raise InputError(f"early_stopping={early_stopping!r} must be True, False or 'never'.")
     B, K, dev = src.shape[0], num_beams, src.device
     state = model.new_state(src, src_mask, max_len=max_new_tokens + 1).repeat(K)        # rows b*K .. b*K+K-1
-    prefixes = torch.full((B, K, 1), bos, dtype=torch.long, device=dev)                   # (B, K, n)
+    last = torch.full((B, K), bos, dtype=torch.long, device=dev)                          # (B, K) newest tokens
+    prefixes = [[[] for _ in range(K)] for _ in range(B)]                                 # host: tokens after BOS
     scores = torch.full((B, K), float("-inf"), device=dev)
     scores[:, 0] = 0.0                                                                    # one live beam at first
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     closed = [False] * B
     for n in range(1, max_new_tokens + 1):                                                # n = tokens after this step
-        logp = F.log_softmax(model.decode_step(prefixes[:, :, -1].reshape(B * K, 1), state)[:, -1].float(), -1)
+        logp = F.log_softmax(model.decode_step(last.reshape(B * K, 1), state)[:, -1].float(), -1)
         V = logp.shape[-1]
         total = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)                  # (B, K·V)
         top, index = total.topk(min(2 * K, K * V), dim=-1)                                # (B, 2K), sorted
         beam, token = index // V, index % V
         ends = (token == eos) | (n == max_new_tokens)                                     # these stop here
-        for b in range(B):
-            if closed[b]:
-                continue
-            for r in range(min(K, top.shape[1])):                                         # only the top K may finish
-                if ends[b, r] and top[b, r] > float("-inf"):
-                    seq = prefixes[b, beam[b, r], 1:].tolist() + [int(token[b, r])]
-                    _add(finished[b], Hypothesis(seq, float(top[b, r]) / n ** length_penalty), K)
         live = top.masked_fill(ends, float("-inf")).topk(K, dim=-1)                       # best K open prefixes
-        src_beam, next_token = beam.gather(1, live.indices), token.gather(1, live.indices)  # (B, K)
+        src_beam, last = beam.gather(1, live.indices), token.gather(1, live.indices)      # (B, K)
         scores = live.values
-        prefixes = torch.cat([prefixes.gather(1, src_beam[:, :, None].expand_as(prefixes)),
-                              next_token[:, :, None]], dim=-1)
-        state.reorder((src_beam + K * torch.arange(B, device=dev)[:, None]).flatten())
-        horizon = max_new_tokens if (early_stopping == "never" and length_penalty > 0) else n
-        for b in range(B):
-            full = len(finished[b]) == K
-            if full and (early_stopping is True
-                         or float(scores[b, 0]) / horizon ** length_penalty <= finished[b][-1].score):
+        C = top.shape[1]
+        host = torch.cat([top.double(), beam.double(), token.double(), ends.double(), src_beam.double(),
+                          last.double(), scores[:, :1].double()], 1).tolist()             # the step's one host sync
+        for b, row in enumerate(host):
+            tops, beams, toks, end = row[:C], row[C:2 * C], row[2 * C:3 * C], row[3 * C:4 * C]
+            picks, nexts = row[4 * C:4 * C + K], row[4 * C + K:4 * C + 2 * K]
+            if not closed[b]:
+                for r in range(min(K, C)):                                                # only the top K may finish
+                    if end[r] and tops[r] > float("-inf"):
+                        seq = prefixes[b][int(beams[r])] + [int(toks[r])]
+                        _add(finished[b], Hypothesis(seq, tops[r] / n ** length_penalty), K)
+            prefixes[b] = [prefixes[b][int(p)] + [int(t)] for p, t in zip(picks, nexts)]
+            horizon = max_new_tokens if (early_stopping == "never" and length_penalty > 0) else n
+            if not closed[b] and len(finished[b]) == K and (
+                    early_stopping is True or row[-1] / horizon ** length_penalty <= finished[b][-1].score):
                 closed[b] = True
         if all(closed):
             break
+        picks = [b * K + int(p) for b, row in enumerate(host) for p in row[4 * C:4 * C + K]]
+        moved = [i for i, p in enumerate(picks) if p != i]                                # rows whose prefix changed
+        if moved:
+            state.reorder(torch.tensor([picks[i] for i in moved], device=dev), torch.tensor(moved, device=dev))
     return [hyps[:n_best] for hyps in finished]
 
 

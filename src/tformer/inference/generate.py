@@ -183,9 +183,7 @@ class _Stepper:
         cache_len = (self.context if opts.compile else min(total, self.context)) if opts.use_cache else 0
         self.state = model.new_state(B, cache_len) if cache_len else None
         self.decode = None
-        if self.state is not None and opts.is_static:
-            real = attention_mask.long().sum(-1) if attention_mask is not None else torch.full((B,), T)
-            self.next_pos = real.to(ids.device)            # (B,) position of each row's next token
+        if self.state is not None and opts.is_static:    # positions: the model counts state.valid's real tokens
             self.step_tokens = torch.empty(B, 1, dtype=torch.long, device=ids.device)   # one buffer each, so
             self.slot = torch.empty(B, dtype=torch.long, device=ids.device)            # shapes/strides never change
             self.decode = _compiled_step() if opts.compile else _static_step
@@ -203,10 +201,10 @@ class _Stepper:
 
     def _run(self, start: int, end: int, state) -> Tensor:
         """Logits of the token after ``out[:, start:end]``, after what ``state`` holds."""
-        held = state.length if state is not None else 0
-        # Positions count from 0 at the window's first token: the model derives them from the mask
-        # (real tokens only, so left padding shifts nothing) or, without padding, from the state.
-        mask = self.mask[:, start - held:end] if self.mask is not None else None
+        # Positions count from 0 at the window's first token: the model derives them from the mask of
+        # the new tokens and the real tokens ``state.valid`` holds (left padding shifts nothing), or,
+        # without padding, from the state's length.
+        mask = self.mask[:, start:end] if self.mask is not None else None
         logits, _ = self.model(self.out[:, start:end], attention_mask=mask, state=state, last_only=True)
         return logits[:, -1]                                                    # (B, vocab)
 
@@ -229,11 +227,7 @@ class _Stepper:
                 self.offset = self.cur - max(1, self.context // 2)
                 if self.state is None:
                     return self._run(self.offset, self.cur, None)
-                self.state.reset()
-                if self.decode is not None:          # positions restart from the kept window
-                    kept = self.mask[:, self.offset:self.cur] if self.mask is not None else None
-                    self.next_pos = (kept.sum(-1) if kept is not None else
-                                     torch.full_like(self.next_pos, self.cur - self.offset))
+                self.state.reset()                   # positions restart from the kept window
                 return self._run(self.offset, self.cur, self.state)      # re-prefill the kept half
             self.offset = self.cur - self.context
         if self.state is not None and (self.opts.overflow == "shift" or self.offset == 0):
@@ -245,15 +239,15 @@ class _Stepper:
     def _static(self, pos: int) -> Tensor:
         self.slot.fill_(self.state.length)                                       # the cache index of ``pos``
         self.step_tokens.copy_(self.out[:, pos:pos + 1])
-        logits = self.decode(self.model, self.step_tokens, self.next_pos[:, None], self.slot, self.state)
+        logits = self.decode(self.model, self.step_tokens, None, self.slot, self.state)
         self.state.length += 1
-        self.next_pos += 1
         return logits
 
 
 def _static_step(model, tokens: Tensor, positions: Tensor, slot: Tensor, state) -> Tensor:
-    """One decode step with static shapes: ``tokens (B, 1)`` at ``positions (B, 1)``, written at
-    ``slot (B,)`` of ``state``; returns ``(B, vocab)`` logits."""
+    """One decode step with static shapes: ``tokens (B, 1)`` at ``positions (B, 1)`` (``None``: each
+    row's count of real tokens in ``state.valid``), written at ``slot (B,)`` of ``state``; returns
+    ``(B, vocab)`` logits."""
     logits, _ = model(tokens, positions=positions, state=state, slot=slot)
     return logits[:, -1]
 

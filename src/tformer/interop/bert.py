@@ -36,6 +36,39 @@ POOLER = [("pooler.weight", "pooler.dense.weight"), ("pooler.bias", "pooler.dens
 QKV = ("query", "key", "value")
 
 
+def layers_from_hf(src: TensorSource, c: TransformerConfig, fused=(("qkv_proj", QKV),)) -> dict:
+    """Every encoder layer of a BERT-style checkpoint (``encoder.layer.i.``) in tformer's names
+    (``blocks.i.``): each ``(key, names)`` of ``fused`` concatenates HF's ``attention.self.<name>``
+    projections into ``attn.<key>`` (biases only when ``c.qkv_bias``), plus :data:`LAYER`."""
+    state = {}
+    for i in range(c.n_layers):
+        hf, ours = f"encoder.layer.{i}.", f"blocks.{i}."
+        for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
+            for key, names in fused:
+                state[f"{ours}attn.{key}.{kind}"] = torch.cat([src.take(f"{hf}attention.self.{p}.{kind}")
+                                                               for p in names])
+        for kind in ("weight", "bias"):
+            for t, h in LAYER:
+                state[f"{ours}{t}.{kind}"] = src.take(f"{hf}{h}.{kind}")
+    return state
+
+
+def layers_to_hf(state: dict, c: TransformerConfig, prefix: str = "", fused=(("qkv_proj", QKV),)) -> dict:
+    """The inverse of :func:`layers_from_hf`, under ``{prefix}encoder.layer.i.`` (a fused projection
+    or bias the state lacks is skipped)."""
+    out, q_dim = {}, c.n_heads * c.head_dim
+    for i in range(c.n_layers):
+        hf, ours = f"{prefix}encoder.layer.{i}.", f"blocks.{i}."
+        for kind in ("weight", "bias"):
+            for key, names in fused:
+                if f"{ours}attn.{key}.{kind}" in state:
+                    for name, t in zip(names, state[f"{ours}attn.{key}.{kind}"].split(q_dim)):
+                        out[f"{hf}attention.self.{name}.{kind}"] = t
+            for t, h in LAYER:
+                out[f"{hf}{h}.{kind}"] = state[f"{ours}{t}.{kind}"]
+    return out
+
+
 def config_from_hf(hf: dict) -> TransformerConfig:
     act = hf.get("hidden_act", "gelu")
     if act not in ACTIVATIONS:
@@ -58,13 +91,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
 def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     src.drop("embeddings.position_ids", "embeddings.token_type_ids")  # index buffers, no weights
     state = {ours: src.take(theirs) for ours, theirs in TOP}
-    for i in range(c.n_layers):
-        hf, ours = f"encoder.layer.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            state[f"{ours}attn.qkv_proj.{kind}"] = torch.cat(
-                [src.take(f"{hf}attention.self.{p}.{kind}") for p in QKV])
-            for t, h in LAYER:
-                state[f"{ours}{t}.{kind}"] = src.take(f"{hf}{h}.{kind}")
+    state.update(layers_from_hf(src, c))
     if src.has("cls.predictions.bias"):
         state.update({ours: src.take(theirs) for ours, theirs in MLM})
         state["mlm_head.embedding.weight"] = state["tok_emb.weight"]
@@ -100,14 +127,7 @@ def state_to_hf(state: dict, c: TransformerConfig) -> dict:
     mlm = "mlm_head.bias" in state
     p = PREFIX if mlm else ""  # BertForMaskedLM nests the encoder under bert.; BertModel does not
     out = {p + theirs: state[ours] for ours, theirs in TOP}
-    q_dim = c.n_heads * c.head_dim
-    for i in range(c.n_layers):
-        hf, ours = f"{p}encoder.layer.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            for name, t in zip(QKV, state[f"{ours}attn.qkv_proj.{kind}"].split(q_dim)):
-                out[f"{hf}attention.self.{name}.{kind}"] = t
-            for t, h in LAYER:
-                out[f"{hf}{h}.{kind}"] = state[f"{ours}{t}.{kind}"]
+    out.update(layers_to_hf(state, c, p))
     if mlm:
         out.update({theirs: state[ours] for ours, theirs in MLM})
     if "pooler.weight" in state:  # with the MLM head too: BertForMaskedLM ignores it, load_hf reads it back

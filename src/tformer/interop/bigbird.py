@@ -11,11 +11,10 @@ optional; task heads are refused.
 
 from __future__ import annotations
 
-import torch
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
-from tformer.interop.bert import ACTIVATIONS, LAYER, QKV, TOP
+from tformer.interop.bert import ACTIVATIONS, TOP, layers_from_hf, layers_to_hf
 from tformer.interop.loader import TensorSource, refuse, require
 
 MODEL_TYPES = ("big_bird",)
@@ -52,14 +51,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
 def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     src.drop("embeddings.position_ids", "embeddings.token_type_ids")
     state = {ours: src.take(theirs) for ours, theirs in TOP}
-    for i in range(c.n_layers):
-        hf, ours = f"encoder.layer.{i}.", f"blocks.{i}."
-        kinds = ("weight", "bias") if c.qkv_bias else ("weight",)
-        for kind in kinds:
-            state[f"{ours}attn.qkv_proj.{kind}"] = torch.cat([src.take(f"{hf}attention.self.{p}.{kind}") for p in QKV])
-        for kind in ("weight", "bias"):
-            for t, h in LAYER:
-                state[f"{ours}{t}.{kind}"] = src.take(f"{hf}{h}.{kind}")
+    state.update(layers_from_hf(src, c))
     if src.has("pooler.weight"):
         state.update({ours: src.take(theirs) for ours, theirs in POOLER})
     return state
@@ -93,15 +85,7 @@ def check_exportable(c: TransformerConfig, model_type: str) -> None:
 
 def state_to_hf(state: dict, c: TransformerConfig) -> dict:
     out = {theirs: state[ours] for ours, theirs in TOP}
-    q_dim = c.n_heads * c.head_dim
-    for i in range(c.n_layers):
-        hf, ours = f"encoder.layer.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            if f"{ours}attn.qkv_proj.{kind}" in state:
-                for name, t in zip(QKV, state[f"{ours}attn.qkv_proj.{kind}"].split(q_dim)):
-                    out[f"{hf}attention.self.{name}.{kind}"] = t
-            for t, h in LAYER:
-                out[f"{hf}{h}.{kind}"] = state[f"{ours}{t}.{kind}"]
+    out.update(layers_to_hf(state, c))
     if "pooler.weight" in state:
         out.update({theirs: state[ours] for ours, theirs in POOLER})
     return out

@@ -16,7 +16,7 @@ import torch
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
-from tformer.interop.bert import ACTIVATIONS, LAYER, QKV
+from tformer.interop.bert import ACTIVATIONS, QKV, layers_from_hf, layers_to_hf
 from tformer.interop.loader import TensorSource, refuse, require
 
 MODEL_TYPES = ("longformer",)
@@ -27,6 +27,7 @@ TOP = [("tok_emb.weight", "embeddings.word_embeddings.weight"),
        ("emb_norm.weight", "embeddings.LayerNorm.weight"), ("emb_norm.bias", "embeddings.LayerNorm.bias")]
 POOLER = [("pooler.weight", "pooler.dense.weight"), ("pooler.bias", "pooler.dense.bias")]
 GLOBAL = ("query_global", "key_global", "value_global")
+FUSED = (("qkv_proj", QKV), ("global_qkv_proj", GLOBAL))
 
 
 def _windows(hf: dict) -> list[int]:
@@ -61,16 +62,10 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     state = {ours: src.take(theirs) for ours, theirs in TOP}
     table = src.take("embeddings.position_embeddings.weight")                # (max_positions, C)
     state["pos_emb.weight"] = table[table.shape[0] - c.context_length:]      # from pad_token_id + 1 on
-    has_global = bool(c.mixer_option("longformer", "global_positions", []))
-    for i in range(c.n_layers):
-        hf, ours = f"encoder.layer.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            state[f"{ours}attn.qkv_proj.{kind}"] = torch.cat([src.take(f"{hf}attention.self.{p}.{kind}") for p in QKV])
-            glob = [src.take(f"{hf}attention.self.{p}.{kind}") for p in GLOBAL]
-            if has_global:
-                state[f"{ours}attn.global_qkv_proj.{kind}"] = torch.cat(glob)
-            for t, h in LAYER:
-                state[f"{ours}{t}.{kind}"] = src.take(f"{hf}{h}.{kind}")
+    layers = layers_from_hf(src, c, FUSED)                                  # HF has global projections always,
+    if not c.mixer_option("longformer", "global_positions", []):            # tformer only with global tokens
+        layers = {k: v for k, v in layers.items() if ".attn.global_qkv_proj." not in k}
+    state.update(layers)
     if src.has("pooler.dense.weight"):
         state.update({ours: src.take(theirs) for ours, theirs in POOLER})
     return state
@@ -106,15 +101,7 @@ def state_to_hf(state: dict, c: TransformerConfig) -> dict:
     out = {theirs: state[ours] for ours, theirs in TOP}
     table = state["pos_emb.weight"]
     out["embeddings.position_embeddings.weight"] = torch.cat([table.new_zeros(2, table.shape[1]), table])
-    q_dim = c.n_heads * c.head_dim
-    for i in range(c.n_layers):
-        hf, ours = f"encoder.layer.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            for names, key in ((QKV, "qkv_proj"), (GLOBAL, "global_qkv_proj")):
-                for name, t in zip(names, state[f"{ours}attn.{key}.{kind}"].split(q_dim)):
-                    out[f"{hf}attention.self.{name}.{kind}"] = t
-            for t, h in LAYER:
-                out[f"{hf}{h}.{kind}"] = state[f"{ours}{t}.{kind}"]
+    out.update(layers_to_hf(state, c, fused=FUSED))
     if "pooler.weight" in state:
         out.update({theirs: state[ours] for ours, theirs in POOLER})
     return out

@@ -76,6 +76,21 @@ class BigBirdAttention(ProjectedAttention):
         return self.finish(out[:, :, :T], step)
 
     @classmethod
+    def extra_training_flops_per_token(cls, config: TransformerConfig, seq_len: int, layer: int = 0) -> int:
+        """``12 · nh · hs`` per query-key pair the layer computes, per token: with ``n`` = ``T``
+        padded to whole blocks, the ``nb - 2`` middle query blocks meet ``(5 + r)·b`` keys each and
+        the two global blocks all ``n``; dense (``T`` keys per query) where the forward falls back
+        to dense attention (:func:`~tformer.attention.bigbird.dense_reason`)."""
+        b = cls.layer_option(config, "block_size", 64, layer)
+        r = cls.layer_option(config, "num_random_blocks", 3, layer)
+        n = -(-seq_len // b) * b
+        if dense_reason(n, b, r) is not None:
+            pairs = seq_len * seq_len
+        else:
+            pairs = (n - 2 * b) * (5 + r) * b + 2 * b * n
+        return 12 * config.n_heads * config.head_dim * pairs // seq_len
+
+    @classmethod
     def check_config(cls, config: TransformerConfig) -> None:
         super().check_config(config)
         if config.causal:

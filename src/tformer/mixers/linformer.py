@@ -61,6 +61,17 @@ class LinformerAttention(ProjectedAttention):
         return super().count_parameters(config) + heads * k * config.context_length * (1 if sharing == "kv" else 2)
 
     @classmethod
+    def extra_training_flops_per_token(cls, config: TransformerConfig, seq_len: int, layer: int = 0) -> int:
+        """Per token and head, ``4·k·e`` multiply-adds: its key and value through ``E`` and ``F``
+        (``E[:, t]`` meets every head's key), and its query against the ``k`` projected keys and
+        values; times 2 FLOPs, 3 with the backward, ``nh`` heads. ``6 · parameters`` already
+        counted ``E`` and ``F`` as if each weight met one token, so that is taken off (the
+        result may be negative: ``E`` has a column per position, each used by one token)."""
+        k = config.mixer_option(cls.name, "k", 256)
+        ef = cls.count_parameters(config) - super().count_parameters(config)
+        return 24 * config.n_heads * k * config.head_dim - 6 * ef
+
+    @classmethod
     def check_config(cls, config: TransformerConfig) -> None:
         super().check_config(config)
         if config.causal:

@@ -76,15 +76,16 @@ class LongformerAttention(ProjectedAttention):
             width = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
             self.global_qkv_proj = nn.Linear(c.d_model, width, bias=c.qkv_bias)
 
-    def global_mask(self, batch: int, n: int, offset: int, device) -> Tensor | None:
-        """``(B, n)`` bool: which of the positions ``offset .. offset + n - 1`` are global."""
+    def global_mask(self, step: Step, batch: int, n: int) -> Tensor | None:
+        """``(B, n)`` bool: which of the ``n`` tokens are global: real tokens whose position (the
+        model's, ``step.positions``) is in ``global_positions``. A decoder counts positions over real
+        tokens, so a left-padded row marks the same tokens as the row alone."""
         if not self.global_positions:
             return None
-        pos = torch.tensor(self.global_positions, device=device) - offset
-        pos = pos[(pos >= 0) & (pos < n)]
-        mask = torch.zeros(batch, n, dtype=torch.bool, device=device)
-        mask[:, pos] = True
-        return mask
+        pos = torch.broadcast_to(step.positions, (batch, n))                             # (B, n)
+        mask = torch.isin(pos, torch.tensor(self.global_positions, device=pos.device))  # (B, n)
+        real = self.key_mask(step, batch, n)
+        return mask if real is None else mask & real
 
     def forward(self, x: Tensor, step: Step, state: RingState | None = None):
         """``x (B, T, C)`` -> ``(B, T, C)``; with ``state``, ``x`` continues the text at ``step.start_pos``."""
@@ -93,14 +94,15 @@ class LongformerAttention(ProjectedAttention):
         if state is not None:
             attend = self._slot if step.slot is not None else self._cached
             return self.finish(attend(q, k, v, step, state), step)
-        gmask = self.global_mask(B, T, 0, x.device)
+        gmask = self.global_mask(step, B, T)
         gqkv = None
         if gmask is not None:
             gq, gk, gv = self.project(x, step, self.global_qkv_proj)
             gqkv = (gq, self.expand(gk), self.expand(gv))
         out = longformer_attention(q, self.expand(k), self.expand(v), self.window, causal=self.causal,
                                    dilation=self.dilation, key_mask=self.key_mask(step, B, T),
-                                   global_mask=gmask, global_qkv=gqkv)     # (B, nh, T, hs)
+                                   global_mask=gmask, global_qkv=gqkv,
+                                   max_global=len(self.global_positions))  # (B, nh, T, hs)
         return self.finish(out, step)
 
     def _cached(self, q: Tensor, k: Tensor, v: Tensor, step: Step, state: RingState) -> Tensor:
@@ -158,6 +160,18 @@ class LongformerAttention(ProjectedAttention):
         c = config
         width = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         return base + c.d_model * width + (width if c.qkv_bias else 0)
+
+    @classmethod
+    def extra_training_flops_per_token(cls, config: TransformerConfig, seq_len: int, layer: int = 0) -> int:
+        """Scores and weighted sums as the kernel computes them, ``12 · nh · hs`` per key a query
+        meets (PaLM's count for attention, with these keys for ``T``): each query block's key span
+        ``L = 3w - 2`` (``2w - 1`` causal; dilation only spaces them), plus, with ``g`` global
+        tokens, every query against the ``g`` global keys and the ``g`` global queries against all
+        ``T`` keys (``g`` more per token)."""
+        w = cls.layer_option(config, "window", 256, layer)
+        span = 2 * w - 1 if config.causal else 3 * w - 2
+        g = sum(1 for p in config.mixer_option(cls.name, "global_positions", []) if p < seq_len)
+        return 12 * config.n_heads * config.head_dim * (span + 2 * g)
 
     @classmethod
     def state_bytes(cls, config: TransformerConfig, n_tokens: int, batch_size: int = 1,

@@ -100,6 +100,20 @@ class PerformerAttention(ProjectedAttention):
         return FavorState(batch_size, self.n_heads, self.m, self.head_dim, dtype, device)
 
     @classmethod
+    def extra_training_flops_per_token(cls, config: TransformerConfig, seq_len: int, layer: int = 0) -> int:
+        """The matmuls of FAVOR+ no parameter counts, per token and head (``m`` features, ``e`` the
+        head width), as multiply-adds: the features of q and k (``2·m·e``); bidirectional: ``φ(K)ᵀV``
+        and ``φ(Q)·(φ(K)ᵀV)`` (``2·m·e``) and the normaliser (``m``); causal, by chunks of ``c``:
+        the two running-sum products (``2·m·e``), the normaliser (``m``) and the within-chunk
+        scores and sum (``c·(m + e)``). Times 2 FLOPs, 3 with the backward, ``nh`` heads."""
+        m = cls.layer_option(config, "features", default_features(config.head_dim), layer)
+        e = config.head_dim
+        macs = 4 * m * e + m
+        if config.causal:
+            macs += min(cls.layer_option(config, "chunk", 64, layer), seq_len) * (m + e)
+        return 6 * config.n_heads * macs
+
+    @classmethod
     def state_bytes(cls, config: TransformerConfig, n_tokens: int, batch_size: int = 1,
                     bytes_per_element: int = 4) -> int:
         """``B·nh·(m·hs + m)`` elements, independent of ``n_tokens`` (kept in fp32 or wider)."""

@@ -43,8 +43,13 @@ class ProjectedAttention(nn.Module):
 
     def option(self, key: str, default=None):
         """``config.mixer_options[self.name][key]``; a list there gives one value per layer (cycled)."""
-        value = self.config.mixer_option(self.name, key, default)
-        return value[self.layer % len(value)] if isinstance(value, (list, tuple)) else value
+        return self.layer_option(self.config, key, default, self.layer)
+
+    @classmethod
+    def layer_option(cls, config: TransformerConfig, key: str, default, layer: int):
+        """Layer ``layer``'s value of option ``key`` (what :meth:`option` reads, from the config alone)."""
+        value = config.mixer_option(cls.name, key, default)
+        return value[layer % len(value)] if isinstance(value, (list, tuple)) else value
 
     def project(self, x: Tensor, step: Step, proj: nn.Linear | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``x (B, T, C)`` -> ``q (B, nh, T, hs)``, ``k, v (B, nkv, T, hs)`` (RoPE applied at ``step.positions``);

@@ -58,7 +58,8 @@ class DecoderLM(TransformerStack):
             ids: ``(B, T)`` token ids.
             targets: ``(B, T)`` next-token ids; ``-100`` marks positions to ignore.
             attention_mask: ``(B, m)`` 1 for real tokens, 0 for padding, over every key
-                (``m = state.length + T`` with a state).
+                (``m = state.length + T`` with a state), or, with a state, ``(B, T)`` over the new
+                tokens only (the earlier ones are read from ``state.valid``).
             positions: ``(T,)`` or ``(B, T)`` absolute positions. Default: with an ``attention_mask``,
                 each token's count of real tokens before it (so left padding shifts nothing);
                 otherwise ``state.length + arange(T)``.

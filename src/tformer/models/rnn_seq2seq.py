@@ -65,8 +65,12 @@ class RNNState:
         rep = lambda t: None if t is None else t.repeat_interleave(k, dim=0)          # noqa: E731
         return RNNState(rep(self.values), rep(self.keys), rep(self.mask), rep(self.s), self.length)
 
-    def reorder(self, index: Tensor) -> None:
-        self.s = self.s.index_select(0, index)
+    def reorder(self, index: Tensor, rows: Tensor | None = None) -> None:
+        """Copy row ``index[i]`` of the decoder's state into row ``rows[i]`` (default: row ``i``), in place."""
+        if rows is None:
+            self.s.copy_(self.s.index_select(0, index))
+        else:
+            self.s.index_copy_(0, rows, self.s.index_select(0, index))
 
     @property
     def nbytes(self) -> int:

@@ -110,32 +110,22 @@ class Seq2SeqState:
     def repeat(self, k: int) -> "Seq2SeqState":
         """Each sequence ``k`` times in a row (beam search: the beams of one source are adjacent)."""
         rep = lambda t: t.repeat_interleave(k, dim=0)                                       # noqa: E731
-        d = self.decoder
-        dec = InferenceState([_map_tensors(s, rep) for s in d.layers], d.batch_size * k, d.max_len, d.valid.device)
-        dec.length, dec.valid = d.length, rep(d.valid)
         cross = CrossMemory(kv=[(rep(a), rep(b)) for a, b in self.cross.kv])
-        return Seq2SeqState(cross, dec, None if self.src_mask is None else rep(self.src_mask))
+        return Seq2SeqState(cross, self.decoder.map(rep), None if self.src_mask is None else rep(self.src_mask))
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep row ``index[i]`` in row ``i`` (beam search). ``index`` stays within each source's
-        rows, so the cross-attention keys/values need no reordering."""
-        pick = lambda t: t.index_select(0, index)                                           # noqa: E731
-        self.decoder.layers = [_map_tensors(s, pick) for s in self.decoder.layers]
-        self.decoder.valid = pick(self.decoder.valid)
+    def reorder(self, index: Tensor, rows: Tensor | None = None) -> None:
+        """Copy row ``index[i]`` into row ``rows[i]`` (default: every row ``i``), in place in the
+        existing buffers (beam search). ``index`` stays within each source's rows, so the
+        cross-attention keys/values need no reordering."""
+        if rows is None:
+            pick = lambda t: t.copy_(t.index_select(0, index))                              # noqa: E731
+        else:
+            pick = lambda t: t.index_copy_(0, rows, t.index_select(0, index))               # noqa: E731
+        self.decoder = self.decoder.map(pick)
 
     @property
     def nbytes(self) -> int:
         return self.decoder.nbytes + sum(a.nbytes + b.nbytes for a, b in self.cross.kv)
-
-
-def _map_tensors(layer_state, fn):
-    """A copy of one layer's mixer state (a KV cache, a recurrent state, ...) with ``fn`` applied to
-    every tensor attribute along the batch dimension."""
-    if layer_state is None:
-        return None
-    new = object.__new__(type(layer_state))
-    new.__dict__.update({k: fn(v) if isinstance(v, Tensor) else v for k, v in vars(layer_state).items()})
-    return new
 
 
 class EncoderDecoder(nn.Module):

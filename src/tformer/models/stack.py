@@ -17,8 +17,8 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from tformer.attention.dropout import dropout as cpu_dropout
 from tformer.attention.masks import padding_mask
 from tformer.config import TransformerConfig
 from tformer.errors import InputError
@@ -148,12 +148,14 @@ class TransformerStack(nn.Module):
 
         Args:
             attention_mask: ``(B, m)`` 1 for real tokens, 0 for padding, over every key
-                (``m = state.length + T`` with a state).
+                (``m = state.length + T`` with a state), or, with a state, ``(B, T)`` over the new
+                tokens only: the earlier keys are then read from ``state.valid``.
             positions: ``(T,)`` or ``(B, T)`` absolute positions; default :meth:`default_positions`.
             state: the request's inference state (written at ``state.length``, which then advances).
-            slot: ``(B,)`` static decode: write index per row; needs ``T == 1``, ``positions`` and
-                ``state``; reads ``state.valid`` as the padding mask. Nothing in this path depends
-                on a Python value that changes between steps.
+            slot: ``(B,)`` static decode: write index per row; needs ``T == 1`` and ``state``; reads
+                ``state.valid`` as the padding mask and (default) as the positions: each row's count
+                of real tokens held. Nothing in this path depends on a Python value that changes
+                between steps.
         """
         T = ids.shape[1]
         if slot is not None:   # never read state.length here: a changing int would recompile every step
@@ -162,7 +164,7 @@ class TransformerStack(nn.Module):
             step = self._step(T, state.length if state is not None else 0, attention_mask, positions, state)
         step.dropout = self.training and not torch.is_inference_mode_enabled()
         step.return_weights = return_weights
-        x = F.dropout(self.embed(ids, step.positions, token_type_ids), self.config.dropout, step.dropout)
+        x = cpu_dropout(self.embed(ids, step.positions, token_type_ids), self.config.dropout, step.dropout)
         weights = []
         for i, block in enumerate(self.blocks):
             layer_state = state.layers[i] if state is not None else None
@@ -178,25 +180,33 @@ class TransformerStack(nn.Module):
               state: InferenceState | None) -> Step:
         """The eager path: Python-int start, padding mask over ``start + T`` keys."""
         end = start + T
+        new_only = state is not None and attention_mask is not None and start > 0 and attention_mask.shape[-1] == T
         if positions is None:
-            positions = self.default_positions(T, start, attention_mask)
+            if new_only and self.positions_follow_mask:    # real tokens held + real tokens before, among the new
+                held = state.valid[:, :start].sum(-1, keepdim=True)                       # (B, 1)
+                positions = (held + attention_mask.long().cumsum(-1) - 1).clamp(min=0)    # (B, T)
+            else:
+                positions = self.default_positions(T, start, attention_mask)
             self._ensure_positions(end)
         mask = tokens = None
         if attention_mask is not None:
-            mask = padding_mask(attention_mask)                                   # (B, 1, 1, m)
             tokens = attention_mask[:, -T:].bool()                                # (B, T)
         if state is not None:
             if end > state.max_len:
                 raise InputError(f"the inference state holds {state.max_len} positions; cannot add {T} tokens "
                                  f"after {start}. Make the state with a larger max_len.")
             state.valid[:, start:end] = tokens if tokens is not None else True
+        if attention_mask is not None:
+            mask = padding_mask(state.valid[:, :end] if new_only else attention_mask)     # (B, 1, 1, m)
         return Step(positions=positions, mask=mask, tokens=tokens, start_pos=start)
 
     def _slot_step(self, ids: Tensor, positions: Tensor | None, state: InferenceState | None, slot: Tensor) -> Step:
         """The static decode path: one token per row, written at ``slot``. The mask, built once here
         for every layer, is the state's real tokens up to and including ``slot`` (causality)."""
-        if state is None or positions is None or ids.shape[1] != 1:
-            raise InputError("a static decode step (slot=...) needs one token per row, positions (B, 1) and a state.")
+        if state is None or ids.shape[1] != 1:
+            raise InputError("a static decode step (slot=...) needs one token per row and a state.")
+        if positions is None:                                                   # real tokens held, per row
+            positions = state.valid.sum(-1, keepdim=True)                       # (B, 1)
         rows = torch.arange(ids.shape[0], device=ids.device)
         state.valid[rows, slot] = True
         keys = torch.arange(state.max_len, device=ids.device)

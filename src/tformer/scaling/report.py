@@ -40,6 +40,22 @@ def analyse(runs: list[dict], *, bootstrap: int = 100, seed: int = 0) -> dict:
     return out
 
 
+def fit_rows(analysis: dict) -> list[tuple[str, str, str, str]]:
+    """The papers' laws and this sweep's fits, one row each: ``(name, a [90% interval], b, D/N at
+    the largest budget)`` as text; the command's summary and the benchmark's table print these."""
+    rows = []
+    for name, p in analysis["papers"].items():
+        tpp = p.get("tokens_per_param_at_top_budget")
+        rows.append((name, f"{p['a']:.3f}", f"{p['b']:.3f}", f"{tpp:.1f}" if tpp else "-"))
+    for key, label in (("approach2", "this sweep, Approach 2"), ("approach3", "this sweep, Approach 3")):
+        if key in analysis:
+            f = analysis[key]
+            ci = f.get("a_ci") or f.get("ci", {}).get("a")
+            a = f"{f['a']:.3f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+            rows.append((label, a, f"{f['b']:.3f}", f"{f['tokens_per_param'][-1]:.1f}"))
+    return rows
+
+
 def plot(runs: list[dict], analysis: dict, folder: str | Path) -> list[Path]:
     """``isoflop.png`` (loss against N per budget, parabolas, optima) and ``fits.png`` (N_opt and
     D/N against C: Approach 2, Approach 3 and the papers). Needs matplotlib (the ``plot`` extra)."""

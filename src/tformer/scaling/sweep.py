@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from tformer.accounting import count_parameters
-from tformer.checkpoint import POINTER, TRAINER_STATE, atomic_write_json, resolve_checkpoint
+from tformer.checkpoint import TRAINER_STATE, atomic_write_json, read_pointer, resolve_checkpoint
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.training.trainer import Trainer
@@ -187,8 +187,9 @@ def _train(trainer_cls, spec: SweepSpec, run: dict, folder: Path) -> dict | None
                 "context_length": spec.context_length, "batch_size": spec.batch_size, "max_steps": run["steps"],
                 "out_dir": str(folder), "eval_interval": run["steps"], "sample_tokens": 0, "progress": False}
     settings.setdefault("warmup_steps", max(1, min(100, run["steps"] // 10)))
-    resume = (folder / POINTER).exists()
-    if resume and json.loads((folder / POINTER).read_text(encoding="utf-8")).get("step") == run["steps"]:
+    pointer = read_pointer(folder, missing_ok=True)
+    resume = pointer is not None
+    if resume and pointer["step"] == run["steps"]:
         return _finished(resolve_checkpoint(folder), folder)   # trained to the end, but not yet recorded
     if folder.exists() and not resume:
         shutil.rmtree(folder)                                   # an unfinished run with no checkpoint: start over

@@ -192,7 +192,7 @@ class MambaMixer(nn.Module):
         return cls.matmul_flops_per_token(config) + 7 * s.E * s.N + 5 * s.E
 
     @classmethod
-    def extra_training_flops_per_token(cls, config, seq_len: int = 0) -> int:
+    def extra_training_flops_per_token(cls, config, seq_len: int = 0, layer: int = 0) -> int:
         """Training FLOPs per token that ``6 · parameters`` misses: the scan's elementwise work,
         forward plus a backward of twice that (``3 · (7·E·N + 5·E)``), whatever the length."""
         s = MambaShape.of(config)

@@ -18,11 +18,11 @@ from tformer.training.tokenizer import KINDS
 
 PRECISIONS = ("auto", "bf16", "fp32")
 STRATEGIES = ("ddp", "fsdp")                 # how a run under torchrun spreads over its ranks
-# On CPU, bf16 autocast pays for its casts only when the matmuls are wide: measured on a 2-core
-# Xeon with AMX (benchmarks/train_shakespeare_char.py), d_model=384 trained about 3x faster in bf16
-# but d_model=128 is slower (PyTorch's bf16 CPU attention backward dominates). So ``auto``
-# picks bf16 on CPU from this width up.
-AUTO_BF16_MIN_WIDTH = 256
+# On CPU, bf16 autocast pays for its casts only when the matmuls are wide enough. Measured on a 2-core
+# Xeon with AMX (benchmarks/train_shakespeare_char.py, docs/training.md): once the fused attention
+# kernel runs in fp32 under autocast (its bf16 backward is slow), d_model=128 steps in bf16 took about
+# 0.65x the fp32 time and d_model=384 less still. So ``auto`` picks bf16 on CPU from this width up.
+AUTO_BF16_MIN_WIDTH = 128
 
 
 @dataclass
@@ -40,7 +40,7 @@ class TrainConfig:
         lr, min_lr, warmup_steps: peak and final learning rate, linear-warmup length.
         weight_decay, beta1, beta2, grad_clip: AdamW and clipping (0 = no clipping).
         precision: ``auto`` (bf16 autocast where the hardware has bf16 — on CPU, AVX-512-BF16/AMX — and,
-            on CPU, d_model >= 256, where it measured faster; else fp32), ``bf16``, ``fp32``.
+            on CPU, d_model >= 128, where it measured faster; else fp32), ``bf16``, ``fp32``.
         compile: wrap the model in ``torch.compile``. threads: torch threads (0 = :func:`auto_threads`).
         device: ``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``.
         seed: model init, batch order and sampling.

@@ -20,7 +20,6 @@ unsharded replica whose state each rank slices to its shard. Optimizer states go
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from tformer.checkpoint import POINTER, SHARDS, load_model, save_training_checkpoint
+from tformer.checkpoint import SHARDS, load_model, read_pointer, save_training_checkpoint
 from tformer.errors import CheckpointError
 from tformer.training.distributed import Distributed
 
@@ -49,8 +48,7 @@ def save(dist: Distributed, run_dir: Path, step: int, model: torch.nn.Module, op
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     dist.barrier()
-    pointer = run_dir / POINTER
-    if pointer.is_file() and json.loads(pointer.read_text(encoding="utf-8")).get("latest") == rel:
+    if (read_pointer(run_dir, missing_ok=True) or {}).get("latest") == rel:
         return folder                                       # this step is saved already (every rank sees it)
     if dist.is_main and folder.exists():                    # a partial folder from a killed run
         shutil.rmtree(folder)
@@ -111,14 +109,6 @@ def read_sharded_weights(model: torch.nn.Module, shards: Path) -> torch.nn.Modul
                               f"restore the checkpoint or load another step folder.") from e
     model.load_state_dict(state["model"])
     return model
-
-
-def consolidate(folder: str | Path) -> Path:
-    """Write ``model.safetensors`` (one file, all weights) into a sharded step folder; the file."""
-    from tformer.checkpoint import WEIGHTS, resolve_checkpoint, save_model
-    folder = resolve_checkpoint(folder)
-    save_model(folder, load_model(folder))
-    return folder / WEIGHTS
 
 
 @contextlib.contextmanager

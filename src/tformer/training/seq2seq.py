@@ -32,6 +32,13 @@ from tformer.training.seq2seq_data import (BOS, EOS, WordTokenizer, make_batch, 
 TOKENIZER, SETTINGS, METRICS = "seq2seq_tokenizer.json", "seq2seq.json", "metrics.json"
 
 
+# The architecture of a run: TransformerConfig fields (``--set d_model=...`` overrides any of them).
+MODEL_DEFAULTS = dict(model="encoder-decoder", d_model=64, n_heads=4, n_layers=2, encoder_layers=2, d_ff=256,
+                      norm_placement="post", positions="sinusoidal", dropout=0.1, context_length=128,
+                      activation="relu")
+RNN_DEFAULTS = dict(n_layers=1, encoder_layers=None)      # the RNNs: one GRU layer per side
+
+
 @dataclass
 class Seq2SeqSettings:
     """Everything a ``--task seq2seq`` run reads (``--set key=value``).
@@ -39,27 +46,18 @@ class Seq2SeqSettings:
     Args:
         data: TSV pairs (file, folder, glob); ``None`` = the built-in numbers task (English -> French words).
         out_dir: run folder.
-        model: ``encoder-decoder`` (transformer), ``bahdanau`` or ``rnn-encoder-decoder``.
-        d_model, n_heads, n_layers, encoder_layers, d_ff, norm_placement, positions, dropout: the
-            architecture (TransformerConfig fields; the RNNs read d_model and dropout only).
         n_train, n_test, max_digits: the built-in task's size and longest number.
         test_fraction: share of a TSV held out for testing.
         batch_size, max_steps, lr, warmup_steps, weight_decay, grad_clip, label_smoothing: the optimisation.
         beams, length_penalty, eval_max: decoding of the test split (``eval_max`` pairs at most; 0 = all).
         seed, threads (0 = keep torch's), time_limit (seconds, 0 = none), progress.
+        architecture: TransformerConfig fields over :data:`MODEL_DEFAULTS` (``model`` is the family:
+            ``encoder-decoder``, ``bahdanau`` or ``rnn-encoder-decoder``; the RNNs read ``d_model``
+            and ``dropout``); ``--set`` puts every TransformerConfig key here, as ``tformer train`` does.
     """
 
     data: str | None = None
     out_dir: str = "runs/seq2seq"
-    model: str = "encoder-decoder"
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 2
-    encoder_layers: int = 2
-    d_ff: int = 256
-    norm_placement: str = "post"
-    positions: str = "sinusoidal"
-    dropout: float = 0.1
     n_train: int = 20000
     n_test: int = 500
     max_digits: int = 9
@@ -78,22 +76,35 @@ class Seq2SeqSettings:
     threads: int = 0
     time_limit: float = 0.0
     progress: bool = True
+    architecture: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_strings(cls, values: dict[str, Any]) -> "Seq2SeqSettings":
-        """Settings from ``--set`` strings, cast to each field's type; unknown keys are refused."""
-        from tformer.training.config import cast_value
+        """Settings from ``--set`` strings, cast to each field's type: this run's own fields, and
+        TransformerConfig's (into ``architecture``); unknown keys are refused."""
+        from tformer.training.config import MODEL_KEYS, cast_value
 
-        out = {k: cast_value(k, v, schema=cls) for k, v in values.items()}
-        return cls(**out)
+        own = [f.name for f in dataclasses.fields(cls) if f.name != "architecture"]
+        out, arch = {}, {}
+        for key, value in values.items():
+            if key in own:
+                out[key] = cast_value(key, value, schema=cls)
+            elif key in MODEL_KEYS:
+                arch[key] = cast_value(key, value)
+            else:
+                raise ConfigError(f"unknown setting {key!r} for --task seq2seq; valid keys are: "
+                                  f"{', '.join(sorted(own + list(MODEL_KEYS)))}.")
+        return cls(**out, architecture=arch)
+
+    @property
+    def model(self) -> str:
+        """The model family."""
+        return self.architecture.get("model", MODEL_DEFAULTS["model"])
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
-        rnn = self.model != "encoder-decoder"
-        return TransformerConfig(
-            model=self.model, vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads,
-            n_layers=1 if rnn else self.n_layers, encoder_layers=None if rnn else self.encoder_layers,
-            d_ff=self.d_ff, norm_placement=self.norm_placement, positions=self.positions, dropout=self.dropout,
-            context_length=128, embedding_scale=self.positions == "sinusoidal", activation="relu")
+        kw = {**MODEL_DEFAULTS, **(RNN_DEFAULTS if self.model != "encoder-decoder" else {}), **self.architecture}
+        kw.setdefault("embedding_scale", kw["positions"] == "sinusoidal")
+        return TransformerConfig(vocab_size=vocab_size, **kw)
 
 
 def load_data(s: Seq2SeqSettings) -> tuple[list, list]:

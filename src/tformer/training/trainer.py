@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tformer.accounting import training_flops_per_token
-from tformer.checkpoint import POINTER, load_config, load_training_state, resolve_checkpoint
+from tformer.checkpoint import load_config, load_training_state, read_pointer, resolve_checkpoint
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError, InputError
 from tformer.inference.generate import generate
@@ -35,14 +36,18 @@ from tformer.models import build_model
 from tformer.training import dist_checkpoint, distributed
 from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
                                      TrainConfig, cast_value, check_model_settings)
-from tformer.training.data import Corpus, corpus_fingerprint, get_batch, load_corpus, resolve_corpus
+from tformer.training.data import (Corpus, corpus_fingerprint, default_cache_dir, get_batch, load_corpus,
+                                   resolve_corpus)
 from tformer.training.optim import lr_at, make_optimizer
-from tformer.training.perf import bf16_supported, busy_cores, matmul_peak_flops
+from tformer.training.perf import bf16_supported, busy_cores, cached_matmul_peak_flops
 from tformer.training.runlock import RunLock
 from tformer.training.runstate import check_more_steps, check_state, start_metrics
 from tformer.training.tokenizer import load_tokenizer
 
 _DEFAULT_THREADS = torch.get_num_threads()
+# Evaluation stacks its fixed batches into forwards of up to this many tokens: one pass of 15,360
+# tokens costs less than 20 passes of 768 at nanoGPT's CPU configuration (see docs/training.md).
+EVAL_TOKENS_PER_PASS = 16384
 
 
 class Stop(Exception):
@@ -111,8 +116,8 @@ class Trainer:
 
     @classmethod
     def _new(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
-        if (out_dir / POINTER).exists():
-            step = json.loads((out_dir / POINTER).read_text(encoding="utf-8")).get("step")
+        if (pointer := read_pointer(out_dir, missing_ok=True)) is not None:
+            step = pointer["step"]
             raise InputError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
                              f"or choose another --out to start a new run.")
         cfg = TrainConfig(**{**train_kw, "out_dir": str(out_dir)})
@@ -176,7 +181,7 @@ class Trainer:
         decay = cfg.decay_steps or cfg.max_steps
         tokens_per_step = cfg.batch_size * cfg.grad_accum * T            # the global batch, over all ranks
         flops_per_token = training_flops_per_token(self.model.config, T)
-        peak = matmul_peak_flops(self.dtype, self.device) * self.dist.world_size
+        peak = cached_matmul_peak_flops(self.dtype, self.device, cfg.cache_dir or default_cache_dir()) * self.dist.world_size
         self.log(f"model: {self.model.num_parameters():,} parameters ({self.preset}), context {T}, "
                  f"vocab {self.model.config.vocab_size} ({self.corpus.tokenizer.kind}); corpus {len(self.corpus.train):,} "
                  f"train / {len(self.corpus.val):,} val tokens; {str(self.dtype).replace('torch.', '')} on {self.device}, "
@@ -273,14 +278,20 @@ class Trainer:
         cfg, T = self.cfg, self.model.config.context_length
         self.model.eval()
         out = {}
+        share = list(self.dist.eval_share(cfg.eval_batches))              # (k, weight); every k in one process
+        per_pass = max(1, EVAL_TOKENS_PER_PASS // (cfg.batch_size * T))      # batches stacked into one forward
         for i, (name, data) in enumerate((("train", self.corpus.train), ("val", self.corpus.val))):
             total = 0.0
-            for k, weight in self.dist.eval_share(cfg.eval_batches):      # every k in one process
-                x, y = get_batch(data, cfg.batch_size, T, (cfg.seed, 1 + i, k))
+            for c in range(0, len(share), per_pass):
+                chunk = share[c:c + per_pass]
+                xs, ys = zip(*(get_batch(data, cfg.batch_size, T, (cfg.seed, 1 + i, k)) for k, _ in chunk))
                 with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16,
                                     enabled=self.dtype == torch.bfloat16):
-                    _, loss = self.forward(x.to(self.device), y.to(self.device))
-                total += weight * float(loss)
+                    logits, _ = self.forward(torch.cat(xs).to(self.device))   # (len(chunk)·batch, T, vocab)
+                losses = F.cross_entropy(logits.flatten(0, 1).float(), torch.cat(ys).to(self.device).flatten(),
+                                         reduction="none")                     # (len(chunk)·batch·T,)
+                batch_means = losses.view(len(chunk), -1).mean(1)       # equal-sized batches: one mean each
+                total += float(sum(w * m for (_, w), m in zip(chunk, batch_means.tolist())))
             out[f"{name}_loss"] = self.dist.sum(total) / cfg.eval_batches
         self.model.train()
         return out

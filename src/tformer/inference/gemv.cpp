@@ -1,0 +1,193 @@
+// One-row matrix-vector products for decoding: y (N) = W (N, K) . x (K) [* scales (N)] [+ bias (N)].
+//
+// Decoding one token reads every weight once, so the speed of a decode step is the speed at which
+// these loops stream W from memory. Each weight type is widened to float32 in registers (bf16: the
+// 16 bits become the high half of a float32; f16: vcvtph2ps; int8: sign-extend and convert) and
+// multiplied into float32 accumulators, so the only difference from a float64 reference is the
+// order of the float32 sums. Rows are split between torch's intra-op threads (at::parallel_for,
+// the same OpenMP pool every other torch op uses); four rows at a time keep four streams of loads
+// in flight. Built at first use by tformer/inference/gemv.py (torch.utils.cpp_extension.load).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// 16 weights at w -> 16 float32 lanes.
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const at::BFloat16* w) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const at::Half* w) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+inline float scalar(float v) { return v; }
+inline float scalar(at::BFloat16 v) { return static_cast<float>(v); }
+inline float scalar(at::Half v) { return static_cast<float>(v); }
+inline float scalar(int8_t v) { return static_cast<float>(v); }
+
+// y[0:n1-n0] = W[n0:n1] . x, x already float32 (K floats, in L1). K need not be a multiple of 16.
+template <typename T>
+void rows(const T* W, const float* x, float* y, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t K16 = K - K % 16;
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const T* w0 = W + n * K; const T* w1 = w0 + K; const T* w2 = w1 + K; const T* w3 = w2 + K;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < K16; k += 16) {
+      __m512 xv = _mm512_loadu_ps(x + k);
+      a0 = _mm512_fmadd_ps(load16(w0 + k), xv, a0);
+      a1 = _mm512_fmadd_ps(load16(w1 + k), xv, a1);
+      a2 = _mm512_fmadd_ps(load16(w2 + k), xv, a2);
+      a3 = _mm512_fmadd_ps(load16(w3 + k), xv, a3);
+    }
+    float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1);
+    float s2 = _mm512_reduce_add_ps(a2), s3 = _mm512_reduce_add_ps(a3);
+    for (int64_t k = K16; k < K; ++k) {
+      s0 += scalar(w0[k]) * x[k]; s1 += scalar(w1[k]) * x[k];
+      s2 += scalar(w2[k]) * x[k]; s3 += scalar(w3[k]) * x[k];
+    }
+    y[n - n0] = s0; y[n - n0 + 1] = s1; y[n - n0 + 2] = s2; y[n - n0 + 3] = s3;
+  }
+  for (; n < n1; ++n) {
+    const T* w = W + n * K;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 16) a = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a);
+    float s = _mm512_reduce_add_ps(a);
+    for (int64_t k = K16; k < K; ++k) s += scalar(w[k]) * x[k];
+    y[n - n0] = s;
+  }
+}
+
+// y[n0:n1] -> out in the output dtype, after the optional per-row scale and bias (float32).
+template <typename O>
+void epilogue(const float* acc, O* out, const float* scales, const float* bias, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    float v = acc[n - n0];
+    if (scales) v *= scales[n];
+    if (bias) v += bias[n];
+    out[n] = static_cast<O>(v);
+  }
+}
+
+// The op: weight (N, K) f32|bf16|f16|int8 contiguous, x (K,) float, optional float32 scales (N,)
+// and bias (N,). Returns y (N,) in x's dtype, computed in float32.
+at::Tensor gemv(const at::Tensor& weight, const at::Tensor& x, const c10::optional<at::Tensor>& scales,
+                const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
+              "gemv: weight must be a contiguous CPU (N, K) matrix");
+  TORCH_CHECK(x.dim() == 1 && x.size(0) == weight.size(1), "gemv: x must be (K,)");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  for (const auto* t : {&scales, &bias})
+    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() && (*t)->numel() == N),
+                "gemv: scales and bias must be contiguous float32 (N,)");
+  at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat);
+  at::Tensor y = at::empty({N}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const float* sp = scales.has_value() ? scales->data_ptr<float>() : nullptr;
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  // ~64 KB of weight per task: small enough to balance two threads, large enough to amortise a task.
+  const int64_t grain = std::max<int64_t>(4, (65536 / std::max<int64_t>(1, K * weight.element_size())) & ~int64_t(3));
+  auto run = [&](auto* W, auto* out) {
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      std::vector<float> acc(n1 - n0);
+      rows(W, xp, acc.data(), K, n0, n1);
+      epilogue(acc.data(), out, sp, bp, n0, n1);
+    });
+  };
+  auto with_out = [&](auto* W) {
+    switch (x.scalar_type()) {
+      case at::kFloat: run(W, y.data_ptr<float>()); break;
+      case at::kBFloat16: run(W, y.data_ptr<at::BFloat16>()); break;
+      case at::kHalf: run(W, y.data_ptr<at::Half>()); break;
+      default: TORCH_CHECK(false, "gemv: x must be float32, bfloat16 or float16");
+    }
+  };
+  switch (weight.scalar_type()) {
+    case at::kFloat: with_out(weight.data_ptr<float>()); break;
+    case at::kBFloat16: with_out(weight.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: with_out(weight.data_ptr<at::Half>()); break;
+    case at::kChar: with_out(weight.data_ptr<int8_t>()); break;
+    default: TORCH_CHECK(false, "gemv: weight dtype must be float32, bfloat16, float16 or int8");
+  }
+  return y;
+}
+
+// One row of int4 weights: groups of 32 along K in 16 bytes (byte j: weight j in the low nibble,
+// weight j + 16 in the high one), w = q * s_g + c_g with q in 0..15. Per group the 32 products q x
+// are summed in a vector, scaled by s_g once; the offsets add c_g * (sum of x over the group).
+inline void q4_row(const uint8_t* w, const float* s, const float* c, const float* x, const float* xsum,
+                   int64_t G, __m512& acc, float& off) {
+  const __m512i low = _mm512_set1_epi32(0xF);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * g)));
+    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), _mm512_loadu_ps(x + 32 * g));
+    t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), _mm512_loadu_ps(x + 32 * g + 16), t);
+    acc = _mm512_fmadd_ps(t, _mm512_set1_ps(s[g]), acc);
+    off += c[g] * xsum[g];
+  }
+}
+
+// y (N,) = W x + bias for int4 W given as packed (N, K/2) uint8, scales and offsets (N, K/32) float32.
+at::Tensor gemv_q4(const at::Tensor& packed, const at::Tensor& x, const at::Tensor& scales, const at::Tensor& offsets,
+                   const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte,
+              "gemv_q4: packed must be a contiguous (N, K/2) uint8 matrix");
+  const int64_t N = packed.size(0), K = 2 * packed.size(1), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && x.dim() == 1 && x.size(0) == K, "gemv_q4: x must be (K,), K a multiple of 32");
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * G,
+                "gemv_q4: scales and offsets must be contiguous float32 (N, K/32)");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == N), "gemv_q4: bias must be float32 (N,)");
+  at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat);
+  const float* xp = xf.data_ptr<float>();
+  std::vector<float> xsum(G);
+  for (int64_t g = 0; g < G; ++g) { float a = 0; for (int64_t k = 0; k < 32; ++k) a += xp[32 * g + k]; xsum[g] = a; }
+  at::Tensor y = at::empty({N}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>(); const float* cp = offsets.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto run = [&](auto* out) {
+    at::parallel_for(0, N, std::max<int64_t>(4, 65536 / (K / 2)), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        __m512 acc = _mm512_setzero_ps(); float off = 0;
+        q4_row(wp + n * (K / 2), sp + n * G, cp + n * G, xp, xsum.data(), G, acc, off);
+        float v = _mm512_reduce_add_ps(acc) + off + (bp ? bp[n] : 0.0f);
+        out[n] = static_cast<std::remove_pointer_t<decltype(out)>>(v);
+      }
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(y.data_ptr<float>()); break;
+    case at::kBFloat16: run(y.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: run(y.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "gemv_q4: x must be float32, bfloat16 or float16");
+  }
+  return y;
+}
+
+// Whether this CPU runs the AVX-512 instructions the loops above were compiled for.
+bool supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+
+}  // namespace
+
+TORCH_LIBRARY(tformer_gemv, m) {
+  m.def("gemv(Tensor weight, Tensor x, Tensor? scales=None, Tensor? bias=None) -> Tensor");
+  m.def("gemv_q4(Tensor packed, Tensor x, Tensor scales, Tensor offsets, Tensor? bias=None) -> Tensor");
+  m.def("supported() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(tformer_gemv, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("gemv_q4", &gemv_q4);
+}
+TORCH_LIBRARY_IMPL(tformer_gemv, CompositeExplicitAutograd, m) { m.impl("supported", &supported); }
