@@ -30,8 +30,6 @@ reads lengths from ``valid`` and keeps no count of its own.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from tformer.inference.kv_cache import KVCache
@@ -39,21 +37,6 @@ from tformer.inference.state import InferenceState
 
 Tensor = torch.Tensor
 KEY_BUCKET = 64     # decode reads the first multiple of 64 positions that holds every row's keys
-
-
-def _rows(layer_state, n: int, max_len: int, rows: slice, keys: int):
-    """A shallow copy of one layer's state whose tensors are views: batch-leading ones cut to
-    ``[rows]``, and position-indexed ones (``(B, h, max_len, d)``: KV caches) to their first ``keys``."""
-    if layer_state is None:
-        return None
-    view = copy.copy(layer_state)
-    for name, value in vars(layer_state).items():
-        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
-            value = value[rows]
-            if value.dim() == 4 and value.shape[2] == max_len:
-                value = value[:, :, :keys]
-            setattr(view, name, value)
-    return view
 
 
 class _ScatterCache:
@@ -102,9 +85,12 @@ class KVPool:
         keys = keys or self.max_len
         key = (start, stop, keys)
         if key not in self._views:
-            rows = slice(start, stop)
-            layers = [_rows(s, self.n_slots, self.max_len, rows, keys) for s in self.state.layers]
-            self._views[key] = self._state(layers, stop - start, keys, self.state.valid[rows, :keys])
+            def cut(t: Tensor) -> Tensor:              # (n_slots, ...) -> rows; KV caches (B, h, max_len, d) to `keys`
+                t = t[start:stop]
+                return t[:, :, :keys] if t.dim() == 4 and t.shape[2] == self.max_len else t
+            view = self.state.map(cut)
+            view.valid, view.max_len, view.length = view.valid[:, :keys], keys, 0
+            self._views[key] = view
         return self._views[key]
 
     @staticmethod
