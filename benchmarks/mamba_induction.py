@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mamba_tasks import accuracy, attention_config, induction_heads, mamba_config, train
+from mamba_tasks import accuracy, attention_config, induction_heads, mamba_config, run_or_report, train
 
 RESULTS = Path(__file__).parent / "results"
 LABELS = {"mamba": "Mamba (selective)", "lti": "Mamba LTI ablation", "attention": "attention + RoPE"}
@@ -135,13 +135,7 @@ def main() -> None:
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--minutes", type=float, default=float("inf"), help="stop training after this long")
     p.add_argument("--tag", default="", help="suffix of the saved run's file name (to keep several runs)")
-    args = p.parse_args()
-    if args.report:
-        report()
-    elif args.model:
-        run(args)
-    else:
-        p.error("give --model or --report")
+    run_or_report(p, run, report)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from mamba_tasks import accuracy, mamba_config, selective_copying, train
+from mamba_tasks import accuracy, mamba_config, run_or_report, selective_copying, train
 
 RESULTS = Path(__file__).parent / "results"
 LABELS = {"selective": "selective (S6)", "lti": "LTI (S4D)"}
@@ -97,13 +97,7 @@ def main() -> None:
     p.add_argument("--L", type=int, default=32, help="length of the region holding data and noise")
     p.add_argument("--K", type=int, default=4, help="data tokens to copy")
     p.add_argument("--d", type=int, default=64, help="model width (E = 2d, N = 16)")
-    args = p.parse_args()
-    if args.report:
-        report()
-    elif args.model:
-        run(args)
-    else:
-        p.error("give --model or --report")
+    run_or_report(p, run, report)
 
 
 if __name__ == "__main__":

@@ -119,3 +119,15 @@ def accuracy(model: torch.nn.Module, ids: Tensor, targets: Tensor, batch: int = 
         right += (logits.argmax(-1)[keep] == t[keep]).sum().item()
         total += keep.sum().item()
     return right / total
+
+
+def run_or_report(parser, run, report) -> None:
+    """The experiments' command line: ``--report`` writes the table and plot from the saved runs,
+    ``--model M`` trains one model and saves its run (so runs can go side by side)."""
+    args = parser.parse_args()
+    if args.report:
+        report()
+    elif args.model:
+        run(args)
+    else:
+        parser.error("give --model or --report")
