@@ -42,7 +42,8 @@ def main() -> None:
     for turn in range(int(args.seconds // args.slice)):
         for name, arch in MODELS.items():
             out = runs / name.split()[0]
-            settings = {**COMMON, **arch, "out_dir": str(out), "time_limit": args.slice}
+            # time_limit counts the run's whole training time, resumes included: this turn ends at (turn+1) slices
+            settings = {**COMMON, **arch, "out_dir": str(out), "time_limit": args.slice * (turn + 1)}
             trainer = Trainer.create(settings, resume=turn > 0, log=lambda m: None) if turn else \
                 Trainer.create(settings, log=lambda m: None)
             params[name] = trainer.model.num_parameters()
