@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.inference.state import InferenceState
+from tformer.models.loss import token_loss
 from tformer.models.stack import TransformerStack
 
 Tensor = torch.Tensor
@@ -80,7 +80,7 @@ class DecoderLM(TransformerStack):
         logits = self.lm_head(self.final_norm(x))                               # (B, T, vocab)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+            loss = token_loss(logits, targets)
         return logits, loss
 
     @torch.no_grad()

@@ -27,6 +27,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.models.embedding import check_ids
+from tformer.models.loss import token_loss
 
 Tensor = torch.Tensor
 
@@ -157,8 +158,7 @@ class BahdanauSeq2Seq(nn.Module):
         logits = self.decode_step(tgt, self._state(src, src_mask))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
-                                   label_smoothing=label_smoothing)
+            loss = token_loss(logits, targets, label_smoothing)
         return logits, loss
 
     @torch.no_grad()

@@ -24,7 +24,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tformer.attention.functional import scaled_dot_product_attention
 from tformer.attention.masks import padding_mask
@@ -32,6 +31,7 @@ from tformer.attention.multihead import MultiHeadAttention
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.inference.state import InferenceState
+from tformer.models.loss import token_loss
 from tformer.models.stack import TransformerStack
 
 Tensor = torch.Tensor
@@ -187,8 +187,7 @@ class EncoderDecoder(nn.Module):
         logits = self.decode(tgt, self.encode(src, src_mask), src_mask=src_mask, tgt_mask=tgt_mask)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
-                                   label_smoothing=label_smoothing)
+            loss = token_loss(logits, targets, label_smoothing)
         return logits, loss
 
     @torch.no_grad()
