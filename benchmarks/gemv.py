@@ -23,7 +23,6 @@ import torch
 from generate import read_bandwidth                   # benchmarks/generate.py
 from machine import busy_cores, cpu_name, load_note   # benchmarks/machine.py
 from tformer.inference import gemv, kernels
-from tformer.inference.quantize import quantize_weight_int4
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {"qkv 768x2304": (2304, 768), "out 768x768": (768, 768), "fc 768x3072": (3072, 768),
@@ -36,22 +35,10 @@ def walk(layers: int) -> list[tuple[str, tuple[int, int]]]:
 
 
 def contenders(kind: str, shapes) -> dict[str, list]:
-    """candidate -> one run(x) per weight of the walk (weights made once per dtype, shared)."""
+    """candidate -> the decode layer tformer builds with that kernel forced, one per weight of the walk."""
     g = torch.Generator().manual_seed(0)
-    out: dict[str, list] = {}
-    ws = []
-    for _, (n, k) in shapes:
-        if kind == "int4":                     # q and (G, N, 2) scales/zeros as quantize_weight_int4 makes them
-            w = torch.randn(n, k, generator=g) * 0.02
-            q, sz = quantize_weight_int4(w)
-            ws.append((q[:n], sz[:, :n].contiguous() if n % 16 else sz))
-        elif kind == "int8":
-            ws.append((torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g)))
-        else:
-            ws.append((torch.randn(n, k, generator=g).to(kernels.DTYPES[kind]), None))
-    for c in kernels.available(kind):
-        out[c] = [kernels.runner(kind, c, w, s) for w, s in ws]
-    return out
+    linears = [kernels.random_linear(n, k, g) for _, (n, k) in shapes]
+    return {c: [kernels.layer(kind, c, lin) for lin in linears] for c in kernels.available(kind)}
 
 
 @torch.inference_mode()

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from tformer.inference import gemv
 
@@ -53,31 +52,24 @@ def machine_key() -> str:
     return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
-def runner(kind: str, kernel: str, w: Tensor, scales: Tensor | None = None):
-    """A ``run(x (1, K)) -> (1, N)`` closure for one kernel on one weight ``w (N, K)`` (prepared here);
-    for int4, ``w`` is ``q (N, K)`` in 0..15 and ``scales`` the ``(G, N, 2)`` scales and zeros."""
+def layer(kind: str, kernel: str, linear: torch.nn.Linear) -> torch.nn.Module:
+    """The inference layer tformer decodes with for ``kind`` (:class:`DecodeLinear`, :class:`Int8Linear`
+    or :class:`Int4Linear` of ``linear``), with ``kernel`` forced: what :func:`measure` times."""
+    from tformer.inference import quantize                                # it imports this module
+
+    if kind == "int8":
+        return quantize.Int8Linear(linear, kernel=kernel)
     if kind == "int4":
-        if kernel == "ext":
-            op, s = gemv.load_q4(), scales[..., 0].float().t().contiguous()
-            packed, c = gemv.pack_int4(w), (scales[..., 1].float().t() - 8 * s).contiguous()
-            return lambda x: op(packed, x[0], s, c, None).unsqueeze(0)
-        n, pad = w.shape[0], -w.shape[0] % 16                              # torch's kernel: N a multiple of 16
-        q = torch.cat([w.to(torch.int32), w.new_zeros(pad, w.shape[1], dtype=torch.int32)])
-        sz = torch.cat([scales, scales.new_zeros(scales.shape[0], pad, 2)], 1)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)[:, :n]
-    if kernel == "ext":
-        op = gemv.load()
-        return lambda x: op(w, x[0], scales, None).unsqueeze(0)
-    if kernel == "int8pack":
-        s = scales.to(torch.bfloat16)
-        return lambda x: torch.ops.aten._weight_int8pack_mm(x, w, s)
-    if kernel == "mm_t":
-        wt = w.t().contiguous()                                            # (K, N)
-        return lambda x: torch.mm(x, wt)
-    if kernel == "mv":
-        return lambda x: torch.mv(w, x[0]).unsqueeze(0)
-    return lambda x: F.linear(x, w)
+        return quantize.Int4Linear(linear, kernel=kernel)
+    return quantize.DecodeLinear(linear.to(DTYPES[kind]), kernel=kernel)
+
+
+def random_linear(n: int, k: int, g: torch.Generator) -> torch.nn.Linear:
+    """A bias-free float32 ``nn.Linear(k, n)`` with weights of GPT-2's scale (std 0.02)."""
+    lin = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * 0.02)
+    return lin
 
 
 def available(kind: str) -> tuple[str, ...]:
@@ -89,24 +81,15 @@ def available(kind: str) -> tuple[str, ...]:
 def measure(kind: str, copies: int = 8, rounds: int = 7, d: int = 768) -> dict[str, float]:
     """Median seconds per pass over ``copies`` pairs of (d×4d, 4d×d) weights, per candidate, alternated."""
     g = torch.Generator().manual_seed(0)
-    shapes = [(4 * d, d), (d, 4 * d)] * copies
-    weights = []
-    for n, k in shapes:
-        if kind == "int8":
-            weights.append((torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n) / 100))
-        elif kind == "int4":
-            weights.append((torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32),
-                            torch.rand(k // 32, n, 2, generator=g).to(torch.bfloat16)))
-        else:
-            weights.append((torch.rand(n, k, generator=g).sub_(0.5).to(DTYPES[kind]), None))
+    linears = [random_linear(n, k, g) for n, k in [(4 * d, d), (d, 4 * d)] * copies]
     x = {k: torch.randn(1, k, generator=g).to(DTYPES[kind]) for k in (d, 4 * d)}
-    runs = {c: [runner(kind, c, w, s) for w, s in weights] for c in available(kind)}
+    runs = {c: [layer(kind, c, lin) for lin in linears] for c in available(kind)}
     times = {c: [] for c in runs}
     for r in range(rounds + 1):
         for c, fns in runs.items():
             t = time.perf_counter()
-            for fn, (n, k) in zip(fns, shapes):
-                fn(x[k])
+            for fn, lin in zip(fns, linears):
+                fn(x[lin.in_features])
             if r:                                                            # round 0 warms up
                 times[c].append(time.perf_counter() - t)
     return {c: statistics.median(v) for c, v in times.items()}

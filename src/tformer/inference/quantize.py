@@ -49,11 +49,12 @@ class Int8Linear(nn.Module):
 
     Args:
         linear: the float layer to quantise (its bias is kept in floating point).
+        kernel: force the one-row kernel, ``int8pack`` or ``ext`` (default: the measured choice).
     """
 
     inference_only = True  # int8 weights and scales: tformer.checkpoint refuses to save it
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kernel: str | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scales = quantize_weight(linear.weight)
@@ -61,7 +62,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales.to(KERNEL_DTYPE))                 # (N,)
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         self.register_buffer("bias", bias)
-        self.kernel = kernels.choose("int8")                                     # for one row
+        self.kernel = kernel or kernels.choose("int8")                           # for one row
         self.gemv = gemv.load() if self.kernel == "ext" else None
         # the ext kernel takes float32 scales and bias: the same values as the bf16 ones above
         self.register_buffer("scales32", self.scales.float(), persistent=False)
@@ -197,11 +198,12 @@ class Int4Linear(nn.Module):
     Args:
         linear: the float layer (``in_features`` a multiple of ``group``).
         group: weights per scale (32, as llama.cpp's q4_0 blocks).
+        kernel: force the one-row kernel, ``int4pack`` or ``ext`` (default: the measured choice).
     """
 
     inference_only = True
 
-    def __init__(self, linear: nn.Linear, group: int = 32):
+    def __init__(self, linear: nn.Linear, group: int = 32, kernel: str | None = None):
         super().__init__()
         self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
         q, sz = quantize_weight_int4(linear.weight, group)
@@ -209,7 +211,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", sz)                                   # (G, Np, 2) bf16
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         self.register_buffer("bias", bias)
-        self.kernel = kernels.choose("int4") if group == 32 else "int4pack"        # for one row
+        self.kernel = kernel or (kernels.choose("int4") if group == 32 else "int4pack")   # for one row
         self.gemv = gemv.load_q4() if self.kernel == "ext" else None
         if self.gemv is not None:                                                 # the same q, s, z in gemv_q4's layout
             N = self.out_features
