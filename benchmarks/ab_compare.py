@@ -31,7 +31,7 @@ from pathlib import Path
 COMMON = """
 import json, time, torch
 from tformer import DecoderLM, TransformerConfig
-from tformer.inference.generate import generate
+from tformer.generation.generate import generate
 torch.manual_seed(0)
 def report(v): print(json.dumps({"value": v}))
 """

@@ -44,7 +44,7 @@ def worker(backend: str, n: int, feature: str, repeats: int, heads: int = HEADS,
     import torch
 
     from tformer import scaled_dot_product_attention
-    from tformer.positions import alibi_slopes
+    from tformer.ops.alibi import alibi_slopes
 
     torch.manual_seed(0)
     kw: dict = {"causal": True, "backend": backend}

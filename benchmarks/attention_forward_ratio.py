@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from machine import busy_cores, load_note  # benchmarks/machine.py
-from tformer.attention.flash import flash_attention
+from tformer.ops.flash import flash_attention
 
 
 def median_time(fn, repeats: int) -> float:

@@ -19,8 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from machine import busy_cores, cpu_name, load_note  # benchmarks/machine.py
 from tformer import DecoderLM, TransformerConfig
-from tformer.inference.generate import generate
-from tformer.inference.quantize import set_precision
+from tformer.generation.generate import generate
+from tformer.quant.quantize import set_precision
 
 PRODUCTS = ("mm", "addmm", "mv", "addmv_", "linear", "gemv", "gemv_q4", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "bmm",
             "mkldnn", "mkl_linear")

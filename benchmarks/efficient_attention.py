@@ -44,10 +44,10 @@ def make_call(name: str, n: int):
     import torch
 
     from tformer import scaled_dot_product_attention as sdpa
-    from tformer.attention.bigbird import bigbird_attention, random_blocks
-    from tformer.attention.linformer import linformer_attention
-    from tformer.attention.longformer import longformer_attention
-    from tformer.attention.performer import favor_attention, gaussian_orthogonal, softmax_features
+    from tformer.ops.bigbird import bigbird_attention, random_blocks
+    from tformer.ops.linformer import linformer_attention
+    from tformer.ops.longformer import longformer_attention
+    from tformer.ops.performer import favor_attention, gaussian_orthogonal, softmax_features
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, n, D, requires_grad=True) for _ in range(3))

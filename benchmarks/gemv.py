@@ -5,7 +5,7 @@ fc 768->3072, proj 3072->768, then the 768->50257 head), so each pass streams th
 a decode step does instead of re-reading one cached matrix. Success criterion, stated before the
 run: a kernel is worth keeping for a dtype if its whole pass reads at >= 70% of the measured read
 bandwidth (the issue's goal for bf16 and int8 decode), and its output equals a float64 reference to
-the tolerance tests/test_kernels.py states.
+the tolerance tests/quant/test_kernels.py states.
 
     flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src .venv/bin/python benchmarks/gemv.py
 """
@@ -22,7 +22,8 @@ import torch
 
 from generate import read_bandwidth                   # benchmarks/generate.py
 from machine import busy_cores, cpu_name, load_note   # benchmarks/machine.py
-from tformer.inference import gemv, kernels
+from tformer.quant import gemv, kernels
+from tformer.quant.quantize import decode_layer
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {"qkv 768x2304": (2304, 768), "out 768x768": (768, 768), "fc 768x3072": (3072, 768),
@@ -38,7 +39,7 @@ def contenders(kind: str, shapes) -> dict[str, list]:
     """candidate -> the decode layer tformer builds with that kernel forced, one per weight of the walk."""
     g = torch.Generator().manual_seed(0)
     linears = [kernels.random_linear(n, k, g) for _, (n, k) in shapes]
-    return {c: [kernels.layer(kind, c, lin) for lin in linears] for c in kernels.available(kind)}
+    return {c: [decode_layer(kind, c, lin) for lin in linears] for c in kernels.available(kind)}
 
 
 @torch.inference_mode()
@@ -95,7 +96,7 @@ def main() -> None:
              f"{cpu_name()}, torch {torch.__version__}, {args.threads} threads; at the start {start}; "
              f"measured read bandwidth {bw:.1f} GB/s (x.sum() over 512 MB, best of 9). One pass = the "
              f"{args.layers}-layer walk + head; median of {args.rounds} alternated rounds. "
-             f"`ext` = tformer's AVX-512 loop (src/tformer/inference/gemv.cpp).\n",
+             f"`ext` = tformer's AVX-512 loop (src/tformer/quant/gemv.cpp).\n",
              "| dtype | kernel | pass ms | pass GB/s | share of read bw | " +
              " | ".join(f"{n} µs (GB/s)" for n in names) + " |",
              "|---|---|---:|---:|---:|" + "---:|" * len(names)]

@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from machine import busy_cores, cpu_name, load_note  # benchmarks/machine.py
 from tformer import DecoderLM, TransformerConfig
-from tformer.inference.generate import generate
-from tformer.inference.quantize import set_precision, weight_bytes
+from tformer.generation.generate import generate
+from tformer.quant.quantize import set_precision, weight_bytes
 
 RESULTS = Path(__file__).parent / "results"
 RAN: dict[str, str] = {}    # contender -> the kernels its linear layers run (filled by gpt2_contenders)
@@ -40,7 +40,7 @@ RAN: dict[str, str] = {}    # contender -> the kernels its linear layers run (fi
 def linear_kernel(m: torch.nn.Module) -> str | None:
     """What one linear-like module runs for a decode step (one row), read from the kernel it chose
     (DecodeLinear / Int8Linear / Int4Linear ``.kernel``); ``None`` for a module that is not one."""
-    from tformer.inference.quantize import KERNEL_DTYPE, DecodeLinear, Int4Linear, Int8Linear
+    from tformer.quant.quantize import KERNEL_DTYPE, DecodeLinear, Int4Linear, Int8Linear
 
     names = {"ext": "tformer AVX-512 GEMV (gemv.cpp)", "mv": "torch.mv(W, x)", "linear": "F.linear",
              "mm_t": "torch.addmm(x, Wᵀ stored (K, N))", "int8pack": "aten._weight_int8pack_mm",
@@ -359,7 +359,7 @@ def main() -> None:
     print(lines[-1], file=sys.stderr)
 
     if "gpt2" not in args.skip:
-        from tformer.inference import kernels
+        from tformer.quant import kernels
         kernels.forget()                             # choose the decode kernels now, on the quiet machine
         parity: list[dict] = []
         rows = run_contenders(gpt2_contenders(args, parity), args.repeats, bandwidth, args.prompt)
@@ -389,7 +389,7 @@ def main() -> None:
                          f"{ratio_pre} | {r['e2e'] / hf:.2f} | {RAN.get(r['name'], '-')} |" if hf else
                          f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {pre} | {dec} | {r['roofline']:.0%} | {ratio_dec} | "
                          f"{ratio_pre} | - | {RAN.get(r['name'], '-')} |")
-        lines.append("Kernel choice measured at the start of this run (tformer.inference.kernels, ms per pass "
+        lines.append("Kernel choice measured at the start of this run (tformer.quant.kernels, ms per pass "
                      "over 8 x (768x3072, 3072x768) weights): " + "; ".join(
                          f"{k}: " + ", ".join(f"{c} {t * 1e3:.2f}" for c, t in v["seconds"].items())
                          for k, v in kernels.chosen().items()) + "\n")

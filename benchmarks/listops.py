@@ -1,6 +1,6 @@
 """A small Long Range Arena ListOps run on CPU: one 2-layer encoder per mixer, same data, same steps.
 
-Data: tformer's generator (tformer.training.listops) with LRA's rules at CPU size (depth <= 5,
+Data: tformer's generator (tformer.training.tasks.listops) with LRA's rules at CPU size (depth <= 5,
 <= 5 arguments, 32..128 tokens instead of depth 10, 10 arguments, 500..2000 tokens). Model: encoder, 2 layers, d 64, 4 heads,
 learned positions, mean pooling over real tokens, a linear 10-way head; AdamW, a fixed number of
 steps, batch 32; test accuracy on 1000 held-out examples. Mixers: softmax attention (the
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from machine import busy_cores, load_note  # benchmarks/machine.py
 from tformer.config import TransformerConfig
 from tformer.models.encoder import EncoderModel, pool
-from tformer.training.listops import VOCAB, generate
+from tformer.training.tasks.listops import VOCAB, generate
 
 LRA = {"attention": 36.37, "longformer": 35.63, "bigbird": 36.05, "performer": 18.01, "linformer": 35.70}
 OPTIONS = {"attention": {}, "longformer": {"window": 16, "global_positions": [0]},
@@ -94,7 +94,7 @@ def approximation(model, test, n_examples=100):
     error against exact attention for m random features (mean of 5 draws), and the share of each
     attention matrix's energy (sum of squared singular values) in its top k, the low-rank premise
     behind Linformer."""
-    from tformer.attention.performer import favor_attention, gaussian_orthogonal, softmax_features
+    from tformer.ops.performer import favor_attention, gaussian_orthogonal, softmax_features
 
     inputs = []
     hooks = [b.attn.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0])))

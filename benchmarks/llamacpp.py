@@ -1,7 +1,7 @@
 """llama.cpp through llama-cpp-python (the `bench` extra), on a GGUF that tformer exported.
 
 Used by benchmarks/generate.py (llama.cpp as a contender in the same run) and by
-tests/test_llama_cpp.py (llama.cpp's logits as an independent check of the exporter). Token ids go in
+tests/interop/test_llama_cpp.py (llama.cpp's logits as an independent check of the exporter). Token ids go in
 and come out: tformer's exported models carry no llama.cpp tokenizer unless an HF byte-level BPE one
 sits beside the weights, and ids are what both sides are compared on.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from tformer.training.perf import busy_cores  # noqa: F401  (re-exported for the scripts)
+from tformer.machine import busy_cores  # noqa: F401  (re-exported for the scripts)
 
 BUSY_CORES = 0.3  # more than this much of a core used by others: say the figures are noisy
 

@@ -5,7 +5,7 @@ and mambapy's Blelloch scan (the PyPI peer), forward + backward at training shap
     flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src OMP_NUM_THREADS=2 python benchmarks/mamba_scan.py
 
 The contenders alternate within each repetition; the table gives medians and the ratio to the
-loop. Writes benchmarks/results/mamba_scan.md. ``tformer.ssm.scan.FAST_SCAN`` names the winner.
+loop. Writes benchmarks/results/mamba_scan.md. ``tformer.ops.scan.FAST_SCAN`` names the winner.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from machine import busy_cores, load_note  # benchmarks/machine.py
-from tformer.ssm.scan import METHODS, discretise, readout, scan_chunked, selective_scan
+from tformer.ops.scan import METHODS, discretise, readout, scan_chunked, selective_scan
 
 RESULTS = Path(__file__).parent / "results"
 

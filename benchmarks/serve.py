@@ -120,7 +120,7 @@ def plain_generation(hf: Path, ckpt: Path, prompt_tokens: int, new_tokens: int, 
     from transformers import GPT2LMHeadModel
 
     from tformer.checkpoint import load_model
-    from tformer.inference.generate import generate
+    from tformer.generation.generate import generate
 
     hf_model = GPT2LMHeadModel.from_pretrained(hf).eval()
     tf_model = load_model(ckpt).eval()

@@ -1,7 +1,7 @@
 """Where `tformer serve`'s 1-stream gap is NOT: the scheduler against plain generation, in one process.
 
 GPT-2 124M's shape (random weights, seed 0), 16 prompt tokens, greedy, 2 torch threads, alternating
-rounds, medians. Three ways to generate the same tokens: ``plain`` (tformer.inference.generate),
+rounds, medians. Three ways to generate the same tokens: ``plain`` (tformer.generation.generate),
 ``served`` (a Sequence through the continuous-batching Scheduler, its thread, pool and token choice;
 no HTTP), ``raw_pool`` (KVPool.prefill then KVPool.decode, the static slot step, in a bare loop).
 Success criterion, set before the run: if ``served`` keeps >= 0.95 of ``plain``, the scheduler, the
@@ -16,7 +16,7 @@ import torch
 torch.set_num_threads(2)
 from tformer.config import TransformerConfig, PRESETS
 from tformer.models.decoder import DecoderLM
-from tformer.inference.generate import generate
+from tformer.generation.generate import generate
 from tformer.serve.scheduler import Scheduler, Sequence, Params, Token
 from tformer.serve.pool import KVPool
 

@@ -171,7 +171,7 @@ def run_large(data: str, tmp: str, nano_dir: Path | None, steps: int) -> dict:
     import torch
 
     from tformer.training.data import get_batch
-    from tformer.training.perf import bf16_supported
+    from tformer.machine import bf16_supported
     from tformer.training.trainer import Trainer
 
     threads = int(os.environ["OMP_NUM_THREADS"])

@@ -3,7 +3,7 @@
 import pytest
 
 from tformer.training.data import load_corpus
-from tformer.training.tokenizer import (BPETokenizer, CharTokenizer, clean_text, load_tokenizer,
+from tformer.tokenizers import (BPETokenizer, CharTokenizer, clean_text, load_tokenizer,
                                         tokenizer_from_dict)
 
 TEXT = ("def f(x):\n\treturn x * 2  # double\r\n"
@@ -65,7 +65,7 @@ def test_a_huggingface_tokenizer_json_loads_as_is(tmp_path):
     """A `tokenizers` file (as HF folders ship it, and `tformer convert` copies it) is read directly."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from tformer.training.tokenizer import load_tokenizer
+    from tformer.tokenizers import load_tokenizer
 
     hf = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     hf.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
-from tformer.mixers import mixer_class
+from tformer.mixers import check_config, mixer_class
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ def count_parameters(config: TransformerConfig, cross_attention: bool = False) -
     Args:
         cross_attention: count an extra cross-attention sub-layer (and its norm) per block.
     """
+    check_config(config)
     c = config
     d = c.d_model
     if c.ffn == "swiglu":

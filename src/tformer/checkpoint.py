@@ -4,7 +4,7 @@ A checkpoint is a folder::
 
     model.safetensors   the weights (a tied LM head is stored once, as the embedding)
     tformer_config.json {"model": class name, "config": TransformerConfig.to_dict(), "options": {...}}
-    tokenizer.json      the tokenizer (see tformer.training.tokenizer), when there is one
+    tokenizer.json      the tokenizer (see tformer.tokenizers), when there is one
 
 Every file is written to a temporary name in the same folder, flushed to disk and renamed over
 the old one (``os.replace`` is atomic on POSIX), so a run killed at any instant leaves either the
@@ -13,91 +13,23 @@ old file or the new one, never half of one.
 
 from __future__ import annotations
 
-import errno
-import hashlib
+import contextlib
 import json
 import math
 import os
-import re
-import shutil
-import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
+import warnings
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, InputError
+from tformer.io import atomic_write, atomic_write_json, file_digest, start_digest
+from tformer.models import LEGACY_NAMES, MODELS, build_model
 
 WEIGHTS, CONFIG = "model.safetensors", "tformer_config.json"
 CHECKSUM = "weights_sha256"  # key in tformer_config.json: SHA-256 of model.safetensors as saved
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)`` then atomically move ``tmp_path`` to ``path``.
-
-    The file gets the mode a plain ``open`` would give it (0666 less the umask), not the 0600 of
-    the temporary file. A write that fails for lack of space (libraries report it in their own
-    words: safetensors' ``SafetensorError``, torch's "unexpected pos", numpy's "N requested and M
-    written") is raised as an ``OSError`` naming ``path``, for the command line to print as one line.
-
-    Args:
-        path: the final file.
-        write: writes the complete file to the path it is given.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        try:
-            write(tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        except Exception as e:
-            raise _write_error(e, path, tmp) from e
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def current_umask() -> int:
-    """The process's umask: from /proc on Linux (no race with other threads), else by setting it back."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _write_error(e: Exception, path: Path, tmp: str) -> Exception:
-    """``e`` as an ``OSError`` naming ``path`` when it is a failed write (full disk, size limit), else ``e``."""
-    if isinstance(e, OSError) and e.errno is not None:
-        return e if e.filename not in (None, tmp) else OSError(e.errno, e.strerror, str(path))
-    text = str(e)
-    code = re.search(r"(?:os error |code: )(\d+)", text)
-    if code:
-        n = int(code.group(1))
-        return OSError(n, os.strerror(n), str(path))
-    if "unexpected pos" in text or re.search(r"\d+ requested and \d+ written", text):  # a short write
-        n = errno.ENOSPC if shutil.disk_usage(path.parent).free < (64 << 20) else errno.EFBIG
-        return OSError(n, f"{os.strerror(n)} (the file could not be written whole)", str(path))
-    return e
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-    atomic_write(path, write)
 
 
 def _aliases(model: torch.nn.Module) -> set[str]:
@@ -138,26 +70,6 @@ def write_model_config(directory: str | os.PathLike, model: torch.nn.Module, gen
                                                  CHECKSUM: checksum})
 
 
-def file_digest(path: str | os.PathLike) -> str:
-    """SHA-256 of a file, read in 8 MiB blocks (about 1 GB/s on one core: see benchmarks/checksum_cost.py)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _start_digest(path: Path) -> Future | None:
-    """:func:`file_digest` in a background thread (hashlib releases the GIL), overlapping the model's
-    construction; ``None`` if there is no file to hash."""
-    if not path.is_file():
-        return None
-    pool = ThreadPoolExecutor(max_workers=1)
-    future = pool.submit(file_digest, path)
-    pool.shutdown(wait=False)
-    return future
-
-
 def check_weights(path: Path, meta: dict, state: dict[str, torch.Tensor], model: torch.nn.Module,
                   digest: str | None = None) -> None:
     """Refuse weights that would load as a different model: a file changed since it was saved (its
@@ -187,6 +99,33 @@ def check_finite(path: Path, model: torch.nn.Module) -> None:
             if bad:
                 raise CheckpointError(f"{path}: tensor {name!r} holds {bad} NaN or infinite value(s); the weights "
                                       f"are damaged (or training diverged before saving); use an earlier checkpoint.")
+
+
+def read_sharded_weights(model: torch.nn.Module, shards: Path) -> torch.nn.Module:
+    """``model`` (unsharded, in this one process) with the weights of a sharded checkpoint's ``shards/``."""
+    from torch.distributed import checkpoint as dcp   # imported on use: it is slow to import and rarely needed
+    state = {"model": model.state_dict()}
+    try:
+        with single_process_load():
+            dcp.load(state, checkpoint_id=shards, no_dist=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot read the sharded weights in {shards} ({first_line(e)}); "
+                              f"restore the checkpoint or load another step folder.") from e
+    model.load_state_dict(state["model"])
+    return model
+
+
+@contextlib.contextmanager
+def single_process_load():
+    """DCP warns when it reads without a process group; here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        yield
+
+
+def first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def _read_meta(directory: str | os.PathLike) -> dict:
@@ -228,11 +167,9 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu", verify: 
     Raises:
         CheckpointError: the folder, its config or its weights are missing, unreadable or do not fit.
     """
-    from tformer.models import LEGACY_NAMES, MODELS, build_model
-
     directory = resolve_checkpoint(directory)
     meta = _read_meta(directory)
-    digest = _start_digest(Path(directory) / WEIGHTS) if verify and CHECKSUM in meta else None
+    digest = start_digest(Path(directory) / WEIGHTS) if verify and CHECKSUM in meta else None
     config = TransformerConfig.from_dict(meta["config"])
     kind = LEGACY_NAMES.get(meta.get("model"), meta.get("model", config.model))
     if kind not in MODELS:
@@ -242,7 +179,6 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu", verify: 
     model = build_model(config, **meta.get("options", {}))
     path = Path(directory) / WEIGHTS
     if not path.is_file() and (Path(directory) / SHARDS).is_dir():   # a sharded (FSDP) training checkpoint
-        from tformer.training.dist_checkpoint import read_sharded_weights
         model = read_sharded_weights(model, Path(directory) / SHARDS)
         if verify:
             check_finite(Path(directory) / SHARDS, model)
@@ -284,7 +220,7 @@ def load_model(directory: str | os.PathLike, map_location: str = "cpu", verify: 
 # A step folder is complete before the pointer moves to it (one atomic rename), so a run killed at
 # any instant leaves the pointer on the last complete checkpoint.
 
-POINTER, TRAINER_STATE, OPTIMIZER, SHARDS = "checkpoint.json", "trainer.json", "optimizer.pt", "shards"
+POINTER, SHARDS = "checkpoint.json", "shards"
 
 
 def read_pointer(run_dir: str | os.PathLike, missing_ok: bool = False) -> dict | None:
@@ -335,61 +271,3 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                               f"run stopped before its first save); train it longer or pass another folder.")
     raise CheckpointError(f"{path} is not a tformer checkpoint (no {POINTER} or {CONFIG}); "
                           f"pass the --out folder of a `tformer train` run.")
-
-
-def save_training_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, tokenizer,
-                             state: dict, optimizer_state: dict | None, keep: int = 2, weights: bool = True) -> Path:
-    """Write a complete step folder, then move the pointer to it; keep the newest ``keep`` folders.
-
-    Args:
-        state: JSON-able trainer state (step, configs, corpus fingerprint, ...).
-        optimizer_state: tensors/numbers only (loaded back with ``weights_only=True``); ``None`` when
-            every rank has written the folder's ``shards/`` already (then ``weights`` says whether to
-            add a consolidated ``model.safetensors`` from ``model``, else only its config is written).
-    Returns:
-        The step folder.
-    """
-    run_dir = Path(run_dir)
-    rel = f"ckpt/step-{step:07d}"
-    folder = run_dir / rel
-    pointer = run_dir / POINTER
-    if (read_pointer(run_dir, missing_ok=True) or {}).get("latest") == rel:
-        return folder                                       # this step is saved already
-    if optimizer_state is None:                             # sharded: shards/ is there already
-        (save_model if weights else write_model_config)(folder, model)
-    else:
-        if folder.exists():                                 # a partial folder from a killed run
-            import shutil
-            shutil.rmtree(folder)
-        save_model(folder, model)
-        atomic_write(folder / OPTIMIZER, lambda tmp: torch.save(optimizer_state, tmp))
-    tokenizer.save(folder / "tokenizer.json")
-    atomic_write_json(folder / TRAINER_STATE, state)
-    atomic_write_json(pointer, {"latest": rel, "step": step})
-    steps = sorted((p for p in (run_dir / "ckpt").iterdir() if p.name.startswith("step-")), key=lambda p: p.name)
-    for old in steps[:-keep] if keep > 0 else []:
-        if old != folder:
-            import shutil
-            shutil.rmtree(old, ignore_errors=True)
-    return folder
-
-
-def load_training_state(folder: str | os.PathLike) -> tuple[dict, dict]:
-    """``(trainer state, optimizer state)`` of a checkpoint folder; the latter via ``weights_only=True``
-    (``None`` for a sharded checkpoint: its optimizer state is in ``shards/``).
-
-    Raises:
-        CheckpointError: the files are missing or damaged.
-    """
-    folder = Path(folder)
-    try:
-        state = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
-        sharded = (folder / SHARDS).is_dir()     # FSDP keeps its optimizer state in the shards
-        opt = None if sharded else torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{folder} has no trainer state ({e.filename}); it was saved for inference only "
-                         f"and cannot be resumed. Start a new run with another --out.") from e
-    except Exception as e:
-        raise CheckpointError(f"cannot read the trainer state in {folder}: {e}. The checkpoint is damaged; "
-                         f"restore it or start a new run with another --out.") from e
-    return state, opt

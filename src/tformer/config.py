@@ -183,8 +183,9 @@ class TransformerConfig:
         self._check_mixers()
 
     def _check_mixers(self) -> None:
-        from tformer.mixers import mixer_class
-
+        """The mixer pattern's shape. Whether each name is registered, and what each mixer refuses, is
+        checked where the names are resolved to classes (:func:`tformer.mixers.check_config`, called
+        when a model is built or counted): the config stays plain data that imports no module."""
         pattern = [self.mixer] if isinstance(self.mixer, str) else list(self.mixer)
         if not pattern or any(not isinstance(m, str) for m in pattern) or self.n_layers % len(pattern):
             raise ConfigError(f"mixer={self.mixer!r} must be a mixer name or a non-empty list of names whose "
@@ -193,10 +194,6 @@ class TransformerConfig:
             self.mixer = pattern
         if not isinstance(self.mixer_options, dict):
             raise ConfigError(f"mixer_options={self.mixer_options!r} must be a dict {{mixer name: {{option: value}}}}.")
-        for name in dict.fromkeys(pattern):
-            cls = mixer_class(name)
-            if hasattr(cls, "check_config"):
-                cls.check_config(self)
         unused = sorted(set(self.mixer_options) - set(pattern))
         if unused:
             raise ConfigError(f"mixer_options names {', '.join(unused)}, which no layer uses (mixer={self.mixer!r}); "

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tformer.checkpoint import atomic_write, atomic_write_json
+from tformer.io import atomic_write, atomic_write_json
 from tformer.claims.base import Claim, verdict_of
 from tformer.claims.common import figure_png
 from tformer.claims.registry import module_file
-from tformer.training.perf import busy_cores
+from tformer.machine import busy_cores
 
 HERE = Path(__file__).resolve().parent
 

@@ -117,7 +117,7 @@ class replacing:
         self.out = out
 
     def __enter__(self) -> Path:
-        from tformer.checkpoint import current_umask
+        from tformer.io import current_umask
 
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)

@@ -70,9 +70,9 @@ def check_options(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, echo: bool = False) -> int:
     """Generate; with ``echo`` the prompt is printed before its continuation."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
-    from tformer.inference.text import generate_text, stream_text
-    from tformer.inference.quantize import set_precision
-    from tformer.training.tokenizer import load_tokenizer
+    from tformer.generation.text import generate_text, stream_text
+    from tformer.quant.quantize import set_precision
+    from tformer.tokenizers import load_tokenizer
 
     threads, dtype, use_cache = getattr(args, "threads", None), getattr(args, "dtype", "fp32"), not getattr(args, "no_cache", False)
     check_options(args)

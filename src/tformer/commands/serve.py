@@ -52,9 +52,9 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
                  embeddings: str | None = None, dtype: str = "fp32"):
     """Load the checkpoint and start its scheduler: a :class:`tformer.serve.server.Server`."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
-    from tformer.inference.quantize import set_precision
+    from tformer.quant.quantize import set_precision
     from tformer.serve.server import Limits, Server
-    from tformer.training.tokenizer import load_tokenizer
+    from tformer.tokenizers import load_tokenizer
 
     if slots < 1 or max_queue < 0 or timeout <= 0:
         raise ConfigError(f"--slots {slots}, --max-queue {max_queue}, --timeout {timeout}: use slots >= 1, "

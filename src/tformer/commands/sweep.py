@@ -71,7 +71,7 @@ def build_spec(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tformer.checkpoint import atomic_write_json
+    from tformer.io import atomic_write_json
     from tformer.scaling.report import analyse, plot
     from tformer.scaling.sweep import load_runs, run_sweep
 

@@ -1,5 +1,2 @@
-"""HuggingFace interoperability: import/export GPT-2, Llama, Mistral, Qwen2, BLOOM and BERT folders."""
-
-from tformer.interop.hf import config_from_hf, load_hf, save_hf
-
-__all__ = ["config_from_hf", "load_hf", "save_hf"]
+"""HuggingFace and GGUF interoperability: one converter module per HF family (``gpt2``, ``llama``, ...),
+``hf`` (load_hf / save_hf, the FAMILIES registry), ``gguf`` and ``sentence`` (sentence-transformers)."""

@@ -173,7 +173,7 @@ def save_gguf(model: torch.nn.Module, path: str | Path, kind: str = "f32", model
     """
     import gguf
 
-    from tformer.checkpoint import atomic_write
+    from tformer.io import atomic_write
     from tformer.interop.hf import infer_model_type
 
     if kind not in TYPES:

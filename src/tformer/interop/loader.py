@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tformer.checkpoint import atomic_write, atomic_write_json
+from tformer.io import atomic_write, atomic_write_json
 from tformer.errors import CheckpointError, ConfigError
 
 Tensor = torch.Tensor

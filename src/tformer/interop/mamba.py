@@ -14,11 +14,11 @@ import math
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.interop.loader import TensorSource, refuse, require
-from tformer.ssm.mamba import MambaShape
+from tformer.mixers.mamba import MambaShape
 
 MODEL_TYPES = ("mamba",)
 PREFIX = "backbone."
-NORM, MIXER = "attn_norm", "attn"   # the Block keeps these names whatever its mixer (tformer.layers.Block)
+NORM, MIXER = "attn_norm", "attn"   # the Block keeps these names whatever its mixer (tformer.models.block.Block)
 
 # tformer name (under blocks.{i}.{MIXER}.) -> HF name (under layers.{i}.mixer.)
 MIXER_TENSORS = [("in_proj.weight", "in_proj.weight"), ("conv1d.weight", "conv1d.weight"),

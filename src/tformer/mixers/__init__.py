@@ -13,8 +13,8 @@ import importlib
 from tformer.errors import ConfigError
 
 MIXERS: dict[str, str | type] = {
-    "attention": "tformer.attention.multihead:MultiHeadAttention",
-    "mamba": "tformer.ssm.mamba:MambaMixer",
+    "attention": "tformer.mixers.attention:MultiHeadAttention",
+    "mamba": "tformer.mixers.mamba:MambaMixer",
     "longformer": "tformer.mixers.longformer:LongformerAttention",
     "bigbird": "tformer.mixers.bigbird:BigBirdAttention",
     "performer": "tformer.mixers.performer:PerformerAttention",
@@ -31,6 +31,19 @@ def mixer_class(name: str) -> type:
         return target
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def check_config(config) -> None:
+    """Resolve every layer's mixer name and let each mixer class refuse what it cannot do with
+    ``config`` (its ``check_config``).
+
+    Raises:
+        ConfigError: a name that is not registered, or a setting the mixer refuses.
+    """
+    for name in dict.fromkeys(config.layer_mixers()):
+        cls = mixer_class(name)
+        if hasattr(cls, "check_config"):
+            cls.check_config(config)
 
 
 def register_mixer(name: str, target: str | type) -> None:

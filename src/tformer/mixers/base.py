@@ -1,6 +1,6 @@
 """The token-mixer protocol: what every layer that lets tokens talk to each other provides.
 
-A :class:`~tformer.layers.Block` is ``mixer`` then ``feed-forward``, each a residual sub-layer.
+A :class:`~tformer.models.block.Block` is ``mixer`` then ``feed-forward``, each a residual sub-layer.
 The mixer is chosen per layer by the config (``TransformerConfig.mixer``) through the registry in
 ``tformer.mixers``; softmax attention is one mixer among others (sparse and linear attention,
 state-space layers). A mixer class:
@@ -65,13 +65,3 @@ class Shared:
 
     rope: nn.Module | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def mark_residual(linear: nn.Module) -> nn.Module:
-    """Mark ``linear`` as writing into the residual stream (its init is scaled by 1/sqrt(2·n_layers))."""
-    linear.writes_residual = True
-    return linear
-
-
-def writes_residual(module: nn.Module) -> bool:
-    return getattr(module, "writes_residual", False)

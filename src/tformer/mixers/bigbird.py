@@ -20,8 +20,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from tformer.attention.bigbird import bigbird_attention, dense_reason, random_blocks
-from tformer.attention.longformer import masked_softmax
+from tformer.ops.bigbird import bigbird_attention, dense_reason, random_blocks
+from tformer.ops.masks import masked_softmax
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.mixers.base import Shared, Step
@@ -80,7 +80,7 @@ class BigBirdAttention(ProjectedAttention):
         """``12 · nh · hs`` per query-key pair the layer computes, per token: with ``n`` = ``T``
         padded to whole blocks, the ``nb - 2`` middle query blocks meet ``(5 + r)·b`` keys each and
         the two global blocks all ``n``; dense (``T`` keys per query) where the forward falls back
-        to dense attention (:func:`~tformer.attention.bigbird.dense_reason`)."""
+        to dense attention (:func:`~tformer.ops.bigbird.dense_reason`)."""
         b = cls.layer_option(config, "block_size", 64, layer)
         r = cls.layer_option(config, "num_random_blocks", 3, layer)
         n = -(-seq_len // b) * b

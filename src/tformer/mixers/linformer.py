@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn as nn
 
-from tformer.attention.linformer import linformer_attention
+from tformer.ops.linformer import linformer_attention
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.mixers.base import Shared, Step

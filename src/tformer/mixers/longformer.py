@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tformer.attention.longformer import longformer_attention, masked_softmax
+from tformer.ops.longformer import longformer_attention
+from tformer.ops.masks import masked_softmax
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.mixers.base import Shared, Step

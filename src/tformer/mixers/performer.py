@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from tformer.attention.performer import favor_attention, favor_causal, gaussian_orthogonal, softmax_features
+from tformer.ops.performer import favor_attention, favor_causal, gaussian_orthogonal, softmax_features
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.mixers.base import Shared, Step

@@ -3,7 +3,7 @@ attention: the projections. Only the kernel between them differs.
 
     x (B, T, C) -> qkv_proj -> q (B, nh, T, hs), k, v (B, nkv, T, hs) -> [RoPE] -> kernel -> out_proj
 
-The layout is :class:`~tformer.attention.multihead.MultiHeadAttention`'s (one fused ``qkv_proj``
+The layout is :class:`~tformer.mixers.attention.MultiHeadAttention`'s (one fused ``qkv_proj``
 of width ``(nh + 2·nkv)·hs``, ``out_proj`` back to ``C``), so a checkpoint's attention weights
 mean the same thing under every mixer. Grouped-query K/V are expanded to ``nh`` heads only in
 front of a kernel (a view, no copy).
@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
-from tformer.mixers.base import Shared, Step, mark_residual
+from tformer.mixers.base import Shared, Step
+from tformer.nn.markers import mark_residual
 
 Tensor = torch.Tensor
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
-from tformer.inference.state import InferenceState
+from tformer.models.state import InferenceState
 from tformer.models.loss import token_loss
 from tformer.models.stack import TransformerStack
 
@@ -63,7 +63,7 @@ class DecoderLM(TransformerStack):
             positions: ``(T,)`` or ``(B, T)`` absolute positions. Default: with an ``attention_mask``,
                 each token's count of real tokens before it (so left padding shifts nothing);
                 otherwise ``state.length + arange(T)``.
-            state: a per-request :class:`~tformer.inference.state.InferenceState` from
+            state: a per-request :class:`~tformer.models.state.InferenceState` from
                 :meth:`new_state`; the new tokens are written after what it holds.
             slot: ``(B,)`` the static decode step's write index per row (see ``hidden_states``).
             last_only: compute logits for the last position only, ``(B, 1, vocab)`` (generation:
@@ -94,9 +94,3 @@ class DecoderLM(TransformerStack):
         positions = torch.arange(ids.shape[1], device=ids.device)
         _, maps = self.hidden_states(ids, attention_mask=attention_mask, positions=positions, return_weights=True)
         return maps
-
-    def generate(self, ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
-        """Continue ``ids``; see :func:`tformer.inference.generate.generate` for the options."""
-        from tformer.inference.generate import generate
-
-        return generate(self, ids, max_new_tokens, **kwargs)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError, InputError
-from tformer.layers import _ACTIVATIONS, make_norm
+from tformer.nn.feed_forward import ACTIVATIONS
+from tformer.nn.norms import make_norm
 from tformer.models.stack import TransformerStack
 
 Tensor = torch.Tensor
@@ -36,7 +37,7 @@ class MaskedLMHead(nn.Module):
     def __init__(self, config: TransformerConfig, embedding: nn.Embedding):
         super().__init__()
         self.dense = nn.Linear(config.d_model, config.d_model)
-        self.act = _ACTIVATIONS[config.activation]
+        self.act = ACTIVATIONS[config.activation]
         self.norm = make_norm(config)
         self.embedding = embedding
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))

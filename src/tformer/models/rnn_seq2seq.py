@@ -26,7 +26,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
-from tformer.models.embedding import check_ids
+from tformer.nn.embedding import check_ids
 from tformer.models.loss import token_loss
 
 Tensor = torch.Tensor

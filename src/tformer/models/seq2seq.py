@@ -13,7 +13,7 @@ tokens only, so left and right padding give the same logits for real tokens.
 Each side is a :class:`~tformer.models.stack.TransformerStack` (embeddings, blocks built from the
 mixer registry, final norm); the two share one ``tok_emb`` module. Decoding keeps a per-request
 :class:`Seq2SeqState`: the encoder runs once, each decoder layer's cross-attention keys/values are
-projected from the memory once, and the decoder's :class:`~tformer.inference.state.InferenceState`
+projected from the memory once, and the decoder's :class:`~tformer.models.state.InferenceState`
 holds each layer's mixer state (attention: a KV cache of the target prefix).
 """
 
@@ -25,12 +25,12 @@ import math
 import torch
 import torch.nn as nn
 
-from tformer.attention.functional import scaled_dot_product_attention
-from tformer.attention.masks import padding_mask
-from tformer.attention.multihead import MultiHeadAttention
+from tformer.ops.sdpa import scaled_dot_product_attention
+from tformer.ops.masks import padding_mask
+from tformer.mixers.attention import MultiHeadAttention
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
-from tformer.inference.state import InferenceState
+from tformer.models.state import InferenceState
 from tformer.models.loss import token_loss
 from tformer.models.stack import TransformerStack
 

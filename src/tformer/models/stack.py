@@ -18,15 +18,18 @@ import math
 import torch
 import torch.nn as nn
 
-from tformer.attention.dropout import dropout as cpu_dropout
-from tformer.attention.masks import padding_mask
+from tformer.ops.dropout import dropout as cpu_dropout
+from tformer.ops.masks import padding_mask
 from tformer.config import TransformerConfig
 from tformer.errors import InputError
-from tformer.inference.state import InferenceState
-from tformer.layers import Block, make_norm
-from tformer.mixers.base import Shared, Step, writes_residual
-from tformer.models.embedding import check_ids, init_weights, position_table
-from tformer.positions import RotaryEmbedding, table_length
+from tformer.models.state import InferenceState
+from tformer.models.block import Block
+from tformer.nn.norms import make_norm
+from tformer.mixers import check_config as check_mixers
+from tformer.mixers.base import Shared, Step
+from tformer.nn.markers import writes_residual
+from tformer.nn.embedding import check_ids, init_weights, position_table
+from tformer.nn.positions import RotaryEmbedding, table_length
 
 Tensor = torch.Tensor
 
@@ -45,6 +48,7 @@ class TransformerStack(nn.Module):
 
     def __init__(self, config: TransformerConfig, cross_attention: bool = False):
         super().__init__()
+        check_mixers(config)                                                    # names -> classes, and their refusals
         self.config = c = config
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.pos_emb = position_table(c)                                        # learned / sinusoidal, or None

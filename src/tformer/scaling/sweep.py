@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 from tformer.accounting import count_parameters
-from tformer.checkpoint import TRAINER_STATE, atomic_write_json, read_pointer, resolve_checkpoint
+from tformer.checkpoint import read_pointer, resolve_checkpoint
+from tformer.io import atomic_write_json
+from tformer.training.runs import TRAINER_STATE
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.training.trainer import Trainer

@@ -1,6 +1,6 @@
 """A preallocated pool of per-sequence inference states, and the two model calls the scheduler makes.
 
-The pool is ONE :class:`~tformer.inference.state.InferenceState` from ``model.new_state(n_slots,
+The pool is ONE :class:`~tformer.models.state.InferenceState` from ``model.new_state(n_slots,
 max_len)``, made at start: row ``r`` of every layer's state (a KV cache ``(n_slots, n_kv_heads,
 max_len, head_dim)``, or another mixer's state) belongs to the request in slot ``r`` from admission
 until it finishes. Nothing is allocated per token.
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from tformer.inference.kv_cache import KVCache
-from tformer.inference.state import InferenceState
+from tformer.mixers.kv_cache import KVCache
+from tformer.models.state import InferenceState
 
 Tensor = torch.Tensor
 KEY_BUCKET = 64     # decode reads the first multiple of 64 positions that holds every row's keys

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from tformer.inference.text import _TextTracker
+from tformer.generation.text import _TextTracker
 from tformer.serve.metrics import BATCH_BUCKETS, Metrics
 from tformer.serve.pool import KVPool
 from tformer.serve.sampling import choose

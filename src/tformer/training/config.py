@@ -14,7 +14,7 @@ import torch
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
-from tformer.training.tokenizer import KINDS
+from tformer.tokenizers import KINDS
 
 PRECISIONS = ("auto", "bf16", "fp32")
 STRATEGIES = ("ddp", "fsdp")                 # how a run under torchrun spreads over its ranks

@@ -32,9 +32,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from tformer.checkpoint import atomic_write, atomic_write_json
+from tformer.io import atomic_write, atomic_write_json
 from tformer.errors import ConfigError, InputError
-from tformer.training.tokenizer import load_tokenizer, train_tokenizer
+from tformer.tokenizers import load_tokenizer, train_tokenizer
 
 DEFAULT_CORPUS_BYTES = 4_000_000   # cap of the embedded stdlib corpus (~4 MB of Python source)
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib"}

@@ -27,7 +27,8 @@ from typing import Callable
 
 import torch
 
-from tformer.checkpoint import SHARDS, load_model, read_pointer, save_training_checkpoint
+from tformer.checkpoint import SHARDS, first_line, load_model, read_pointer, single_process_load
+from tformer.training.runs import save_training_checkpoint
 from tformer.errors import CheckpointError
 from tformer.training.distributed import Distributed
 
@@ -76,10 +77,10 @@ def load(dist: Distributed, folder: Path, model: torch.nn.Module, optimizer, opt
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state, "torch_rng": torch.get_rng_state()}
         try:
-            with _single_process_is_meant():
+            with single_process_load():
                 dcp.load(state, checkpoint_id=folder / SHARDS, no_dist=not dist.active)
         except Exception as e:   # DCP raises its own error types for missing or damaged shards
-            raise CheckpointError(f"cannot read the sharded checkpoint in {folder / SHARDS} ({_first_line(e)}); "
+            raise CheckpointError(f"cannot read the sharded checkpoint in {folder / SHARDS} ({first_line(e)}); "
                                   f"restore it or resume from another step folder.") from e
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         torch.set_rng_state(state["torch_rng"])
@@ -95,30 +96,3 @@ def load(dist: Distributed, folder: Path, model: torch.nn.Module, optimizer, opt
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                        options=StateDictOptions(full_state_dict=True))
     torch.set_rng_state(opt_state["torch_rng"])
-
-
-def read_sharded_weights(model: torch.nn.Module, shards: Path) -> torch.nn.Module:
-    """``model`` (unsharded, in this one process) with the weights of a sharded checkpoint's ``shards/``."""
-    from torch.distributed import checkpoint as dcp
-    state = {"model": model.state_dict()}
-    try:
-        with _single_process_is_meant():
-            dcp.load(state, checkpoint_id=shards, no_dist=True)
-    except Exception as e:
-        raise CheckpointError(f"cannot read the sharded weights in {shards} ({_first_line(e)}); "
-                              f"restore the checkpoint or load another step folder.") from e
-    model.load_state_dict(state["model"])
-    return model
-
-
-@contextlib.contextmanager
-def _single_process_is_meant():
-    """DCP warns when it reads without a process group; here that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        yield
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__

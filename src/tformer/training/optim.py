@@ -6,23 +6,31 @@ import math
 
 import torch
 
+from tformer.nn.markers import decays
+
 
 def make_optimizer(model: torch.nn.Module, lr: float, betas: tuple[float, float], weight_decay: float,
                    device_type: str = "cpu") -> torch.optim.AdamW:
-    """AdamW; matrices (embeddings, Linear weights) decay, vectors (biases, norm gains) do not.
+    """AdamW; matrices (embeddings, Linear weights) decay; vectors (biases, norm gains) and parameters
+    marked :func:`~tformer.nn.markers.no_weight_decay` (Mamba's ``A_log`` and ``D``) do not.
 
     Uses the fused kernel where PyTorch has one for the device (CPU and CUDA in recent releases),
     else the foreach one.
     """
-    params = [p for p in model.parameters() if p.requires_grad]   # a tied matrix appears once
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = param_groups(model, weight_decay)
     try:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: what decays (by :func:`~tformer.nn.markers.decays`) and what does not."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]   # a tied matrix appears once
+    return [
+        {"params": [p for n, p in named if decays(n, p)], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
+    ]
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:

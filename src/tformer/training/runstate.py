@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tformer.checkpoint import SHARDS, atomic_write
+from tformer.checkpoint import SHARDS
+from tformer.io import atomic_write
 from tformer.errors import CheckpointError, InputError
 
 METRICS = "metrics.jsonl"

@@ -20,10 +20,11 @@ from typing import Any, Callable
 
 import torch
 
-from tformer.checkpoint import CONFIG, atomic_write_json, load_model, save_model
+from tformer.checkpoint import CONFIG, load_model, save_model
+from tformer.io import atomic_write_json
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, ConfigError
-from tformer.inference.beam import beam_search
+from tformer.generation.beam import beam_search
 from tformer.models import build_model
 from tformer.training.optim import lr_at, make_optimizer
 from tformer.training.seq2seq_data import (BOS, EOS, WordTokenizer, make_batch, number_pairs, read_pairs,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tformer.checkpoint import atomic_write
+from tformer.io import atomic_write
 from tformer.errors import InputError
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3

@@ -28,10 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from tformer.accounting import training_flops_per_token
-from tformer.checkpoint import load_config, load_training_state, read_pointer, resolve_checkpoint
+from tformer.checkpoint import load_config, read_pointer, resolve_checkpoint
+from tformer.training.runs import load_training_state
 from tformer.config import TransformerConfig
+from tformer.mixers import check_config as check_mixers
 from tformer.errors import ConfigError, InputError
-from tformer.inference.generate import generate
+from tformer.generation.generate import generate
 from tformer.models import build_model
 from tformer.training import dist_checkpoint, distributed
 from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
@@ -39,10 +41,10 @@ from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS
 from tformer.training.data import (Corpus, corpus_fingerprint, default_cache_dir, get_batch, load_corpus,
                                    resolve_corpus)
 from tformer.training.optim import lr_at, make_optimizer
-from tformer.training.perf import bf16_supported, busy_cores, cached_matmul_peak_flops
+from tformer.machine import bf16_supported, busy_cores, cached_matmul_peak_flops
 from tformer.training.runlock import RunLock
 from tformer.training.runstate import check_more_steps, check_state, start_metrics
-from tformer.training.tokenizer import load_tokenizer
+from tformer.tokenizers import load_tokenizer
 
 _DEFAULT_THREADS = torch.get_num_threads()
 # Evaluation stacks its fixed batches into forwards of up to this many tokens: one pass of 15,360
@@ -127,6 +129,7 @@ class Trainer:
                                  log=log)
         model_config = TransformerConfig.from_name(preset or "tiny", **model_kw,
                                                    vocab_size=corpus.tokenizer.vocab_size)
+        check_mixers(model_config)                  # a mixer's refusals before the corpus length
         _check_length(corpus, model_config.context_length)
         if distributed.setup().is_main:
             start_metrics(out_dir, None)  # a run that died before its first checkpoint leaves a log: start it over

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from tformer.attention.functional import scaled_dot_product_attention
+from tformer.ops.sdpa import scaled_dot_product_attention
 from tformer.claims.base import Check, Claim
 from tformer.claims.common import fmt, new_figure
 

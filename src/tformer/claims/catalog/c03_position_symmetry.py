@@ -15,7 +15,7 @@ from tformer.claims.base import Check, Claim
 from tformer.claims.common import fmt, new_figure
 from tformer.config import TransformerConfig
 from tformer.models import build_model
-from tformer.positions import RotaryEmbedding, sinusoidal_table
+from tformer.nn.positions import RotaryEmbedding, sinusoidal_table
 
 
 def equivariance_error(positions: str, seq_len: int, seed: int) -> float:

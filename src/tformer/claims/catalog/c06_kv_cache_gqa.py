@@ -16,7 +16,7 @@ import time
 import torch
 
 from tformer.accounting import kv_cache_bytes
-from tformer.attention.functional import scaled_dot_product_attention
+from tformer.ops.sdpa import scaled_dot_product_attention
 from tformer.claims.base import Check, Claim
 from tformer.claims.common import byte_corpus, eval_loss, fmt, new_figure, train_lm
 from tformer.config import TransformerConfig

@@ -42,7 +42,7 @@ def worker(config: dict) -> dict:
     """Runs in the subprocess: memory per (backend, n), and the float64 errors of flash against math."""
     import torch
 
-    from tformer.attention.functional import scaled_dot_product_attention as attention
+    from tformer.ops.sdpa import scaled_dot_product_attention as attention
 
     torch.set_num_threads(1)
     h, d = config["heads"], config["d_head"]

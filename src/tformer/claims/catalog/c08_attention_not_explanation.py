@@ -18,7 +18,7 @@ import statistics
 import torch
 import torch.nn as nn
 
-from tformer.attention.functional import scaled_dot_product_attention
+from tformer.ops.sdpa import scaled_dot_product_attention
 from tformer.claims.base import Check, Claim
 from tformer.claims.common import fmt, kendall_tau, new_figure
 from tformer.config import TransformerConfig

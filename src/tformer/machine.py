@@ -1,0 +1,99 @@
+"""Hardware facts the trainer measures instead of assuming: bf16 support, the matmul peak, and how
+many cores other processes keep busy."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def bf16_supported(device: str = "cpu") -> bool:
+    """Whether bf16 autocast runs natively: a CUDA GPU with bf16, or a CPU with AVX-512-BF16 / AMX."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def matmul_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024,
+                      seconds: float = 0.3) -> float:
+    """FLOP/s of the fastest of repeated ``(n, n) @ (n, n)`` products: the peak MFU is measured against.
+
+    A square matmul of this size is about the best case for the BLAS library on this machine, so
+    it is a practical ceiling (not the datasheet's) for what a training step could reach.
+    """
+    gen = torch.Generator().manual_seed(0)          # a private generator: training's RNG stream is untouched
+    a = torch.randn(n, n, generator=gen).to(device, dtype)
+    b = torch.randn(n, n, generator=gen).to(device, dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(2):
+        a @ b
+    sync()
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def machine_key(dtype: torch.dtype, device: str) -> str:
+    """What a measured speed depends on: the processor, torch's version, the thread count, dtype and device."""
+    if device.startswith("cuda"):
+        chip = torch.cuda.get_device_name(torch.device(device))
+    else:
+        chip = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                chip = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), chip)
+        except OSError:
+            pass
+    return f"{chip} | torch {torch.__version__} | {torch.get_num_threads()} threads | {dtype} | {device.split(':')[0]}"
+
+
+def cached_matmul_peak_flops(dtype: torch.dtype, device: str, cache_dir: str | os.PathLike) -> float:
+    """:func:`matmul_peak_flops`, measured once per :func:`machine_key` and kept in
+    ``<cache_dir>/matmul_peak.json`` (delete the file to measure again); saves about 0.4 s per run."""
+    from tformer.io import atomic_write_json
+
+    path, key = Path(cache_dir) / "matmul_peak.json", machine_key(dtype, device)
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        table = {}
+    if not isinstance(table, dict) or not isinstance(table.get(key), (int, float)):
+        table = table if isinstance(table, dict) else {}
+        table[key] = matmul_peak_flops(dtype, device)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, table)
+        except OSError:
+            pass                                       # a read-only cache: measure again next time
+    return float(table[key])
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)          # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])                    # busy, total (no guest double count)
+
+
+def busy_cores(seconds: float = 1.0) -> float:
+    """Cores kept busy by other processes over the next ``seconds``, from /proc/stat while this
+    process sleeps (the 1-minute load average lags by minutes); falls back to the load average."""
+    try:
+        b0, t0 = _cpu_ticks()
+        time.sleep(seconds)
+        b1, t1 = _cpu_ticks()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)

@@ -1,0 +1,98 @@
+"""The pieces of a transformer block: normalisation, feed-forward, and the block that joins them.
+
+A block is two residual sub-layers, a token mixer (tokens talk to each other: attention, or any
+mixer registered in ``tformer.mixers``) then a feed-forward (each token thinks alone). ``norm_placement`` decides where the norm sits:
+
+- ``pre``  (GPT-2, Llama): ``x = x + f(norm(x))``: the residual stream is never normalised,
+  which keeps gradients well-behaved in deep stacks.
+- ``post`` (Vaswani et al., BERT): ``x = norm(x + f(x))``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tformer.ops.dropout import dropout as cpu_dropout
+from tformer.mixers.attention import MultiHeadAttention
+from tformer.config import TransformerConfig
+from tformer.nn.feed_forward import make_feed_forward
+from tformer.nn.norms import make_norm
+from tformer.mixers import mixer_class
+from tformer.mixers.base import Shared, Step
+from tformer.nn.positions import RotaryEmbedding
+
+Tensor = torch.Tensor
+
+
+class Block(nn.Module):
+    """One layer: a token mixer, an optional cross-attention, a feed-forward; each a residual sub-layer.
+
+    Args:
+        config: the model's config (``norm_placement``, ``dropout``, the mixer of each layer, ...).
+        layer: this block's index; picks its mixer from ``config.layer_mixers()``.
+        shared: objects every layer's mixer reuses (the rotary table).
+        cross_attention: add an encoder-decoder attention sub-layer (Vaswani et al.'s decoder).
+        rope: a rotary table, when not given through ``shared`` (direct use).
+
+    The mixer is stored as ``attn`` (and its norm as ``attn_norm``) whatever it is, so checkpoints
+    and the HF converters keep the names they have always had.
+    """
+
+    def __init__(self, config: TransformerConfig, layer: int = 0, shared: Shared | None = None, *,
+                 cross_attention: bool = False, rope: RotaryEmbedding | None = None):
+        super().__init__()
+        shared = shared if shared is not None else Shared(rope=rope)
+        self.pre_norm = config.norm_placement == "pre"
+        self.p_drop = config.dropout
+        self.attn_norm = make_norm(config)
+        self.attn = mixer_class(config.layer_mixers()[layer])(config, layer, shared)
+        self.cross_norm = make_norm(config) if cross_attention else None
+        self.cross_attn = MultiHeadAttention(config, cross=True) if cross_attention else None
+        self.ffn = make_feed_forward(config)
+        self.ffn_norm = make_norm(config) if self.ffn is not None else None
+
+    def _residual(self, x: Tensor, norm: nn.Module, f, dropout: bool) -> Tensor:
+        if self.pre_norm:
+            return x + cpu_dropout(f(norm(x)), self.p_drop, dropout)
+        return norm(x + cpu_dropout(f(x), self.p_drop, dropout))
+
+    def forward(
+        self,
+        x: Tensor,
+        step: Step | None = None,
+        state=None,
+        *,
+        mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor | None]:
+        """``x (B, T, C)`` -> ``(B, T, C)``; with ``step.return_weights`` also the mixer's weights.
+
+        Args:
+            step: positions, padding mask and the rest, computed once by the model; built from
+                ``mask``/``positions`` when ``None`` (direct use).
+            state: this layer's mixer state (inference), or ``None``.
+            context, context_mask: the encoder's output and its padding mask (cross-attention).
+        """
+        if step is None:
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)
+            step = Step(positions=positions, mask=mask, dropout=self.training)
+        weights = None
+
+        def mix(h: Tensor) -> Tensor:
+            nonlocal weights
+            out = self.attn(h, step, state)
+            if step.return_weights:
+                out, weights = out
+            return out
+
+        x = self._residual(x, self.attn_norm, mix, step.dropout)
+        if self.cross_attn is not None:
+            x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(h, context=context, mask=context_mask),
+                               step.dropout)
+        if self.ffn is not None:
+            x = self._residual(x, self.ffn_norm, self.ffn, step.dropout)
+        return (x, weights) if step.return_weights else x

@@ -1,0 +1,61 @@
+"""The position-wise feed-forward sub-layer: each token "thinks alone" after the mixer let tokens talk.
+
+Two kinds: the classic MLP ``down(act(up(x)))`` with ``d_ff = 4·d`` (Vaswani et al.; GPT-2), and the
+gated SwiGLU ``down(silu(gate(x)) * up(x))`` (Shazeer, 2020; Llama). The output projection writes
+into the residual stream, so it is marked for the scaled initialisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tformer.config import TransformerConfig
+from tformer.nn.markers import mark_residual
+
+Tensor = torch.Tensor
+
+
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),                      # exact erf form (BERT, Vaswani-era GELU)
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's approximation
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: Linear(d, d_ff) -> activation -> Linear(d_ff, d) -> dropout."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down = mark_residual(nn.Linear(config.d_ff, config.d_model, bias=config.bias))
+        self.act = ACTIVATIONS[config.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward (Shazeer, 2020; Llama): down(silu(gate(x)) * up(x)).
+
+    Three matrices instead of two, so d_ff ≈ 8/3 · d keeps the parameter count of a 4d MLP.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down = mark_residual(nn.Linear(config.d_ff, config.d_model, bias=config.bias))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def make_feed_forward(config: TransformerConfig) -> nn.Module | None:
+    """The block's feed-forward per ``config.ffn``; ``None`` for ``ffn="none"`` (Mamba-style stacks,
+    where the mixer is the whole layer)."""
+    kinds = {"mlp": MLP, "swiglu": SwiGLU}
+    return kinds[config.ffn](config) if config.ffn in kinds else None

@@ -1,0 +1,140 @@
+"""Which one-row (decode) linear kernel to use, chosen by measuring on the machine at hand, once.
+
+The fastest kernel for ``y = W x`` with one row differs between CPUs and between torch builds: on
+one AVX-512 machine ``torch.mv`` beat ``F.linear`` for bfloat16 by 1.4×, on another it lost. So no
+constant decides; :func:`choose` times every candidate for a weight dtype on GPT-2-sized weights
+(768×3072 and 3072×768, eight of each, ~19-75 MB: streamed from memory as in a real decode step),
+alternating them, and keeps the one with the smallest median. The choice is stored in
+``<cache_dir>/kernels.json`` under a key naming the CPU, torch's version and the thread count, so
+each machine measures once (~0.1-0.5 s per dtype); delete the file to measure again.
+
+Candidates (all give the same numbers up to float32 summation order, which tests/quant/test_kernels.py
+checks against a float64 reference):
+
+- ``linear``: ``F.linear(x, W)`` (oneDNN/MKL inside torch);
+- ``mm_t``: ``x @ Wᵀ`` with ``Wᵀ`` stored contiguous ``(K, N)`` (float32 only);
+- ``mv``: ``torch.mv(W, x)``;
+- ``int8pack``: ``aten._weight_int8pack_mm`` (int8 only);
+- ``int4pack``: ``aten._weight_int4pack_mm_for_cpu`` (int4, groups of 32);
+- ``ext``: tformer's own AVX-512 loops (``gemv.cpp``: ``gemv``, and ``gemv_q4`` for int4), when they build here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tformer.io import atomic_write
+from tformer.quant import gemv
+
+Tensor = torch.Tensor
+CANDIDATES = {"fp32": ("linear", "mm_t", "ext"), "bf16": ("linear", "mv", "ext"), "fp16": ("linear", "mv", "ext"),
+              "int8": ("int8pack", "ext"), "int4": ("int4pack", "ext")}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16,
+          "int4": torch.bfloat16}
+_CHOSEN: dict[str, str] = {}
+FORCED = "TFORMER_DECODE_KERNEL"      # e.g. "ext" or "linear": skip the measurement (tests, A/B runs)
+
+
+def machine_key() -> str:
+    """CPU model name, torch version and thread count: what a kernel choice depends on."""
+    name = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def random_linear(n: int, k: int, g: torch.Generator) -> torch.nn.Linear:
+    """A bias-free float32 ``nn.Linear(k, n)`` with weights of GPT-2's scale (std 0.02)."""
+    lin = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * 0.02)
+    return lin
+
+
+def available(kind: str) -> tuple[str, ...]:
+    """The candidates for ``kind`` that can run here (``ext`` only when it builds)."""
+    return tuple(k for k in CANDIDATES[kind] if k != "ext" or gemv.load() is not None)
+
+
+@torch.inference_mode()
+def measure(kind: str, make: Callable, copies: int = 8, rounds: int = 7, d: int = 768) -> dict[str, float]:
+    """Median seconds per pass over ``copies`` pairs of (d×4d, 4d×d) weights, per candidate, alternated.
+
+    ``make(kind, kernel, linear)`` builds the decode layer that is timed (the real one, with the kernel
+    forced: :func:`tformer.quant.quantize.decode_layer`)."""
+    g = torch.Generator().manual_seed(0)
+    linears = [random_linear(n, k, g) for n, k in [(4 * d, d), (d, 4 * d)] * copies]
+    x = {k: torch.randn(1, k, generator=g).to(DTYPES[kind]) for k in (d, 4 * d)}
+    runs = {c: [make(kind, c, lin) for lin in linears] for c in available(kind)}
+    times = {c: [] for c in runs}
+    for r in range(rounds + 1):
+        for c, fns in runs.items():
+            t = time.perf_counter()
+            for fn, lin in zip(fns, linears):
+                fn(x[lin.in_features])
+            if r:                                                            # round 0 warms up
+                times[c].append(time.perf_counter() - t)
+    return {c: statistics.median(v) for c, v in times.items()}
+
+
+def _path():
+    return gemv.cache_dir() / "kernels.json"
+
+
+def choose(kind: str, make: Callable) -> str:
+    """The fastest one-row kernel for ``kind`` (fp32, bf16, fp16, int8) here: measured once per machine
+    and cached (in this process and in ``kernels.json``). ``$TFORMER_DECODE_KERNEL`` overrides it.
+    ``make`` builds the layers to time (see :func:`measure`)."""
+    forced = os.environ.get(FORCED)
+    if forced:
+        return forced if forced in available(kind) else available(kind)[0]
+    if kind in _CHOSEN:
+        return _CHOSEN[kind]
+    key = machine_key()
+    try:
+        cached = json.loads(_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(key, {}).get(kind)
+    if entry is None or entry.get("kernel") not in available(kind):
+        times = measure(kind, make)
+        entry = {"kernel": min(times, key=times.get), "seconds": times}
+        cached.setdefault(key, {})[kind] = entry
+        try:
+            _path().parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(_path(), lambda tmp: Path(tmp).write_text(json.dumps(cached, indent=1), encoding="utf-8"))
+        except OSError:
+            pass                                                             # a read-only home: measure per process
+    _CHOSEN[kind] = entry["kernel"]
+    return _CHOSEN[kind]
+
+
+def forget() -> None:
+    """Drop this machine's stored choices (this key only), so the next :func:`choose` measures again:
+    for a benchmark that must choose on a quiet machine."""
+    _CHOSEN.clear()
+    try:
+        cached = json.loads(_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if cached.pop(machine_key(), None) is not None:
+        atomic_write(_path(), lambda tmp: Path(tmp).write_text(json.dumps(cached, indent=1), encoding="utf-8"))
+
+
+def chosen() -> dict[str, dict]:
+    """This machine's stored choices: kind -> {"kernel", "seconds" per candidate}."""
+    try:
+        return json.loads(_path().read_text(encoding="utf-8")).get(machine_key(), {})
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,35 @@
+"""benchmarks/generate.py's "kernel" column is read from the modules set_precision installed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from generate import kernels_of  # noqa: E402
+
+from tformer.config import TransformerConfig  # noqa: E402
+from tformer.quant.quantize import set_precision  # noqa: E402
+from tformer.models.decoder import DecoderLM  # noqa: E402
+
+
+NAMES = {"ext": "tformer AVX-512 GEMV", "mv": "torch.mv(W, x)", "linear": "F.linear", "mm_t": "torch.addmm",
+         "int8pack": "_weight_int8pack_mm", "int4pack": "_weight_int4pack_mm_for_cpu"}
+
+
+@pytest.mark.parametrize("precision,decode", [("fp32", True), ("bf16", True), ("fp16", True), ("int8", True),
+                                              ("int4", True), ("bf16", False)])
+def test_kernel_column_names_what_the_layers_run(precision, decode):
+    model = DecoderLM(TransformerConfig.from_name("tiny", vocab_size=64)).eval()
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    model = set_precision(model, precision, decode_kernels=decode)
+    text = kernels_of(model)
+    chosen = {m.kernel for m in model.modules() if hasattr(m, "kernel")}
+    if decode:
+        assert chosen and all(NAMES[k] in text for k in chosen)       # the kernel each layer chose, by name
+    else:
+        assert not chosen and "F.linear (nn.Linear) bfloat16" in text
+    assert sum(int(part.split("x ", 1)[0]) for part in text.split("; ")) == n_linear   # every layer counted once
