@@ -27,8 +27,8 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="import/export HuggingFace checkpoints (GPT-2, Llama, Mistral, Qwen2, "
-                                       "BLOOM, BERT)",
+    p = sub.add_parser("convert", help="import/export HuggingFace checkpoints (every family of "
+                                       "tformer.interop.hf.FAMILIES; docs/interop.md)",
                        description="Convert a HuggingFace folder (config.json + safetensors, sharded or not) to "
                                    "a tformer checkpoint, or a tformer checkpoint back to a HuggingFace folder "
                                    "that transformers' from_pretrained loads.")
@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --to-gguf: type of the weight matrices (norms and biases stay f32)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--model-type", default=None,
-                   help="with --to-hf: HF family (gpt2, llama, mistral, qwen2, bloom, bert); default inferred")
+                   help="with --to-hf: HF model_type (e.g. gpt2, llama, bert, bart; an unknown one is refused "
+                        "with the list); default inferred from the config")
     p.add_argument("--max-shard-mb", type=float, default=None,
                    help="with --to-hf: split weights into shards of at most this many MB plus an index")
     p.set_defaults(func=run)

@@ -131,9 +131,14 @@ def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
 
 
 def check_common(c: TransformerConfig, model_type: str, **fields) -> None:
-    require(c, model_type, model="encoder-decoder", norm="layernorm", norm_eps=1e-5, norm_placement="post",
+    require(c, model_type, model="encoder-decoder", mixer="attention", norm="layernorm", norm_eps=1e-5, norm_placement="post",
             ffn="mlp", bias=True, qkv_bias=True, n_kv_heads=c.n_heads, head_dim=c.d_model // c.n_heads,
             sliding_window=None, **fields)
+
+
+def model_type_for(c: TransformerConfig) -> str | None:
+    """``"bart"`` for an encoder-decoder of softmax attention with learned positions, else ``None``."""
+    return "bart" if c.model == "encoder-decoder" and c.mixer == "attention" and c.positions == "learned" else None
 
 
 def check_exportable(c: TransformerConfig, model_type: str) -> None:

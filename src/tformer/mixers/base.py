@@ -22,8 +22,7 @@ model each pass their own state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -64,4 +63,3 @@ class Shared:
     """Objects built once per model and handed to every layer's mixer (e.g. the rotary table)."""
 
     rope: nn.Module | None = None
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -14,6 +14,7 @@ Parameters keep the names they always had (``tok_emb``, ``pos_emb``, ``type_emb`
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -39,14 +40,15 @@ class TransformerStack(nn.Module):
 
     Args:
         config: every architectural switch.
-        cross_attention: give every block a cross-attention sub-layer (encoder-decoder decoders).
+        cross_attention: a factory ``layer -> module`` giving every block its cross-attention
+            sub-layer (encoder-decoder decoders: ``lambda i: CrossAttention(config, i)``), or ``None``.
     """
 
     # Decoders derive default positions from the attention mask (left padding); encoders count
     # from 0 whatever the padding (BERT's convention, with right padding the two agree).
     positions_follow_mask = True
 
-    def __init__(self, config: TransformerConfig, cross_attention: bool = False):
+    def __init__(self, config: TransformerConfig, cross_attention: Callable[[int], nn.Module] | None = None):
         super().__init__()
         check_mixers(config)                                                    # names -> classes, and their refusals
         self.config = c = config
@@ -56,7 +58,8 @@ class TransformerStack(nn.Module):
         self.emb_norm = make_norm(c) if c.embedding_norm else None             # BERT, BLOOM
         rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base) if c.positions == "rope" else None
         shared = Shared(rope=rope)
-        self.blocks = nn.ModuleList(Block(c, i, shared, cross_attention=cross_attention) for i in range(c.n_layers))
+        self.blocks = nn.ModuleList(Block(c, i, shared, cross_attention=cross_attention(i) if cross_attention else None)
+                                    for i in range(c.n_layers))
         # Post-norm blocks end in a norm already; pre-norm stacks need one at the end.
         self.final_norm = make_norm(c) if c.norm_placement == "pre" else nn.Identity()
         self.rope = rope

@@ -270,7 +270,7 @@ def set_precision(model: nn.Module, precision: str, decode_kernels: bool = True)
     Args:
         decode_kernels: float linears become :class:`DecodeLinear` (faster one-row kernels).
     Raises:
-        ValueError: for an unknown precision.
+        ConfigError: an unknown precision.
     """
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")

@@ -143,7 +143,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, *, progress: bool = True, log=pr
 
     Raises:
         ConfigError: ``out`` holds a sweep with a different spec (continue it with the same
-            settings, or pick another folder).
+            settings, or pick another folder), or fewer than three runs per budget fit the ladder.
     """
     from tqdm import tqdm
 

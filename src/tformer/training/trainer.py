@@ -92,8 +92,11 @@ class Trainer:
             preset: model preset for a new run (default ``tiny``); on resume it must match the checkpoint's.
             resume: continue the run in ``out_dir``.
         Raises:
-            ValueError: every bad input (unknown keys, missing/empty/short corpus, incompatible or
-                unreadable checkpoint, a different corpus on resume), with the fix.
+            ConfigError: unknown keys or bad values, settings that differ from the checkpoint's on resume.
+            InputError: a missing, empty or too short corpus, a different corpus on resume, a resumed run
+                already at ``max_steps``, an ``out_dir`` that is a file, holds a checkpoint already (new
+                run) or none (resume), or is in use.
+            CheckpointError: an unreadable or incomplete checkpoint on resume.
         """
         overrides = {k: cast_value(k, v) for k, v in (overrides or {}).items()}
         model_kw = {k: v for k, v in overrides.items() if k in MODEL_KEYS}
@@ -178,7 +181,7 @@ class Trainer:
         """Train until ``max_steps``, Ctrl-C or the time limit; returns a summary dict.
 
         Raises:
-            ValueError: the loss became NaN/inf (the message names the step; the last checkpoint is kept).
+            ConfigError: the loss became NaN/inf (the message names the step; the last checkpoint is kept).
         """
         cfg, T = self.cfg, self.model.config.context_length
         decay = cfg.decay_steps or cfg.max_steps
