@@ -12,11 +12,11 @@ so the figure is what the length-n call itself needs.
 
 Reports per contender the crossover length (the first n from which it is faster than flash at every
 measured length) and the exponent of time and memory in n (least-squares slope of log t vs log n over
-n >= 2048). Writes benchmarks/results/efficient_attention.md and efficient_attention.png.
+n >= 2048). Writes benchmarks/results/attention/efficient_attention.md and efficient_attention.png.
 
 Run (one benchmark at a time on the shared machine; one thread: on a busy machine two OpenMP threads
 wait on each other at every barrier, which punishes the kernels made of many small operations):
-    flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 python benchmarks/efficient_attention.py
+    flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 python benchmarks/attention/efficient_attention.py
 """
 
 from __future__ import annotations
