@@ -9,7 +9,8 @@ Linformer (k 32). LRA Table 1 (Tay et al., 2021) for the ordering: Transformer 3
 35.63, BigBird 36.05, Performer 18.01, Linformer 35.70.
 
 Run:  flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src python benchmarks/listops.py
-Writes benchmarks/results/listops.md.
+Writes benchmarks/results/attention/listops.md. (This script stays at the top of benchmarks/ while
+its training loop moves into the library's one loop.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machine import busy_cores, load_note  # benchmarks/machine.py
+from common.record import Run, load_note, results_dir  # benchmarks/common/record.py
 from tformer.config import TransformerConfig
 from tformer.models.encoder import EncoderModel, pool
 from tformer.training.tasks.listops import VOCAB, generate
@@ -131,12 +132,13 @@ def main():
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "listops.md"))
+    p.add_argument("--out", default=str(results_dir("attention") / "listops.md"))
     args = p.parse_args()
     kw = dict(max_depth=5, max_args=5, min_len=32, max_len=N)
     train, test = generate(8000, seed=1, **kw), generate(1000, seed=2, **kw)
     majority = max(sum(1 for _, y in test if y == c) for c in range(10)) / len(test) * 100
-    load = busy_cores()
+    record = Run()
+    load = record.busy_before
     rows, models = [], {}
     for mixer in tqdm(list(OPTIONS), desc="mixers"):
         acc, loss, secs = run(mixer, train, test, args.steps, keep=models)
@@ -155,7 +157,7 @@ def main():
               "rank k | " + " | ".join(str(k) for k in rank), "---|" + "---|" * len(rank),
               "share of attention-matrix energy in the top k singular values | "
               + " | ".join(f"{e:.3f}" for e in rank.values())]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    record.write(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
