@@ -70,7 +70,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)                   # (M, K)
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()      # (M, K); the kernels need rows packed
         if self.gemv is not None and x2.shape[0] == 1:
             y = self.gemv(self.weight, x2[0], self.scales32, self.bias32)       # (N,) bias included
             return y.to(x.dtype).view(*shape[:-1], self.out_features)
@@ -155,8 +155,8 @@ class DecodeLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)                                      # (M, K)
         if self.transposed:
             y = torch.mm(x2, self.weight) if self.bias is None else torch.addmm(self.bias, x2, self.weight)
-        elif x2.shape[0] == 1 and self.gemv is not None:
-            y = self.gemv(self.weight, x2[0], None, self.bias32).unsqueeze(0)     # (1, N)
+        elif x2.shape[0] == 1 and self.gemv is not None and not (x2.requires_grad and torch.is_grad_enabled()):
+            y = self.gemv(self.weight, x2[0], None, self.bias32).unsqueeze(0)     # (1, N); the ext loop has no backward
         elif x2.shape[0] == 1 and self.kernel == "mv":
             y = torch.mv(self.weight, x2[0]).unsqueeze(0)
             y = y if self.bias is None else y + self.bias
@@ -228,7 +228,7 @@ class Int4Linear(nn.Module):
         return [t for t in (self.weight, self.scales_zeros, self.bias) if t is not None]
 
     def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)                      # (M, K)
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()         # (M, K); the kernels need rows packed
         if self.gemv is not None and x2.shape[0] == 1:
             y = self.gemv(self.packed, x2[0], self.scales32, self.offsets32, self.bias32)   # (N,) bias included
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
