@@ -103,7 +103,11 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(max(1, args.threads))
     sock = listen(args.host, args.port)                    # before loading: a taken port fails at once
-    server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype)
+    try:
+        server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype)
+    except BaseException:
+        sock.close()
+        raise
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {server.name} at http://{shown}:{port}/  (playground at /, API at /v1)", flush=True)

@@ -100,7 +100,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
             # The kernel returns garbage (or crashes) unless in_features is a multiple of 16
             # (measured with torch 2.13: K = 8 NaN, 24 and 72 wrong, 4 segfaults); such a layer
             # (Mamba's dt_proj, in_features = dt_rank) stays in float.
-            if isinstance(child, nn.Linear) and child.in_features % 16 == 0:
+            if isinstance(child, nn.Linear) and child.in_features % QUANT_WIDTH["int8"] == 0:
                 setattr(module, child_name, Int8Linear(child))
     return model
 
@@ -248,6 +248,22 @@ def quantize_int4(model: nn.Module, group: int = 32) -> nn.Module:
             if isinstance(child, nn.Linear) and child.in_features % group == 0:
                 setattr(module, name, Int4Linear(child, group))
     return model
+
+
+QUANT_WIDTH = {"int8": 16, "int4": 32}   # in_features must be a multiple of this for the kernel
+
+
+def float_linears(model: nn.Module) -> tuple[list[str], int]:
+    """After ``set_precision(model, "int8" | "int4")``: the names of the linear layers it left in
+    floating point (their ``in_features`` is not a multiple of :data:`QUANT_WIDTH`), and how many
+    linear layers there are in all."""
+    left, total = [], 0
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear)):
+            total += 1
+            if isinstance(m, nn.Linear):
+                left.append(name)
+    return left, total
 
 
 def use_decode_kernels(model: nn.Module) -> nn.Module:
