@@ -131,3 +131,27 @@ def test_forced_eos_equals_generate(tmp_path, one_thread, make, beams):
     assert got == want
     unforced = beam_search(ours, src, mask, bos=c.decoder_start_token_id, eos=c.eos_token_id, **kw)
     assert [h[0].tokens for h in unforced] != want                           # the forcing is what makes them equal
+
+
+@pytest.mark.parametrize("make", [marian, bart])
+def test_different_encoder_and_decoder_widths(tmp_path, one_thread, make, monkeypatch):
+    """encoder_ffn_dim != decoder_ffn_dim (distilled models): logits equal to transformers' (1e-4)
+    both ways, and the widths survive the round trip."""
+    monkeypatch.setitem(COMMON, "encoder_ffn_dim", 48)
+    monkeypatch.setitem(COMMON, "decoder_ffn_dim", 80)
+    hf = hf_model(make)
+    src, mask, tgt = batch(hf.config.pad_token_id)
+    with torch.no_grad():
+        ref = hf(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf")
+    assert (ours.config.encoder_d_ff, ours.config.d_ff) == (48, 80)
+    assert ours.encoder.blocks[0].ffn.up.out_features == 48 and ours.decoder.blocks[0].ffn.up.out_features == 80
+    with torch.no_grad():
+        torch.testing.assert_close(ours(src, tgt, src_mask=mask)[0], ref, atol=1e-4, rtol=1e-4)
+    save_hf(ours, tmp_path / "out")
+    again = type(hf).from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert (again.config.encoder_ffn_dim, again.config.decoder_ffn_dim) == (48, 80)
+    with torch.no_grad():
+        out = again(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
