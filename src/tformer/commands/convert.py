@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--max-shard-mb applies to --to-hf only (a .gguf file and a tformer checkpoint are "
                              f"one file); leave it out.")
         if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb > 0):
-            raise InputError(f"--max-shard-mb {args.max_shard_mb} must be a positive finite number.")
+            raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0 and finite.")
     if args.to_gguf:
         return to_gguf(args)
     if args.model_type is not None and args.model_type not in FAMILIES:
