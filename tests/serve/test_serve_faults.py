@@ -110,6 +110,27 @@ def test_a_step_that_raises_fails_its_requests_only(tmp_path, one_thread, monkey
         scheduler.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")    # the SystemExit, on purpose
+def test_a_stopped_scheduler_refuses_instead_of_hanging(tmp_path, one_thread, monkeypatch):
+    """Only an interpreter exit (a BaseException) ends the loop: the held request is told, and later
+    submissions are refused at once (a 503 from the app) rather than queued for nobody."""
+    from tformer.serve.scheduler import QueueFull
+
+    model, tok = tiny_checkpoint(tmp_path)
+    scheduler = Scheduler(model, n_slots=1, max_queue=4)
+
+    def exit_now(*args, **kwargs):
+        raise SystemExit(0)
+    monkeypatch.setattr(scheduler.pool, "decode", exit_now)
+    events = []
+    scheduler.submit(Sequence(tok.encode("ab"), Params(5, temperature=0.0), events.append, tok))
+    wait_events(events, 1)
+    assert events[-1][0] == "error" and events[-1][2] == 503
+    scheduler.thread.join(10)
+    with pytest.raises(QueueFull):
+        scheduler.submit(Sequence(tok.encode("ab"), Params(5), events.append, tok))
+
+
 # ------------------------------------------------------------------------------ items 2 and 7
 def test_work_that_can_never_fit_is_a_400_before_anything_is_allocated(served, monkeypatch):
     _, _, server, running = served

@@ -154,7 +154,7 @@ class Scheduler:
             raise NeverFits(f"the request needs {len(seqs)} sequences (prompts x n) and the queue holds at "
                             f"most {self.max_queue}")
         with self.cond:
-            if self.stopping:
+            if self.stopping or not self.thread.is_alive():     # nothing would ever answer: refuse, never hang
                 raise QueueFull("the server is shutting down")
             if len(self.waiting) + len(seqs) > self.max_queue:
                 self.metrics.inc("tformer_rejected_total", help="requests refused because the queue was full")
