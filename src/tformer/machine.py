@@ -1,6 +1,6 @@
-"""Hardware facts the trainer and the benchmarks measure instead of assuming: the CPU's model name
-and vector instruction sets, bf16 support, the matmul peak, and how many cores other processes keep
-busy."""
+"""Hardware facts the trainer, the server and the benchmarks measure instead of assuming: the CPU's
+model name and vector instruction sets, bf16 support, the matmul peak, how many cores other
+processes keep busy, and the memory still available."""
 
 from __future__ import annotations
 
@@ -140,3 +140,19 @@ def busy_cores(seconds: float = 1.0) -> float:
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0]
     return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)
+
+
+def available_memory() -> int:
+    """Bytes of memory this process could still allocate: ``MemAvailable`` from /proc/meminfo (what
+    the kernel can hand out without swapping), else the physical memory, else 2**62 (unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**62

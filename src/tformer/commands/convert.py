@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -54,10 +55,14 @@ def run(args: argparse.Namespace) -> int:
     from tformer.checkpoint import load_model, resolve_checkpoint, save_model
     from tformer.interop.hf import FAMILIES, load_hf, save_hf
 
+    if args.max_shard_mb is not None:
+        if not args.to_hf:
+            raise InputError(f"--max-shard-mb applies to --to-hf only (a .gguf file and a tformer checkpoint are "
+                             f"one file); leave it out.")
+        if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb > 0):
+            raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0 and finite.")
     if args.to_gguf:
         return to_gguf(args)
-    if args.max_shard_mb is not None and args.max_shard_mb <= 0:
-        raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0.")
     if args.model_type is not None and args.model_type not in FAMILIES:
         raise InputError(f"--model-type {args.model_type} is not supported; choose one of {', '.join(FAMILIES)}.")
     source_arg, out = Path(args.from_hf or args.to_hf), Path(args.out)

@@ -47,6 +47,8 @@ class Step:
             from step to step, so ``torch.compile`` captures the step once.
         dropout: apply dropout (training, no inference state).
         return_weights: also return attention weights (for attention maps).
+        global_tokens: ``(B, T)`` bool, ``True`` for the new tokens the caller gives global
+            attention (HF Longformer's ``global_attention_mask``); ``None``: none beyond a mixer's own.
     """
 
     positions: Tensor
@@ -56,6 +58,7 @@ class Step:
     slot: Tensor | None = None
     dropout: bool = False
     return_weights: bool = False
+    global_tokens: Tensor | None = None
 
 
 @dataclass

@@ -111,7 +111,8 @@ class EncoderDecoder(nn.Module):
             raise ConfigError(f"model='encoder-decoder' takes absolute positions, not positions={config.positions!r}; "
                               f"use sinusoidal (Vaswani) or learned (BART).")
         self.config = c = config
-        enc = dataclasses.replace(c, causal=False, n_layers=c.encoder_layers or c.n_layers, model="encoder")
+        enc = dataclasses.replace(c, causal=False, n_layers=c.encoder_layers or c.n_layers, model="encoder",
+                                  d_ff=c.encoder_d_ff or c.d_ff, encoder_d_ff=None)
         self.encoder = TransformerStack(enc)
         self.decoder = TransformerStack(c, cross_attention=lambda layer: CrossAttention(c, layer))
         for side in (self.encoder, self.decoder):

@@ -149,6 +149,7 @@ class TransformerStack(nn.Module):
         return_weights: bool = False,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
+        global_attention_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, list]:
         """Run embeddings and blocks: ``(B, T)`` ids -> ``(B, T, C)`` hidden states (before the
         final norm), and every layer's attention weights when ``return_weights``.
@@ -163,6 +164,8 @@ class TransformerStack(nn.Module):
                 ``state.valid`` as the padding mask and (default) as the positions: each row's count
                 of real tokens held. Nothing in this path depends on a Python value that changes
                 between steps.
+            global_attention_mask: ``(B, T)`` 1 for tokens given global attention (Longformer
+                layers; HF's argument of that name), 0 for the rest.
         """
         T = ids.shape[1]
         if slot is not None:   # never read state.length here: a changing int would recompile every step
@@ -171,6 +174,11 @@ class TransformerStack(nn.Module):
             step = self._step(T, state.length if state is not None else 0, attention_mask, positions, state)
         step.dropout = self.training and not torch.is_inference_mode_enabled()
         step.return_weights = return_weights
+        if global_attention_mask is not None:
+            if tuple(global_attention_mask.shape) != tuple(ids.shape):
+                raise InputError(f"global_attention_mask has shape {tuple(global_attention_mask.shape)}; it must be "
+                                 f"(batch, length) = {tuple(ids.shape)}, like the ids.")
+            step.global_tokens = global_attention_mask.bool()
         x = cpu_dropout(self.embed(ids, step.positions, token_type_ids), self.config.dropout, step.dropout)
         weights = []
         for i, block in enumerate(self.blocks):
