@@ -35,7 +35,7 @@ import torch
 from tformer.errors import ConfigError
 from tformer.training.data import get_batch
 
-STOP_CODES = (None, "time", "term", "int")   # agreed over ranks by taking the largest code
+STOP_CODES = (None, "done", "time", "term", "int")   # agreed over ranks by taking the largest code
 
 
 def under_torchrun() -> bool:
