@@ -8,8 +8,8 @@ import torch
 
 from tformer.models import build_model
 from tformer.training.optim import param_groups
-from tformer.training.tasks.mamba import (Synthetic, accuracy, induction_heads, mamba_config, selective_copying,
-                                          step_generator, train)
+from tformer.training.tasks.base import step_generator
+from tformer.training.tasks.mamba import Synthetic, accuracy, induction_heads, mamba_config, selective_copying, train
 
 
 def test_selective_copying_targets_are_the_data_tokens_in_order():

@@ -86,8 +86,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="DIR", help="run folder for checkpoints and metrics (default: runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--task", choices=["lm", "seq2seq"], default="lm",
-                   help="lm: language model (default); seq2seq: translate source<TAB>target pairs (--data pairs.tsv; "
-                        "none = built-in English->French numbers task; settings: tformer.training.seq2seq.Seq2SeqSettings)")
+                   help="lm: language model (default); seq2seq: translate source<TAB>target pairs (--data pairs.tsv, "
+                        "read with --encoding; none = built-in English->French numbers task; settings: "
+                        "tformer.training.seq2seq.Seq2SeqSettings, the trainer settings above but for the "
+                        "language-model ones, plus its own); both keep a run lock, checkpoints and --resume")
     p.add_argument("--encoding", default=None, help="text encoding of the corpus (default utf-8; same as "
                                                     "--set encoding=...)")
     p.add_argument("--nproc", type=int, metavar="N", default=None,

@@ -125,17 +125,21 @@ def check_range(name: str, value, low, high, low_in: bool = True, high_in: bool 
 
 
 def check_train_settings(cfg: "TrainConfig") -> None:
-    """Every TrainConfig field's type, range and finiteness, up front, each message naming the setting."""
+    """Every TrainConfig field's type, range and finiteness, up front, each message naming the setting.
+
+    A subclass (a task's settings, e.g. ``Seq2SeqSettings``) is checked the same way: its own fields'
+    types, and the ranges of its class attribute ``RANGES`` besides :data:`TRAIN_RANGES`.
+    """
     for f in dataclasses.fields(cfg):
         value, kind = getattr(cfg, f.name), str(f.type)
         want = bool if kind.startswith("bool") else int if kind.startswith("int") else \
-            float if kind.startswith("float") else str
+            float if kind.startswith("float") else dict if kind.startswith("dict") else str
         if value is None and "None" in kind:
             continue
         if not (isinstance(value, want) or (want is float and isinstance(value, int))) or \
                 (want is int and isinstance(value, bool)):
             raise ConfigError(f"{f.name}={value!r} is not of type {want.__name__}; set it as e.g. --set {f.name}=...")
-    for name, bounds in TRAIN_RANGES.items():
+    for name, bounds in {**TRAIN_RANGES, **getattr(cfg, "RANGES", {})}.items():
         check_range(name, getattr(cfg, name), *bounds)
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"min_lr={cfg.min_lr} is above lr={cfg.lr}; set min_lr <= lr.")

@@ -92,6 +92,7 @@ class Trainer(Loop):
             raise InputError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
                              f"or choose another --out to start a new run.")
         cfg = TrainConfig(**{**train_kw, "out_dir": str(out_dir)})
+        check_language_model(TransformerConfig.from_name(preset or "tiny", **model_kw, vocab_size=256))  # before the corpus
         with distributed.setup().main_first():      # rank 0 tokenises into the cache, the others then read it
             corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer, bpe_vocab_size=cfg.bpe_vocab_size,
                                  val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir, encoding=cfg.encoding,
@@ -192,6 +193,17 @@ def auto_threads() -> int:
     default = _DEFAULT_THREADS if ranks == 1 else cores // ranks
     busy = round(busy_cores(0.5))
     return max(1, min(default, (cores - busy) // ranks))
+
+
+def check_language_model(config: TransformerConfig) -> None:
+    """Refuse a model ``tformer train`` cannot train: it trains next-token (causal) language models only."""
+    if config.model == "decoder":
+        return
+    why = (f"model={config.model!r} is a sequence-to-sequence model; train it with --task seq2seq"
+           if config.model != "encoder" else
+           "causal=false makes a bidirectional encoder, which cannot be trained to predict the next token; "
+           "drop causal=false (and model=encoder) to train a language model")
+    raise ConfigError(f"tformer train trains causal language models only: {why}.")
 
 
 def _check_length(corpus: Corpus, context: int) -> None:

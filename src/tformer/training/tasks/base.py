@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 
@@ -63,6 +64,11 @@ class Task:
     def state(self) -> dict:
         """JSON-able facts saved with each checkpoint's trainer state (e.g. the data's fingerprint)."""
         return {}
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """A torch generator seeded from ``(seed, step)`` alone (so a resumed run draws the same batches)."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, step]).generate_state(1)[0]))
 
 
 def to_device(batch: Any, device: str) -> Any:

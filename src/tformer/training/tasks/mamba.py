@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 import torch
 
 from tformer.config import TransformerConfig
 from tformer.models import build_model
 from tformer.training.config import TrainConfig
 from tformer.training.loop import fit
-from tformer.training.tasks.base import Task
+from tformer.training.tasks.base import Task, step_generator
 
 Tensor = torch.Tensor
 
@@ -79,11 +78,6 @@ def accuracy(model: torch.nn.Module, ids: Tensor, targets: Tensor, batch: int = 
         right += (logits.argmax(-1)[keep] == t[keep]).sum().item()
         total += keep.sum().item()
     return right / total
-
-
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """A torch generator seeded from ``(seed, step)`` alone (so a resumed run draws the same batches)."""
-    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, step]).generate_state(1)[0]))
 
 
 class Synthetic(Task):
