@@ -146,23 +146,22 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.task == "seq2seq":
         raise ConfigError("--task seq2seq trains in one process; drop --nproc.")
     if args.nproc is not None:
+        from tformer.training import launcher
         if distributed.under_torchrun():
             raise ConfigError("--nproc starts torchrun itself; under torchrun drop --nproc "
                               "(torchrun's --nproc-per-node sets the number of ranks).")
-        return distributed.launch(args.nproc, _launch_args(args))
+        preset, settings = _lm_settings(args)
+        launcher.check_ranks(args.nproc, settings, preset, args.resume)   # once, before any rank starts
+        return launcher.launch(args.nproc, _launch_args(args))
     try:
         return _train(args)
     finally:
         distributed.shutdown()
 
 
-def _train(args: argparse.Namespace) -> int:
-    from tformer.training.trainer import Trainer
-
+def _lm_settings(args: argparse.Namespace) -> tuple[str | None, dict]:
+    """``(preset, settings)`` of a language-model run: the TOML file's, then --set, then the flags."""
     settings = read_toml(args.config) if args.config else {}
-    if getattr(args, "task", "lm") == "seq2seq":
-        from tformer.training.seq2seq import run_command
-        return run_command(args, {**settings, **parse_settings(args.settings)})
     preset = args.preset or settings.pop("preset", None)
     settings.pop("preset", None)
     settings.update(parse_settings(args.settings))
@@ -172,6 +171,17 @@ def _train(args: argparse.Namespace) -> int:
         settings["out_dir"] = args.out
     if args.encoding is not None:
         settings["encoding"] = args.encoding
+    return preset, settings
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tformer.training.trainer import Trainer
+
+    if getattr(args, "task", "lm") == "seq2seq":
+        from tformer.training.seq2seq import run_command
+        settings = read_toml(args.config) if args.config else {}
+        return run_command(args, {**settings, **parse_settings(args.settings)})
+    preset, settings = _lm_settings(args)
     try:
         trainer = Trainer.create(settings, preset=preset, resume=args.resume, log=lambda m: print(m, flush=True))
     except KeyboardInterrupt:

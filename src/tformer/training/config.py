@@ -179,6 +179,17 @@ def check_model_settings(settings: dict[str, Any]) -> None:
             raise ConfigError(f"{name}={value!r} must be a finite number.")
 
 
+def check_language_model(config: TransformerConfig) -> None:
+    """Refuse a model ``tformer train`` cannot train: it trains next-token (causal) language models only."""
+    if config.model == "decoder":
+        return
+    why = (f"model={config.model!r} is a sequence-to-sequence model; train it with --task seq2seq"
+           if config.model != "encoder" else
+           "causal=false makes a bidirectional encoder, which cannot be trained to predict the next token; "
+           "drop causal=false (and model=encoder) to train a language model")
+    raise ConfigError(f"tformer train trains causal language models only: {why}.")
+
+
 TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(TransformerConfig) if f.name not in ("name", "vocab_size"))
 

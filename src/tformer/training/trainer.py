@@ -25,7 +25,7 @@ from tformer.models import build_model
 from tformer.tokenizers import load_tokenizer
 from tformer.training import distributed
 from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
-                                     TrainConfig, cast_value, check_model_settings)
+                                     TrainConfig, cast_value, check_language_model, check_model_settings)
 from tformer.training.data import Corpus, corpus_fingerprint, default_cache_dir, load_corpus, resolve_corpus
 from tformer.training.loop import Loop, Stop  # noqa: F401
 from tformer.training.runlock import RunLock
@@ -193,17 +193,6 @@ def auto_threads() -> int:
     default = _DEFAULT_THREADS if ranks == 1 else cores // ranks
     busy = round(busy_cores(0.5))
     return max(1, min(default, (cores - busy) // ranks))
-
-
-def check_language_model(config: TransformerConfig) -> None:
-    """Refuse a model ``tformer train`` cannot train: it trains next-token (causal) language models only."""
-    if config.model == "decoder":
-        return
-    why = (f"model={config.model!r} is a sequence-to-sequence model; train it with --task seq2seq"
-           if config.model != "encoder" else
-           "causal=false makes a bidirectional encoder, which cannot be trained to predict the next token; "
-           "drop causal=false (and model=encoder) to train a language model")
-    raise ConfigError(f"tformer train trains causal language models only: {why}.")
 
 
 def _check_length(corpus: Corpus, context: int) -> None:
