@@ -39,6 +39,7 @@ def test_more_ranks_than_cores_is_one_line_before_torchrun(no_torchrun, tmp_path
 @pytest.mark.parametrize("args, needle", [
     (["--set", "lr=nan"], "lr=nan"), (["--set", "n_layerz=2"], "unknown setting 'n_layerz'"),
     (["--set", "causal=false"], "causal=false"), (["--nproc", "0"], "--nproc 0 must be at least 1"),
+    (["--data", "/no/such/corpus.txt"], "corpus path /no/such/corpus.txt does not exist"),
 ])
 def test_other_settings_are_refused_once_before_torchrun(no_torchrun, tmp_path, capsys, args, needle):
     assert main(["train", "--nproc", "2", "--out", str(tmp_path / "r"), *args]) == 2
@@ -78,3 +79,17 @@ def test_the_wrapper_returns_the_first_failing_rank_status(monkeypatch, capsys):
         raise SignalException("got SIGTERM", sigval=signal.SIGTERM)
     monkeypatch.setattr(torchrun, "run", signalled)
     assert launcher.main(args) == 128 + signal.SIGTERM
+
+
+def test_the_rank_that_failed_by_itself_is_reported_not_the_one_torchrun_stopped():
+    """Rank 0 exits 2 (a one-line error); torchrun then stops rank 1 (-15): the job's status is rank 0's."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    stopped = ProcessFailure(local_rank=0, pid=1, exitcode=-signal.SIGTERM, error_file="-")
+    failed = ProcessFailure(local_rank=1, pid=2, exitcode=2, error_file="-")
+    stopped.timestamp = failed.timestamp = 100                                  # the same second
+    assert launcher.first_failure({0: stopped, 1: failed}) == (1, failed)
+    assert launcher.first_failure({1: stopped, 0: failed})[0] == 0
+    early = ProcessFailure(local_rank=1, pid=3, exitcode=1, error_file="-")
+    early.timestamp = 99
+    assert launcher.first_failure({0: failed, 1: early}) == (1, early)

@@ -1,7 +1,7 @@
 """``tformer train --nproc N``: check the run, start torchrun with N local ranks, and own its lifetime.
 
 * Before a rank starts, the settings are checked here, once: what every rank would refuse (a bad
-  setting, a batch that does not split over N ranks, more ranks than cores or GPUs) is one line
+  setting, a missing corpus, a batch that does not split over N ranks, more ranks than cores or GPUs) is one line
   from this process instead of N copies and torchrun's traceback.
 * torchrun runs in a session of its own, so a signal reaches it once, from here: SIGINT, SIGTERM and
   SIGHUP sent to this process are forwarded to torchrun, which sends SIGTERM/SIGINT to each rank
@@ -29,6 +29,7 @@ from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.training.config import (MODEL_KEYS, TRAIN_KEYS, TrainConfig, available_cores, cast_value,
                                      check_language_model, check_model_settings)
+from tformer.training.data import resolve_corpus
 from tformer.training.distributed import Distributed
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -42,7 +43,8 @@ def check_ranks(nproc: int, settings: dict, preset: str | None = None, resume: b
         settings: the run's settings as given (``--set`` strings, TOML values; ``data``/``out_dir`` included).
         resume: the run continues ``out_dir``'s checkpoint, whose saved settings fill what is not given.
     Raises:
-        ConfigError: a bad setting, a batch that does not split over the ranks, more ranks than cores/GPUs.
+        ConfigError / InputError: a bad setting, a corpus that cannot be read, a batch that does not split
+            over the ranks, more ranks than cores or GPUs.
     """
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be at least 1; pass the number of processes to start.")
@@ -55,6 +57,7 @@ def check_ranks(nproc: int, settings: dict, preset: str | None = None, resume: b
     else:
         check_language_model(TransformerConfig.from_name(preset or "tiny", **model_kw, vocab_size=256))
     cfg = TrainConfig(**train_kw)
+    resolve_corpus(cfg.data, cfg.encoding)                 # a missing, empty or binary corpus
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and _cuda_devices() > 0)
     have, what = (_cuda_devices(), "GPU(s)") if cuda else (available_cores(), "CPU core(s) this process may use")
     if nproc > have:
@@ -101,7 +104,7 @@ def main(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = first_failure(e.failures)
         code = failure.exitcode
         if code < 0:                                   # the rank was killed by signal -code
             code = 128 - code
@@ -112,6 +115,12 @@ def main(argv: list[str]) -> int:
     except SignalException as e:
         return 128 + int(e.sigval)
     return 0
+
+
+def first_failure(failures: dict) -> tuple[int, object]:
+    """The rank that failed first, preferring one that exited by itself (exit status > 0) to one that
+    torchrun stopped with a signal because another had failed; ties go to the lowest rank."""
+    return min(failures.items(), key=lambda kv: (kv[1].exitcode <= 0, kv[1].timestamp, kv[0]))
 
 
 def _saved_settings(out_dir: str | None) -> dict:

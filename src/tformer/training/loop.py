@@ -14,7 +14,7 @@ rate is a function of s, and a checkpoint stores the weights, the optimizer stat
 so k steps + resume + k steps repeat 2k steps bit for bit (fp32).
 
 Without ``out_dir`` (claims' toy runs, the synthetic-task benchmarks) nothing is written: no lock,
-no metrics file, no checkpoint.
+no metrics file, no checkpoint, and Ctrl-C / SIGTERM keep their default effect (there is nothing to save).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -117,7 +118,7 @@ class Loop:
         bar = self._progress()
         stop = {"why": None}
         eval_s = 0.0
-        restore = _install_signals(stop)
+        restore = _install_signals(stop) if self.out_dir is not None else (lambda: None)   # nothing to save: default
         self.model.train()
         try:
             if task.eval_at_start and self.step == 0 and self.saved_step is None:
@@ -304,7 +305,8 @@ def _install_signals(stop: dict):
             raise KeyboardInterrupt
         stop["why"] = "term" if signum == signal.SIGTERM else "int"
         name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        print(f"\n{name}: stopping after this step and saving a checkpoint (again to abort) ...", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":        # under torchrun every rank gets it: rank 0 says so
+            print(f"\n{name}: stopping after this step and saving a checkpoint (again to abort) ...", file=sys.stderr)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     return lambda: [signal.signal(s, h) for s, h in previous.items()]

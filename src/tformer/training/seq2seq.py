@@ -250,7 +250,8 @@ def _resume(out: Path, s: Seq2SeqSettings, log, given: set[str] | None) -> Loop:
                           f"{', '.join(f'{k}={saved.get(k)!r}' for k in changed)}, but this run asks for "
                           f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}; resume with the original "
                           f"settings or start a new run with another --out.")
-    s = Seq2SeqSettings(**{**saved, **given, "out_dir": str(out)})
+    fields = {f.name for f in dataclasses.fields(Seq2SeqSettings)}
+    s = Seq2SeqSettings(**{**{k: v for k, v in saved.items() if k in fields}, **given, "out_dir": str(out)})
     check_more_steps(out, state["step"], s.max_steps)
     train_pairs, test_pairs = load_data(s)
     task = PairsTask(train_pairs, test_pairs, WordTokenizer.load(folder / "tokenizer.json"), s)

@@ -49,6 +49,8 @@ class Trainer(Loop):
         task = LanguageModelling(corpus, cfg, T, training_flops_per_token(model_config, T), preset,
                                  sampler=lambda: self.sample(cfg.sample_tokens))
         super().__init__(build_model(model_config), task, cfg, out_dir=out_dir, log=log)
+        if self.dist.active:
+            self.resume_hint = f"tformer train --nproc {self.dist.world_size} --resume --out {out_dir}"
 
     # ------------------------------------------------------------------ building a run
     @classmethod
