@@ -134,3 +134,10 @@ def test_a_binary_pairs_file_is_refused(tmp_path, capsys):
     data.write_bytes(b"red\trouge\n" + bytes(range(256)) * 8)
     assert train(tmp_path, "--set", "max_steps=2", data=data) == 2
     one_line(2, capsys.readouterr().err, "is binary")
+
+
+def test_seq2seq_under_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert train(tmp_path, "--set", "max_steps=2") == 2
+    one_line(2, capsys.readouterr().err, "trains in one process")

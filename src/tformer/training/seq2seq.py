@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -182,7 +183,7 @@ def train(s: Seq2SeqSettings, log: Callable[[str], None] = print, data: tuple | 
         InputError / ConfigError / CheckpointError: a run folder in use or holding another run, a resume
             with other data or another model, bad data; all before the first step.
     """
-    if distributed.under_torchrun() and distributed.setup().active:
+    if distributed.under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         raise ConfigError("--task seq2seq trains in one process; run it without torchrun.")
     out = Path(s.out_dir or "runs/seq2seq")
     if out.exists() and not out.is_dir():
