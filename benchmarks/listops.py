@@ -16,17 +16,12 @@ its training loop moves into the library's one loop.)
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from common.record import Run, load_note, results_dir  # benchmarks/common/record.py
-from tformer.config import TransformerConfig
-from tformer.models.encoder import EncoderModel, pool
-from tformer.training.tasks.listops import VOCAB, generate
+from tformer.training.tasks.listops import collate, generate, train_classifier
 
 LRA = {"attention": 36.37, "longformer": 35.63, "bigbird": 36.05, "performer": 18.01, "linformer": 35.70}
 OPTIONS = {"attention": {}, "longformer": {"window": 16, "global_positions": [0]},
@@ -35,59 +30,12 @@ OPTIONS = {"attention": {}, "longformer": {"window": 16, "global_positions": [0]
 N = 128
 
 
-def batches(data, batch_size, rng):
-    """Endless shuffled ``(ids (B, N), mask (B, N), labels (B,))`` padded to ``N``."""
-    while True:
-        order = torch.randperm(len(data), generator=rng)
-        for s in range(0, len(order) - batch_size + 1, batch_size):
-            yield collate([data[i] for i in order[s:s + batch_size]])
-
-
-def collate(examples):
-    ids = torch.zeros(len(examples), N, dtype=torch.long)
-    mask = torch.zeros(len(examples), N, dtype=torch.long)
-    for row, (toks, _) in enumerate(examples):
-        ids[row, :len(toks)] = torch.tensor(toks)
-        mask[row, :len(toks)] = 1
-    return ids, mask, torch.tensor([label for _, label in examples])
-
-
-class Classifier(nn.Module):
-    def __init__(self, mixer: str):
-        super().__init__()
-        config = TransformerConfig(vocab_size=len(VOCAB), context_length=N, n_layers=2, d_model=64, n_heads=4,
-                                   d_ff=128, causal=False, positions="learned", mixer=mixer,
-                                   mixer_options={mixer: OPTIONS[mixer]} if OPTIONS[mixer] else {})
-        self.encoder = EncoderModel(config)
-        self.head = nn.Linear(64, 10)
-
-    def forward(self, ids, mask):
-        return self.head(pool(self.encoder(ids, attention_mask=mask), mask, "mean"))
-
-
 def run(mixer, train, test, steps, seed=0, keep=None):
-    torch.manual_seed(seed)
-    model = Classifier(mixer)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    data = batches(train, 32, torch.Generator().manual_seed(seed))
-    t0 = time.perf_counter()
-    model.train()
-    for _ in range(steps):
-        ids, mask, y = next(data)
-        loss = F.cross_entropy(model(ids, mask), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    elapsed = time.perf_counter() - t0
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        for s in range(0, len(test), 100):
-            ids, mask, y = collate(test[s:s + 100])
-            correct += (model(ids, mask).argmax(-1) == y).sum().item()
+    """Train one mixer's classifier with the library's training loop; (test accuracy %, last loss, seconds)."""
+    model, acc, loss, elapsed = train_classifier(mixer, OPTIONS[mixer], train, test, steps, seed=seed, length=N)
     if keep is not None:
         keep[mixer] = model
-    return 100 * correct / len(test), loss.item(), elapsed
+    return acc, loss, elapsed
 
 
 def approximation(model, test, n_examples=100):
@@ -100,7 +48,7 @@ def approximation(model, test, n_examples=100):
     inputs = []
     hooks = [b.attn.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0])))
              for b in model.encoder.blocks]
-    ids, mask, _ = collate(test[:n_examples])
+    ids, mask, _ = collate(test[:n_examples], N)
     with torch.no_grad():
         model(ids, mask)
     for h in hooks:

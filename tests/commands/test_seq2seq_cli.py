@@ -73,5 +73,6 @@ def test_seq2seq_takes_model_fields_through_transformer_config():
         ("encoder-decoder", 48, 2, "gelu", 2, "post") and s.lr == 2e-3 and c.embedding_scale
     rnn = Seq2SeqSettings.from_strings({"model": "bahdanau", "d_model": "16"}).model_config(vocab_size=30)
     assert (rnn.model, rnn.n_layers, rnn.d_model) == ("bahdanau", 1, 16)
-    with pytest.raises(ConfigError, match="unknown setting 'eval_interval' for --task seq2seq"):
-        Seq2SeqSettings.from_strings({"eval_interval": "5"})
+    with pytest.raises(ConfigError, match="unknown setting 'eval_batches' for --task seq2seq"):
+        Seq2SeqSettings.from_strings({"eval_batches": "5"})          # a language-model setting
+    assert Seq2SeqSettings.from_strings({"eval_interval": "5"}).eval_interval == 5   # checkpoints every 5 steps
