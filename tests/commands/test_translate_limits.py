@@ -10,7 +10,8 @@ import torch
 
 from tformer.cli import main
 from tformer.models import build_model
-from tformer.training.seq2seq import Seq2SeqSettings, save_run
+from tformer.checkpoint import save_model
+from tformer.training.seq2seq import TOKENIZER, Seq2SeqSettings
 from tformer.training.seq2seq_data import WordTokenizer
 
 WORDS = "red green blue one two three four five".split()
@@ -18,13 +19,14 @@ WORDS = "red green blue one two three four five".split()
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """An untrained transformer seq2seq run (context 128, the default) saved as `tformer train` does."""
+    """An untrained transformer seq2seq model (context 128, the default) in a folder `translate` reads."""
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("run")
     tok = WordTokenizer.train(WORDS)
     s = Seq2SeqSettings(out_dir=str(folder), architecture={"d_model": 16, "d_ff": 32, "n_layers": 1,
                                                             "encoder_layers": 1, "dropout": 0.0})
-    save_run(str(folder), build_model(s.model_config(tok.vocab_size)).eval(), tok, s, {})
+    save_model(folder, build_model(s.model_config(tok.vocab_size)).eval())
+    tok.save(folder / TOKENIZER)
     return str(folder)
 
 
