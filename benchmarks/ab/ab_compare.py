@@ -34,7 +34,10 @@ from pathlib import Path
 COMMON = """
 import json, time, torch
 from tformer import DecoderLM, TransformerConfig
-from tformer.generation.generate import generate
+try:
+    from tformer.generation.generate import generate
+except ImportError:                       # a checkout from before the layout (tformer.inference)
+    from tformer.inference.generate import generate
 torch.manual_seed(0)
 def report(v): print(json.dumps({"value": v}))
 """
