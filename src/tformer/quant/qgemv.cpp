@@ -51,14 +51,20 @@ inline float half_to_float(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
+// Every path computes R output rows (rows w, w + stride, ...) against one activation row at a time:
+// the activation codes of a block are loaded once for the R rows, and R streams of weights are in
+// flight. F is the format (the branches on it vanish at compile time).
+using DotFn = void (*)(const uint8_t* w, int64_t stride, const QRow& x, int64_t G, float* out);
+
 // ---------------------------------------------------------------- scalar (portable) ----------
-float dot_scalar(int64_t fmt, const uint8_t* w, const QRow& x, int64_t G) {
+template <int F>
+void dot_scalar(const uint8_t* w, int64_t, const QRow& x, int64_t G, float* out) {
+  constexpr int64_t bytes = BLOCK_BYTES[F];
   float acc = 0.0f, mins = 0.0f;
-  const int64_t bytes = BLOCK_BYTES[fmt];
   for (int64_t g = 0; g < G; ++g, w += bytes) {
     const int8_t* xq = x.q + 32 * g;
     int32_t s = 0;
-    if (fmt == Q8_0) {
+    if (F == Q8_0) {
       const int8_t* qw = reinterpret_cast<const int8_t*>(w + 2);
       for (int k = 0; k < 32; ++k) s += int32_t(qw[k]) * xq[k];
     } else {
@@ -67,9 +73,9 @@ float dot_scalar(int64_t fmt, const uint8_t* w, const QRow& x, int64_t G) {
       s += x.corr[8 * g];
     }
     acc += half_to_float(w) * x.d[g] * float(s);
-    if (fmt == Q4_1) mins += half_to_float(w + 2) * x.ds[g];
+    if (F == Q4_1) mins += half_to_float(w + 2) * x.ds[g];
   }
-  return acc + mins;
+  out[0] = acc + mins;
 }
 
 #ifdef TFORMER_X86
@@ -96,77 +102,117 @@ T_AVX2 inline __m256i nibbles256(const uint8_t* p) {
   return _mm256_and_si256(b, _mm256_set1_epi8(15));
 }
 
-T_AVX2 float dot_avx2(int64_t fmt, const uint8_t* w, const QRow& x, int64_t G) {
+template <int F, int R>
+T_AVX2 void dot_avx2(const uint8_t* w, int64_t stride, const QRow& x, int64_t G, float* out) {
+  constexpr int64_t bytes = BLOCK_BYTES[F];
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t bytes = BLOCK_BYTES[fmt];
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.0f;
-  for (int64_t g = 0; g < G; ++g, w += bytes) {
-    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * g));
-    __m256i p;
-    if (fmt == Q8_0) {
-      __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
-      p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
-    } else {
-      p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles256(w + bytes - 16), xv), ones);
-      p = _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + 8 * g)));
-      if (fmt == Q4_1) mins += h2f_avx2(w + 2) * x.ds[g];
+  __m256 acc[R];
+  float mins[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.0f; }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * g));
+    const float xd = x.d[g];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* b = w + r * stride + g * bytes;
+      __m256i p;
+      if (F == Q8_0) {
+        __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+      } else {
+        p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles256(b + bytes - 16), xv), ones);
+        if (F == Q4_0) p = _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + 8 * g)));
+        if (F == Q4_1) mins[r] += h2f_avx2(b + 2) * x.ds[g];
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f_avx2(b) * xd), _mm256_cvtepi32_ps(p), acc[r]);
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f_avx2(w) * x.d[g]), _mm256_cvtepi32_ps(p), acc);
   }
-  return hsum256(acc) + mins;
+  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]) + mins[r];
 }
 
 // ---------------------------------------------------------------- AVX-512 VNNI ---------------
 #define T_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
-T_VNNI inline __m512i codes512(int64_t fmt, const uint8_t* w0, const uint8_t* w1) {
-  if (fmt == Q8_0)
+template <int F>
+T_VNNI inline __m512i codes512(const uint8_t* w0, const uint8_t* w1) {
+  if (F == Q8_0)
     return _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + 2))),
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + 2)), 1);
-  const int64_t off = BLOCK_BYTES[fmt] - 16;
+  constexpr int64_t off = BLOCK_BYTES[F] - 16;
   return _mm512_inserti64x4(_mm512_castsi256_si512(nibbles256(w0 + off)), nibbles256(w1 + off), 1);
 }
 
-T_VNNI float dot_vnni(int64_t fmt, const uint8_t* w, const QRow& x, int64_t G) {
-  const int64_t bytes = BLOCK_BYTES[fmt];
+template <int F, int R>
+T_VNNI void dot_vnni(const uint8_t* w, int64_t stride, const QRow& x, int64_t G, float* out) {
+  constexpr int64_t bytes = BLOCK_BYTES[F];
   const __m512i zero = _mm512_setzero_si512();
-  __m512 acc = _mm512_setzero_ps();
-  float mins = 0.0f;
+  __m512 acc[R];
+  float mins[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm512_setzero_ps(); mins[r] = 0.0f; }
   int64_t g = 0;
-  for (; g + 2 <= G; g += 2, w += 2 * bytes) {                 // blocks g, g + 1 in one register
-    __m512i xv = _mm512_loadu_si512(x.q + 32 * g);
-    __m512i wv = codes512(fmt, w, w + bytes);
-    __m512i p;
-    if (fmt == Q8_0) {
-      __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);   // qx with qw's sign
-      p = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), sx);
-    } else {
-      p = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.corr + 8 * g), wv, xv);
-      if (fmt == Q4_1) mins += h2f_avx2(w + 2) * x.ds[g] + h2f_avx2(w + bytes + 2) * x.ds[g + 1];
+  for (; g + 2 <= G; g += 2) {                                   // blocks g, g + 1 in one register
+    const __m512i xv = _mm512_loadu_si512(x.q + 32 * g);
+    const __m512i init = F == Q4_0 ? _mm512_loadu_si512(x.corr + 8 * g) : zero;
+    const float xd0 = x.d[g], xd1 = x.d[g + 1];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* b = w + r * stride + g * bytes;
+      const __m512i wv = codes512<F>(b, b + bytes);
+      __m512i p;
+      if (F == Q8_0) {
+        __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);   // qx with qw's sign
+        p = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), sx);
+      } else {
+        p = _mm512_dpbusd_epi32(init, wv, xv);
+        if (F == Q4_1) mins[r] += h2f_avx2(b + 2) * x.ds[g] + h2f_avx2(b + bytes + 2) * x.ds[g + 1];
+      }
+      const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(h2f_avx2(b) * xd0),
+                                             _mm512_set1_ps(h2f_avx2(b + bytes) * xd1));
+      acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(p), acc[r]);
     }
-    __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(h2f_avx2(w) * x.d[g]),
-                                     _mm512_set1_ps(h2f_avx2(w + bytes) * x.d[g + 1]));
-    acc = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(p), acc);
   }
-  float tail = 0.0f;
-  if (g < G) {                                                    // an odd last block: 256 bits
-    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * g));
-    __m256i p;
-    if (fmt == Q8_0) {
-      __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
-      p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-    } else {
-      p = _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + 8 * g)),
-                              nibbles256(w + bytes - 16), xv);
-      if (fmt == Q4_1) mins += h2f_avx2(w + 2) * x.ds[g];
+  for (int r = 0; r < R; ++r) {
+    float tail = 0.0f;
+    if (g < G) {                                                  // an odd last block: 256 bits
+      const uint8_t* b = w + r * stride + g * bytes;
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * g));
+      __m256i p;
+      if (F == Q8_0) {
+        __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      } else {
+        p = _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + 8 * g)),
+                                nibbles256(b + bytes - 16), xv);
+        if (F == Q4_1) mins[r] += h2f_avx2(b + 2) * x.ds[g];
+      }
+      tail = hsum256(_mm256_mul_ps(_mm256_set1_ps(h2f_avx2(b) * x.d[g]), _mm256_cvtepi32_ps(p)));
     }
-    tail = hsum256(_mm256_mul_ps(_mm256_set1_ps(h2f_avx2(w) * x.d[g]), _mm256_cvtepi32_ps(p)));
+    out[r] = _mm512_reduce_add_ps(acc[r]) + tail + mins[r];
   }
-  return _mm512_reduce_add_ps(acc) + tail + mins;
 }
 #endif  // TFORMER_X86
+
+constexpr int ROWS = 4;   // rows per SIMD call
+
+// The kernel for (path, format): rows at a time (ROWS for SIMD, 1 for scalar) and one row.
+void kernels(int64_t path, int64_t fmt, DotFn& many, DotFn& one, int& rows) {
+  static const DotFn scalar[3] = {&dot_scalar<Q8_0>, &dot_scalar<Q4_0>, &dot_scalar<Q4_1>};
+  many = one = scalar[fmt];
+  rows = 1;
+#ifdef TFORMER_X86
+  static const DotFn avx2[2][3] = {{&dot_avx2<Q8_0, ROWS>, &dot_avx2<Q4_0, ROWS>, &dot_avx2<Q4_1, ROWS>},
+                                   {&dot_avx2<Q8_0, 1>, &dot_avx2<Q4_0, 1>, &dot_avx2<Q4_1, 1>}};
+  static const DotFn vnni[2][3] = {{&dot_vnni<Q8_0, ROWS>, &dot_vnni<Q4_0, ROWS>, &dot_vnni<Q4_1, ROWS>},
+                                   {&dot_vnni<Q8_0, 1>, &dot_vnni<Q4_0, 1>, &dot_vnni<Q4_1, 1>}};
+  if (path == AVX2 || path == AVX512VNNI) {
+    const auto& t = path == AVX2 ? avx2 : vnni;
+    many = t[0][fmt];
+    one = t[1][fmt];
+    rows = ROWS;
+  }
+#endif
+}
 
 bool supports(int64_t path) {
 #ifdef TFORMER_X86
@@ -197,7 +243,10 @@ void quantize_row(int64_t fmt, const float* x, int64_t K, int8_t* q, float* d, i
     const float inv = a != 0.0f ? 127.0f / a : 0.0f;
     int32_t s = 0;
     for (int k = 0; k < 32; ++k) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(b[k] * inv));   // round half to even
+      // round half to even: adding and subtracting 1.5 * 2^23 leaves the nearest integer (ties to
+      // even, the default rounding mode) for |v| <= 127: exact in IEEE float arithmetic (the build has no -ffast-math)
+      const float t = b[k] * inv;
+      const int32_t v = static_cast<int32_t>((t + 12582912.0f) - 12582912.0f);
       q[32 * g + k] = static_cast<int8_t>(v);
       s += v;
     }
@@ -238,19 +287,25 @@ at::Tensor qgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, con
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   const int64_t row_bytes = blocks.size(1);
-  auto dot = path == SCALAR ? &dot_scalar :
-#ifdef TFORMER_X86
-             path == AVX2 ? &dot_avx2 : &dot_vnni;
-#else
-             &dot_scalar;
-#endif
-  // ~32 KB of weight per task (rows of one task stay in L1 while every activation row passes)
-  const int64_t grain = std::max<int64_t>(1, 32768 / row_bytes);
+  DotFn many, one;
+  int rows;
+  kernels(path, fmt, many, one, rows);
+  // ~32 KB of weight per task (rows of one task stay in L1/L2 while every activation row passes)
+  const int64_t grain = std::max<int64_t>(ROWS, (32768 / row_bytes) / ROWS * ROWS);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float tmp[ROWS];
     for (int64_t m = 0; m < M; ++m) {
       const QRow row{q.data() + m * K, d.data() + m * G, corr.data() + m * G * 8, ds.data() + m * G};
-      for (int64_t n = n0; n < n1; ++n)
-        yp[m * N + n] = dot(fmt, wp + n * row_bytes, row, G) + (bp ? bp[n] : 0.0f);
+      float* out = yp + m * N;
+      int64_t n = n0;
+      for (; n + rows <= n1; n += rows) {
+        many(wp + n * row_bytes, row_bytes, row, G, tmp);
+        for (int r = 0; r < rows; ++r) out[n + r] = tmp[r] + (bp ? bp[n + r] : 0.0f);
+      }
+      for (; n < n1; ++n) {
+        one(wp + n * row_bytes, row_bytes, row, G, tmp);
+        out[n] = tmp[0] + (bp ? bp[n] : 0.0f);
+      }
     }
   });
   return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
