@@ -41,6 +41,7 @@ STATUS: dict[str, str] = {}                    # "state": "built" | "unavailable
 _LOCK = threading.Lock()
 _OP: list = []
 _WARNED: list = []
+_PATHS: list = []                              # paths() once computed: the CPU does not change
 
 
 def _build():
@@ -83,8 +84,10 @@ def load():
 
 def paths() -> tuple[str, ...]:
     """The kernel paths this CPU runs, slowest first (``()`` when the library is not built)."""
-    op = load()
-    return tuple(PATHS[i] for i in op.paths()) if op is not None else ()
+    if not _PATHS:
+        op = load()
+        _PATHS.append(tuple(PATHS[i] for i in op.paths()) if op is not None else ())
+    return _PATHS[0]
 
 
 def path() -> str | None:
