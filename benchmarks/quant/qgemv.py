@@ -12,34 +12,34 @@ rounds cancels). The result file records the commit, CPU and its flags, torch, t
 before and after, and the command.
 
     flock -w 900 /tmp/tformer-bench.lock timeout 300 env PYTHONPATH=$PWD/src \\
-        .venv/bin/python benchmarks/quant_qgemv.py
+        .venv/bin/python benchmarks/quant/qgemv.py [--threads 1 --tag 1thread]
+
+Writes benchmarks/results/quant/qgemv[-TAG].md and .json.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import busy_cores, cpu_name, load_note   # noqa: E402  benchmarks/machine.py
-from tformer.quant import blocks, gemv, qgemv          # noqa: E402
-from tformer.quant.quantize import DecodeLinear, Int4Linear, Int8Linear, weight_bytes  # noqa: E402
+from tformer.quant import blocks, gemv, qgemv
+from tformer.quant.quantize import DecodeLinear, Int4Linear, Int8Linear, weight_bytes
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.record import Run, results_dir  # noqa: E402
+
 SHAPES = {"gpt2 fc 768->3072": (3072, 768), "gpt2 proj 3072->768": (768, 3072),
           "smollm2 up 576->1536": (1536, 576), "smollm2 down 1536->576": (576, 1536),
           "smollm2 q 576->576": (576, 576), "smollm2 kv 576->192": (192, 576)}
-FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
-         "amx_int8", "amx_bf16")
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni",
+         "avx512_bf16", "amx_int8", "amx_bf16")
 
 
 class Block:
@@ -123,17 +123,6 @@ def run_shape(name: str, n: int, k: int, mb: float, rounds: int, g: torch.Genera
     return rows
 
 
-def commit() -> str:
-    here = Path(__file__).parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
-    return head + (" (with uncommitted changes)" if dirty else "")
-
-
 def cpu_flags() -> list[str]:
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
@@ -149,43 +138,40 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--mb", type=float, default=96, help="bf16 MB of copies per shape (default 96)")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    p.add_argument("--out", default=str(RESULTS / "quant_qgemv.md"))
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tag", default="", help="result file name suffix: qgemv-TAG.md")
+    p.add_argument("--out", default=None, help="result path (default benchmarks/results/quant/qgemv[-TAG].md)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    command = "PYTHONPATH=src python " + " ".join([sys.argv[0], *sys.argv[1:]])
-    before = busy_cores()
+    run = Run()
     qgemv.load()
     gemv.load()
     g = torch.Generator().manual_seed(0)
     t0 = time.time()
     rows = [r for s in args.shapes for r in run_shape(s, *SHAPES[s], args.mb, args.rounds, g)]
-    after = busy_cores()
-    meta = dict(commit=commit(), cpu=cpu_name(), flags=cpu_flags(), torch=torch.__version__, threads=args.threads,
-                load_before=before, load_after=after, loadavg=os.getloadavg(), command=command,
-                qgemv_paths=list(qgemv.paths()), qgemv=qgemv.STATUS.get("state"), gemv=gemv.STATUS.get("state"),
-                rounds=args.rounds, mb=args.mb, seconds=round(time.time() - t0, 1))
+    run.finish()
+    meta = dict(flags=cpu_flags(), loadavg_end=os.getloadavg(), qgemv_paths=list(qgemv.paths()),
+                qgemv=qgemv.STATUS.get("state"), gemv=gemv.STATUS.get("state"), rounds=args.rounds, mb=args.mb,
+                seconds=round(time.time() - t0, 1))
     lines = ["# Block-quantised one-row GEMV against bf16 F.linear and the existing decode kernels\n",
-             f"Commit {meta['commit']}; {meta['cpu']} (flags: {' '.join(meta['flags'])}); torch {meta['torch']}; "
-             f"{args.threads} threads. Load: before {load_note(before)}; after {load_note(after)}; "
-             f"1/5/15-min load average at the end {', '.join(f'{v:.1f}' for v in meta['loadavg'])}. "
-             f"qgemv paths here: {', '.join(meta['qgemv_paths']) or 'none (torch fallback)'}.\n",
+             f"CPU flags that matter: {' '.join(meta['flags'])}. 1/5/15-min load average at the end: "
+             f"{', '.join(f'{v:.1f}' for v in meta['loadavg_end'])}. qgemv paths here: "
+             f"{', '.join(meta['qgemv_paths']) or 'none (torch fallback)'}.\n",
              f"Each shape: copies on distinct memory totalling {args.mb:g} MB in bf16 (fewer bytes for the "
              f"quantised formats: the same matrices), one pass per contender per round, alternated, median of "
              f"{args.rounds} rounds. GB/s = weight bytes read (blocks incl. scales; int8/int4 incl. scales) / time. "
-             "`x bf16` = median of the per-round ratios of bf16 F.linear's pass time to this one's (> 1: faster).\n",
-             f"Command: `{command}`\n"]
+             "`x bf16` = median of the per-round ratios of bf16 F.linear's pass time to this one's (> 1: faster). "
+             "q8_0/q4_0/q4_1 take float32 activations (quantised inside), the others bfloat16.\n"]
     for shape in args.shapes:
         lines += [f"\n## {shape}\n", "| kernel | bytes | µs | GB/s | x bf16 F.linear |", "|---|---:|---:|---:|---:|"]
         for r in rows:
             if r["shape"] == shape:
                 lines.append(f"| {r['kernel']} | {r['bytes']} | {r['us']:.1f} | {r['gbs']:.1f} | {r['speedup']:.2f} |")
     text = "\n".join(lines) + "\n"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1), encoding="utf-8")
-    print(text)
+    out = Path(args.out) if args.out else results_dir("quant") / f"qgemv{'-' + args.tag if args.tag else ''}.md"
+    run.write(out, text)
+    run.write_json(out.with_suffix(".json"), dict(meta=meta, rows=rows))
+    print(out.read_text(encoding="utf-8"))
 
 
 if __name__ == "__main__":
