@@ -120,7 +120,8 @@ def say_float_linears(model, dtype: str) -> None:
     left, total = float_linears(model)
     if left:
         names = ", ".join(left[:4]) + (f", ... ({len(left) - 4} more)" if len(left) > 4 else "")
-        print(f"tformer generate: note: {dtype} left {len(left)} of {total} linear layers in bf16 (their input width "
+        rest = "float32" if dtype.startswith("q") else "bf16"        # the block formats keep the rest in float32
+        print(f"tformer generate: note: {dtype} left {len(left)} of {total} linear layers in {rest} (their input width "
               f"is not a multiple of {QUANT_WIDTH[dtype]}): {names}", file=sys.stderr)
 
 

@@ -252,15 +252,16 @@ def quantize_int4(model: nn.Module, group: int = 32) -> nn.Module:
 
 
 QUANT_WIDTH = {"int8": 16, "int4": 32}   # in_features must be a multiple of this for the kernel
+QUANT_WIDTH.update({"q8_0": 32, "q4_0": 32, "q4_1": 32})   # GGUF blocks of 32 (BlockLinear)
 
 
 def float_linears(model: nn.Module) -> tuple[list[str], int]:
-    """After ``set_precision(model, "int8" | "int4")``: the names of the linear layers it left in
+    """After ``set_precision(model, "int8" | "int4" | "q8_0" | "q4_0" | "q4_1")``: the names of the linear layers it left in
     floating point (their ``in_features`` is not a multiple of :data:`QUANT_WIDTH`), and how many
     linear layers there are in all."""
     left, total = [], 0
     for name, m in model.named_modules():
-        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear)):
+        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear, BlockLinear)):
             total += 1
             if isinstance(m, nn.Linear):
                 left.append(name)
