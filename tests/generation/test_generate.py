@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tformer import DecoderLM, TransformerConfig
-from tformer.generation.generate import filter_logits, generate, generate_tokens, sample
+from tformer.generation.generate import generate, generate_tokens
+from tformer.generation.sampling import filter_logits, sample
 from tformer.generation.text import generate_text, left_pad, stream_text
 from tformer.tokenizers import CharTokenizer
 

@@ -18,7 +18,8 @@ hypothesis scored ``sum log p / n ** length_penalty`` (``n`` = generated tokens,
 - ``"never"``: the same bound at the longest length allowed when ``length_penalty`` > 0, which
   is exact (a prefix's sum only falls), so with enough beams the search is exhaustive.
 
-These are the rules of HuggingFace ``generate`` (transformers 4.50+), so the outputs agree token
+Every step goes through :func:`tformer.generation.step.decode_step`, the call ``generate`` and
+the server make too. These are the rules of HuggingFace ``generate`` (transformers 4.50+), so the outputs agree token
 for token (tests/interop/test_seq2seq_hf.py).
 """
 
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from tformer.errors import InputError
-from tformer.generation.generate import check_sampling, sample
+from tformer.generation.sampling import check_sampling, sample
+from tformer.generation.step import decode_step
 
 Tensor = torch.Tensor
 
@@ -70,7 +72,7 @@ def sample_decode(model, src: Tensor, src_mask: Tensor | None = None, *, bos: in
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for _ in range(max_new_tokens):
-        logits = model.decode_step(tokens, state)[:, -1]                                 # (B, V)
+        logits = decode_step(model, tokens, state)                                       # (B, V)
         tokens = sample(logits, temperature, top_k, top_p, gens)[:, None]                # (B, 1)
         for b, t in enumerate(tokens[:, 0].tolist()):                                    # the step's one host sync
             if not done[b]:
@@ -118,7 +120,7 @@ def beam_search(model, src: Tensor, src_mask: Tensor | None = None, *, bos: int,
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     closed = [False] * B
     for n in range(1, max_new_tokens + 1):                                                # n = tokens after this step
-        logp = F.log_softmax(model.decode_step(last.reshape(B * K, 1), state)[:, -1].float(), -1)
+        logp = F.log_softmax(decode_step(model, last.reshape(B * K, 1), state).float(), -1)
         V = logp.shape[-1]
         total = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)                  # (B, K·V)
         top, index = total.topk(min(2 * K, K * V), dim=-1)                                # (B, 2K), sorted

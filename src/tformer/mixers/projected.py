@@ -87,6 +87,13 @@ class ProjectedAttention(nn.Module):
         mask = torch.broadcast_to(step.mask, (batch, 1, step.mask.shape[-2], m))
         return mask[:, 0, -1]                                                # (B, m): padding is per key
 
+    def new_tokens(self, step: Step, batch: int, T: int) -> Tensor | None:
+        """``(B, T)`` bool: which of the ``T`` new tokens are real (``None``: all): ``step.tokens``,
+        or, for a step built by hand with only a padding mask, its last ``T`` keys."""
+        if step.tokens is not None or step.mask is None:
+            return step.tokens
+        return self.key_mask(step, batch, step.start_pos + T)[:, -T:]
+
     def new_state(self, batch_size: int, max_len: int, dtype=torch.float32, device=None):
         return None
 
