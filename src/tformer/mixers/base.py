@@ -59,9 +59,8 @@ class Step:
         mask: bool key mask broadcastable to ``(B, 1, T, m)``, ``True`` = may attend; it hides
             padding only (causality and windows are the mixer's business; in a static decode step
             it also hides the keys after each row's ``write_index``). ``None``: no padding.
-        tokens: ``(B, T)`` bool, ``True`` for real tokens among the new ones (``None``: all real;
-            always set in a static decode step); recurrent mixers zero padding with it so left
-            padding changes nothing.
+        tokens: ``(B, T)`` bool, ``True`` for real tokens among the new ones (``None``: all real);
+            recurrent mixers zero padding with it so left padding changes nothing.
         start_pos: tokens the state held before this call (0 without a state); a Python int.
         write_index: ``(B,)`` int64, set only in a static decode step (``T == 1``): the index each
             row's new token is written at (its query's index among the keys). Mixers pass the step

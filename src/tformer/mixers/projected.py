@@ -89,8 +89,10 @@ class ProjectedAttention(nn.Module):
 
     def new_tokens(self, step: Step, batch: int, T: int) -> Tensor | None:
         """``(B, T)`` bool: which of the ``T`` new tokens are real (``None``: all): ``step.tokens``,
-        or, for a step built by hand with only a padding mask, its last ``T`` keys."""
-        if step.tokens is not None or step.mask is None:
+        or, for a step built by hand with only a padding mask over its ``start_pos + T`` keys, the
+        mask's last ``T`` keys. (A static decode step's mask spans the whole state: its ``tokens``
+        say it all.)"""
+        if step.tokens is not None or step.mask is None or step.mask.shape[-1] != step.start_pos + T:
             return step.tokens
         return self.key_mask(step, batch, step.start_pos + T)[:, -T:]
 

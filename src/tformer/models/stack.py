@@ -226,10 +226,9 @@ class TransformerStack(nn.Module):
         index = state.index                                                     # (B,)
         if positions is None:                                                   # real tokens held, per row
             positions = state.valid.sum(-1, keepdim=True)                       # (B, 1)
-        real = (attention_mask[:, -1:].bool() if attention_mask is not None
-                else torch.ones(ids.shape[0], 1, dtype=torch.bool, device=ids.device))   # (B, 1)
+        real = attention_mask[:, -1:].bool() if attention_mask is not None else None   # (B, 1); None: real
         rows = torch.arange(ids.shape[0], device=ids.device)
-        state.valid[rows, index] = real[:, 0]
+        state.valid[rows, index] = real[:, 0] if real is not None else True
         keys = torch.arange(state.max_len, device=ids.device)
         mask = state.valid & (keys[None] <= index[:, None])                     # (B, L)
         return Step(positions=positions, mask=mask[:, None, None, :], tokens=real, write_index=index)

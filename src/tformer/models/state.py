@@ -5,7 +5,8 @@ One :class:`InferenceState` per request (or per batch of requests decoded togeth
 of it, so one model object serves any number of interleaved generations.
 
     state.layers[i]   layer i's mixer state (attention: a KVCache; other mixers: their own)
-    state.length      tokens written so far by the eager path (a Python int, same for every row)
+    state.length      tokens written so far (a Python int, same for every row; on a static state
+                      ``decode_step`` counts the static steps, which only move ``index``)
     state.valid       (B, max_len) bool: which written positions are real tokens (not padding);
                       the static decode step reads it as its attention mask
     state.static      made with ``static=True``: the layers hold their static classes
