@@ -3,9 +3,9 @@
 GPT-2 124M's shape (random weights, seed 0), 16 prompt tokens, greedy, 2 torch threads, alternating
 rounds, medians. Three ways to generate the same tokens: ``plain`` (tformer.generation.generate),
 ``served`` (a Sequence through the continuous-batching Scheduler, its thread, pool and token choice;
-no HTTP), ``raw_pool`` (KVPool.prefill then KVPool.decode, the static slot step, in a bare loop).
+no HTTP), ``raw_pool`` (KVPool.prefill then KVPool.decode, the static decode step, in a bare loop).
 Success criterion, set before the run: if ``served`` keeps >= 0.95 of ``plain``, the scheduler, the
-static slot step and the token choice are not where the HTTP server's ~0.72 goes.
+static decode step and the token choice are not where the HTTP server's ~0.72 goes.
 
     flock /tmp/tformer-bench.lock env PYTHONPATH=src python benchmarks/serving/serve_inprocess.py 12 24 4 [--prof]
 

@@ -14,6 +14,7 @@ from tformer.errors import CheckpointError, ConfigError, InputError, TformerErro
 from tformer.generation.generate import GenerationOptions, generate, generate_tokens
 from tformer.quant.quantize import set_precision
 from tformer.models.state import InferenceState
+from tformer.generation.step import decode_step, prefill
 from tformer.generation.text import generate_text, stream_text
 from tformer.mixers import MIXERS, register_mixer
 from tformer.models import MODELS, build_model
@@ -24,10 +25,10 @@ from tformer.tokenizers import load_tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
-    "MIXERS", "MODELS", "PRESETS",
-    "CheckpointError", "ConfigError", "DecoderLM", "EncoderModel", "GenerationOptions", "InferenceState",
-    "InputError", "MultiHeadAttention", "TformerError", "TransformerConfig",
-    "build_model", "choose_backend", "count_parameters", "flash_attention", "generate", "generate_text",
-    "generate_tokens", "kv_cache_bytes", "load_model", "load_tokenizer", "register_mixer", "save_model",
-    "scaled_dot_product_attention", "set_precision", "state_bytes", "stream_text", "training_flops_per_token",
+    "MIXERS", "MODELS", "PRESETS", "CheckpointError", "ConfigError", "DecoderLM", "EncoderModel",
+    "GenerationOptions", "InferenceState", "InputError", "MultiHeadAttention", "TformerError",
+    "TransformerConfig", "build_model", "choose_backend", "count_parameters", "decode_step", "flash_attention",
+    "generate", "generate_text", "generate_tokens", "kv_cache_bytes", "load_model", "load_tokenizer", "prefill",
+    "register_mixer", "save_model", "scaled_dot_product_attention", "set_precision", "state_bytes",
+    "stream_text", "training_flops_per_token",
 ]

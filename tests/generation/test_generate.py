@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tformer import DecoderLM, TransformerConfig
-from tformer.generation.generate import filter_logits, generate, generate_tokens, sample
+from tformer.generation.generate import generate, generate_tokens
+from tformer.generation.sampling import filter_logits, sample
 from tformer.generation.text import generate_text, left_pad, stream_text
 from tformer.tokenizers import CharTokenizer
 
@@ -299,7 +300,7 @@ def test_non_finite_logits_stop_generation_with_one_sentence():
 def test_a_temperature_below_the_floor_is_greedy():
     """Issue 29: dividing logits by a denormal temperature (1e-45) made them inf and the softmax NaN.
     Below MIN_TEMPERATURE (1e-6) sampling takes the argmax; at the floor it still samples finitely."""
-    from tformer.generation.generate import MIN_TEMPERATURE
+    from tformer.generation.sampling import MIN_TEMPERATURE
 
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0)) * 20
     gens = [torch.Generator().manual_seed(i) for i in range(8)]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tformer import DecoderLM, TransformerConfig, kv_cache_bytes
+from tformer.generation.step import decode_step, prefill
 from tformer.mixers.kv_cache import KVCache
 
 POSITIONS = ["none", "learned", "sinusoidal", "rope", "alibi"]
@@ -106,13 +107,13 @@ def test_static_decode_step_equals_full_recomputation(positions, layout):
     mask[:, T:] = 1
     ref = full_logits(model, ids, mask)
     pos = positions_of(mask)
-    state = model.new_state(3, T + steps + 4)                # larger than needed: the rest stays masked
+    state = model.new_state(3, T + steps + 4, static=True)   # larger than needed: the rest stays masked
     with torch.no_grad():
-        model(ids[:, :T], state=state, attention_mask=mask[:, :T])
+        prefill(model, ids[:, :T], state, attention_mask=mask[:, :T])
         for t in range(T, T + steps):
-            slot = torch.full((3,), t)
-            logits, _ = model(ids[:, t:t + 1], state=state, slot=slot, positions=pos[:, t:t + 1])
-            torch.testing.assert_close(logits[:, 0], ref[:, t], atol=ATOL, rtol=0)
+            assert torch.equal(state.index, torch.full((3,), t))     # each row writes at its own tensor index
+            logits = decode_step(model, ids[:, t:t + 1], state, positions=pos[:, t:t + 1])
+            torch.testing.assert_close(logits, ref[:, t], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("positions", POSITIONS)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from tformer import (DecoderLM, TransformerConfig, count_parameters, generate, load_model, register_mixer, save_model,
                      state_bytes)
 from tformer.models import build_model
-from tformer.generation.generate import _static_step
+from tformer.generation.step import decode_logits, prefill
 from tformer.mixers import MIXERS
 from tformer.nn.markers import mark_residual
 
@@ -143,17 +143,16 @@ def test_trains_saves_and_loads_unchanged(tmp_path):
 
 
 def test_static_decode_step_compiles_without_graph_breaks():
-    """torch.compile captures one decode step whole: positions and slots are tensors, the state
-    is preallocated, nothing inside forward reads a tensor's value on the host."""
+    """torch.compile captures one decode step whole: positions and write indices are tensors, the
+    static state is preallocated, nothing inside forward reads a tensor's value on the host."""
     for positions in ("learned", "rope", "alibi"):
         c = TransformerConfig(vocab_size=61, context_length=32, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2,
                               positions=positions)
         m = DecoderLM(c).eval()
-        state = m.new_state(2, 32)
+        state = m.new_state(2, 32, static=True)
         with torch.inference_mode():
-            m(torch.randint(0, 61, (2, 5)), state=state)
-            ex = torch._dynamo.explain(_static_step)(m, torch.randint(0, 61, (2, 1)), torch.full((2, 1), 5),
-                                                     torch.full((2,), 5), state)
+            prefill(m, torch.randint(0, 61, (2, 5)), state)
+            ex = torch._dynamo.explain(decode_logits)(m, torch.randint(0, 61, (2, 1)), state, torch.full((2, 1), 5))
         assert ex.graph_break_count == 0 and ex.graph_count == 1, (positions, ex.break_reasons)
 
 
@@ -173,11 +172,11 @@ def test_compiled_decode_is_captured_once_across_steps_and_calls(monkeypatch):
     counting backend stands in for inductor, so this runs in a second)."""
     from torch._dynamo.testing import CompileCounter
 
-    from tformer.generation import generate as gen
+    from tformer.generation import step as gen
 
     counter = CompileCounter()
     torch._dynamo.reset()
-    monkeypatch.setitem(gen._COMPILED, "step", torch.compile(gen._static_step, backend=counter, dynamic=False))
+    monkeypatch.setitem(gen._COMPILED, "decode", torch.compile(gen.decode_logits, backend=counter, dynamic=False))
     m = model_of(config("attention"))
     ids = torch.randint(0, 50, (2, 4), generator=torch.Generator().manual_seed(3))
     ref = generate(m, ids, 12, temperature=0)

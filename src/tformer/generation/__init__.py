@@ -1,1 +1,2 @@
-"""Inference: KV cache and generation."""
+"""Generation: the prefill / decode-step pair (``step``), token choice (``sampling``), ``generate``
+(ids), ``text`` (strings, stop strings, streaming) and ``beam`` (encoder-decoders)."""

@@ -18,10 +18,12 @@ hypothesis scored ``sum log p / n ** length_penalty`` (``n`` = generated tokens,
 - ``"never"``: the same bound at the longest length allowed when ``length_penalty`` > 0, which
   is exact (a prefix's sum only falls), so with enough beams the search is exhaustive.
 
-These are the rules of HuggingFace ``generate`` (transformers 4.50+), so the outputs agree token
-for token (tests/interop/test_seq2seq_hf.py). ``forced_eos`` is HF's ``forced_eos_token_id`` (on by
-default in Marian and BART configs): the step that makes the ``max_new_tokens``-th token allows that
-token only, with log-probability 0, so every output that reaches the limit ends with it.
+Every step goes through :func:`tformer.generation.step.decode_step`, the call ``generate`` and
+the server make too. These are the rules of HuggingFace ``generate`` (transformers 4.50+), so the
+outputs agree token for token (tests/interop/test_seq2seq_hf.py). ``forced_eos`` is HF's
+``forced_eos_token_id`` (on by default in Marian and BART configs): the step that makes the
+``max_new_tokens``-th token allows that token only, with log-probability 0, so every output that
+reaches the limit ends with it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from tformer.errors import InputError
-from tformer.generation.generate import check_sampling, sample
+from tformer.generation.sampling import check_sampling, sample
+from tformer.generation.step import decode_step
 
 Tensor = torch.Tensor
 
@@ -81,7 +84,7 @@ def sample_decode(model, src: Tensor, src_mask: Tensor | None = None, *, bos: in
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for n in range(1, max_new_tokens + 1):
-        logits = model.decode_step(tokens, state)[:, -1]                                 # (B, V)
+        logits = decode_step(model, tokens, state)                                       # (B, V)
         if forced_eos is not None and n == max_new_tokens:
             logits = force(logits.float(), forced_eos)
         tokens = sample(logits, temperature, top_k, top_p, gens)[:, None]                # (B, 1)
@@ -133,7 +136,7 @@ def beam_search(model, src: Tensor, src_mask: Tensor | None = None, *, bos: int,
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     closed = [False] * B
     for n in range(1, max_new_tokens + 1):                                                # n = tokens after this step
-        logp = F.log_softmax(model.decode_step(last.reshape(B * K, 1), state)[:, -1].float(), -1)   # (B·K, V)
+        logp = F.log_softmax(decode_step(model, last.reshape(B * K, 1), state).float(), -1)   # (B·K, V)
         if forced_eos is not None and n == max_new_tokens:
             logp = force(logp, forced_eos)
         V = logp.shape[-1]

@@ -15,9 +15,12 @@ Prompts of different lengths are batched with *left* padding and a ``(B, T)`` at
 per step. Each sequence gets its own positions (``cumsum(mask) - 1``) and its own random
 generator, so a batched result equals generating each prompt alone.
 
-Decode steps can run *static* (``GenerationOptions(static=True)``, or ``compile=True`` which
-implies it): positions, the write slot and the state are tensors whose shapes never change, so
-``torch.compile`` captures the whole step once (gpt-fast's recipe).
+Every model call is :func:`tformer.generation.step.prefill` or :func:`~tformer.generation.step.decode_step`,
+the pair the server and beam search use too. Decode steps can run *static*
+(``GenerationOptions(static=True)``, or ``compile=True`` which implies it): the state is made with
+``model.new_state(..., static=True)``, whose per-row write indices, positions and buffers are
+tensors whose shapes never change, so ``torch.compile`` captures the whole step once (gpt-fast's
+recipe). Token choice is :mod:`tformer.generation.sampling`.
 
 Entry points: :func:`generate` (token ids in, token ids out) and :func:`generate_tokens` (an
 iterator over the new tokens); options in one :class:`GenerationOptions`. The text API (strings in
@@ -27,13 +30,14 @@ and out, stop strings, streaming) is in ``tformer.generation.text``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 
 from tformer.errors import InputError, TformerError
+from tformer.generation.sampling import check_sampling, sample
+from tformer.generation.step import decode_step, prefill
 from tformer.nn.embedding import check_ids
 
 Tensor = torch.Tensor
@@ -96,75 +100,10 @@ class GenerationOptions:
         return self.static or self.compile
 
 
-# ------------------------------------------------------------------------------------- sampling
-# Temperatures below this are greedy. Sampling divides the logits by the temperature; a denormal one
-# (1e-45) turns them into inf and the softmax into NaN. Below 1e-6 a float32 logit gap that moves the
-# choice at all is under the logits' own rounding (about 1e-6 of their size), so the argmax is what
-# sampling would pick.
-MIN_TEMPERATURE = 1e-6
-
-
-def is_greedy(temperature: float) -> bool:
-    """Whether ``temperature`` (>= 0) means the argmax: 0, or anything below :data:`MIN_TEMPERATURE`."""
-    return temperature < MIN_TEMPERATURE
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ``InputError`` naming the bad sampling option and its valid range."""
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise InputError(f"temperature={temperature} must be a finite number >= 0 (0 = greedy).")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise InputError(f"top_k={top_k} must be >= 1 (or None to keep every token).")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise InputError(f"top_p={top_p} must be in (0, 1] (1 keeps every token).")
-
-
-def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
-    """Set to ``-inf`` every logit outside the top-k, then outside the nucleus of mass ``top_p``.
-
-    Args:
-        logits: ``(B, V)`` float logits (already divided by the temperature).
-    Returns:
-        ``(B, V)`` filtered logits. At least one token per row always survives.
-    """
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[:, -1:]                       # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs          # mass of strictly more likely tokens
-        drop_sorted = mass_before >= top_p                  # the first token is never dropped
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-           generators: Sequence[torch.Generator | None] | None = None) -> Tensor:
-    """Pick one token per row.
-
-    Args:
-        logits: ``(B, V)`` next-token logits.
-        temperature: 0 (or below :data:`MIN_TEMPERATURE`) takes the argmax (greedy); otherwise logits
-            are divided by it.
-        top_k, top_p: see :func:`filter_logits`.
-        generators: one random generator per row (reproducible, and independent of the batch).
-    Returns:
-        ``(B,)`` int64 token ids.
-    """
-    logits = logits.float()
-    if is_greedy(temperature):
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
-    if generators is None:
-        return torch.multinomial(probs, 1).squeeze(-1)
-    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
-
-
 # ---------------------------------------------------------------------------------- the stepper
 class _Stepper:
-    """Runs the model for generation: ``first()`` prefills, ``next(tokens)`` appends and steps.
+    """Runs the model for generation: ``first()`` prefills, ``next(tokens)`` appends and steps
+    (through :func:`~tformer.generation.step.prefill` and :func:`~tformer.generation.step.decode_step`).
 
     Both return ``(B, vocab)`` logits for the next token. Owns the request's inference state, the
     output buffer ``out (B, capacity)`` (grown by doubling, so a huge ``max_new_tokens`` costs
@@ -191,15 +130,12 @@ class _Stepper:
         if attention_mask is not None and not bool(attention_mask.all()):
             self.mask = torch.ones_like(self.out)
             self.mask[:, :T] = attention_mask
-        self.chunk = opts.prefill_chunk or T
+        self.chunk = opts.prefill_chunk if opts.prefill_chunk and opts.prefill_chunk < T else None
         # A compiled step sees the same shapes in every call only if the state always spans the context.
         cache_len = (self.context if opts.compile else min(total, self.context)) if opts.use_cache else 0
-        self.state = model.new_state(B, cache_len) if cache_len else None
-        self.decode = None
-        if self.state is not None and opts.is_static:    # positions: the model counts state.valid's real tokens
-            self.step_tokens = torch.empty(B, 1, dtype=torch.long, device=ids.device)   # one buffer each, so
-            self.slot = torch.empty(B, dtype=torch.long, device=ids.device)            # shapes/strides never change
-            self.decode = _compiled_step() if opts.compile else _static_step
+        self.state = model.new_state(B, cache_len, static=opts.is_static) if cache_len else None
+        # The static step's input: one buffer, so its shape and strides never change between steps.
+        self.step_tokens = torch.empty(B, 1, dtype=torch.long, device=ids.device) if opts.is_static else None
 
     def _grow(self) -> None:
         if self.cur < self.out.shape[1]:
@@ -212,22 +148,17 @@ class _Stepper:
             mask[:, :self.cur] = self.mask[:, :self.cur]
             self.mask = mask
 
-    def _run(self, start: int, end: int, state) -> Tensor:
+    def _prefill(self, start: int, end: int, state, chunk: int | None = None) -> Tensor:
         """Logits of the token after ``out[:, start:end]``, after what ``state`` holds."""
         # Positions count from 0 at the window's first token: the model derives them from the mask of
         # the new tokens and the real tokens ``state.valid`` holds (left padding shifts nothing), or,
         # without padding, from the state's length.
         mask = self.mask[:, start:end] if self.mask is not None else None
-        logits, _ = self.model(self.out[:, start:end], attention_mask=mask, state=state, last_only=True)
-        return logits[:, -1]                                                    # (B, vocab)
+        return prefill(self.model, self.out[:, start:end], state, attention_mask=mask, chunk=chunk)
 
     @torch.inference_mode()
     def first(self) -> Tensor:
-        if self.state is None:
-            return self._run(0, self.T, None)
-        for s in range(0, self.T, self.chunk):
-            logits = self._run(s, min(s + self.chunk, self.T), self.state)
-        return logits
+        return self._prefill(0, self.T, self.state, self.chunk if self.state is not None else None)
 
     @torch.inference_mode()
     def next(self, tokens: Tensor) -> Tensor:
@@ -239,40 +170,20 @@ class _Stepper:
             if self.opts.overflow == "shift":
                 self.offset = self.cur - max(1, self.context // 2)
                 if self.state is None:
-                    return self._run(self.offset, self.cur, None)
+                    return self._prefill(self.offset, self.cur, None)
                 self.state.reset()                   # positions restart from the kept window
-                return self._run(self.offset, self.cur, self.state)      # re-prefill the kept half
+                return self._prefill(self.offset, self.cur, self.state)      # re-prefill the kept half
             self.offset = self.cur - self.context
         if self.state is not None and (self.opts.overflow == "shift" or self.offset == 0):
-            if self.decode is not None:
-                return self._static(pos)
-            return self._run(pos, pos + 1, self.state)                   # feed one token to the cache
-        return self._run(self.offset, self.cur, None)                    # recompute the window
+            return self._decode(pos)                                         # feed one token to the cache
+        return self._prefill(self.offset, self.cur, None)                    # recompute the window
 
-    def _static(self, pos: int) -> Tensor:
-        self.slot.fill_(self.state.length)                                       # the cache index of ``pos``
-        self.step_tokens.copy_(self.out[:, pos:pos + 1])
-        logits = self.decode(self.model, self.step_tokens, None, self.slot, self.state)
-        self.state.length += 1
-        return logits
-
-
-def _static_step(model, tokens: Tensor, positions: Tensor, slot: Tensor, state) -> Tensor:
-    """One decode step with static shapes: ``tokens (B, 1)`` at ``positions (B, 1)`` (``None``: each
-    row's count of real tokens in ``state.valid``), written at ``slot (B,)`` of ``state``; returns
-    ``(B, vocab)`` logits."""
-    logits, _ = model(tokens, positions=positions, state=state, slot=slot)
-    return logits[:, -1]
-
-
-_COMPILED: dict[str, object] = {}
-
-
-def _compiled_step():
-    """``torch.compile`` of :func:`_static_step`, made once per process (dynamo keeps a graph per model)."""
-    if "step" not in _COMPILED:
-        _COMPILED["step"] = torch.compile(_static_step, dynamic=False)
-    return _COMPILED["step"]
+    def _decode(self, pos: int) -> Tensor:
+        if self.step_tokens is None:
+            mask = self.mask[:, pos:pos + 1] if self.mask is not None else None
+            return decode_step(self.model, self.out[:, pos:pos + 1], self.state, attention_mask=mask)
+        self.step_tokens.copy_(self.out[:, pos:pos + 1])                    # generated tokens are real
+        return decode_step(self.model, self.step_tokens, self.state, compiled=self.opts.compile)
 
 
 # ------------------------------------------------------------------------------------- ids API

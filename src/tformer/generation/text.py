@@ -31,8 +31,16 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[Tensor,
     return ids, mask
 
 
-class _TextTracker:
-    """Decodes one sequence's new tokens and applies stop strings exactly.
+class TextTracker:
+    """Decodes one sequence's new tokens and applies stop strings exactly (``generate_text``,
+    ``stream_text`` and the server's scheduler each keep one per sequence).
+
+    Args:
+        tokenizer: with ``decode(list[int]) -> str``.
+        stop: strings that end the text; it is cut just before the first one.
+
+    ``add(token)`` appends a token; ``done`` turns true at a stop string (a caller may set it to
+    release what is held back at the end); ``text`` is the text so far.
 
     ``safe()`` is the text that can be shown now: cut at the first stop string, and holding back
     an undecodable tail (partial UTF-8) and any tail that could still become a stop string.
@@ -64,14 +72,14 @@ class _TextTracker:
         return self.text[:end]
 
     def take(self) -> str:
-        """The new showable text since the last call."""
+        """The new showable text since the last call (all of it once ``done``)."""
         new = self.safe()[self.sent:]
         self.sent += len(new)
         return new
 
 
 def _text_steps(model, tokenizer, prompts: list[str], max_new_tokens: int, stop: Sequence[str],
-                stop_tokens: Iterable[int] | None, kwargs: dict) -> Iterator[list[_TextTracker]]:
+                stop_tokens: Iterable[int] | None, kwargs: dict) -> Iterator[list[TextTracker]]:
     stats = kwargs.pop("stats", None)
     encoded = [tokenizer.encode(p) for p in prompts]
     if any(len(e) == 0 for e in encoded):
@@ -80,7 +88,7 @@ def _text_steps(model, tokenizer, prompts: list[str], max_new_tokens: int, stop:
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
     stop_set = set(stop_tokens or ())
-    trackers = [_TextTracker(tokenizer, stop) for _ in prompts]
+    trackers = [TextTracker(tokenizer, stop) for _ in prompts]
     steps = generate_tokens(model, ids, max_new_tokens, attention_mask=mask if len(prompts) > 1 else None,
                             stop_tokens=stop_set or None, **kwargs)
     try:
@@ -118,7 +126,7 @@ def generate_text(model, tokenizer, prompt: str | Sequence[str], max_new_tokens:
     prompts = [prompt] if single else list(prompt)
     if not prompts:
         raise InputError("no prompts given.")
-    trackers = [_TextTracker(tokenizer, stop) for _ in prompts]
+    trackers = [TextTracker(tokenizer, stop) for _ in prompts]
     for trackers in _text_steps(model, tokenizer, prompts, max_new_tokens, stop, stop_tokens, kwargs):
         pass
     texts = [t.text for t in trackers]

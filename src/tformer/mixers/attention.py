@@ -25,7 +25,7 @@ import torch.nn as nn
 from tformer.ops.sdpa import scaled_dot_product_attention
 from tformer.config import TransformerConfig
 from tformer.errors import InputError
-from tformer.mixers.kv_cache import KVCache
+from tformer.mixers.kv_cache import KeyView, KVCache, StaticKVCache
 from tformer.mixers.base import Shared, Step
 from tformer.mixers.projected import ProjectedAttention, merge_heads, projection_parameters, split_heads
 from tformer.nn.markers import mark_residual
@@ -75,7 +75,13 @@ class MultiHeadAttention(ProjectedAttention):
 
     def new_state(self, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
                   device: torch.device | str | None = None) -> KVCache:
+        """An eager KV cache (see :mod:`tformer.mixers.kv_cache`)."""
         return KVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, dtype, device)
+
+    def new_static_state(self, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
+                         device: torch.device | str | None = None) -> StaticKVCache:
+        """A KV cache for static decoding: one token per row at a per-row tensor index."""
+        return StaticKVCache(batch_size, self.n_kv_heads, max_len, self.head_dim, dtype, device)
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -92,8 +98,9 @@ class MultiHeadAttention(ProjectedAttention):
 
         Args:
             step: what the model computed for this call (positions, padding mask, start_pos,
-                static ``slot``, dropout); when ``None`` the keywords below are used (direct use).
-            state: this layer's KV cache, or ``None`` (attend over ``x`` alone).
+                dropout); when ``None`` the keywords below are used (direct use).
+            state: this layer's KV cache (anything with ``store(k, v, step) -> KeyView``), or
+                ``None`` (attend over ``x`` alone).
             mask: bool key mask broadcastable to ``(B, nh, T, m)``, ``True`` = attend (padding).
             positions: absolute positions of the ``T`` queries, ``(T,)`` or ``(B, T)`` (RoPE);
                 default ``arange(T)``.
@@ -107,37 +114,19 @@ class MultiHeadAttention(ProjectedAttention):
             step = Step(positions=positions, mask=mask, dropout=self.training, return_weights=return_weights)
         q, k, v = self.project(x, step)                              # (B, nh, T, hs), (B, nkv, T, hs) x 2
 
-        if state is not None and step.slot is not None:
-            result = self._attend_slot(q, k, v, state, step)
-        else:
-            if state is not None:
-                k, v = state.update(step.start_pos, k, v)            # (B, nkv, start_pos + T, hs)
-            # ALiBi goes in as slopes: flash computes -slope * |p_q - p_k| per block, the other
-            # backends build the dense (nh, T, m) bias (queries at key positions m - T .. m - 1).
-            result = scaled_dot_product_attention(
-                q, k, v, mask=step.mask, causal=self.causal, window=self.window, alibi_slopes=self.alibi_slopes,
-                dropout_p=self.attn_dropout if step.dropout else 0.0,
-                backend=self.backend, return_weights=step.return_weights,
-            )
+        # The cache decides how the new keys are written and what is read (eager prefix, or a static
+        # step's whole buffer with each row's query index); without one, attend over k and v alone.
+        keys = state.store(k, v, step) if state is not None else KeyView(k, v, step.mask)
+        # ALiBi goes in as slopes: flash computes -slope * |p_q - p_k| per block, the other
+        # backends build the dense (nh, T, m) bias (queries at key positions m - T .. m - 1).
+        result = scaled_dot_product_attention(
+            q, keys.k, keys.v, dropout_p=self.attn_dropout if step.dropout else 0.0,
+            return_weights=step.return_weights,
+            **keys.attention_arguments(causal=self.causal, window=self.window, alibi_slopes=self.alibi_slopes,
+                                       backend=self.backend, dtype=q.dtype),
+        )
         out, weights = result if step.return_weights else (result, None)
         return self.finish(out, step, weights)                       # re-assemble heads: (B, T, C)
-
-    def _attend_slot(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: Step) -> Tensor:
-        """The static decode step: write one token per row at ``step.slot``, attend over the whole
-        preallocated cache under ``step.mask`` (real tokens up to the slot, built once by the model),
-        narrowed by the window and biased by ALiBi here, so no shape depends on how far decoding has gone."""
-        k_all, v_all = cache.write_slot(step.slot, k, v)                       # (B, nkv, L, hs)
-        mask, bias = step.mask, None                                           # (B, 1, 1, L)
-        if self.window is not None or self.alibi_slopes is not None:
-            keys = torch.arange(k_all.shape[2], device=q.device)
-            dist = (step.slot[:, None] - keys[None])[:, None, None, :]         # (B, 1, 1, L): query - key index
-            if self.window is not None:
-                mask = mask & (dist < self.window)
-            if self.alibi_slopes is not None:
-                bias = -self.alibi_slopes.to(q.dtype)[None, :, None, None] * dist.abs().to(q.dtype)
-        return scaled_dot_product_attention(q, k_all, v_all, mask=mask, bias=bias,
-                                            backend="math" if self.backend == "math" else "torch")
-
 
 @dataclass
 class CrossMemory:

@@ -13,7 +13,7 @@ Options (``config.mixer_options["longformer"]``):
 
 Causal generation keeps a ring buffer of the last ``(window - 1)·dilation`` keys and values per
 layer (the new token is the window's last), so the state does not grow with the text
-(:class:`RingState`). A causal model with global tokens is refused at ``new_state``: a global token
+(:class:`RingState`; :class:`StaticRingState` for static decoding). A causal model with global tokens is refused at ``new_state``: a global token
 would need every key it ever saw.
 """
 
@@ -63,6 +63,51 @@ class RingState:
         self.k[:, :, slots] = k[:, :, T - keep:].to(self.k.dtype)
         self.v[:, :, slots] = v[:, :, T - keep:].to(self.v.dtype)
 
+    def attend(self, mixer: "LongformerAttention", q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        """The new tokens ``q, k, v`` (``(B, nh|nkv, T, hs)``) against the ring plus themselves, then
+        store them: O(T·w), whatever the position. Returns ``(B, nh, T, hs)``."""
+        B, _, T, hs = q.shape
+        s = step.start_pos
+        old_k, old_v = self.read(s)                                          # (B, nkv, L, hs)
+        L = old_k.shape[2]
+        k_all, v_all = torch.cat([old_k, k], 2), torch.cat([old_v, v], 2)   # (B, nkv, L + T, hs)
+        q_all = F.pad(q, (0, 0, L, 0))                                       # rows for the old keys: unused
+        mask = mixer.key_mask(step, B, s + T)
+        out = longformer_attention(q_all, mixer.expand(k_all), mixer.expand(v_all), mixer.window, causal=True,
+                                   dilation=mixer.dilation,
+                                   key_mask=None if mask is None else mask[:, s - L:])
+        self.write(s, k, v)
+        return out[:, :, L:]                                                 # (B, nh, T, hs)
+
+
+class StaticRingState(RingState):
+    """The ring for static decoding: a decode step (``step.write_index`` set) attends over the whole
+    ring, each entry's validity computed from the write index as a tensor, then overwrites the
+    oldest entry; a prefill is :class:`RingState`'s."""
+
+    def attend(self, mixer: "LongformerAttention", q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        if step.write_index is None:
+            return super().attend(mixer, q, k, v, step)
+        B, _, _, hs = q.shape
+        slot, cap, d = step.write_index, self.capacity, mixer.dilation
+        entries = torch.arange(cap, device=q.device)
+        held = slot[:, None] - 1 - torch.remainder(slot[:, None] - 1 - entries, max(cap, 1))  # (B, cap) positions
+        dist = slot[:, None] - held
+        ok = (held >= 0) & (dist % d == 0) & (dist < mixer.window * d)
+        if step.mask is not None:
+            real = mixer.key_mask(step, B, step.mask.shape[-1])              # (B, max_len)
+            ok = ok & real.gather(1, held.clamp(min=0))
+        ok = torch.cat([ok, torch.ones(B, 1, dtype=torch.bool, device=q.device)], 1)  # the new token itself
+        keys = mixer.expand(torch.cat([self.k, k.to(self.k.dtype)], 2))     # (B, nh, cap + 1, hs)
+        values = mixer.expand(torch.cat([self.v, v.to(self.v.dtype)], 2))
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * hs ** -0.5       # (B, nh, 1, cap + 1)
+        out = torch.matmul(masked_softmax(scores, ok[:, None, None, :]), values)
+        if cap:
+            rows = torch.arange(B, device=q.device)
+            self.k[rows, :, slot % cap] = k[:, :, 0].to(self.k.dtype)
+            self.v[rows, :, slot % cap] = v[:, :, 0].to(self.v.dtype)
+        return out                                                           # (B, nh, 1, hs)
+
 
 class LongformerAttention(ProjectedAttention):
     """Sliding-window + global attention (Beltagy et al., 2020); protocol of :mod:`tformer.mixers.base`."""
@@ -103,11 +148,10 @@ class LongformerAttention(ProjectedAttention):
         """``x (B, T, C)`` -> ``(B, T, C)``; with ``state``, ``x`` continues the text at ``step.start_pos``."""
         B, T, _ = x.shape
         q, k, v = self.project(x, step)                                      # (B, nh|nkv, T, hs)
-        if state is not None:
+        if state is not None:                                                # the ring decides how to read itself
             if step.global_tokens is not None:
                 raise InputError("global_attention_mask is not supported while generating with a state.")
-            attend = self._slot if step.slot is not None else self._cached
-            return self.finish(attend(q, k, v, step, state), step)
+            return self.finish(state.attend(self, q, k, v, step), step)
         gmask = self.global_mask(step, B, T)
         gqkv = None
         if gmask is not None:
@@ -119,52 +163,19 @@ class LongformerAttention(ProjectedAttention):
                                    max_global=len(self.global_positions) if step.global_tokens is None else None)
         return self.finish(out, step)
 
-    def _cached(self, q: Tensor, k: Tensor, v: Tensor, step: Step, state: RingState) -> Tensor:
-        """New tokens against the ring buffer plus themselves: O(T·w), whatever the position."""
-        B, _, T, hs = q.shape
-        s = step.start_pos
-        old_k, old_v = state.read(s)                                         # (B, nkv, L, hs)
-        L = old_k.shape[2]
-        k_all, v_all = torch.cat([old_k, k], 2), torch.cat([old_v, v], 2)   # (B, nkv, L + T, hs)
-        q_all = F.pad(q, (0, 0, L, 0))                                       # rows for the old keys: unused
-        mask = self.key_mask(step, B, s + T)
-        out = longformer_attention(q_all, self.expand(k_all), self.expand(v_all), self.window, causal=True,
-                                   dilation=self.dilation,
-                                   key_mask=None if mask is None else mask[:, s - L:])
-        state.write(s, k, v)
-        return out[:, :, L:]                                                 # (B, nh, T, hs)
-
-    def _slot(self, q: Tensor, k: Tensor, v: Tensor, step: Step, state: RingState) -> Tensor:
-        """Static decode (one token per row at index ``step.slot``): attend over the whole ring, each
-        entry's validity computed from the slot as a tensor, then overwrite the oldest entry."""
-        B, _, _, hs = q.shape
-        slot, cap, d = step.slot, state.capacity, self.dilation
-        entries = torch.arange(cap, device=q.device)
-        held = slot[:, None] - 1 - torch.remainder(slot[:, None] - 1 - entries, max(cap, 1))  # (B, cap) positions
-        dist = slot[:, None] - held
-        ok = (held >= 0) & (dist % d == 0) & (dist < self.window * d)
-        if step.mask is not None:
-            real = self.key_mask(step, B, step.mask.shape[-1])                # (B, max_len)
-            ok = ok & real.gather(1, held.clamp(min=0))
-        ok = torch.cat([ok, torch.ones(B, 1, dtype=torch.bool, device=q.device)], 1)  # the new token itself
-        keys = self.expand(torch.cat([state.k, k.to(state.k.dtype)], 2))     # (B, nh, cap + 1, hs)
-        values = self.expand(torch.cat([state.v, v.to(state.v.dtype)], 2))
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * hs ** -0.5       # (B, nh, 1, cap + 1)
-        out = torch.matmul(masked_softmax(scores, ok[:, None, None, :]), values)
-        if cap:
-            rows = torch.arange(B, device=q.device)
-            state.k[rows, :, slot % cap] = k[:, :, 0].to(state.k.dtype)
-            state.v[rows, :, slot % cap] = v[:, :, 0].to(state.v.dtype)
-        return out                                                           # (B, nh, 1, hs)
-
-    def new_state(self, batch_size: int, max_len: int, dtype=torch.float32, device=None) -> RingState | None:
+    def new_state(self, batch_size: int, max_len: int, dtype=torch.float32, device=None,
+                  kind: type[RingState] = RingState) -> RingState | None:
         if not self.causal:
             return None
         if self.global_positions:
             raise ConfigError("a causal Longformer with global_positions cannot generate with a bounded state "
                               "(a global token attends to every earlier key); drop global_positions.")
         capacity = min((self.window - 1) * self.dilation, max_len)
-        return RingState(batch_size, self.n_kv_heads, capacity, self.head_dim, dtype, device)
+        return kind(batch_size, self.n_kv_heads, capacity, self.head_dim, dtype, device)
+
+    def new_static_state(self, batch_size: int, max_len: int, dtype=torch.float32, device=None) -> RingState | None:
+        """The ring for static decoding (:class:`StaticRingState`)."""
+        return self.new_state(batch_size, max_len, dtype, device, kind=StaticRingState)
 
     @classmethod
     def count_parameters(cls, config: TransformerConfig) -> int:

@@ -10,7 +10,8 @@ Options (``config.mixer_options["performer"]``):
 
 The projection ``(m, hs)`` is a buffer saved with the weights, so a reloaded model computes the
 same function. Generation keeps ``S = Σ φ(k) vᵀ`` (``m × hs``) and ``z = Σ φ(k)`` (``m``) per head:
-:class:`FavorState`, the same size at token 10 and at token 10 000.
+:class:`FavorState`, the same size at token 10 and at token 10 000, and the same class for eager and
+static decoding (the sums do not depend on positions).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class FavorState:
         dtype = torch.promote_types(dtype, torch.float32)
         self.S = torch.zeros(batch_size, n_heads, m, head_dim, dtype=dtype, device=device)
         self.z = torch.zeros(batch_size, n_heads, m, dtype=dtype, device=device)
+
+    def reset(self) -> None:
+        """Forget every token: the sums start from zero again."""
+        self.S.zero_()
+        self.z.zero_()
 
     @property
     def nbytes(self) -> int:
@@ -77,21 +83,18 @@ class PerformerAttention(ProjectedAttention):
         k, v = self.expand(k), self.expand(v)                                # (B, nh, T, hs)
         qf = softmax_features(q, self.projection, is_query=True)            # (B, nh, T, m)
         kf = softmax_features(k, self.projection, is_query=False)           # (B, nh, T, m)
-        keep = None if step.slot is not None else self.key_mask(step, B, step.start_pos + T)
-        keep = None if keep is None else keep[:, -T:]
-        if step.tokens is not None:
-            keep = step.tokens if keep is None else keep & step.tokens
+        keep = self.new_tokens(step, B, T)                                   # (B, T) real new tokens, or None
         if keep is not None:
             kf = kf * keep[:, None, :, None].to(kf.dtype)                   # padding adds nothing to the sums
         if not self.causal:
             return self.finish(favor_attention(qf, kf, v), step)
-        if state is not None and step.slot is not None:                      # static decode: add one token per row
-            out, (state.S, state.z) = favor_causal(qf, kf, v, (state.S, state.z))
-            return self.finish(out, step)
-        sums = None if state is None or step.start_pos == 0 else (state.S, state.z)
+        # The sums depend only on the tokens seen, not on where they sit: eager and static steps
+        # continue them alike (a fresh or reset state holds zeros).
+        sums = None if state is None else (state.S, state.z)
         out, (S, z) = favor_causal(qf, kf, v, sums, chunk=self.chunk)       # (B, nh, T, hs)
-        if state is not None:
-            state.S, state.z = S, z
+        if state is not None:                  # in place: a row view of a larger state (the server's pool) writes through
+            state.S.copy_(S)
+            state.z.copy_(z)
         return self.finish(out, step)
 
     def new_state(self, batch_size: int, max_len: int, dtype=torch.float32, device=None) -> FavorState | None:

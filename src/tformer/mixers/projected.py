@@ -122,6 +122,15 @@ class ProjectedAttention(nn.Module):
         mask = torch.broadcast_to(step.mask, (batch, 1, step.mask.shape[-2], m))
         return mask[:, 0, -1]                                                # (B, m): padding is per key
 
+    def new_tokens(self, step: Step, batch: int, T: int) -> Tensor | None:
+        """``(B, T)`` bool: which of the ``T`` new tokens are real (``None``: all): ``step.tokens``,
+        or, for a step built by hand with only a padding mask over its ``start_pos + T`` keys, the
+        mask's last ``T`` keys. (A static decode step's mask spans the whole state: its ``tokens``
+        say it all.)"""
+        if step.tokens is not None or step.mask is None or step.mask.shape[-1] != step.start_pos + T:
+            return step.tokens
+        return self.key_mask(step, batch, step.start_pos + T)[:, -T:]
+
     def new_state(self, batch_size: int, max_len: int, dtype=torch.float32, device=None):
         return None
 

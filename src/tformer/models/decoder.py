@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from tformer.config import TransformerConfig
-from tformer.errors import ConfigError
+from tformer.errors import ConfigError, InputError
 from tformer.models.state import InferenceState
 from tformer.models.loss import token_loss
 from tformer.models.stack import TransformerStack
@@ -49,8 +49,8 @@ class DecoderLM(TransformerStack):
         attention_mask: Tensor | None = None,
         positions: Tensor | None = None,
         state: InferenceState | None = None,
-        slot: Tensor | None = None,
         last_only: bool = False,
+        last_index: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Next-token logits, and the mean cross-entropy if ``targets`` are given.
 
@@ -64,18 +64,25 @@ class DecoderLM(TransformerStack):
                 each token's count of real tokens before it (so left padding shifts nothing);
                 otherwise ``state.length + arange(T)``.
             state: a per-request :class:`~tformer.models.state.InferenceState` from
-                :meth:`new_state`; the new tokens are written after what it holds.
-            slot: ``(B,)`` the static decode step's write index per row (see ``hidden_states``).
+                :meth:`new_state`; the new tokens are written after what it holds (on a static
+                state, one token per row is the static decode step: see ``hidden_states``).
             last_only: compute logits for the last position only, ``(B, 1, vocab)`` (generation:
                 skips the LM head over the rest of the prompt).
+            last_index: ``(B,)`` compute logits at position ``last_index[b]`` of row ``b`` only,
+                ``(B, 1, vocab)`` (right-padded prompts, each ending at its own length).
         Returns:
             ``(logits (B, T, vocab), loss or None)``.
         Raises:
-            InputError: for ids of the wrong shape or outside the vocabulary, or positions past
-                the context of a learned/sinusoidal table.
+            InputError: for ids of the wrong shape or outside the vocabulary, positions past the
+                context of a learned/sinusoidal table, or ``last_index`` with ``last_only``.
         """
-        x = self.hidden_states(ids, attention_mask=attention_mask, positions=positions, state=state, slot=slot)
-        if last_only:
+        x = self.hidden_states(ids, attention_mask=attention_mask, positions=positions, state=state)
+        if last_index is not None:
+            if last_only or last_index.shape != (ids.shape[0],):
+                raise InputError(f"last_index must be a ({ids.shape[0]},) tensor of positions, without last_only; "
+                                 f"got shape {tuple(last_index.shape)}.")
+            x = x[torch.arange(ids.shape[0], device=x.device), last_index][:, None]   # (B, 1, C)
+        elif last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.final_norm(x))                               # (B, T, vocab)
         loss = None

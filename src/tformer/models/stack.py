@@ -78,16 +78,26 @@ class TransformerStack(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=c.init_std / math.sqrt(2 * c.n_layers))
 
     # ------------------------------------------------------------------ state
-    def new_state(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None) -> InferenceState:
+    def new_state(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, *,
+                  static: bool = False) -> InferenceState:
         """A fresh per-request inference state: every layer's mixer state for ``batch_size``
-        sequences of up to ``max_len`` tokens, in ``dtype`` (default: the embedding's)."""
+        sequences of up to ``max_len`` tokens, in ``dtype`` (default: the embedding's).
+
+        ``static=True`` builds each mixer's static-decoding state (its ``new_static_state``, else its
+        ``new_state``): a one-token call on it is then the static decode step (see :meth:`hidden_states`).
+        """
         if batch_size < 1 or max_len < 1:
             raise InputError(f"an inference state needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}.")
         ref = self.tok_emb.weight
         dtype = dtype or ref.dtype
-        layers = [b.attn.new_state(batch_size, max_len, dtype, ref.device) if hasattr(b.attn, "new_state") else None
-                  for b in self.blocks]
-        return InferenceState(layers, batch_size, max_len, ref.device)
+
+        def layer_state(mixer):
+            make = getattr(mixer, "new_static_state", None) if static else None
+            make = make or getattr(mixer, "new_state", None)
+            return make(batch_size, max_len, dtype, ref.device) if make is not None else None
+
+        layers = [layer_state(b.attn) for b in self.blocks]
+        return InferenceState(layers, batch_size, max_len, ref.device, static=static)
 
     # ------------------------------------------------------------------ embeddings
     def default_positions(self, T: int, start_pos: int, attention_mask: Tensor | None) -> Tensor:
@@ -145,7 +155,6 @@ class TransformerStack(nn.Module):
         positions: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         state: InferenceState | None = None,
-        slot: Tensor | None = None,
         return_weights: bool = False,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
@@ -160,16 +169,19 @@ class TransformerStack(nn.Module):
                 tokens only: the earlier keys are then read from ``state.valid``.
             positions: ``(T,)`` or ``(B, T)`` absolute positions; default :meth:`default_positions`.
             state: the request's inference state (written at ``state.length``, which then advances).
-            slot: ``(B,)`` static decode: write index per row; needs ``T == 1`` and ``state``; reads
-                ``state.valid`` as the padding mask and (default) as the positions: each row's count
-                of real tokens held. Nothing in this path depends on a Python value that changes
-                between steps.
+                On a static state (``new_state(..., static=True)``) a call with ``T == 1`` is the
+                static decode step: row ``b`` writes at ``state.index[b]`` (which then advances by
+                one; ``state.length`` does not: :func:`tformer.generation.step.decode_step` keeps
+                it), reads ``state.valid`` as its padding mask and (default) as its position, each
+                row's count of real tokens held; ``attention_mask``, if given, says over its last
+                column whether the new token is real. Nothing in this path depends on a Python
+                value that changes between steps, so ``torch.compile`` captures it once.
             global_attention_mask: ``(B, T)`` 1 for tokens given global attention (Longformer
                 layers; HF's argument of that name), 0 for the rest.
         """
         T = ids.shape[1]
-        if slot is not None:   # never read state.length here: a changing int would recompile every step
-            step = self._slot_step(ids, positions, state, slot)
+        if state is not None and state.static and T == 1:   # never read state.length here: a changing int recompiles
+            step = self._static_step(ids, attention_mask, positions, state)
         else:
             step = self._step(T, state.length if state is not None else 0, attention_mask, positions, state)
         step.dropout = self.training and not torch.is_inference_mode_enabled()
@@ -187,8 +199,11 @@ class TransformerStack(nn.Module):
             if return_weights:
                 x, w = x
                 weights.append(w)
-        if state is not None and slot is None:
-            state.length = step.start_pos + T
+        if state is not None:
+            if step.write_index is None:
+                state.advance(step.start_pos + T)
+            else:
+                state.index.add_(1)
         return (x, weights) if return_weights else x
 
     def _step(self, T: int, start: int, attention_mask: Tensor | None, positions: Tensor | None,
@@ -215,18 +230,19 @@ class TransformerStack(nn.Module):
             mask = padding_mask(state.valid[:, :end] if new_only else attention_mask)     # (B, 1, 1, m)
         return Step(positions=positions, mask=mask, tokens=tokens, start_pos=start)
 
-    def _slot_step(self, ids: Tensor, positions: Tensor | None, state: InferenceState | None, slot: Tensor) -> Step:
-        """The static decode path: one token per row, written at ``slot``. The mask, built once here
-        for every layer, is the state's real tokens up to and including ``slot`` (causality)."""
-        if state is None or ids.shape[1] != 1:
-            raise InputError("a static decode step (slot=...) needs one token per row and a state.")
+    def _static_step(self, ids: Tensor, attention_mask: Tensor | None, positions: Tensor | None,
+                     state: InferenceState) -> Step:
+        """The static decode path: one token per row, written at ``state.index``. The mask, built once
+        here for every layer, is the state's real tokens up to and including that index (causality)."""
+        index = state.index                                                     # (B,)
         if positions is None:                                                   # real tokens held, per row
             positions = state.valid.sum(-1, keepdim=True)                       # (B, 1)
+        real = attention_mask[:, -1:].bool() if attention_mask is not None else None   # (B, 1); None: real
         rows = torch.arange(ids.shape[0], device=ids.device)
-        state.valid[rows, slot] = True
+        state.valid[rows, index] = real[:, 0] if real is not None else True
         keys = torch.arange(state.max_len, device=ids.device)
-        mask = state.valid & (keys[None] <= slot[:, None])                      # (B, L)
-        return Step(positions=positions, mask=mask[:, None, None, :], slot=slot)
+        mask = state.valid & (keys[None] <= index[:, None])                     # (B, L)
+        return Step(positions=positions, mask=mask[:, None, None, :], tokens=real, write_index=index)
 
     def _ensure_positions(self, length: int) -> None:
         """Check (with Python ints) that positions below ``length`` fit the position table."""

@@ -5,13 +5,20 @@ One :class:`InferenceState` per request (or per batch of requests decoded togeth
 of it, so one model object serves any number of interleaved generations.
 
     state.layers[i]   layer i's mixer state (attention: a KVCache; other mixers: their own)
-    state.length      tokens written so far by the eager path (a Python int, same for every row)
+    state.length      tokens written so far (a Python int, same for every row; on a static state
+                      ``decode_step`` counts the static steps, which only move ``index``)
     state.valid       (B, max_len) bool: which written positions are real tokens (not padding);
                       the static decode step reads it as its attention mask
+    state.static      made with ``static=True``: the layers hold their static classes
+                      (:mod:`tformer.mixers.base`) and a one-token call is the static decode step
+    state.index       (B,) int64, static states only: the next write index of each row
 
-Rows of a state are rearranged (beam search repeats and reorders them) through :meth:`InferenceState.map`.
-Every tensor attribute of a layer state holds one row per sequence along dimension 0, unless the
-state's class names another dimension in ``BATCH_DIMS = {"attribute": dim}``.
+Rows of a state are rearranged (beam search repeats and reorders them) through :meth:`InferenceState.map`;
+:meth:`InferenceState.rows` is a view of some rows and leading positions (the server decodes the
+rows in use over the positions in use), :meth:`InferenceState.writer` a scratch state that prefills
+some rows from position 0 in one batched forward. Every tensor attribute of a layer state holds
+one row per sequence along dimension 0, unless the state's class names another dimension in
+``BATCH_DIMS = {"attribute": dim}``; ``POSITION_DIMS`` names the tensors with a position axis.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import copy
 from typing import Any, Callable
 
 import torch
+
+from tformer.errors import InputError
 
 Tensor = torch.Tensor
 
@@ -31,22 +40,34 @@ class InferenceState:
         layers: one entry per layer, from each mixer's ``new_state`` (``None`` for stateless mixers).
         batch_size: rows.
         max_len: the most positions any layer can hold.
-        device: where ``valid`` lives.
+        device: where ``valid`` (and ``index``) live.
+        static: the layers are static-decoding states; keep a per-row write ``index``.
     """
 
-    def __init__(self, layers: list[Any], batch_size: int, max_len: int, device: torch.device | str | None = None):
+    def __init__(self, layers: list[Any], batch_size: int, max_len: int, device: torch.device | str | None = None,
+                 *, static: bool = False):
         self.layers = layers
         self.batch_size, self.max_len = batch_size, max_len
         self.length = 0
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.static = static
+        self.index = torch.zeros(batch_size, dtype=torch.long, device=device) if static else None
 
     def reset(self) -> None:
         """Forget every token (the buffers stay allocated; stale entries are masked out by ``valid``)."""
         self.length = 0
         self.valid.zero_()
+        if self.index is not None:
+            self.index.zero_()
         for s in self.layers:
             if hasattr(s, "reset"):
                 s.reset()
+
+    def advance(self, end: int) -> None:
+        """After an eager call: every row holds ``end`` positions (a static state's ``index`` follows)."""
+        self.length = end
+        if self.index is not None:
+            self.index.fill_(end)
 
     @property
     def nbytes(self) -> int:
@@ -55,7 +76,7 @@ class InferenceState:
 
     def map(self, fn: Callable[[Tensor], Tensor]) -> "InferenceState":
         """A state whose row tensors are ``fn`` of these: every tensor attribute of every layer
-        state, and ``valid``. ``fn`` gets each tensor with its batch rows along dimension 0
+        state, ``valid`` and ``index``. ``fn`` gets each tensor with its batch rows along dimension 0
         (``(B, ...)`` -> ``(B', ...)``, e.g. ``repeat_interleave`` or a row gather); it may return a
         new tensor or write the given one in place and return it.
 
@@ -79,6 +100,56 @@ class InferenceState:
             return new
 
         valid = on_rows(self.valid, 0, "valid")                              # (B', max_len)
-        new = InferenceState([map_layer(s) for s in self.layers], valid.shape[0], self.max_len, valid.device)
-        new.length, new.valid = self.length, valid
+        index = None if self.index is None else on_rows(self.index, 0, "index")
+        return self._assemble([map_layer(s) for s in self.layers], valid, index, self.max_len, self.length)
+
+    def rows(self, start: int, stop: int, keys: int | None = None) -> "InferenceState":
+        """Rows ``start .. stop-1`` and positions ``0 .. keys-1`` (default all) of this state, as a
+        state of their own whose tensors are views into this one: what a call writes through it
+        lands here. Tensors a layer state names in ``POSITION_DIMS`` are cut to ``keys`` positions.
+
+        Raises:
+            InputError: if the rows or ``keys`` are out of range.
+        """
+        keys = self.max_len if keys is None else keys
+        if not (0 <= start < stop <= self.batch_size and 1 <= keys <= self.max_len):
+            raise InputError(f"rows {start}..{stop - 1} and {keys} positions do not fit a state of "
+                             f"{self.batch_size} rows x {self.max_len} positions.")
+        view = self.map(lambda t: t[start:stop])
+        for layer in view.layers:
+            for name, dim in getattr(layer, "POSITION_DIMS", {}).items():
+                setattr(layer, name, getattr(layer, name).narrow(dim, 0, keys))
+            if layer is not None and hasattr(layer, "max_len"):
+                layer.max_len = keys
+        return self._assemble(view.layers, view.valid[:, :keys], view.index, keys, 0)
+
+    def writer(self, rows: Tensor) -> "InferenceState":
+        """A scratch state for an eager prefill of ``len(rows)`` sequences from position 0, written
+        straight into rows ``rows (b,)`` of this state by every layer state's ``rows(rows)`` (a KV
+        cache's :class:`~tformer.mixers.kv_cache.RowWriter`). Afterwards call :meth:`hold` to mark
+        what the rows now contain.
+
+        Raises:
+            InputError: if a layer's state cannot write rows this way (a recurrent or ring state,
+                which would absorb the padding of a batched prefill).
+        """
+        if not all(hasattr(s, "rows") for s in self.layers):
+            raise InputError("this state has a layer that cannot prefill rows in a batch (only KV caches can); "
+                             "prefill one sequence at a time through rows(r, r + 1).")
+        b = rows.shape[0]
+        return InferenceState([s.rows(rows) for s in self.layers], b, self.max_len, self.valid.device)
+
+    def hold(self, rows: Tensor, lengths: Tensor) -> None:
+        """Rows ``rows (b,)`` now hold ``lengths (b,)`` real tokens at positions ``0 .. n-1`` (and a
+        static state writes their next token at ``n``)."""
+        positions = torch.arange(self.max_len, device=self.valid.device)
+        self.valid[rows] = positions[None] < lengths[:, None]                # (b, max_len)
+        if self.index is not None:
+            self.index[rows] = lengths
+
+    @staticmethod
+    def _assemble(layers: list, valid: Tensor, index: Tensor | None, max_len: int, length: int) -> "InferenceState":
+        new = InferenceState.__new__(InferenceState)
+        new.layers, new.batch_size, new.max_len, new.length = layers, valid.shape[0], max_len, length
+        new.valid, new.static, new.index = valid, index is not None, index
         return new

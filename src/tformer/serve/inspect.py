@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from tformer.generation.step import prefill
+
 Tensor = torch.Tensor
 
 
@@ -38,8 +40,8 @@ def input_x_gradient(model, context: Tensor, target: int) -> tuple[Tensor, float
     handle = model.tok_emb.register_forward_hook(keep)
     try:
         with torch.enable_grad():
-            logits, _ = model(context[None], last_only=True)             # (1, 1, vocab)
-            logp = torch.log_softmax(logits[0, -1].float(), dim=-1)[target]
+            logits = prefill(model, context[None])                       # (1, vocab)
+            logp = torch.log_softmax(logits[0].float(), dim=-1)[target]
             (grad,) = torch.autograd.grad(logp, captured[0])              # (1, t, C)
     finally:
         handle.remove()

@@ -1,57 +1,44 @@
-"""A preallocated pool of per-sequence inference states, and the two model calls the scheduler makes.
+"""A preallocated pool of per-sequence inference states, and the two model calls the scheduler makes
+(both through the public pair :mod:`tformer.generation.step`).
 
-The pool is ONE :class:`~tformer.models.state.InferenceState` from ``model.new_state(n_slots,
-max_len)``, made at start: row ``r`` of every layer's state (a KV cache ``(n_slots, n_kv_heads,
-max_len, head_dim)``, or another mixer's state) belongs to the request in slot ``r`` from admission
-until it finishes. Nothing is allocated per token.
+The pool is ONE static :class:`~tformer.models.state.InferenceState` from ``model.new_state(n_slots,
+max_len, static=True)``, made at start: row ``r`` of every layer's state (a KV cache ``(n_slots,
+n_kv_heads, max_len, head_dim)``, or another mixer's state) belongs to the request in slot ``r``
+from admission until it finishes. Nothing is allocated per token.
 
 Row ``r`` keeps its tokens at cache indices ``0 .. n-1`` (no padding inside a row), so a row's
 length, its next write index and its next position are all ``n = state.valid[r].sum()``: the pool
 reads lengths from ``valid`` and keeps no count of its own.
 
-- :meth:`KVPool.prefill` writes several prompts in ONE forward: the prompts are *right*-padded to
-  the longest, ``(b, T)``, and each layer's keys and values go straight into the pool rows of their
-  slots. Right padding changes no real token's output: a causal model's token ``t`` reads only keys
-  ``j <= t``, which are the prompt's own, so the pad tokens after a prompt are invisible to it (they
-  compute throw-away values, which ``valid`` then marks as not real and the row's next tokens
-  overwrite). Each prompt's next-token logits are taken at its own last token. This needs every
-  layer's state to be a KV cache (a recurrent state would absorb the pads); a model with another
-  mixer prefills one prompt at a time, through a batch-1 row view of the pool.
-- :meth:`KVPool.decode` runs the model's static decode step (``slot=``) on a view of rows
-  ``0 .. hi-1``: row ``r`` feeds its last token at position ``n_r``, writes its key and value at
-  index ``n_r``, and reads keys ``j <= n_r`` that ``valid`` marks real. Rows of different lengths
-  therefore decode together exactly. Idle rows inside the range write at index 0 and compute a
-  throw-away token (their row is re-initialised at its next admission); keeping the range
-  contiguous avoids gathering rows, and stopping at ``hi`` avoids computing rows past the last one
-  in use. The step reads the first multiple of 64 positions that covers the longest row, not all
-  ``max_len``, so short sequences do not pay for attention over the whole context; shapes change
-  only every 64 tokens.
+- :meth:`KVPool.prefill` writes several prompts in ONE forward
+  (:func:`tformer.generation.step.prefill` on ``state.writer(rows)``): the prompts are
+  *right*-padded to the longest, ``(b, T)``, and each layer's keys and values go straight into the
+  pool rows of their slots. Right padding changes no real token's output: a causal model's token
+  ``t`` reads only keys ``j <= t``, which are the prompt's own, so the pad tokens after a prompt are
+  invisible to it (they compute throw-away values, which ``valid`` then marks as not real and the
+  row's next tokens overwrite). Each prompt's next-token logits are taken at its own last token.
+  This needs every layer's state to be a KV cache (a recurrent state would absorb the pads); a model
+  with another mixer prefills one prompt at a time, through a batch-1 row view of the pool.
+- :meth:`KVPool.decode` runs the static decode step (:func:`tformer.generation.step.decode_step` on
+  the static pool state's ``rows(0, hi, keys)`` view, its ``index`` set to each row's length): row
+  ``r`` feeds its last token at position ``n_r``, writes its key and value at index ``n_r``, and
+  reads keys ``j <= n_r`` that ``valid`` marks real. Rows of different lengths therefore decode
+  together exactly. Idle rows inside the range write at index 0 and compute a throw-away token
+  (their row is re-initialised at its next admission); keeping the range contiguous avoids gathering
+  rows, and stopping at ``hi`` avoids computing rows past the last one in use. The step reads the
+  first multiple of 64 positions that covers the longest row, not all ``max_len``, so short
+  sequences do not pay for attention over the whole context; shapes change only every 64 tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tformer.mixers.kv_cache import KVCache
+from tformer.generation.step import decode_step, prefill
 from tformer.models.state import InferenceState
 
 Tensor = torch.Tensor
 KEY_BUCKET = 64     # decode reads the first multiple of 64 positions that holds every row's keys
-
-
-class _ScatterCache:
-    """Stands in for one layer's KV cache during a batched prefill from an empty row: writes the new
-    keys and values ``(b, nkv, T, hs)`` into the pool cache's rows ``slots (b,)`` at ``0 .. T-1`` and
-    hands them back unchanged (they are everything the rows hold)."""
-
-    def __init__(self, cache: KVCache, slots: Tensor):
-        self.cache, self.slots = cache, slots
-
-    def update(self, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        T = k.shape[2]
-        self.cache.k[self.slots, :, :T] = k                                     # (b, nkv, T, hs) scattered
-        self.cache.v[self.slots, :, :T] = v
-        return k, v
 
 
 class KVPool:
@@ -65,11 +52,11 @@ class KVPool:
 
     def __init__(self, model, n_slots: int, max_len: int):
         self.model, self.n_slots, self.max_len = model, n_slots, max_len
-        self.state = model.new_state(n_slots, max_len)
-        self.device = model.tok_emb.weight.device
+        self.state = model.new_state(n_slots, max_len, static=True)              # every row decodes statically
+        self.device = self.state.valid.device
         self.active = torch.zeros(n_slots, dtype=torch.bool, device=self.device)   # rows held by a sequence
-        self.batched_prefill = bool(model.config.causal) and all(isinstance(s, KVCache) for s in self.state.layers)
-        self._views: dict[tuple[int, int], InferenceState] = {}
+        self.batched_prefill = bool(model.config.causal) and all(hasattr(s, "rows") for s in self.state.layers)
+        self._views: dict[tuple[int, int, int], InferenceState] = {}
 
     @property
     def nbytes(self) -> int:
@@ -82,22 +69,10 @@ class KVPool:
     def view(self, start: int, stop: int, keys: int | None = None) -> InferenceState:
         """Rows ``start .. stop-1`` and positions ``0 .. keys-1`` of the pool as an InferenceState of
         their own (views into the pool; cached, so a step builds nothing)."""
-        keys = keys or self.max_len
-        key = (start, stop, keys)
+        key = (start, stop, keys or self.max_len)
         if key not in self._views:
-            def cut(t: Tensor) -> Tensor:              # (n_slots, ...) -> rows; KV caches (B, h, max_len, d) to `keys`
-                t = t[start:stop]
-                return t[:, :, :keys] if t.dim() == 4 and t.shape[2] == self.max_len else t
-            view = self.state.map(cut)
-            view.valid, view.max_len, view.length = view.valid[:, :keys], keys, 0
-            self._views[key] = view
+            self._views[key] = self.state.rows(start, stop, keys)
         return self._views[key]
-
-    @staticmethod
-    def _state(layers: list, batch_size: int, max_len: int, valid: Tensor) -> InferenceState:
-        s = InferenceState.__new__(InferenceState)
-        s.layers, s.batch_size, s.max_len, s.length, s.valid = layers, batch_size, max_len, 0, valid
-        return s
 
     def release(self, slot: int) -> None:
         """``slot``'s sequence left: the row idles (and is overwritten at its next admission)."""
@@ -115,23 +90,19 @@ class KVPool:
             ids[i, :len(p)] = torch.tensor(p)                                   # right padding with token 0
         n = torch.tensor([len(p) for p in prompts], device=self.device)         # (b,) real tokens per row
         rows = torch.tensor(slots, device=self.device)
-        layers = [_ScatterCache(s, rows) for s in self.state.layers]
-        scratch = self._state(layers, b, self.max_len, torch.zeros(b, T, dtype=torch.bool, device=self.device))
-        x = self.model.hidden_states(ids.to(self.device), state=scratch)         # (b, T, C)
-        last = x[torch.arange(b, device=self.device), n - 1]                     # (b, C): each prompt's last token
-        valid = torch.arange(self.max_len, device=self.device)[None] < n[:, None]   # (b, max_len): the prompt only
-        self.state.valid[rows] = valid
+        logits = prefill(self.model, ids.to(self.device), self.state.writer(rows), last_index=n - 1)   # (b, vocab)
+        self.state.hold(rows, n)                                                # the rows hold their prompts only
         self.active[rows] = True
-        return self.model.lm_head(self.model.final_norm(last))                  # (b, vocab)
+        return logits
 
     def _prefill_one(self, slot: int, prompt: list[int]) -> Tensor:
         """One prompt through the eager path on a batch-1 row view (any mixer's state)."""
         row = self.view(slot, slot + 1)
         row.reset()                                            # forget the slot's previous occupant
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        logits, _ = self.model(ids, state=row, last_only=True)                 # (1, 1, vocab)
+        logits = prefill(self.model, ids, row)                                  # (1, vocab)
         self.active[slot] = True
-        return logits[:, -1]                                                    # (1, vocab)
+        return logits
 
     @torch.inference_mode()
     def decode(self, tokens: Tensor, need: int) -> Tensor:
@@ -142,5 +113,5 @@ class KVPool:
         keys = min(self.max_len, -(-need // KEY_BUCKET) * KEY_BUCKET)
         at = self.lengths(hi)                                                   # (hi,) write index = position
         rows = self.view(0, hi, keys)
-        logits, _ = self.model(tokens[:, None], positions=at[:, None], state=rows, slot=at)
-        return logits[:, -1]                                                    # (hi, vocab)
+        rows.index.copy_(at)                                                    # idle rows write at 0
+        return decode_step(self.model, tokens[:, None], rows, positions=at[:, None])   # (hi, vocab)

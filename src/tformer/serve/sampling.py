@@ -2,7 +2,7 @@
 
 Rows differ in temperature, top-k, top-p, seed and whether they want log-probabilities. Greedy rows
 (temperature 0, or below ``MIN_TEMPERATURE``) take the argmax of their logits; rows that sample are grouped by their options and drawn with
-:func:`tformer.generation.generate.sample`, each row from its own random generator, so a seeded
+:func:`tformer.generation.sampling.sample`, each row from its own random generator, so a seeded
 request gets the same tokens alone or in any batch. Everything stays in tensors until ONE
 ``.tolist()`` brings the tokens (and, when some row asks, their log-probabilities) to Python.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tformer.generation.generate import is_greedy, sample
+from tformer.generation.sampling import is_greedy, sample
 
 Tensor = torch.Tensor
 

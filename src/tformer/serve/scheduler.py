@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from tformer.generation.text import _TextTracker
+from tformer.generation.text import TextTracker
 from tformer.serve.metrics import BATCH_BUCKETS, Metrics
 from tformer.serve.pool import KVPool
 from tformer.serve.sampling import choose
@@ -99,7 +99,7 @@ class Sequence:
     first_token_at: float | None = None
 
     def __post_init__(self):
-        self.tracker = _TextTracker(self.tokenizer, self.params.stop)
+        self.tracker = TextTracker(self.tokenizer, self.params.stop)
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
 

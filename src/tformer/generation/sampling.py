@@ -1,0 +1,84 @@
+"""Choosing the next token from logits: greedy, temperature, top-k and nucleus (top-p) sampling.
+
+    logits (B, V) -> / temperature -> keep the top-k -> keep the smallest set of mass top_p
+        -> softmax -> one draw per row (its own generator) -> (B,) token ids
+
+Temperature 0 (or below ``MIN_TEMPERATURE``) is the argmax. Each row may have its own ``torch.Generator``, so a seeded row draws
+the same tokens alone or in any batch. Used by :func:`tformer.generation.generate.generate`, beam
+search's sampling decode and the server's batched token choice (``tformer.serve.sampling``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from tformer.errors import InputError
+
+Tensor = torch.Tensor
+
+# Temperatures below this are greedy. Sampling divides the logits by the temperature; a denormal one
+# (1e-45) turns them into inf and the softmax into NaN. Below 1e-6 a float32 logit gap that moves the
+# choice at all is under the logits' own rounding (about 1e-6 of their size), so the argmax is what
+# sampling would pick.
+MIN_TEMPERATURE = 1e-6
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether ``temperature`` (>= 0) means the argmax: 0, or anything below :data:`MIN_TEMPERATURE`."""
+    return temperature < MIN_TEMPERATURE
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ``InputError`` naming the bad sampling option and its valid range."""
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise InputError(f"temperature={temperature} must be a finite number >= 0 (0 = greedy).")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise InputError(f"top_k={top_k} must be >= 1 (or None to keep every token).")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise InputError(f"top_p={top_p} must be in (0, 1] (1 keeps every token).")
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Set to ``-inf`` every logit outside the top-k, then outside the nucleus of mass ``top_p``.
+
+    Args:
+        logits: ``(B, V)`` float logits (already divided by the temperature).
+    Returns:
+        ``(B, V)`` filtered logits. At least one token per row always survives.
+    """
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[:, -1:]                       # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs          # mass of strictly more likely tokens
+        drop_sorted = mass_before >= top_p                  # the first token is never dropped
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+           generators: Sequence[torch.Generator | None] | None = None) -> Tensor:
+    """Pick one token per row.
+
+    Args:
+        logits: ``(B, V)`` next-token logits.
+        temperature: 0 (or below :data:`MIN_TEMPERATURE`) takes the argmax (greedy); otherwise logits
+            are divided by it.
+        top_k, top_p: see :func:`filter_logits`.
+        generators: one random generator per row (reproducible, and independent of the batch).
+    Returns:
+        ``(B,)`` int64 token ids.
+    """
+    logits = logits.float()
+    if is_greedy(temperature):
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
