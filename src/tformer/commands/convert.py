@@ -3,6 +3,8 @@
     tformer convert --from-hf HF_DIR --out CKPT_DIR     # config.json + *.safetensors -> tformer
     tformer convert --to-hf CKPT_DIR --out HF_DIR       # tformer -> folder transformers loads
     tformer convert --to-gguf CKPT_DIR --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0]   # -> llama.cpp
+    tformer convert --from-gguf MODEL.gguf --out CKPT_DIR   # llama.cpp file -> tformer (float32, tokenizer,
+                                                            # chat template)
 
 A non-empty --out is refused unless --force is given, and then replaced whole: the new folder is
 written beside it under a hidden name and swapped in by two renames once complete, so no file of
@@ -35,6 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HuggingFace model folder to import")
     src.add_argument("--to-hf", metavar="CKPT", help="tformer checkpoint folder to export")
+    src.add_argument("--from-gguf", metavar="FILE", help="GGUF file to import (llama, qwen2, gpt2; dequantised to "
+                                                         "float32, with its tokenizer and chat template)")
     src.add_argument("--to-gguf", metavar="CKPT", help="tformer checkpoint folder to export as one GGUF file "
                                                        "(llama.cpp; GPT-2 and Llama layouts)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be empty or new); "
@@ -55,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.to_gguf:
         return to_gguf(args)
+    if args.from_gguf:
+        return from_gguf(args)
     if args.max_shard_mb is not None and args.max_shard_mb <= 0:
         raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0.")
     if args.model_type is not None and args.model_type not in FAMILIES:
@@ -98,6 +104,23 @@ def to_gguf(args: argparse.Namespace) -> int:
     r = save_gguf(model, out, args.type, args.model_type, tokenizer_dir=source, eos=eos_token_ids(source))
     types = ", ".join(f"{n} {t}" for t, n in r["types"].items())
     print(f"{r['arch']} GGUF: {r['tensors']} tensors ({types}), {r['tokenizer']} -> {out}")
+    return 0
+
+
+def from_gguf(args: argparse.Namespace) -> int:
+    """``--from-gguf``: a checkpoint folder with the model, its tokenizer and its chat template."""
+    from tformer.interop.gguf_import import convert_gguf
+
+    out = Path(args.out)
+    check_target(out, args.force)
+    with replacing(out) as stage:
+        r = convert_gguf(args.from_gguf, stage)
+    m = r["model"]
+    c = m.config
+    extras = [name for name, have in (("tokenizer", r["tokenizer"]), ("chat template", r["chat_template"])) if have]
+    print(f"{type(m).__name__} ({c.name}): {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads "
+          f"({c.n_kv_heads} kv), {sum(p.numel() for p in m.parameters()):,} parameters, float32"
+          f"{', with ' + ' and '.join(extras) if extras else ''} -> {out}")
     return 0
 
 
