@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tformer.errors import CheckpointError
+from tformer.errors import CheckpointError, InputError
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -105,8 +105,11 @@ class GGUFFile:
     """
 
     def __init__(self, path: str | Path):
-        import gguf
-
+        try:
+            import gguf
+        except ImportError:
+            raise InputError("reading a GGUF file needs the gguf package; install it with "
+                             "`pip install 'tformer[gguf]'` (make install does).") from None
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path} is not a file; pass the path of a .gguf model file.")
