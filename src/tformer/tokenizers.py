@@ -230,6 +230,8 @@ class ChatTemplate:
     """
 
     def __init__(self, source: str, **special: str):
+        from datetime import datetime
+
         from jinja2.exceptions import TemplateError
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -240,6 +242,7 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)     # Llama 3's templates use it
         try:
             self.template = env.from_string(source)
         except TemplateError as e:

@@ -30,10 +30,11 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="import/export HuggingFace checkpoints (GPT-2, Llama, Mistral, Qwen2, "
-                                       "BLOOM, BERT)",
+                                       "BLOOM, BERT) and GGUF files",
                        description="Convert a HuggingFace folder (config.json + safetensors, sharded or not) to "
                                    "a tformer checkpoint, or a tformer checkpoint back to a HuggingFace folder "
-                                   "that transformers' from_pretrained loads.")
+                                   "that transformers' from_pretrained loads; or a GGUF file (llama.cpp) to and "
+                                   "from a tformer checkpoint.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HuggingFace model folder to import")
     src.add_argument("--to-hf", metavar="CKPT", help="tformer checkpoint folder to export")
