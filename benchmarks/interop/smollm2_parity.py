@@ -94,6 +94,10 @@ def tformer_logits(model, ids: list[int]) -> np.ndarray:
 def greedy(model, tok, template, path: Path, threads: int, n: int = 64) -> list[dict]:
     from tformer.generation.generate import generate
 
+    from tformer.checkpoint import load_generation_defaults
+    from tformer.interop.builtin import resolve_model
+
+    stop = set(load_generation_defaults(resolve_model("smollm2")).get("eos_token_id", []))
     lc = llama_cpp_model(path, 1024, threads, logits_all=False)
     control = f32_control(model, threads)
     rows = []
@@ -102,18 +106,16 @@ def greedy(model, tok, template, path: Path, threads: int, n: int = 64) -> list[
         t0 = time.perf_counter()
         ours = generate(model, torch.tensor([prompt]), n, temperature=0)[0, len(prompt):].tolist()
         t1 = time.perf_counter()
-        theirs = lc.generate(prompt, n)
+        theirs, their_logits = llama_cpp_greedy(lc, prompt, n)
         t2 = time.perf_counter()
         k = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         row = {"question": q, "equal": k is None, "tformer_s": t1 - t0, "llama_cpp_s": t2 - t1,
-               "tformer_text": tok.decode(ours), "llama_cpp_text": tok.decode(theirs)}
+               "tformer_text": tok.decode(until_stop(ours, stop)), "llama_cpp_text": tok.decode(until_stop(theirs, stop))}
         if k is not None:
             prefix = prompt + ours[:k]
             a, b = ours[k], theirs[k]
             mine = tformer_logits(model, prefix)[-1]
-            lc.llm.reset()
-            lc.llm.eval(prefix)
-            other = np.array(lc._last_logits(), dtype=np.float32)
+            other = their_logits[k]                  # llama.cpp's own logits at that step of its decode
             row.update(first_divergence=k, tformer_margin=float(mine[a] - mine[b]),
                        llama_cpp_margin=float(other[b] - other[a]), max_logit_diff=float(np.abs(mine - other).max()))
             row["explained"] = row["tformer_margin"] < row["max_logit_diff"] and \
@@ -144,6 +146,25 @@ def f32_control(model, threads: int):
     finally:                                    # llama.cpp has mapped it; the name can go
         tmp.unlink()
         tmp.parent.rmdir()
+
+
+def until_stop(ids: list[int], stop: set[int]) -> list[int]:
+    """The answer as a chat shows it: up to the first end-of-turn token."""
+    return next((ids[:i] for i, t in enumerate(ids) if t in stop), ids)
+
+
+def llama_cpp_greedy(lc, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """``n`` greedy tokens from llama.cpp, with the logits each was chosen from (a batched re-evaluation
+    of the prefix would round differently from the token-by-token decode)."""
+    lc.llm.reset()
+    lc.llm.eval(prompt)
+    out, logits = [], []
+    for i in range(n):
+        logits.append(np.array(lc._last_logits(), dtype=np.float32))
+        out.append(int(logits[-1].argmax()))
+        if i + 1 < n:
+            lc.llm.eval([out[-1]])
+    return out, logits
 
 
 def windows(n_tokens: int, ctx: int = 512, stride: int = 256) -> list[tuple[int, int, int]]:
@@ -224,8 +245,10 @@ def report(data: dict) -> str:
                 lines.append(f"| {r['question']} | {'yes' if r['equal'] else 'no'} | {r.get('first_divergence', '-')} "
                              f"| {d[0]} | {d[1]} | {d[2]} | {r.get('explained', '-')} | {r['tformer_s']:.1f} | "
                              f"{r['llama_cpp_s']:.1f} |")
-            lines += ["", "tformer's answers (greedy, 64 tokens):", ""]
-            lines += [f"- {r['question']} -> {json.dumps(r['tformer_text'])}" for r in rows]
+            lines += ["", "The answers (greedy, 64 tokens, shown up to the end-of-turn token):", ""]
+            for r in rows:
+                lines += [f"- {r['question']}", f"  - tformer: {json.dumps(r['tformer_text'], ensure_ascii=False)}",
+                          f"  - llama.cpp: {json.dumps(r['llama_cpp_text'], ensure_ascii=False)}"]
         else:
             s = summary(data[part])
             rel = (s["tformer"] - s["llama_cpp"]) / s["llama_cpp"]

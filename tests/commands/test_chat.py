@@ -56,6 +56,19 @@ def test_history_and_system_message(smollm2):
     text = chat.template.render(chat.messages)
     assert text.startswith("<|im_start|>system\nYou are terse.<|im_end|>") and "named SmolLM" not in text
 
+    # A conversation longer than the context leaves out its oldest turns, never the system message.
+    chat.messages += [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "ok"},
+                      {"role": "user", "content": "Last question?"}]
+    full = len(chat.template.encode(chat.tokenizer, chat.messages))
+    chat.max_new_tokens = chat.model.config.context_length - (full - 30)       # room for all but ~30 tokens
+    ids = chat.prompt_ids()
+    text = chat.tokenizer.decode(ids)
+    assert len(ids) <= full - 30 and "You are terse." in text and "Last question?" in text and "word word" not in text
+    chat.max_new_tokens = chat.model.config.context_length - 5                  # not even the last message fits
+    from tformer.errors import InputError
+    with pytest.raises(InputError, match="send a shorter one"):
+        chat.prompt_ids()
+
 
 def test_a_missing_model_is_one_sentence(tmp_path, capsys):
     assert main(["chat", "--model", str(tmp_path / "nothing.gguf"), "--prompt", "hi"]) == 2
