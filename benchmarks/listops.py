@@ -9,23 +9,19 @@ Linformer (k 32). LRA Table 1 (Tay et al., 2021) for the ordering: Transformer 3
 35.63, BigBird 36.05, Performer 18.01, Linformer 35.70.
 
 Run:  flock /tmp/tformer-bench.lock env PYTHONPATH=$PWD/src python benchmarks/listops.py
-Writes benchmarks/results/listops.md.
+Writes benchmarks/results/attention/listops.md. (This script stays at the top of benchmarks/ while
+its training loop moves into the library's one loop.)
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from machine import busy_cores, load_note  # benchmarks/machine.py
-from tformer.config import TransformerConfig
-from tformer.models.encoder import EncoderModel, pool
-from tformer.training.tasks.listops import VOCAB, generate
+from common.record import Run, load_note, results_dir  # benchmarks/common/record.py
+from tformer.training.tasks.listops import collate, generate, train_classifier
 
 LRA = {"attention": 36.37, "longformer": 35.63, "bigbird": 36.05, "performer": 18.01, "linformer": 35.70}
 OPTIONS = {"attention": {}, "longformer": {"window": 16, "global_positions": [0]},
@@ -34,59 +30,12 @@ OPTIONS = {"attention": {}, "longformer": {"window": 16, "global_positions": [0]
 N = 128
 
 
-def batches(data, batch_size, rng):
-    """Endless shuffled ``(ids (B, N), mask (B, N), labels (B,))`` padded to ``N``."""
-    while True:
-        order = torch.randperm(len(data), generator=rng)
-        for s in range(0, len(order) - batch_size + 1, batch_size):
-            yield collate([data[i] for i in order[s:s + batch_size]])
-
-
-def collate(examples):
-    ids = torch.zeros(len(examples), N, dtype=torch.long)
-    mask = torch.zeros(len(examples), N, dtype=torch.long)
-    for row, (toks, _) in enumerate(examples):
-        ids[row, :len(toks)] = torch.tensor(toks)
-        mask[row, :len(toks)] = 1
-    return ids, mask, torch.tensor([label for _, label in examples])
-
-
-class Classifier(nn.Module):
-    def __init__(self, mixer: str):
-        super().__init__()
-        config = TransformerConfig(vocab_size=len(VOCAB), context_length=N, n_layers=2, d_model=64, n_heads=4,
-                                   d_ff=128, causal=False, positions="learned", mixer=mixer,
-                                   mixer_options={mixer: OPTIONS[mixer]} if OPTIONS[mixer] else {})
-        self.encoder = EncoderModel(config)
-        self.head = nn.Linear(64, 10)
-
-    def forward(self, ids, mask):
-        return self.head(pool(self.encoder(ids, attention_mask=mask), mask, "mean"))
-
-
 def run(mixer, train, test, steps, seed=0, keep=None):
-    torch.manual_seed(seed)
-    model = Classifier(mixer)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    data = batches(train, 32, torch.Generator().manual_seed(seed))
-    t0 = time.perf_counter()
-    model.train()
-    for _ in range(steps):
-        ids, mask, y = next(data)
-        loss = F.cross_entropy(model(ids, mask), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    elapsed = time.perf_counter() - t0
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        for s in range(0, len(test), 100):
-            ids, mask, y = collate(test[s:s + 100])
-            correct += (model(ids, mask).argmax(-1) == y).sum().item()
+    """Train one mixer's classifier with the library's training loop; (test accuracy %, last loss, seconds)."""
+    model, acc, loss, elapsed = train_classifier(mixer, OPTIONS[mixer], train, test, steps, seed=seed, length=N)
     if keep is not None:
         keep[mixer] = model
-    return 100 * correct / len(test), loss.item(), elapsed
+    return acc, loss, elapsed
 
 
 def approximation(model, test, n_examples=100):
@@ -99,7 +48,7 @@ def approximation(model, test, n_examples=100):
     inputs = []
     hooks = [b.attn.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0])))
              for b in model.encoder.blocks]
-    ids, mask, _ = collate(test[:n_examples])
+    ids, mask, _ = collate(test[:n_examples], N)
     with torch.no_grad():
         model(ids, mask)
     for h in hooks:
@@ -131,12 +80,13 @@ def main():
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "listops.md"))
+    p.add_argument("--out", default=str(results_dir("attention") / "listops.md"))
     args = p.parse_args()
     kw = dict(max_depth=5, max_args=5, min_len=32, max_len=N)
     train, test = generate(8000, seed=1, **kw), generate(1000, seed=2, **kw)
     majority = max(sum(1 for _, y in test if y == c) for c in range(10)) / len(test) * 100
-    load = busy_cores()
+    record = Run()
+    load = record.busy_before
     rows, models = [], {}
     for mixer in tqdm(list(OPTIONS), desc="mixers"):
         acc, loss, secs = run(mixer, train, test, args.steps, keep=models)
@@ -155,7 +105,7 @@ def main():
               "rank k | " + " | ".join(str(k) for k in rank), "---|" + "---|" * len(rank),
               "share of attention-matrix energy in the top k singular values | "
               + " | ".join(f"{e:.3f}" for e in rank.values())]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    record.write(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

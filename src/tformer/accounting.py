@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.mixers import check_config, mixer_class
+from tformer.mixers.attention import CrossAttention
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def count_parameters(config: TransformerConfig, cross_attention: bool = False) -
     norms = (2 if c.ffn != "none" else 1) * _norm_params(c)
     mixers = [mixer_class(name).count_parameters(c) for name in c.layer_mixers()]
     if cross_attention:
-        mixers = [m + mixer_class("attention").count_parameters(c) for m in mixers]
+        mixers = [m + CrossAttention.count_parameters(c) for m in mixers]
         norms += _norm_params(c)
     return ParameterCount(
         embedding=c.vocab_size * d,

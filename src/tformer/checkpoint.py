@@ -3,7 +3,7 @@
 A checkpoint is a folder::
 
     model.safetensors   the weights (a tied LM head is stored once, as the embedding)
-    tformer_config.json {"model": class name, "config": TransformerConfig.to_dict(), "options": {...}}
+    tformer_config.json {"model": family (a key of tformer.models.MODELS), "config": TransformerConfig.to_dict(), "options": {...}}
     tokenizer.json      the tokenizer (see tformer.tokenizers), when there is one
 
 Every file is written to a temporary name in the same folder, flushed to disk and renamed over
@@ -41,12 +41,14 @@ def _aliases(model: torch.nn.Module) -> set[str]:
 
 
 def _options(model: torch.nn.Module) -> dict[str, bool]:
-    """Constructor switches beyond the config: the encoder's optional heads."""
-    return {name: getattr(model, name) is not None for name in ("mlm_head", "pooler") if hasattr(model, name)}
+    """Constructor switches beyond the config (the encoder's optional heads), as the model's family
+    reads them from its weights (its ``options_from_state``; none if it has no such switches)."""
+    family = type(model)
+    return family.options_from_state(model.state_dict()) if hasattr(family, "options_from_state") else {}
 
 
 def save_model(directory: str | os.PathLike, model: torch.nn.Module, generation: dict | None = None) -> None:
-    """Write ``model.safetensors`` and ``tformer_config.json`` for a DecoderLM or EncoderModel.
+    """Write ``model.safetensors`` and ``tformer_config.json`` for a model of any family in ``tformer.models.MODELS``.
 
     Args:
         generation: generation defaults to keep with the model, e.g. ``{"eos_token_id": [50256]}``.

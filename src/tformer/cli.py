@@ -5,6 +5,8 @@ The error boundary is here, once, so every command inherits it: a :class:`~tform
 (bad input: its message names the problem and the fix) and an operating-system condition the user
 can act on (a full disk, a read-only file system, a missing permission, ...) are printed as one line
 ``tformer <command>: error: ...`` with exit status 2; anything else is a bug and keeps its traceback.
+A reader that closes stdout early (``tformer claims | head -1``) ends the command quietly with 141,
+the status of a process a SIGPIPE ended, as Unix tools do.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
 import sys
 
 from tformer.errors import TformerError
@@ -61,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()                  # a closed pipe shows here when the output was buffered
+        return status
+    except BrokenPipeError:    # `tformer ... | head`: the reader has left; stop quietly, as Unix tools do
+        return _reader_left()
     except TformerError as e:  # bad input: the message names the problem and the fix
         return _fail(args.command, str(e))
     except OSError as e:       # a full disk, a read-only folder, ...: the user's to fix, not a bug
@@ -69,6 +76,22 @@ def main(argv: list[str] | None = None) -> int:
         if message is None:
             raise
         return _fail(args.command, message)
+
+
+# The status of a process that a SIGPIPE ended (128 + 13): what `yes | head -1` reports for `yes`.
+PIPE_CLOSED = 141
+
+
+def _reader_left() -> int:
+    """stdout's reader closed the pipe: point stdout at /dev/null so that the interpreter's last
+    flush does not raise again, and return :data:`PIPE_CLOSED` without a word."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):   # stdout is not a real file (a test's capture): nothing to flush
+        pass
+    return PIPE_CLOSED
 
 
 def _fail(command: str, message: str) -> int:

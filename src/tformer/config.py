@@ -72,6 +72,8 @@ class TransformerConfig:
         mixer_options: per-mixer settings, ``{mixer name: {option: value}}``, checked by the mixer.
         encoder_layers: blocks in the encoder of an ``encoder-decoder`` model (``n_layers`` counts
             the decoder's); defaults to ``n_layers``.
+        encoder_d_ff: the encoder's feed-forward width in an ``encoder-decoder`` model (``d_ff`` is
+            the decoder's); defaults to ``d_ff`` (HF's ``encoder_ffn_dim`` / ``decoder_ffn_dim``).
         embedding_scale: multiply token embeddings by sqrt(d_model) before adding positions
             (Vaswani et al. §3.4, Marian).
         hf_model_type: the HuggingFace ``model_type`` this config came from or exports to
@@ -109,6 +111,7 @@ class TransformerConfig:
     mixer: str | list[str] = "attention"
     mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     encoder_layers: int | None = None
+    encoder_d_ff: int | None = None
     embedding_scale: bool = False
     hf_model_type: str | None = None
     name: str = field(default="custom", compare=False)
@@ -178,6 +181,9 @@ class TransformerConfig:
         if self.encoder_layers is not None and (not isinstance(self.encoder_layers, int)
                                                 or isinstance(self.encoder_layers, bool) or self.encoder_layers < 1):
             raise ConfigError(f"encoder_layers={self.encoder_layers!r} must be a positive integer or None (= n_layers).")
+        if self.encoder_d_ff is not None and (not isinstance(self.encoder_d_ff, int)
+                                              or isinstance(self.encoder_d_ff, bool) or self.encoder_d_ff < 1):
+            raise ConfigError(f"encoder_d_ff={self.encoder_d_ff!r} must be a positive integer or None (= d_ff).")
         if self.model is None:
             self.model = "decoder" if self.causal else "encoder"
         self._check_mixers()

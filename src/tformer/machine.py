@@ -1,5 +1,6 @@
-"""Hardware facts the trainer measures instead of assuming: bf16 support, the matmul peak, and how
-many cores other processes keep busy."""
+"""Hardware facts the trainer, the server and the benchmarks measure instead of assuming: the CPU's
+model name and vector instruction sets, bf16 support, the matmul peak, how many cores other
+processes keep busy, and the memory still available."""
 
 from __future__ import annotations
 
@@ -7,9 +8,56 @@ import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+
+# The instruction sets a CPU speed depends on, as named in a report -> the /proc/cpuinfo flag that has it.
+INSTRUCTION_SETS = {
+    "AVX2": "avx2",
+    "AVX-512": "avx512f",              # the foundation; every other AVX-512 set needs it
+    "AVX512_VNNI": "avx512_vnni",      # int8 dot products on 512-bit vectors
+    "AVX-VNNI": "avx_vnni",            # the same on 256-bit vectors (also on CPUs without AVX-512)
+    "AVX512_BF16": "avx512_bf16",      # bf16 dot products (VDPBF16PS)
+    "AMX": "amx_tile",                 # tile registers and matrix multiply units (Sapphire Rapids and later)
+}
+
+
+@dataclass(frozen=True)
+class CPU:
+    """What ``/proc/cpuinfo`` says about the processor: its model name and which of
+    :data:`INSTRUCTION_SETS` its flags list. ``str()`` gives one line for a report."""
+
+    model: str
+    instruction_sets: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.model} ({', '.join(self.instruction_sets) or 'none of ' + ', '.join(INSTRUCTION_SETS)})"
+
+
+def cpu_info(cpuinfo: str | None = None) -> CPU:
+    """The CPU's model name and instruction sets, read from ``cpuinfo`` (the text of
+    ``/proc/cpuinfo``; read from the file when None). The first processor's ``model name`` and
+    ``flags`` lines are used (a machine's cores are alike); where the file is missing (not Linux),
+    the model is ``platform.processor()`` and no instruction set is claimed."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    model, flags = "", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:             # "Features" on ARM
+            flags = set(value.split())
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
+    return CPU(model, tuple(name for name, flag in INSTRUCTION_SETS.items() if flag in flags))
 
 
 def bf16_supported(device: str = "cpu") -> bool:
@@ -50,12 +98,7 @@ def machine_key(dtype: torch.dtype, device: str) -> str:
     if device.startswith("cuda"):
         chip = torch.cuda.get_device_name(torch.device(device))
     else:
-        chip = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as f:
-                chip = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), chip)
-        except OSError:
-            pass
+        chip = cpu_info().model
     return f"{chip} | torch {torch.__version__} | {torch.get_num_threads()} threads | {dtype} | {device.split(':')[0]}"
 
 
@@ -97,3 +140,19 @@ def busy_cores(seconds: float = 1.0) -> float:
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0]
     return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)
+
+
+def available_memory() -> int:
+    """Bytes of memory this process could still allocate: ``MemAvailable`` from /proc/meminfo (what
+    the kernel can hand out without swapping), else the physical memory, else 2**62 (unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**62

@@ -108,7 +108,7 @@ class BPETokenizer:
         """Learn ``vocab_size - 256`` merges on top of the 256 byte tokens.
 
         Raises:
-            ValueError: ``vocab_size`` below 256 (each byte needs a token).
+            ConfigError: ``vocab_size`` below 256 (each byte needs a token).
         """
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

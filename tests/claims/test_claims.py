@@ -83,6 +83,24 @@ def test_a_crashing_claim_is_reported_and_the_others_still_run(tmp_path, capsys)
     assert "deliberate failure" in capsys.readouterr().err                # the traceback is kept
 
 
+def test_out_and_cache_dir_are_checked_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """`claims run --out FILE` and `--cache-dir FILE` are one-line errors before the first claim runs
+    (a --full run takes minutes)."""
+    import tformer.claims.runner as runner
+
+    started = []
+    monkeypatch.setattr(runner, "run_claim", lambda *a, **k: started.append(1))
+    monkeypatch.setattr(runner, "busy_cores", lambda seconds: 0.0)
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    for argv in (["--out", str(file)], ["--out", str(file / "sub")],
+                 ["--out", str(tmp_path / "ok"), "--cache-dir", str(file)]):
+        assert main(["claims", "run", "sqrt-dk", *argv]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "is a file, not a folder" in err, err
+    assert started == []
+
+
 def test_claims_command_lists(capsys):
     assert main(["claims"]) == 0
     out = capsys.readouterr().out

@@ -176,3 +176,17 @@ def test_bpe_run_saves_its_tokenizer_and_samples_non_ascii(tmp_path, capsys):
     rc, out, err = _cli(capsys, "sample", "--ckpt", run, "--prompt", "Grüße 日本", "--max-new-tokens", "5")
     assert rc == 0, err
     assert out.startswith("Grüße 日本")
+
+
+def test_an_encoder_or_a_seq2seq_model_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    """Issue 29 item 10: ``--set causal=false`` crashed at the first evaluation; it is refused in one
+    sentence before the corpus is read, and so is a seq2seq family (pointing at --task seq2seq)."""
+    from tformer.training import trainer
+
+    monkeypatch.setattr(trainer, "load_corpus", lambda *a, **k: pytest.fail("read the corpus before refusing"))
+    base = ["train", "--data", _corpus(tmp_path), *SMALL, "--set", "max_steps=2"]
+    rc, _, err = _cli(capsys, *base, "--out", str(tmp_path / "a"), "--set", "causal=false")
+    _one_clear_line(rc, err, "causal=false", "language model")
+    rc, _, err = _cli(capsys, *base, "--out", str(tmp_path / "b"), "--set", "model=bahdanau")
+    _one_clear_line(rc, err, "model='bahdanau'", "--task seq2seq")
+    assert not (tmp_path / "a" / "checkpoint.json").exists()

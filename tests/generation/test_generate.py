@@ -294,3 +294,21 @@ def test_non_finite_logits_stop_generation_with_one_sentence():
         model.blocks[0].ffn.down.weight.fill_(1e38)           # finite weights that overflow
     with pytest.raises(TformerError, match="non-finite logits"):
         generate(model, torch.tensor([[1, 2]]), 4, temperature=0)
+
+
+def test_a_temperature_below_the_floor_is_greedy():
+    """Issue 29: dividing logits by a denormal temperature (1e-45) made them inf and the softmax NaN.
+    Below MIN_TEMPERATURE (1e-6) sampling takes the argmax; at the floor it still samples finitely."""
+    from tformer.generation.generate import MIN_TEMPERATURE
+
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0)) * 20
+    gens = [torch.Generator().manual_seed(i) for i in range(8)]
+    for t in (1e-45, 5e-324, 1e-30, 0.99 * MIN_TEMPERATURE):
+        assert torch.equal(sample(logits, t, generators=gens), logits.argmax(-1))
+        assert torch.equal(sample(logits, t, top_k=5, top_p=0.5), logits.argmax(-1))
+    picked = sample(logits, MIN_TEMPERATURE, generators=gens)
+    assert torch.equal(picked, logits.argmax(-1))          # the gaps here are far above 1e-6
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerConfig(vocab_size=20, d_model=16, n_heads=2, n_layers=1, context_length=16)).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(generate(model, ids, 5, temperature=1e-45), generate(model, ids, 5, temperature=0))

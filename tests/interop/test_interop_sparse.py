@@ -62,9 +62,33 @@ def test_longformer_hidden_states_equal_transformers(tmp_path):
     glob[:, 0] = 1
     with torch.no_grad():
         want = hf(input_ids=ids, attention_mask=mask, global_attention_mask=glob).last_hidden_state
-        got = ours(ids, attention_mask=mask)
+        got = ours(ids, attention_mask=mask, global_attention_mask=glob)
     real = mask.bool()
     assert (got - want)[real].abs().max().item() < TOL
+
+
+def test_longformer_global_attention_mask_per_input_and_hf_default(tmp_path):
+    """Issue 29, 17(a): HF takes the global tokens per call (default none); so does the converted
+    model: its default call equals HF's default call, and a different global mask in each row
+    (row 0: tokens 0 and 17; row 1: token 5 only) equals HF's to 1e-4."""
+    hf = _longformer()
+    hf.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path)
+    ids = torch.randint(2, V, (2, 40))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, 30:] = 0
+    glob = torch.zeros(2, 40, dtype=torch.long)
+    glob[0, [0, 17]] = 1
+    glob[1, 5] = 1
+    real = mask.bool()
+    with torch.no_grad():
+        default_hf = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+        default_ours = ours(ids, attention_mask=mask)
+        want = hf(input_ids=ids, attention_mask=mask, global_attention_mask=glob).last_hidden_state
+        got = ours(ids, attention_mask=mask, global_attention_mask=glob)
+    assert (default_ours - default_hf)[real].abs().max().item() < TOL
+    assert (got - want)[real].abs().max().item() < TOL
+    assert (want - default_hf)[real].abs().max().item() > 100 * TOL                 # the mask matters
 
 
 def test_bigbird_hidden_states_equal_transformers_in_block_sparse_mode(tmp_path):

@@ -7,20 +7,16 @@ over 12 steps. CI does not install llama-cpp-python, so there this module is ski
 exporter is checked by tests/interop/test_gguf.py (gguf's reader, tensor by tensor).
 """
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("gguf", reason="the optional extra 'gguf' is not installed")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `bench` extra) is not installed")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from llamacpp import LlamaCpp, export  # noqa: E402
 
 from tformer import DecoderLM, TransformerConfig  # noqa: E402
 from tformer.generation.generate import generate  # noqa: E402
+from tformer.interop.llama_cpp import LlamaCpp, export  # noqa: E402
 
 LAYOUTS = {
     "gpt2": dict(vocab_size=96, context_length=64, n_layers=2, n_heads=4, d_model=64, activation="gelu_tanh",

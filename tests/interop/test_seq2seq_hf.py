@@ -100,3 +100,58 @@ def test_beam_search_token_identical_to_generate(tmp_path, one_thread, make, boo
     want = [_strip(row[1:], c.eos_token_id) for row in ref]
     assert any(seq[-1] == c.eos_token_id for seq in want)                  # the test is not vacuous
     assert [h.tokens for hyps in got for h in hyps] == want
+
+
+@pytest.mark.parametrize("make", [marian, bart])
+@pytest.mark.parametrize("beams", [1, 4])
+def test_forced_eos_equals_generate(tmp_path, one_thread, make, beams):
+    """HF's forced_eos_token_id (Marian's and BART's default): the token at max_new_tokens is EOS.
+    A weak EOS boost lets most outputs reach the limit, where the forcing decides the last token."""
+    hf = hf_model(make, 0.5)
+    hf.config.forced_eos_token_id = hf.config.eos_token_id
+    hf.generation_config.forced_eos_token_id = hf.config.eos_token_id
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf")
+    c = hf.config
+    src, mask, _ = batch(c.pad_token_id)
+    kw = dict(num_beams=beams, max_new_tokens=6)
+    with torch.no_grad():
+        ref = hf.generate(input_ids=src, attention_mask=mask, do_sample=False, no_repeat_ngram_size=0,
+                          repetition_penalty=1.0, min_length=0, length_penalty=1.0, early_stopping=False, **kw)
+    want = [_strip(row[1:], c.eos_token_id) for row in ref]
+    assert all(seq[-1] == c.eos_token_id for seq in want) and any(len(seq) == 6 for seq in want)
+    if beams == 1:
+        from tformer.generation.beam import greedy
+        got = greedy(ours, src, mask, bos=c.decoder_start_token_id, eos=c.eos_token_id, max_new_tokens=6,
+                     forced_eos=c.eos_token_id)
+    else:
+        hyps = beam_search(ours, src, mask, bos=c.decoder_start_token_id, eos=c.eos_token_id, length_penalty=1.0,
+                           forced_eos=c.eos_token_id, **kw)
+        got = [h[0].tokens for h in hyps]
+    assert got == want
+    unforced = beam_search(ours, src, mask, bos=c.decoder_start_token_id, eos=c.eos_token_id, **kw)
+    assert [h[0].tokens for h in unforced] != want                           # the forcing is what makes them equal
+
+
+@pytest.mark.parametrize("make", [marian, bart])
+def test_different_encoder_and_decoder_widths(tmp_path, one_thread, make, monkeypatch):
+    """encoder_ffn_dim != decoder_ffn_dim (distilled models): logits equal to transformers' (1e-4)
+    both ways, and the widths survive the round trip."""
+    monkeypatch.setitem(COMMON, "encoder_ffn_dim", 48)
+    monkeypatch.setitem(COMMON, "decoder_ffn_dim", 80)
+    hf = hf_model(make)
+    src, mask, tgt = batch(hf.config.pad_token_id)
+    with torch.no_grad():
+        ref = hf(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf")
+    assert (ours.config.encoder_d_ff, ours.config.d_ff) == (48, 80)
+    assert ours.encoder.blocks[0].ffn.up.out_features == 48 and ours.decoder.blocks[0].ffn.up.out_features == 80
+    with torch.no_grad():
+        torch.testing.assert_close(ours(src, tgt, src_mask=mask)[0], ref, atol=1e-4, rtol=1e-4)
+    save_hf(ours, tmp_path / "out")
+    again = type(hf).from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert (again.config.encoder_ffn_dim, again.config.decoder_ffn_dim) == (48, 80)
+    with torch.no_grad():
+        out = again(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

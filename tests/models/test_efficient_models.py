@@ -127,3 +127,26 @@ def test_forward_makes_no_host_sync(monkeypatch):
     with torch.no_grad():
         for model in models:
             model(ids, attention_mask=mask)
+
+
+def test_longformer_global_attention_mask_equals_fixed_global_positions():
+    """A per-call global mask marking positions 0 and 7 gives what the same weights give with
+    global_positions=[0, 7] fixed in the config (float32, 1e-6); the accounting counts the global
+    projections that global_inputs builds; a mask where no layer can use it is one InputError."""
+    from tformer.errors import InputError
+
+    fixed = _model("longformer", {"window": 4, "global_positions": [0, 7]}, causal=False)
+    given = _model("longformer", {"window": 4, "global_inputs": True}, causal=False)
+    given.load_state_dict(fixed.state_dict())
+    assert count_parameters(given.config).total == sum(p.numel() for p in given.parameters())
+    ids = torch.randint(0, 50, (2, 20))
+    glob = torch.zeros(2, 20, dtype=torch.long)
+    glob[:, [0, 7]] = 1
+    with torch.no_grad():
+        torch.testing.assert_close(given(ids, global_attention_mask=glob), fixed(ids), atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(given(ids), fixed(ids), atol=1e-3)               # no mask: no global token
+    plain = _model("longformer", {"window": 4}, causal=False)
+    with pytest.raises(InputError, match="global_inputs"):
+        plain(ids, global_attention_mask=glob)
+    with pytest.raises(InputError, match="Longformer layers"):
+        _model("linformer", {"k": 8}, causal=False)(ids, global_attention_mask=glob)

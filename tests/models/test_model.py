@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from tformer import DecoderLM, MultiHeadAttention, TransformerConfig, count_parameters
+from tformer.mixers.attention import CrossAttention
 from tformer.models.block import Block
 from tformer.nn.norms import RMSNorm
 
@@ -185,7 +186,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_cross_attention_equals_torch_multiheadattention():
     torch.manual_seed(7)
     c = _cfg(causal=True, positions="rope")  # cross-attention ignores causality and positions
-    ours = MultiHeadAttention(c, cross=True)
+    ours = CrossAttention(c)
     ref = nn.MultiheadAttention(32, 4, bias=True, batch_first=True)
     with torch.no_grad():
         ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.kv_proj.weight]))
@@ -203,7 +204,8 @@ def test_cross_attention_equals_torch_multiheadattention():
 
 def test_block_with_cross_attention_runs_and_uses_the_context():
     torch.manual_seed(8)
-    block = Block(_cfg(positions="none"), cross_attention=True)
+    c = _cfg(positions="none")
+    block = Block(c, cross_attention=CrossAttention(c))
     x, memory = torch.randn(1, 4, 32), torch.randn(1, 6, 32)
     a = block(x, context=memory)
     b = block(x, context=memory + 1.0)

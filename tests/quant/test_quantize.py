@@ -105,3 +105,23 @@ def test_set_precision_generates_and_matches_fp32_in_fp32(precision):
     assert generate(model, ids, 5, temperature=0).shape == (1, 9)
     with pytest.raises(ValueError, match="unknown precision 'int3'"):
         set_precision(tiny(), "int3")
+
+
+def test_decode_linear_keeps_the_gradient_of_one_row():
+    """The playground's attribution differentiates the LM head on one row; the ext gemv loop has no
+    backward, so a row that needs a gradient goes through F.linear (reference: nn.Linear's grad, 1e-6)."""
+    from tformer.quant import gemv
+    from tformer.quant.quantize import DecodeLinear
+
+    if gemv.load() is None:
+        pytest.skip("the ext kernel does not build here")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    layer = DecodeLinear(linear, kernel="ext")
+    x = torch.randn(1, 64, requires_grad=True)
+    (grad,) = torch.autograd.grad(layer(x).square().sum(), x)
+    x_ref = x.detach().clone().requires_grad_(True)
+    (ref,) = torch.autograd.grad(linear(x_ref).square().sum(), x_ref)
+    torch.testing.assert_close(grad, ref, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), linear(x), atol=1e-5, rtol=1e-5)     # and still the ext loop otherwise

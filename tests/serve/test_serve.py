@@ -145,6 +145,25 @@ def test_embeddings_match_the_encoder(served):
         client.embeddings.create(model="text-embedding-3-small", input="hello")
 
 
+def test_embeddings_of_token_ids(served):
+    """OpenAI accepts input as token ids (one list or several): fed to the encoder as given, so the
+    ids of a text (with its [CLS]/[SEP]) embed as the text does (1e-6, float32 on both sides)."""
+    _, _, server, _, client = served
+    from tformer.interop.sentence import SentenceEncoder, minilm_path
+
+    encoder = SentenceEncoder(minilm_path())
+    texts = ["A man plays a guitar.", "Stock prices fell."]
+    ids = encoder.tokenize(texts)
+    ref = encoder.encode(texts).numpy()
+    out = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids, encoding_format="float")
+    np.testing.assert_allclose(np.array([d.embedding for d in out.data]), ref, atol=1e-6)
+    one = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids[0], encoding_format="float")
+    np.testing.assert_allclose(np.array(one.data[0].embedding), ref[0], atol=1e-6)
+    assert one.usage.prompt_tokens == len(ids[0])
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="all-MiniLM-L6-v2", input=[[10**7]])
+
+
 def test_errors_have_openai_shape_and_status(served):
     _, _, server, running, client = served
     with pytest.raises(openai.NotFoundError) as e:

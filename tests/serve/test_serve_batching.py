@@ -123,7 +123,8 @@ def test_two_hundred_connections_and_garbage(long_server):
     async def one(client, i):
         kind = i % 4
         if kind == 0:
-            r = await client.post(url, content=b'{"model": ')                         # malformed JSON
+            r = await client.post(url, content=b'{"model": ',                         # malformed JSON
+                                  headers={"content-type": "application/json"})
         elif kind == 1:
             r = await client.post(url, json={"model": server.name, "prompt": ["a", 3], "max_tokens": 2})
         else:

@@ -11,6 +11,7 @@ in another order (measured differences: ~6e-7).
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -250,3 +251,55 @@ def test_each_local_rank_gets_its_share_of_the_cores(monkeypatch):
     assert trainer.auto_threads() == 2                      # (8 - 4 busy) // 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     assert trainer.auto_threads() == 1
+
+
+def _job_pids(marker: str) -> list[int]:
+    """Live processes whose command line names ``marker`` (the job's unique --out folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+                state = next(line for line in (entry / "status").read_text().splitlines() if line.startswith("State:"))
+            except (OSError, StopIteration):
+                continue
+            if marker in cmdline and "zombie" not in state:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_the_launcher_stops_torchrun_and_the_ranks_and_they_save(tmp_path, sig):
+    """Issue 29 item 3: SIGTERM or SIGKILL to `tformer train --nproc 2` ends torchrun and both ranks,
+    which save a checkpoint first (SIGTERM reaches them through torchrun; after a SIGKILL, the kernel's
+    parent-death signal does); the run folder is then free for --resume."""
+    from tformer.training.runlock import RunLock
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(80)))
+    out = tmp_path / f"stopped-{sig.name}"
+    proc = subprocess.Popen([sys.executable, "-m", "tformer", "train", "--nproc", "2", "--data", str(corpus),
+                             *_set(cache_dir=tmp_path / "cache", max_steps=100000, eval_interval=100000),
+                             "--out", str(out)], cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        metrics = out / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count('"loss"') >= 3) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)                                  # both ranks are in the loop, nothing saved yet
+        assert len(_job_pids(str(out))) >= 4                 # tformer, torchrun, 2 ranks
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=60)
+        while _job_pids(str(out)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _job_pids(str(out)), "torchrun or a rank outlived the launcher"
+    finally:
+        for pid in _job_pids(str(out)):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    if sig == signal.SIGTERM:
+        assert rc == 128 + signal.SIGTERM, proc.stderr.read()[-3000:]
+    step = json.loads((out / "checkpoint.json").read_text())["step"]
+    assert step >= 3 and step == max(_steps(out))            # saved where the ranks stopped
+    RunLock(out).release()                                   # nobody holds the folder: --resume may start

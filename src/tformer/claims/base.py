@@ -9,7 +9,7 @@ report's code hash change with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 VERDICTS = ("reproduced", "partly", "not reproduced")
@@ -65,7 +65,6 @@ class Claim:
     rows: Callable[[dict], list[tuple[str, str, str]]]
     plot: Callable[[dict], Any]
     notes: str = ""
-    criterion: str = field(default="")
 
     def __post_init__(self) -> None:
         missing = [s for s in SIZES if s not in self.sizes]

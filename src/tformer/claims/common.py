@@ -1,5 +1,5 @@
-"""What several claims' experiments share: a byte-level corpus, a small training loop, evaluation,
-Kendall's τ and figure encoding. Everything runs offline on a CPU.
+"""What several claims' experiments share: a byte-level corpus, its language-model task for the
+training loop, evaluation, Kendall's τ and figure encoding. Everything runs offline on a CPU.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import numpy as np
 import torch
 
 from tformer.models import build_model
+from tformer.training.config import TrainConfig
 from tformer.training.data import default_corpus_files, get_batch
-from tformer.training.optim import lr_at, make_optimizer
+from tformer.training.loop import fit
+from tformer.training.tasks.base import Task
 
 
 def byte_corpus(n_bytes: int, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
@@ -30,35 +32,41 @@ def byte_corpus(n_bytes: int, val_fraction: float = 0.1) -> tuple[np.ndarray, np
     return data[:cut], data[cut:]
 
 
+class ByteWindows(Task):
+    """Next-byte prediction on random windows of ``train``: step s draws ``batch_size`` windows of
+    ``block + 1`` bytes with the seed ``(seed, 0, s)``."""
+
+    def __init__(self, train: np.ndarray, batch_size: int, block: int, seed: int):
+        self.train, self.batch_size, self.block, self.seed = train, batch_size, block, seed
+
+    def batch(self, step: int):
+        return get_batch(self.train, self.batch_size, self.block, (self.seed, 0, step))   # (B, block) twice
+
+    def loss(self, forward, batch) -> torch.Tensor:
+        x, y = batch
+        return forward(x, targets=y)[1]
+
+
 def train_lm(config, train: np.ndarray, *, steps: int, batch_size: int, block: int, lr: float,
              warmup: int = 0, seed: int = 0, clip: float | None = 1.0, progress=None, desc: str = "train"):
-    """Train ``build_model(config)`` with AdamW (β = 0.9, 0.95; weight decay 0.1 on matrices) and a
-    linear warm-up of ``warmup`` steps then cosine decay to lr/10.
+    """Train ``build_model(config)`` with the training loop (:mod:`tformer.training.loop`): AdamW
+    (β = 0.9, 0.95; weight decay 0.1 on matrices), a linear warm-up of ``warmup`` steps then cosine
+    decay to lr/10, fp32 on the CPU, nothing written.
 
     Returns:
         ``(model, losses)``: the trained model (eval mode) and the training loss of every step
-        (``nan`` from the first non-finite loss on: a diverged run stops there).
+        (``nan`` from the first non-finite loss on: a diverged run stops there, before that update).
     """
     torch.manual_seed(seed)
     model = build_model(config)
-    opt = make_optimizer(model, lr, (0.9, 0.95), 0.1)
-    losses = []
-    steps_iter = progress(range(steps), desc) if progress else range(steps)
-    for step in steps_iter:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, lr=lr, min_lr=lr / 10, warmup_steps=warmup, decay_steps=steps)
-        x, y = get_batch(train, batch_size, block, (seed, 0, step))
-        _, loss = model(x, targets=y)
-        if not torch.isfinite(loss):
-            losses += [math.nan] * (steps - step)
-            break
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return model.eval(), losses
+    settings = TrainConfig(max_steps=steps, batch_size=batch_size, lr=lr, min_lr=lr / 10, warmup_steps=warmup,
+                           weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=clip or 0.0, precision="fp32",
+                           device="cpu", seed=seed, eval_interval=steps, log_interval=1, progress=False)
+    bar = (lambda total, initial: progress(range(total), desc)) if progress else None
+    model, summary = fit(model, ByteWindows(train, batch_size, block, seed), settings, on_nonfinite="stop",
+                         progress=bar, log=lambda message: None)
+    losses = [r["loss"] for r in summary["history"] if "loss" in r]
+    return model, losses + [math.nan] * (steps - len(losses))
 
 
 @torch.no_grad()

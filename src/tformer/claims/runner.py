@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from tformer.errors import InputError
 from tformer.io import atomic_write, atomic_write_json
 from tformer.claims.base import Claim, verdict_of
 from tformer.claims.common import figure_png
@@ -52,6 +53,20 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def writable_folder(path: Path, flag: str) -> None:
+    """Make ``path`` (and its parents) a folder this process can write into, or raise ``InputError``
+    in one sentence naming ``flag``."""
+    for part in [path, *path.parents]:
+        if part.exists() and not part.is_dir():
+            raise InputError(f"{flag} {path}: {part} is a file, not a folder; pass a folder path.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{flag} {path}: cannot create it ({e.strerror}); pass a folder you can write to.") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: the folder is not writable; fix its permissions or pass another folder.")
 
 
 def _progress(iterable, desc: str):
@@ -95,6 +110,9 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
 
     out = Path(out)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    writable_folder(out, "--out")                # before minutes of measuring, not after
+    if use_cache:
+        writable_folder(cache, "--cache-dir")
     busy_before = busy_cores(1.0)                  # cores other processes kept busy just before the run
     entries = []
     bar = tqdm(claims, desc=f"claims ({size})", unit="claim", dynamic_ncols=True)

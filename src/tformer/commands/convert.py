@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -29,8 +30,8 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="import/export HuggingFace checkpoints (GPT-2, Llama, Mistral, Qwen2, "
-                                       "BLOOM, BERT) and GGUF files",
+    p = sub.add_parser("convert", help="import/export HuggingFace checkpoints (every family of "
+                                       "tformer.interop.hf.FAMILIES; docs/interop.md) and GGUF files",
                        description="Convert a HuggingFace folder (config.json + safetensors, sharded or not) to "
                                    "a tformer checkpoint, or a tformer checkpoint back to a HuggingFace folder "
                                    "that transformers' from_pretrained loads; or a GGUF file (llama.cpp) to and "
@@ -48,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --to-gguf: type of the weight matrices (norms and biases stay f32)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--model-type", default=None,
-                   help="with --to-hf: HF family (gpt2, llama, mistral, qwen2, bloom, bert); default inferred")
+                   help="with --to-hf: HF model_type (e.g. gpt2, llama, bert, bart; an unknown one is refused "
+                        "with the list); default inferred from the config")
     p.add_argument("--max-shard-mb", type=float, default=None,
                    help="with --to-hf: split weights into shards of at most this many MB plus an index")
     p.set_defaults(func=run)
@@ -58,12 +60,16 @@ def run(args: argparse.Namespace) -> int:
     from tformer.checkpoint import load_model, resolve_checkpoint, save_model
     from tformer.interop.hf import FAMILIES, load_hf, save_hf
 
+    if args.max_shard_mb is not None:
+        if not args.to_hf:
+            raise InputError(f"--max-shard-mb applies to --to-hf only (a .gguf file and a tformer checkpoint are "
+                             f"one file); leave it out.")
+        if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb > 0):
+            raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0 and finite.")
     if args.to_gguf:
         return to_gguf(args)
     if args.from_gguf:
         return from_gguf(args)
-    if args.max_shard_mb is not None and args.max_shard_mb <= 0:
-        raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0.")
     if args.model_type is not None and args.model_type not in FAMILIES:
         raise InputError(f"--model-type {args.model_type} is not supported; choose one of {', '.join(FAMILIES)}.")
     source_arg, out = Path(args.from_hf or args.to_hf), Path(args.out)

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     """Generate; with ``echo`` the prompt is printed before its continuation."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
     from tformer.generation.text import generate_text, stream_text
-    from tformer.quant.quantize import set_precision
+    from tformer.quant.quantize import QUANT_WIDTH, set_precision
     from tformer.tokenizers import load_tokenizer
 
     threads, dtype, use_cache = getattr(args, "threads", None), getattr(args, "dtype", "fp32"), not getattr(args, "no_cache", False)
@@ -80,6 +80,8 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
         torch.set_num_threads(threads)
     folder = resolve_checkpoint(args.ckpt)
     model = set_precision(load_model(folder).eval(), dtype)
+    if dtype in QUANT_WIDTH:
+        say_float_linears(model, dtype)
     if not model.config.causal:
         raise InputError(f"{folder} holds a {type(model).__name__}, which does not generate text; pass the "
                          f"checkpoint of a causal language model (tformer train, or a converted GPT-2/Llama).")
@@ -107,6 +109,18 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
           f"({dtype}, {_state_kind(model) if use_cache else 'no cache'}, {torch.get_num_threads()} threads)",
           file=sys.stderr)
     return 0
+
+
+def say_float_linears(model, dtype: str) -> None:
+    """One line on stderr when ``--dtype int8/int4`` left linear layers in bf16 (the kernels need
+    ``in_features`` a multiple of 16 / 32): the speed and size then are not all int8/int4's."""
+    from tformer.quant.quantize import QUANT_WIDTH, float_linears
+
+    left, total = float_linears(model)
+    if left:
+        names = ", ".join(left[:4]) + (f", ... ({len(left) - 4} more)" if len(left) > 4 else "")
+        print(f"tformer generate: note: {dtype} left {len(left)} of {total} linear layers in bf16 (their input width "
+              f"is not a multiple of {QUANT_WIDTH[dtype]}): {names}", file=sys.stderr)
 
 
 def _state_kind(model) -> str:

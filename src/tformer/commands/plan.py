@@ -46,8 +46,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.seq_len is not None and args.seq_len < 1:
         raise InputError(f"--seq-len {args.seq_len} must be >= 1.")
-    if args.flops_per_second is not None and not args.flops_per_second > 0:
-        raise InputError(f"--flops-per-second {args.flops_per_second} must be positive.")
+    import math
+
+    for flag in ("flops", "hours", "params", "tokens", "flops_per_second"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise InputError(f"--{flag.replace('_', '-')} {value} must be a positive finite number.")
     plan = make_plan(flops=args.flops, hours=args.hours, params=args.params, tokens=args.tokens, law=args.law,
                      preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len,
                      flops_per_second=args.flops_per_second)

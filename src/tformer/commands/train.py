@@ -86,8 +86,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="DIR", help="run folder for checkpoints and metrics (default: runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--task", choices=["lm", "seq2seq"], default="lm",
-                   help="lm: language model (default); seq2seq: translate source<TAB>target pairs (--data pairs.tsv; "
-                        "none = built-in English->French numbers task; settings: tformer.training.seq2seq.Seq2SeqSettings)")
+                   help="lm: language model (default); seq2seq: translate source<TAB>target pairs (--data pairs.tsv, "
+                        "read with --encoding; none = built-in English->French numbers task; settings: "
+                        "tformer.training.seq2seq.Seq2SeqSettings, the trainer settings above but for the "
+                        "language-model ones, plus its own); both keep a run lock, checkpoints and --resume")
     p.add_argument("--encoding", default=None, help="text encoding of the corpus (default utf-8; same as "
                                                     "--set encoding=...)")
     p.add_argument("--nproc", type=int, metavar="N", default=None,
@@ -144,23 +146,22 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.task == "seq2seq":
         raise ConfigError("--task seq2seq trains in one process; drop --nproc.")
     if args.nproc is not None:
+        from tformer.training import launcher
         if distributed.under_torchrun():
             raise ConfigError("--nproc starts torchrun itself; under torchrun drop --nproc "
                               "(torchrun's --nproc-per-node sets the number of ranks).")
-        return distributed.launch(args.nproc, _launch_args(args))
+        preset, settings = _lm_settings(args)
+        launcher.check_ranks(args.nproc, settings, preset, args.resume)   # once, before any rank starts
+        return launcher.launch(args.nproc, _launch_args(args))
     try:
         return _train(args)
     finally:
         distributed.shutdown()
 
 
-def _train(args: argparse.Namespace) -> int:
-    from tformer.training.trainer import Trainer
-
+def _lm_settings(args: argparse.Namespace) -> tuple[str | None, dict]:
+    """``(preset, settings)`` of a language-model run: the TOML file's, then --set, then the flags."""
     settings = read_toml(args.config) if args.config else {}
-    if getattr(args, "task", "lm") == "seq2seq":
-        from tformer.training.seq2seq import run_command
-        return run_command(args, {**settings, **parse_settings(args.settings)})
     preset = args.preset or settings.pop("preset", None)
     settings.pop("preset", None)
     settings.update(parse_settings(args.settings))
@@ -170,6 +171,17 @@ def _train(args: argparse.Namespace) -> int:
         settings["out_dir"] = args.out
     if args.encoding is not None:
         settings["encoding"] = args.encoding
+    return preset, settings
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tformer.training.trainer import Trainer
+
+    if getattr(args, "task", "lm") == "seq2seq":
+        from tformer.training.seq2seq import run_command
+        settings = read_toml(args.config) if args.config else {}
+        return run_command(args, {**settings, **parse_settings(args.settings)})
+    preset, settings = _lm_settings(args)
     try:
         trainer = Trainer.create(settings, preset=preset, resume=args.resume, log=lambda m: print(m, flush=True))
     except KeyboardInterrupt:

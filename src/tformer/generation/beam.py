@@ -19,7 +19,9 @@ hypothesis scored ``sum log p / n ** length_penalty`` (``n`` = generated tokens,
   is exact (a prefix's sum only falls), so with enough beams the search is exhaustive.
 
 These are the rules of HuggingFace ``generate`` (transformers 4.50+), so the outputs agree token
-for token (tests/interop/test_seq2seq_hf.py).
+for token (tests/interop/test_seq2seq_hf.py). ``forced_eos`` is HF's ``forced_eos_token_id`` (on by
+default in Marian and BART configs): the step that makes the ``max_new_tokens``-th token allows that
+token only, with log-probability 0, so every output that reaches the limit ends with it.
 """
 
 from __future__ import annotations
@@ -50,11 +52,20 @@ def _check(src: Tensor, max_new_tokens: int) -> None:
         raise InputError(f"max_new_tokens={max_new_tokens} must be at least 1.")
 
 
+def force(logp: Tensor, token: int) -> Tensor:
+    """``logp (N, V)`` with every token but ``token`` at -inf and ``token`` at 0 (HF's forced EOS)."""
+    out = torch.full_like(logp, float("-inf"))
+    out[:, token] = 0.0
+    return out
+
+
 @torch.no_grad()
 def sample_decode(model, src: Tensor, src_mask: Tensor | None = None, *, bos: int, eos: int,
                   max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-                  top_p: float | None = None, seed: int | None = None) -> list[list[int]]:
-    """Greedy (``temperature=0``) or ancestral sampling, one token at a time for the whole batch.
+                  top_p: float | None = None, seed: int | None = None,
+                  forced_eos: int | None = None) -> list[list[int]]:
+    """Greedy (``temperature=0``) or ancestral sampling, one token at a time for the whole batch;
+    ``forced_eos``: the ``max_new_tokens``-th token is this one (module docstring).
 
     Returns:
         per source, the generated ids up to and including EOS (or ``max_new_tokens`` of them).
@@ -69,8 +80,10 @@ def sample_decode(model, src: Tensor, src_mask: Tensor | None = None, *, bos: in
     tokens = torch.full((B, 1), bos, dtype=torch.long, device=src.device)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-    for _ in range(max_new_tokens):
+    for n in range(1, max_new_tokens + 1):
         logits = model.decode_step(tokens, state)[:, -1]                                 # (B, V)
+        if forced_eos is not None and n == max_new_tokens:
+            logits = force(logits.float(), forced_eos)
         tokens = sample(logits, temperature, top_k, top_p, gens)[:, None]                # (B, 1)
         for b, t in enumerate(tokens[:, 0].tolist()):                                    # the step's one host sync
             if not done[b]:
@@ -82,15 +95,16 @@ def sample_decode(model, src: Tensor, src_mask: Tensor | None = None, *, bos: in
 
 
 def greedy(model, src: Tensor, src_mask: Tensor | None = None, *, bos: int, eos: int,
-           max_new_tokens: int = 64) -> list[list[int]]:
+           max_new_tokens: int = 64, forced_eos: int | None = None) -> list[list[int]]:
     """The most likely next token at every step (see :func:`sample_decode`)."""
-    return sample_decode(model, src, src_mask, bos=bos, eos=eos, max_new_tokens=max_new_tokens)
+    return sample_decode(model, src, src_mask, bos=bos, eos=eos, max_new_tokens=max_new_tokens, forced_eos=forced_eos)
 
 
 @torch.no_grad()
 def beam_search(model, src: Tensor, src_mask: Tensor | None = None, *, bos: int, eos: int,
                 num_beams: int = 4, max_new_tokens: int = 64, length_penalty: float = 1.0,
-                early_stopping: bool | str = False, n_best: int = 1) -> list[list[Hypothesis]]:
+                early_stopping: bool | str = False, n_best: int = 1,
+                forced_eos: int | None = None) -> list[list[Hypothesis]]:
     """Batched beam search.
 
     Args:
@@ -101,6 +115,7 @@ def beam_search(model, src: Tensor, src_mask: Tensor | None = None, *, bos: int,
         length_penalty: the exponent of the length in the hypothesis score.
         early_stopping: ``True``, ``False`` or ``"never"`` (module docstring).
         n_best: hypotheses returned per source, best first (at most ``num_beams``).
+        forced_eos: HF's ``forced_eos_token_id``: the last allowed step picks this token only.
     Returns:
         ``B`` lists of ``n_best`` :class:`Hypothesis`.
     """
@@ -118,7 +133,9 @@ def beam_search(model, src: Tensor, src_mask: Tensor | None = None, *, bos: int,
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     closed = [False] * B
     for n in range(1, max_new_tokens + 1):                                                # n = tokens after this step
-        logp = F.log_softmax(model.decode_step(last.reshape(B * K, 1), state)[:, -1].float(), -1)
+        logp = F.log_softmax(model.decode_step(last.reshape(B * K, 1), state)[:, -1].float(), -1)   # (B·K, V)
+        if forced_eos is not None and n == max_new_tokens:
+            logp = force(logp, forced_eos)
         V = logp.shape[-1]
         total = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)                  # (B, K·V)
         top, index = total.topk(min(2 * K, K * V), dim=-1)                                # (B, 2K), sorted

@@ -97,6 +97,18 @@ class GenerationOptions:
 
 
 # ------------------------------------------------------------------------------------- sampling
+# Temperatures below this are greedy. Sampling divides the logits by the temperature; a denormal one
+# (1e-45) turns them into inf and the softmax into NaN. Below 1e-6 a float32 logit gap that moves the
+# choice at all is under the logits' own rounding (about 1e-6 of their size), so the argmax is what
+# sampling would pick.
+MIN_TEMPERATURE = 1e-6
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether ``temperature`` (>= 0) means the argmax: 0, or anything below :data:`MIN_TEMPERATURE`."""
+    return temperature < MIN_TEMPERATURE
+
+
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise ``InputError`` naming the bad sampling option and its valid range."""
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
@@ -134,14 +146,15 @@ def sample(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, t
 
     Args:
         logits: ``(B, V)`` next-token logits.
-        temperature: 0 takes the argmax (greedy); otherwise logits are divided by it.
+        temperature: 0 (or below :data:`MIN_TEMPERATURE`) takes the argmax (greedy); otherwise logits
+            are divided by it.
         top_k, top_p: see :func:`filter_logits`.
         generators: one random generator per row (reproducible, and independent of the batch).
     Returns:
         ``(B,)`` int64 token ids.
     """
     logits = logits.float()
-    if temperature == 0:
+    if is_greedy(temperature):
         return logits.argmax(dim=-1)
     probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
     if generators is None:

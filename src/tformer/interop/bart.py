@@ -34,7 +34,7 @@ def common_config(hf: dict, **fields) -> TransformerConfig:
     act = hf.get("activation_function", "gelu")
     if act not in ACTIVATIONS:
         raise refuse("activation_function", act, f"known activations are {', '.join(ACTIVATIONS)}.")
-    for a, b in (("encoder_ffn_dim", "decoder_ffn_dim"), ("encoder_attention_heads", "decoder_attention_heads")):
+    for a, b in (("encoder_attention_heads", "decoder_attention_heads"),):
         if hf[a] != hf[b]:
             raise refuse(b, hf[b], f"tformer's encoder-decoder uses one value for both sides ({a}={hf[a]}).")
     if hf.get("decoder_vocab_size") not in (None, hf["vocab_size"]) or not hf.get("share_encoder_decoder_embeddings", True):
@@ -47,6 +47,7 @@ def common_config(hf: dict, **fields) -> TransformerConfig:
         model="encoder-decoder", vocab_size=hf["vocab_size"], context_length=hf.get("max_position_embeddings", 1024),
         n_layers=hf["decoder_layers"], encoder_layers=hf["encoder_layers"], d_model=hf["d_model"],
         n_heads=hf["decoder_attention_heads"], d_ff=hf["decoder_ffn_dim"], norm="layernorm", norm_eps=1e-5,
+        encoder_d_ff=hf["encoder_ffn_dim"] if hf["encoder_ffn_dim"] != hf["decoder_ffn_dim"] else None,
         norm_placement="post", ffn="mlp", activation=ACTIVATIONS[act], bias=True, tie_embeddings=True,
         causal=True, embedding_scale=bool(hf.get("scale_embedding", False)), **fields)
 
@@ -118,7 +119,7 @@ def common_to_hf(c: TransformerConfig, model_type: str, architecture: str) -> di
         "architectures": [architecture], "model_type": model_type, "vocab_size": c.vocab_size,
         "d_model": c.d_model, "encoder_layers": c.encoder_layers or c.n_layers, "decoder_layers": c.n_layers,
         "encoder_attention_heads": c.n_heads, "decoder_attention_heads": c.n_heads,
-        "encoder_ffn_dim": c.d_ff, "decoder_ffn_dim": c.d_ff, "activation_function": ACT_TO_HF[c.activation],
+        "encoder_ffn_dim": c.encoder_d_ff or c.d_ff, "decoder_ffn_dim": c.d_ff, "activation_function": ACT_TO_HF[c.activation],
         "max_position_embeddings": c.context_length, "scale_embedding": c.embedding_scale,
         "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "tie_word_embeddings": True,
         "is_encoder_decoder": True,
@@ -131,9 +132,14 @@ def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
 
 
 def check_common(c: TransformerConfig, model_type: str, **fields) -> None:
-    require(c, model_type, model="encoder-decoder", norm="layernorm", norm_eps=1e-5, norm_placement="post",
+    require(c, model_type, model="encoder-decoder", mixer="attention", norm="layernorm", norm_eps=1e-5, norm_placement="post",
             ffn="mlp", bias=True, qkv_bias=True, n_kv_heads=c.n_heads, head_dim=c.d_model // c.n_heads,
             sliding_window=None, **fields)
+
+
+def model_type_for(c: TransformerConfig) -> str | None:
+    """``"bart"`` for an encoder-decoder of softmax attention with learned positions, else ``None``."""
+    return "bart" if c.model == "encoder-decoder" and c.mixer == "attention" and c.positions == "learned" else None
 
 
 def check_exportable(c: TransformerConfig, model_type: str) -> None:

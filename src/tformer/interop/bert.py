@@ -114,9 +114,19 @@ def config_to_hf(c: TransformerConfig, model_type: str, *, mlm: bool = False) ->
     }
 
 
+def model_type_for(c: TransformerConfig) -> str | None:
+    """``"bert"`` for an encoder of softmax attention, else ``None``."""
+    return "bert" if c.model == "encoder" and c.mixer == "attention" else None
+
+
+def export_options(state: dict) -> dict:
+    """What :func:`config_to_hf` reads from the weights: an MLM head makes it ``BertForMaskedLM``."""
+    return {"mlm": "mlm_head.bias" in state}
+
+
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     """Refuse a tformer config BERT cannot express, naming the field."""
-    require(c, model_type, positions="learned", norm="layernorm", norm_placement="post", ffn="mlp", bias=True,
+    require(c, model_type, mixer="attention", positions="learned", norm="layernorm", norm_placement="post", ffn="mlp", bias=True,
             qkv_bias=True, causal=False, embedding_norm=True, sliding_window=None, n_kv_heads=c.n_heads,
             head_dim=c.d_model // c.n_heads)
     if c.type_vocab_size < 1:

@@ -57,7 +57,7 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     return state
 
 
-def config_to_hf(c: TransformerConfig, model_type: str, **_) -> dict:
+def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
     act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[c.activation]
     sparse = c.mixer == "bigbird"
     return {
@@ -71,6 +71,12 @@ def config_to_hf(c: TransformerConfig, model_type: str, **_) -> dict:
         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "rescale_embeddings": False,
         "pad_token_id": 0,
     }
+
+
+def model_type_for(c: TransformerConfig) -> str | None:
+    """``"big_bird"`` for an encoder of BigBird layers, else ``None`` (an encoder of softmax attention
+    exports as ``bert`` unless the config names ``big_bird``)."""
+    return "big_bird" if c.model == "encoder" and c.mixer == "bigbird" else None
 
 
 def check_exportable(c: TransformerConfig, model_type: str) -> None:

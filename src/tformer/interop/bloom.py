@@ -71,9 +71,14 @@ def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
     }
 
 
+def model_type_for(c: TransformerConfig) -> str | None:
+    """``"bloom"`` for a decoder of softmax attention with ALiBi, else ``None``."""
+    return "bloom" if c.model == "decoder" and c.mixer == "attention" and c.positions == "alibi" else None
+
+
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     """Refuse a tformer config BLOOM cannot express, naming the field."""
-    require(c, model_type, positions="alibi", norm="layernorm", norm_placement="pre", ffn="mlp",
+    require(c, model_type, mixer="attention", positions="alibi", norm="layernorm", norm_placement="pre", ffn="mlp",
             activation="gelu_tanh", bias=True, qkv_bias=True, causal=True, embedding_norm=True,
             sliding_window=None, type_vocab_size=0, n_kv_heads=c.n_heads, head_dim=c.d_model // c.n_heads,
             d_ff=4 * c.d_model)

@@ -69,9 +69,15 @@ def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
     }
 
 
+def model_type_for(c: TransformerConfig) -> str | None:
+    """``"gpt2"`` for a decoder of softmax attention with learned positions (the family to export it as
+    when the config names none), else ``None``."""
+    return "gpt2" if c.model == "decoder" and c.mixer == "attention" and c.positions == "learned" else None
+
+
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     """Refuse a tformer config GPT-2 cannot express, naming the field."""
-    require(c, model_type, positions="learned", norm="layernorm", norm_placement="pre", ffn="mlp", bias=True,
+    require(c, model_type, mixer="attention", positions="learned", norm="layernorm", norm_placement="pre", ffn="mlp", bias=True,
             qkv_bias=True, causal=True, embedding_norm=False, sliding_window=None, type_vocab_size=0,
             n_kv_heads=c.n_heads, head_dim=c.d_model // c.n_heads)
 

@@ -1,19 +1,29 @@
 """HuggingFace folders <-> tformer models, one small converter module per family.
 
-    load_hf(dir)              config.json + *.safetensors  ->  DecoderLM / EncoderModel
+    load_hf(dir)              config.json + *.safetensors  ->  the model its config names (build_model)
     save_hf(model, dir)       tformer model                ->  a folder transformers' from_pretrained loads
 
 tformer's own checkpoint folder is written and read by ``tformer.checkpoint.save_model/load_model``.
 
-Each family module (``gpt2``, ``llama`` for Llama/Mistral/Qwen2, ``bloom``, ``bert``, ``bart``,
-``marian``) has
-``config_from_hf``, ``state_from_hf``, ``config_to_hf``, ``check_exportable`` and ``state_to_hf``.
+A new family is one module in ``tformer/interop/`` plus its name in :data:`FAMILY_MODULES`. The
+module provides the names in :data:`PROTOCOL`:
+
+- ``MODEL_TYPES``: the HF ``model_type`` values it reads and writes; ``PREFIX``: the tensor-name
+  prefix of its checkpoints;
+- ``config_from_hf(hf) -> TransformerConfig`` and ``state_from_hf(src, config) -> state dict``;
+- ``model_type_for(config) -> str | None``: the model type it would export a config as when the
+  config names none (``None``: not this family); at most one family claims a config;
+- ``check_exportable(config, model_type)``, ``config_to_hf(config, model_type, **options)`` and
+  ``state_to_hf(state, config) -> HF tensors``; optionally ``export_options(state) -> options``
+  when the HF config depends on the weights (BERT's MLM head).
+
 Anything a converter does not implement (scaled RoPE, an unknown activation, an unknown model_type,
 an unexpected tensor) is refused with a message naming it. ``transformers`` is never imported.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
@@ -21,11 +31,18 @@ import torch.nn as nn
 
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, ConfigError
-from tformer.interop import bart, bert, bigbird, bloom, gpt2, llama, longformer, mamba, marian
 from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
 from tformer.models import model_class
 
-FAMILIES = {t: module for module in (gpt2, llama, bloom, bert, mamba, longformer, bigbird, bart, marian) for t in module.MODEL_TYPES}
+# The family modules of tformer.interop: a new family is one module plus its name here.
+FAMILY_MODULES = ("gpt2", "llama", "bloom", "bert", "mamba", "longformer", "bigbird", "bart", "marian")
+
+# What every family module provides (``export_options`` is optional).
+PROTOCOL = ("MODEL_TYPES", "PREFIX", "config_from_hf", "state_from_hf", "model_type_for", "check_exportable",
+            "config_to_hf", "state_to_hf")
+
+MODULES = tuple(importlib.import_module(f"tformer.interop.{name}") for name in FAMILY_MODULES)
+FAMILIES = {t: module for module in MODULES for t in module.MODEL_TYPES}
 
 
 def family(model_type: str | None, source: str = "config.json field model_type"):
@@ -56,10 +73,12 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module
         folder: the folder ``save_pretrained`` wrote.
         dtype: parameter dtype of the returned model.
     Returns:
-        A :class:`DecoderLM` (GPT-2, Llama, Mistral, Qwen2, BLOOM) or :class:`EncoderModel` (BERT) in
-        eval mode; ``model.config.name`` is the HF ``model_type``.
+        The model of the family the converted config names (``config.model``, built by
+        :func:`build_model`) in eval mode; ``model.config.hf_model_type`` is the HF ``model_type``.
     Raises:
-        ValueError: for an unsupported config field or model type, or missing/unexpected tensors.
+        CheckpointError: an unsupported model type or config field (named), a config.json without
+            a field its family needs, missing or unexpected tensors, or weights that do not fit the config.
+        ConfigError: config.json values that make no valid :class:`TransformerConfig`.
     """
     hf = read_config(folder)
     module = family(hf.get("model_type"))
@@ -84,26 +103,21 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module
 
 
 def infer_model_type(config: TransformerConfig) -> str:
-    """The HF family a tformer config corresponds to (its ``hf_model_type``, or a preset ``name`` that is one)."""
+    """The HF model type a tformer config corresponds to: its ``hf_model_type``, a preset ``name``
+    that is one, or the one a family module claims (``model_type_for``).
+
+    Raises:
+        ConfigError: no family claims the config.
+    """
     for named in (config.hf_model_type, config.name):
         if named in FAMILIES:
             return named
-    if config.model == "encoder-decoder":
-        return "marian" if config.positions == "sinusoidal" else "bart"
-    if config.mixer == "mamba":
-        return "mamba"
-    if not config.causal:
-        return "bert"
-    if config.positions == "alibi":
-        return "bloom"
-    if config.positions == "learned":
-        return "gpt2"
-    if config.positions == "rope":
-        if config.qkv_bias and not config.bias:
-            return "qwen2"
-        return "mistral" if config.sliding_window is not None else "llama"
-    raise ConfigError(f"no HuggingFace family matches positions={config.positions!r}; pass model_type "
-                     f"explicitly (one of {', '.join(FAMILIES)}).")
+    for module in MODULES:
+        model_type = module.model_type_for(config)
+        if model_type is not None:
+            return model_type
+    raise ConfigError(f"no HuggingFace family matches model={config.model!r}, mixer={config.mixer!r}, "
+                      f"positions={config.positions!r}; pass model_type explicitly (one of {', '.join(FAMILIES)}).")
 
 
 def save_hf(model: nn.Module, folder: str | Path, model_type: str | None = None,
@@ -111,19 +125,21 @@ def save_hf(model: nn.Module, folder: str | Path, model_type: str | None = None,
     """Write ``model`` as a HuggingFace folder (config.json + safetensors) for ``from_pretrained``.
 
     Args:
-        model: a :class:`DecoderLM` or :class:`EncoderModel`.
+        model: a model of a family in :data:`FAMILIES` (``DecoderLM``, ``EncoderModel``, ``EncoderDecoder``).
         folder: output folder (created).
         model_type: HF family; default inferred from the config (:func:`infer_model_type`).
         max_shard_bytes: split the weights into shards with an index above this size.
     Raises:
-        ValueError: if the family cannot express the model's config (names the field).
+        CheckpointError: ``model_type`` is not supported.
+        ConfigError: the family cannot express the model's config (names the field), or no family
+            matches it.
     """
     c = model.config
     module = family(model_type, "model_type") if model_type else family(infer_model_type(c))
     model_type = model_type or infer_model_type(c)
     module.check_exportable(c, model_type)
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-    kwargs = {"mlm": "mlm_head.bias" in state} if module is bert else {}
-    hf_config = {**module.config_to_hf(c, model_type, **kwargs), "dtype": str(next(model.parameters()).dtype)[6:]}
+    options = module.export_options(state) if hasattr(module, "export_options") else {}
+    hf_config = {**module.config_to_hf(c, model_type, **options), "dtype": str(next(model.parameters()).dtype)[6:]}
     write_folder(folder, hf_config, module.state_to_hf(state, c), max_shard_bytes)
     return Path(folder)

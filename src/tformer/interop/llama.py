@@ -116,9 +116,19 @@ def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
     return hf
 
 
+def model_type_for(c: TransformerConfig) -> str | None:
+    """For a decoder of softmax attention with RoPE: ``"qwen2"`` (biases on q/k/v only), ``"mistral"``
+    (a sliding window) or ``"llama"``; else ``None``."""
+    if c.model != "decoder" or c.mixer != "attention" or c.positions != "rope":
+        return None
+    if c.qkv_bias and not c.bias:
+        return "qwen2"
+    return "mistral" if c.sliding_window is not None else "llama"
+
+
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     """Refuse a tformer config this HF family cannot express, naming the field."""
-    require(c, model_type, positions="rope", norm="rmsnorm", norm_placement="pre", ffn="swiglu", causal=True,
+    require(c, model_type, mixer="attention", positions="rope", norm="rmsnorm", norm_placement="pre", ffn="swiglu", causal=True,
             embedding_norm=False, type_vocab_size=0)
     if model_type == "qwen2":
         require(c, model_type, bias=False, qkv_bias=True)

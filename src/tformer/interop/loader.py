@@ -25,7 +25,7 @@ def read_config(folder: str | Path) -> dict:
     """The folder's ``config.json`` as a dict.
 
     Raises:
-        ValueError: if the folder or its config.json is missing or not JSON.
+        CheckpointError: the folder or its config.json is missing, or config.json is not JSON.
     """
     path = Path(folder) / "config.json"
     if not path.is_file():
@@ -41,8 +41,9 @@ def read_tensors(folder: str | Path) -> dict[str, Tensor]:
     """Every tensor of the folder, from ``model.safetensors`` or the shards of its index.
 
     Raises:
-        ValueError: if no safetensors weights are found (``pytorch_model.bin`` is refused: pickles
-            can run code; convert them with ``transformers`` first), or a shard is missing.
+        CheckpointError: no safetensors weights are found (``pytorch_model.bin`` is never read:
+            pickles can run code; the message says how to re-save it), the index is not JSON or
+            lists no shard, a shard is missing, or a file is damaged.
     """
     folder = Path(folder)
     if (folder / INDEX).is_file():

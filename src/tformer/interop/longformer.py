@@ -3,9 +3,11 @@ self-attention is a sliding window plus global tokens.
 
 HF's ``attention_window`` (even, per layer) covers ``attention_window / 2`` keys on each side, which is
 tformer's ``window = attention_window / 2 + 1`` (counting the token itself). HF takes the global
-tokens as an input (``global_attention_mask``); tformer fixes them in the config: the converter
-marks position 0 (``<s>``, as HF's classification heads do), and
-``mixer_options["longformer"]["global_positions"]`` can name others. HF counts positions from
+tokens as an input (``global_attention_mask``, default none); so does the converted model
+(``global_inputs``: ``model(ids, global_attention_mask=...)``), and by default it has no global
+token either, so it computes what ``LongformerModel`` computes when called the same way. A config
+can also fix global tokens by position (``global_positions``, e.g. ``[0]`` for ``<s>`` as HF's
+classification heads do; ``config_from_hf(hf, global_positions=[0])``). HF counts positions from
 ``pad_token_id + 1`` (RoBERTa); the converter keeps the table from that row on, so tformer's
 position 0 is HF's first real position. The pooler is optional; task heads are refused.
 """
@@ -53,7 +55,7 @@ def config_from_hf(hf: dict, global_positions: list[int] | None = None) -> Trans
         causal=False, embedding_norm=True, type_vocab_size=hf.get("type_vocab_size", 2), name="longformer",
         mixer="longformer",
         mixer_options={"longformer": {"window": [w // 2 + 1 for w in _windows(hf)],
-                                      "global_positions": list(global_positions if global_positions is not None else [0])}},
+                                      "global_positions": list(global_positions or []), "global_inputs": True}},
     )
 
 
@@ -63,7 +65,8 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     table = src.take("embeddings.position_embeddings.weight")                # (max_positions, C)
     state["pos_emb.weight"] = table[table.shape[0] - c.context_length:]      # from pad_token_id + 1 on
     layers = layers_from_hf(src, c, FUSED)                                  # HF has global projections always,
-    if not c.mixer_option("longformer", "global_positions", []):            # tformer only with global tokens
+    if not (c.mixer_option("longformer", "global_positions", [])            # tformer only when it can use them
+            or c.mixer_option("longformer", "global_inputs", False)):
         layers = {k: v for k, v in layers.items() if ".attn.global_qkv_proj." not in k}
     state.update(layers)
     if src.has("pooler.dense.weight"):
@@ -71,7 +74,7 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
     return state
 
 
-def config_to_hf(c: TransformerConfig, model_type: str, **_) -> dict:
+def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
     act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}[c.activation]
     windows = c.mixer_option("longformer", "window", 256)
     windows = [windows[i % len(windows)] if isinstance(windows, list) else windows for i in range(c.n_layers)]
@@ -85,6 +88,11 @@ def config_to_hf(c: TransformerConfig, model_type: str, **_) -> dict:
     }
 
 
+def model_type_for(c: TransformerConfig) -> str | None:
+    """``"longformer"`` for an encoder of Longformer layers, else ``None``."""
+    return "longformer" if c.model == "encoder" and c.mixer == "longformer" else None
+
+
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     """Refuse what Longformer cannot express, naming the field."""
     require(c, model_type, mixer="longformer", positions="learned", norm="layernorm", norm_placement="post",
@@ -92,9 +100,10 @@ def check_exportable(c: TransformerConfig, model_type: str) -> None:
             head_dim=c.d_model // c.n_heads)
     if c.mixer_option("longformer", "dilation", 1) != 1:
         raise ConfigError("cannot export as longformer: HF's Longformer has no dilation (it needs dilation=1).")
-    if c.mixer_option("longformer", "global_positions", []) != [0]:
-        raise ConfigError("cannot export as longformer: it needs global_positions=[0] (HF's global projections "
-                         "exist for every model; tformer's only with global tokens).")
+    if not (c.mixer_option("longformer", "global_positions", []) or c.mixer_option("longformer", "global_inputs",
+                                                                                     False)):
+        raise ConfigError("cannot export as longformer: HF's global projections exist for every model and this one "
+                          "has none; build it with global_inputs=True (or global_positions).")
 
 
 def state_to_hf(state: dict, c: TransformerConfig) -> dict:

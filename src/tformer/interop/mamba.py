@@ -77,6 +77,11 @@ def config_to_hf(c: TransformerConfig, model_type: str = "mamba") -> dict:
     }
 
 
+def model_type_for(c: TransformerConfig) -> str | None:
+    """``"mamba"`` for a decoder whose every layer is Mamba, else ``None``."""
+    return "mamba" if c.model == "decoder" and c.mixer == "mamba" else None
+
+
 def check_exportable(c: TransformerConfig, model_type: str = "mamba") -> None:
     """Refuse a tformer config HF's Mamba cannot express, naming the field."""
     require(c, "mamba", mixer="mamba", ffn="none", norm="rmsnorm", norm_placement="pre", positions="none",

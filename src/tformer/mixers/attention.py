@@ -1,15 +1,23 @@
-"""Multi-head attention: MHA, grouped-query (GQA) and multi-query (MQA), self and cross.
+"""Multi-head attention: MHA, grouped-query (GQA) and multi-query (MQA); self and cross.
 
 ``n_kv_heads`` decides the family: ``n_heads`` is MHA (Vaswani et al.), 1 is MQA (Shazeer, 2019),
 anything dividing ``n_heads`` is GQA (Ainslie et al., 2023): each key/value head serves
 ``n_heads / n_kv_heads`` query heads, which shrinks the K/V projections and the KV cache by
 that factor. K and V stay at ``n_kv_heads`` width all the way into the attention kernel.
 
-Softmax attention is the ``"attention"`` token mixer (see :mod:`tformer.mixers.base`): its
-inference state is a :class:`~tformer.mixers.kv_cache.KVCache`, owned by the caller.
+- :class:`MultiHeadAttention`: self-attention, the ``"attention"`` token mixer (see
+  :mod:`tformer.mixers.base`). Its projections, RoPE and parameter count are
+  :class:`~tformer.mixers.projected.ProjectedAttention`'s, like every attention mixer's; its
+  inference state is a :class:`~tformer.mixers.kv_cache.KVCache`, owned by the caller.
+- :class:`CrossAttention`: encoder-decoder attention, queries from the decoder and keys/values
+  from the encoder's memory; a decoder block gets one injected
+  (``Block(config, layer, shared, cross_attention=CrossAttention(config, layer))``). Its state
+  is the memory's keys/values, projected once per request.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -19,6 +27,7 @@ from tformer.config import TransformerConfig
 from tformer.errors import InputError
 from tformer.mixers.kv_cache import KVCache
 from tformer.mixers.base import Shared, Step
+from tformer.mixers.projected import ProjectedAttention, merge_heads, projection_parameters, split_heads
 from tformer.nn.markers import mark_residual
 from tformer.nn.positions import RotaryEmbedding
 from tformer.ops.alibi import alibi_slopes
@@ -26,48 +35,32 @@ from tformer.ops.alibi import alibi_slopes
 Tensor = torch.Tensor
 
 
-class MultiHeadAttention(nn.Module):
-    """Attention with ``n_heads`` query heads over ``n_kv_heads`` key/value heads.
+class MultiHeadAttention(ProjectedAttention):
+    """Self-attention with ``n_heads`` query heads over ``n_kv_heads`` key/value heads.
 
     Args:
         config: supplies d_model, n_heads, n_kv_heads, head_dim, biases, positions, backend,
             causal, sliding_window and attn_dropout.
         layer: index in the stack (unused: every layer is alike).
         shared: the model's shared objects; its ``rope`` table when ``config.positions == "rope"``.
-        cross: keys and values come from a ``context`` sequence (encoder-decoder); never causal,
-            no RoPE/ALiBi.
         rope: the rotary table, when not given through ``shared``.
+
+    Parameters (``qkv_proj``, ``out_proj``) and ``count_parameters`` are the base class's.
     """
 
+    name = "attention"
+    SUPPORTS = frozenset({"alibi", "attn_dropout", "sliding_window"})
+
     def __init__(self, config: TransformerConfig, layer: int = 0, shared: Shared | None = None, *,
-                 cross: bool = False, rope: RotaryEmbedding | None = None):
-        super().__init__()
+                 rope: RotaryEmbedding | None = None):
+        super().__init__(config, layer, shared, rope=rope)
         c = config
-        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
-        self.cross = cross
-        self.causal = c.causal and not cross
-        self.window = None if cross else c.sliding_window
+        self.window = c.sliding_window
         self.backend, self.attn_dropout = c.attention_backend, c.attn_dropout
-        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        if cross:
-            self.q_proj = nn.Linear(c.d_model, q_dim, bias=c.qkv_bias)
-            self.kv_proj = nn.Linear(c.d_model, 2 * kv_dim, bias=c.qkv_bias)
-        else:  # one fused matmul for q, k and v
-            self.qkv_proj = nn.Linear(c.d_model, q_dim + 2 * kv_dim, bias=c.qkv_bias)
-        self.out_proj = mark_residual(nn.Linear(q_dim, c.d_model, bias=c.bias))
-        rope = rope if rope is not None else (shared.rope if shared is not None else None)
-        self.rope = None if cross else rope
-        use_alibi = c.positions == "alibi" and not cross
-        self.register_buffer("alibi_slopes", alibi_slopes(c.n_heads) if use_alibi else None, persistent=False)
+        slopes = alibi_slopes(c.n_heads) if c.positions == "alibi" else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     # ------------------------------------------------------------------ the mixer protocol
-    @classmethod
-    def count_parameters(cls, config: TransformerConfig) -> int:
-        """W_Q, W_K, W_V (+ biases) and W_O (+ bias) of one layer."""
-        c = config
-        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        return (c.d_model + c.qkv_bias) * (q_dim + 2 * kv_dim) + q_dim * c.d_model + c.d_model * c.bias
-
     @classmethod
     def state_bytes(cls, config: TransformerConfig, n_tokens: int, batch_size: int = 1,
                     bytes_per_element: int = 4) -> int:
@@ -91,7 +84,6 @@ class MultiHeadAttention(nn.Module):
         step: Step | None = None,
         state: KVCache | None = None,
         *,
-        context: Tensor | None = None,
         mask: Tensor | None = None,
         positions: Tensor | None = None,
         return_weights: bool = False,
@@ -101,8 +93,7 @@ class MultiHeadAttention(nn.Module):
         Args:
             step: what the model computed for this call (positions, padding mask, start_pos,
                 static ``slot``, dropout); when ``None`` the keywords below are used (direct use).
-            state: this layer's KV cache, or ``None`` (attend over ``x`` or ``context`` alone).
-            context: ``(B, S, C)`` keys/values source for cross-attention.
+            state: this layer's KV cache, or ``None`` (attend over ``x`` alone).
             mask: bool key mask broadcastable to ``(B, nh, T, m)``, ``True`` = attend (padding).
             positions: absolute positions of the ``T`` queries, ``(T,)`` or ``(B, T)`` (RoPE);
                 default ``arange(T)``.
@@ -110,24 +101,11 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``(B, T, C)``, or ``(out, weights)``.
         """
-        B, T, _ = x.shape
         if step is None:
             if positions is None and self.rope is not None:
-                positions = torch.arange(T, device=x.device)
+                positions = torch.arange(x.shape[1], device=x.device)
             step = Step(positions=positions, mask=mask, dropout=self.training, return_weights=return_weights)
-        hs, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
-        if self.cross:
-            if context is None:
-                raise InputError("cross-attention needs a context tensor (B, S, d_model).")
-            q = self.q_proj(x)
-            k, v = self.kv_proj(context).split(nkv * hs, dim=-1)
-        else:
-            q, k, v = self.qkv_proj(x).split([nh * hs, nkv * hs, nkv * hs], dim=-1)
-        q = q.view(B, T, nh, hs).transpose(1, 2)                     # (B, nh, T, hs)
-        k = k.view(B, k.shape[1], nkv, hs).transpose(1, 2)           # (B, nkv, m, hs)
-        v = v.view(B, v.shape[1], nkv, hs).transpose(1, 2)           # (B, nkv, m, hs)
-        if self.rope is not None:  # rotate new q and k; cached keys were rotated when written
-            q, k = self.rope(q, step.positions), self.rope(k, step.positions)
+        q, k, v = self.project(x, step)                              # (B, nh, T, hs), (B, nkv, T, hs) x 2
 
         if state is not None and step.slot is not None:
             result = self._attend_slot(q, k, v, state, step)
@@ -142,8 +120,7 @@ class MultiHeadAttention(nn.Module):
                 backend=self.backend, return_weights=step.return_weights,
             )
         out, weights = result if step.return_weights else (result, None)
-        out = self.out_proj(out.transpose(1, 2).reshape(B, T, nh * hs))   # re-assemble heads: (B, T, C)
-        return (out, weights) if step.return_weights else out
+        return self.finish(out, step, weights)                       # re-assemble heads: (B, T, C)
 
     def _attend_slot(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, step: Step) -> Tensor:
         """The static decode step: write one token per row at ``step.slot``, attend over the whole
@@ -160,3 +137,72 @@ class MultiHeadAttention(nn.Module):
                 bias = -self.alibi_slopes.to(q.dtype)[None, :, None, None] * dist.abs().to(q.dtype)
         return scaled_dot_product_attention(q, k_all, v_all, mask=mask, bias=bias,
                                             backend="math" if self.backend == "math" else "torch")
+
+
+@dataclass
+class CrossMemory:
+    """What every decoder layer's cross-attention reads: the encoder's ``memory (B, S, C)``
+    (training, recomputation), or per decoder layer its keys/values already projected
+    (``kv[i]``: two ``(B, n_kv_heads, S, head_dim)``, each layer's :meth:`CrossAttention.new_state`)."""
+
+    memory: Tensor | None = None
+    kv: list[tuple[Tensor, Tensor]] | None = None
+
+
+class CrossAttention(nn.Module):
+    """Encoder-decoder attention (Vaswani et al. §3.2.3) of decoder layer ``layer``.
+
+    Queries come from the decoder's ``x (B, T, C)``, keys and values from the encoder's memory
+    ``(B, S, C)``: ``softmax(Q Kᵀ / sqrt(hs)) V`` over every real source token, never causal and
+    without positions (the memory carries them). Parameters ``q_proj`` (``C -> nh·hs``),
+    ``kv_proj`` (``C -> 2·nkv·hs``, K then V) and ``out_proj``, the names the checkpoints and the
+    BART/Marian converters use; ``count_parameters`` equals self-attention's.
+
+    State: the memory's keys/values, projected once per request by :meth:`new_state` and read by
+    every decode step (held by the caller in a :class:`CrossMemory`, never by the module).
+    Set ``keep_weights`` to store the last weights in ``last_weights`` ``(B, n_heads, T, S)``
+    (alignment plots; math backend).
+    """
+
+    def __init__(self, config: TransformerConfig, layer: int = 0):
+        super().__init__()
+        c = config
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.backend, self.attn_dropout = c.attention_backend, c.attn_dropout
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        self.q_proj = nn.Linear(c.d_model, q_dim, bias=c.qkv_bias)
+        self.kv_proj = nn.Linear(c.d_model, 2 * kv_dim, bias=c.qkv_bias)
+        self.out_proj = mark_residual(nn.Linear(q_dim, c.d_model, bias=c.bias))
+        self.keep_weights, self.last_weights = False, None
+
+    # W_Q, W_K, W_V, W_O and their biases: the same count as self-attention's.
+    count_parameters = staticmethod(projection_parameters)
+
+    def new_state(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """This layer's state for one request: memory ``(B, S, C)`` -> keys, values ``(B, n_kv_heads, S, head_dim)``."""
+        k, v = self.kv_proj(memory).split(self.n_kv_heads * self.head_dim, dim=-1)     # (B, S, nkv·hs) each
+        return split_heads(k, self.n_kv_heads), split_heads(v, self.n_kv_heads)
+
+    def forward(self, x: Tensor, *, context: Tensor | CrossMemory | None = None,
+                mask: Tensor | None = None) -> Tensor:
+        """``x (B, T, C)`` -> ``(B, T, C)``.
+
+        Args:
+            context: the memory ``(B, S, C)``, or a :class:`CrossMemory` (its ``kv[layer]`` when set).
+            mask: bool key mask broadcastable to ``(B, nh, T, S)``, ``True`` = attend (source padding).
+        """
+        if isinstance(context, CrossMemory) and context.kv is not None:
+            k, v = context.kv[self.layer]                                               # (B, nkv, S, hs)
+        else:
+            memory = context.memory if isinstance(context, CrossMemory) else context
+            if memory is None:
+                raise InputError("cross-attention needs a context: the encoder's memory (B, S, d_model).")
+            k, v = self.new_state(memory)                                               # (B, nkv, S, hs)
+        q = split_heads(self.q_proj(x), self.n_heads)                                   # (B, nh, T, hs)
+        out = scaled_dot_product_attention(
+            q, k, v, mask=mask, dropout_p=self.attn_dropout if self.training else 0.0,
+            backend="math" if self.keep_weights else self.backend, return_weights=self.keep_weights)
+        if self.keep_weights:
+            out, self.last_weights = out
+        return self.out_proj(merge_heads(out))                                          # (B, T, C)

@@ -22,8 +22,7 @@ model each pass their own state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -48,6 +47,8 @@ class Step:
             from step to step, so ``torch.compile`` captures the step once.
         dropout: apply dropout (training, no inference state).
         return_weights: also return attention weights (for attention maps).
+        global_tokens: ``(B, T)`` bool, ``True`` for the new tokens the caller gives global
+            attention (HF Longformer's ``global_attention_mask``); ``None``: none beyond a mixer's own.
     """
 
     positions: Tensor
@@ -57,6 +58,7 @@ class Step:
     slot: Tensor | None = None
     dropout: bool = False
     return_weights: bool = False
+    global_tokens: Tensor | None = None
 
 
 @dataclass
@@ -64,4 +66,3 @@ class Shared:
     """Objects built once per model and handed to every layer's mixer (e.g. the rotary table)."""
 
     rope: nn.Module | None = None
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -7,6 +7,9 @@ Options (``config.mixer_options["longformer"]``):
 - ``dilation`` (default 1): gap between window keys; int or per-layer list.
 - ``global_positions`` (default ``[]``): positions whose tokens are global (e.g. ``[0]``, the
   classification token); global tokens get their own ``global_qkv_proj`` (paper §3.1).
+- ``global_inputs`` (default ``False``): build ``global_qkv_proj`` even without ``global_positions``
+  so that each call can name its global tokens (``global_attention_mask`` of the encoder's
+  forward, :attr:`Step.global_tokens`: HF's way); they add to ``global_positions``'.
 
 Causal generation keeps a ring buffer of the last ``(window - 1)·dilation`` keys and values per
 layer (the new token is the window's last), so the state does not grow with the text
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from tformer.ops.longformer import longformer_attention
 from tformer.ops.masks import masked_softmax
 from tformer.config import TransformerConfig
-from tformer.errors import ConfigError
+from tformer.errors import ConfigError, InputError
 from tformer.mixers.base import Shared, Step
 from tformer.mixers.projected import ProjectedAttention
 
@@ -65,15 +68,16 @@ class LongformerAttention(ProjectedAttention):
     """Sliding-window + global attention (Beltagy et al., 2020); protocol of :mod:`tformer.mixers.base`."""
 
     name = "longformer"
-    OPTIONS = ("window", "dilation", "global_positions")
+    OPTIONS = ("window", "dilation", "global_positions", "global_inputs")
 
     def __init__(self, config: TransformerConfig, layer: int = 0, shared: Shared | None = None):
         super().__init__(config, layer, shared)
         self.window = self.option("window", 256)
         self.dilation = self.option("dilation", 1)
         self.global_positions = list(config.mixer_option(self.name, "global_positions", []))
+        self.global_inputs = bool(config.mixer_option(self.name, "global_inputs", False))
         c = config
-        if self.global_positions:
+        if self.global_positions or self.global_inputs:
             width = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
             self.global_qkv_proj = nn.Linear(c.d_model, width, bias=c.qkv_bias)
 
@@ -81,10 +85,17 @@ class LongformerAttention(ProjectedAttention):
         """``(B, n)`` bool: which of the ``n`` tokens are global: real tokens whose position (the
         model's, ``step.positions``) is in ``global_positions``. A decoder counts positions over real
         tokens, so a left-padded row marks the same tokens as the row alone."""
-        if not self.global_positions:
+        given = step.global_tokens
+        if given is not None and not hasattr(self, "global_qkv_proj"):
+            raise InputError("this Longformer has no global projections, so it takes no global_attention_mask; "
+                             "build it with mixer_options['longformer']['global_inputs'] = True.")
+        if not self.global_positions and given is None:
             return None
-        pos = torch.broadcast_to(step.positions, (batch, n))                             # (B, n)
-        mask = torch.isin(pos, torch.tensor(self.global_positions, device=pos.device))  # (B, n)
+        mask = given
+        if self.global_positions:
+            pos = torch.broadcast_to(step.positions, (batch, n))                         # (B, n)
+            fixed = torch.isin(pos, torch.tensor(self.global_positions, device=pos.device))  # (B, n)
+            mask = fixed if mask is None else mask | fixed
         real = self.key_mask(step, batch, n)
         return mask if real is None else mask & real
 
@@ -93,6 +104,8 @@ class LongformerAttention(ProjectedAttention):
         B, T, _ = x.shape
         q, k, v = self.project(x, step)                                      # (B, nh|nkv, T, hs)
         if state is not None:
+            if step.global_tokens is not None:
+                raise InputError("global_attention_mask is not supported while generating with a state.")
             attend = self._slot if step.slot is not None else self._cached
             return self.finish(attend(q, k, v, step, state), step)
         gmask = self.global_mask(step, B, T)
@@ -102,8 +115,8 @@ class LongformerAttention(ProjectedAttention):
             gqkv = (gq, self.expand(gk), self.expand(gv))
         out = longformer_attention(q, self.expand(k), self.expand(v), self.window, causal=self.causal,
                                    dilation=self.dilation, key_mask=self.key_mask(step, B, T),
-                                   global_mask=gmask, global_qkv=gqkv,
-                                   max_global=len(self.global_positions))  # (B, nh, T, hs)
+                                   global_mask=gmask, global_qkv=gqkv,   # a per-call mask: count read back
+                                   max_global=len(self.global_positions) if step.global_tokens is None else None)
         return self.finish(out, step)
 
     def _cached(self, q: Tensor, k: Tensor, v: Tensor, step: Step, state: RingState) -> Tensor:
@@ -156,7 +169,8 @@ class LongformerAttention(ProjectedAttention):
     @classmethod
     def count_parameters(cls, config: TransformerConfig) -> int:
         base = super().count_parameters(config)
-        if not config.mixer_option(cls.name, "global_positions", []):
+        if not (config.mixer_option(cls.name, "global_positions", []) or config.mixer_option(cls.name, "global_inputs",
+                                                                                              False)):
             return base
         c = config
         width = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
@@ -198,3 +212,6 @@ class LongformerAttention(ProjectedAttention):
                                                     for p in gp):
             raise ConfigError(f"mixer_options['longformer']['global_positions']={gp!r} must be a list of "
                               f"positions in [0, context_length={config.context_length}).")
+        gi = config.mixer_option(cls.name, "global_inputs", False)
+        if not isinstance(gi, bool):
+            raise ConfigError(f"mixer_options['longformer']['global_inputs']={gi!r} must be true or false.")

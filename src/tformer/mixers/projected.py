@@ -1,12 +1,16 @@
-"""What the efficient-attention mixers (Longformer, BigBird, Performer, Linformer) share with softmax
-attention: the projections. Only the kernel between them differs.
+"""What every attention mixer shares: the projections. Only the kernel between them differs.
 
     x (B, T, C) -> qkv_proj -> q (B, nh, T, hs), k, v (B, nkv, T, hs) -> [RoPE] -> kernel -> out_proj
 
-The layout is :class:`~tformer.mixers.attention.MultiHeadAttention`'s (one fused ``qkv_proj``
-of width ``(nh + 2·nkv)·hs``, ``out_proj`` back to ``C``), so a checkpoint's attention weights
-mean the same thing under every mixer. Grouped-query K/V are expanded to ``nh`` heads only in
-front of a kernel (a view, no copy).
+:class:`ProjectedAttention` is the base of softmax attention
+(:class:`~tformer.mixers.attention.MultiHeadAttention`) and of the efficient-attention mixers
+(Longformer, BigBird, Performer, Linformer): one fused ``qkv_proj`` of width ``(nh + 2·nkv)·hs``
+and ``out_proj`` back to ``C``, so a checkpoint's attention weights mean the same thing under every
+mixer. Grouped-query K/V are expanded to ``nh`` heads only in front of a kernel that needs it
+(a view, no copy); softmax attention hands them to the kernel at ``nkv`` heads.
+
+The module-level helpers (:func:`split_heads`, :func:`merge_heads`, :func:`projection_parameters`)
+also serve the cross-attention, whose queries and keys/values come from different sequences.
 """
 
 from __future__ import annotations
@@ -22,25 +26,59 @@ from tformer.nn.markers import mark_residual
 Tensor = torch.Tensor
 
 
+def split_heads(t: Tensor, n_heads: int) -> Tensor:
+    """``(B, T, n_heads·hs)`` -> ``(B, n_heads, T, hs)``: head ``h`` is columns ``h·hs .. (h+1)·hs - 1``."""
+    B, T, width = t.shape
+    return t.view(B, T, n_heads, width // n_heads).transpose(1, 2)
+
+
+def merge_heads(t: Tensor) -> Tensor:
+    """``(B, nh, T, hs)`` -> ``(B, T, nh·hs)``: the inverse of :func:`split_heads`."""
+    B, nh, T, hs = t.shape
+    return t.transpose(1, 2).reshape(B, T, nh * hs)
+
+
+def projection_parameters(config: TransformerConfig) -> int:
+    """W_Q, W_K, W_V (+ biases, ``qkv_bias``) and W_O (+ bias, ``bias``) of one layer:
+    ``(C + b_qkv)·(nh + 2·nkv)·hs + nh·hs·C + b·C``. The same for self- and cross-attention."""
+    c = config
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return (c.d_model + c.qkv_bias) * (q_dim + 2 * kv_dim) + q_dim * c.d_model + c.d_model * c.bias
+
+
 class ProjectedAttention(nn.Module):
     """Base class: projections, RoPE and the protocol's bookkeeping; subclasses supply ``forward``.
 
+    Args:
+        config: supplies d_model, n_heads, n_kv_heads, head_dim, bias, qkv_bias, positions, causal.
+        layer: index in the stack (per-layer options).
+        shared: the model's shared objects; its ``rope`` table when ``config.positions == "rope"``.
+        rope: the rotary table, when not given through ``shared`` (direct use).
+
     Attributes:
         name: the mixer's key in ``tformer.mixers.MIXERS`` (where its options live).
+        SUPPORTS: which of ``"alibi"``, ``"attn_dropout"``, ``"sliding_window"`` the mixer's kernel
+            honours; :meth:`check_config` refuses a config that asks for any other.
+        OPTIONS: the keys the mixer reads from ``config.mixer_options[name]``.
     """
 
     name = ""
+    SUPPORTS: frozenset[str] = frozenset()
+    OPTIONS: tuple[str, ...] = ()
 
-    def __init__(self, config: TransformerConfig, layer: int = 0, shared: Shared | None = None):
+    def __init__(self, config: TransformerConfig, layer: int = 0, shared: Shared | None = None, *,
+                 rope: nn.Module | None = None):
         super().__init__()
         c = self.config = config
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         self.causal = c.causal
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        self.qkv_proj = nn.Linear(c.d_model, q_dim + 2 * kv_dim, bias=c.qkv_bias)
+        self.qkv_proj = nn.Linear(c.d_model, q_dim + 2 * kv_dim, bias=c.qkv_bias)   # one matmul for q, k and v
         self.out_proj = mark_residual(nn.Linear(q_dim, c.d_model, bias=c.bias))
-        self.rope = shared.rope if (shared is not None and c.positions == "rope") else None
+        if rope is None and shared is not None:
+            rope = shared.rope
+        self.rope = rope if c.positions == "rope" else None
 
     def option(self, key: str, default=None):
         """``config.mixer_options[self.name][key]``; a list there gives one value per layer (cycled)."""
@@ -55,13 +93,10 @@ class ProjectedAttention(nn.Module):
     def project(self, x: Tensor, step: Step, proj: nn.Linear | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``x (B, T, C)`` -> ``q (B, nh, T, hs)``, ``k, v (B, nkv, T, hs)`` (RoPE applied at ``step.positions``);
         ``proj`` replaces ``qkv_proj`` (Longformer's global projections)."""
-        B, T, _ = x.shape
         nh, nkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = (proj or self.qkv_proj)(x).split([nh * hs, nkv * hs, nkv * hs], dim=-1)
-        q = q.view(B, T, nh, hs).transpose(1, 2)                             # (B, nh, T, hs)
-        k = k.view(B, T, nkv, hs).transpose(1, 2)                            # (B, nkv, T, hs)
-        v = v.view(B, T, nkv, hs).transpose(1, 2)                            # (B, nkv, T, hs)
-        if self.rope is not None:
+        q, k, v = split_heads(q, nh), split_heads(k, nkv), split_heads(v, nkv)   # (B, nh|nkv, T, hs)
+        if self.rope is not None:  # rotate the new q and k (a cache holds keys rotated when written)
             q, k = self.rope(q, step.positions), self.rope(k, step.positions)
         return q, k, v
 
@@ -73,11 +108,11 @@ class ProjectedAttention(nn.Module):
         B, nkv, m, hs = t.shape
         return t[:, :, None].expand(B, nkv, g, m, hs).reshape(B, nkv * g, m, hs)
 
-    def finish(self, out: Tensor, step: Step):
-        """``(B, nh, T, hs)`` -> ``(B, T, C)`` through ``out_proj`` (plus ``None`` weights if asked)."""
-        B, _, T, _ = out.shape
-        out = self.out_proj(out.transpose(1, 2).reshape(B, T, -1))
-        return (out, None) if step.return_weights else out
+    def finish(self, out: Tensor, step: Step, weights: Tensor | None = None):
+        """``(B, nh, T, hs)`` -> ``(B, T, C)`` through ``out_proj`` (plus ``weights`` if asked; ``None``
+        from a kernel that has none to show)."""
+        out = self.out_proj(merge_heads(out))
+        return (out, weights) if step.return_weights else out
 
     @staticmethod
     def key_mask(step: Step, batch: int, m: int) -> Tensor | None:
@@ -92,11 +127,8 @@ class ProjectedAttention(nn.Module):
 
     @classmethod
     def count_parameters(cls, config: TransformerConfig) -> int:
-        """Parameters of one layer: the projections (subclasses add their own)."""
-        c = config
-        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        qkv = c.d_model * (q_dim + 2 * kv_dim) + ((q_dim + 2 * kv_dim) if c.qkv_bias else 0)
-        return qkv + q_dim * c.d_model + (c.d_model if c.bias else 0)
+        """Parameters of one layer: the projections, :func:`projection_parameters` (subclasses add their own)."""
+        return projection_parameters(config)
 
     @classmethod
     def state_bytes(cls, config: TransformerConfig, n_tokens: int, batch_size: int = 1,
@@ -105,23 +137,22 @@ class ProjectedAttention(nn.Module):
 
     @classmethod
     def check_config(cls, config: TransformerConfig) -> None:
-        """Refusals common to the four mixers (ALiBi, attention dropout); subclasses add theirs."""
-        if config.positions == "alibi":
+        """Refuse what the kernel does not honour (ALiBi, attention dropout, a sliding window: see
+        ``SUPPORTS``) and unknown options; subclasses add theirs."""
+        if config.positions == "alibi" and "alibi" not in cls.SUPPORTS:
             raise ConfigError(f"mixer={cls.name!r} has no ALiBi bias; use positions='rope', 'learned', "
                               f"'sinusoidal' or 'none'.")
-        if config.attn_dropout:
+        if config.attn_dropout and "attn_dropout" not in cls.SUPPORTS:
             raise ConfigError(f"mixer={cls.name!r} does not apply attention dropout; set attn_dropout=0 "
                               f"(dropout on the residual stream still applies).")
-        if config.sliding_window is not None:
+        if config.sliding_window is not None and "sliding_window" not in cls.SUPPORTS:
             raise ConfigError(f"mixer={cls.name!r} ignores sliding_window; set it to None (Longformer's "
                               f"window is mixer_options['longformer']['window']).")
         known = set(cls.OPTIONS)
         unknown = sorted(set(config.mixer_options.get(cls.name, {})) - known)
         if unknown:
             raise ConfigError(f"mixer_options[{cls.name!r}] has unknown option(s) {', '.join(unknown)}; "
-                              f"known options are {', '.join(sorted(known))}.")
-
-    OPTIONS: tuple[str, ...] = ()
+                              f"known options are {', '.join(sorted(known)) or 'none'}.")
 
     @classmethod
     def int_option(cls, config: TransformerConfig, key: str, default: int, low: int = 1) -> list[int]:

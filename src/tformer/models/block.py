@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 
 from tformer.ops.dropout import dropout as cpu_dropout
-from tformer.mixers.attention import MultiHeadAttention
 from tformer.config import TransformerConfig
 from tformer.nn.feed_forward import make_feed_forward
 from tformer.nn.norms import make_norm
@@ -32,23 +31,27 @@ class Block(nn.Module):
         config: the model's config (``norm_placement``, ``dropout``, the mixer of each layer, ...).
         layer: this block's index; picks its mixer from ``config.layer_mixers()``.
         shared: objects every layer's mixer reuses (the rotary table).
-        cross_attention: add an encoder-decoder attention sub-layer (Vaswani et al.'s decoder).
+        cross_attention: an encoder-decoder attention module (Vaswani et al.'s decoder, e.g.
+            :class:`~tformer.mixers.attention.CrossAttention`) to run as a sub-layer between the
+            mixer and the feed-forward, or ``None``. It is called as ``cross_attention(h,
+            context=context, mask=context_mask)``.
         rope: a rotary table, when not given through ``shared`` (direct use).
 
-    The mixer is stored as ``attn`` (and its norm as ``attn_norm``) whatever it is, so checkpoints
-    and the HF converters keep the names they have always had.
+    The mixer is stored as ``attn`` (and its norm as ``attn_norm``) whatever it is, the
+    cross-attention as ``cross_attn`` (``cross_norm``), so checkpoints and the HF converters keep
+    the names they have always had.
     """
 
     def __init__(self, config: TransformerConfig, layer: int = 0, shared: Shared | None = None, *,
-                 cross_attention: bool = False, rope: RotaryEmbedding | None = None):
+                 cross_attention: nn.Module | None = None, rope: RotaryEmbedding | None = None):
         super().__init__()
         shared = shared if shared is not None else Shared(rope=rope)
         self.pre_norm = config.norm_placement == "pre"
         self.p_drop = config.dropout
         self.attn_norm = make_norm(config)
         self.attn = mixer_class(config.layer_mixers()[layer])(config, layer, shared)
-        self.cross_norm = make_norm(config) if cross_attention else None
-        self.cross_attn = MultiHeadAttention(config, cross=True) if cross_attention else None
+        self.cross_norm = make_norm(config) if cross_attention is not None else None
+        self.cross_attn = cross_attention
         self.ffn = make_feed_forward(config)
         self.ffn_norm = make_norm(config) if self.ffn is not None else None
 

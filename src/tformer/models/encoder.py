@@ -82,6 +82,7 @@ class EncoderModel(TransformerStack):
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         positions: Tensor | None = None,
+        global_attention_mask: Tensor | None = None,
     ) -> Tensor:
         """Contextual hidden states.
 
@@ -90,6 +91,9 @@ class EncoderModel(TransformerStack):
             attention_mask: ``(B, T)`` 1 for real tokens, 0 for padding (padding is never attended to).
             token_type_ids: ``(B, T)`` segment ids in ``[0, type_vocab_size)``; default all 0.
             positions: ``(T,)`` or ``(B, T)`` absolute positions; default ``arange(T)``.
+            global_attention_mask: ``(B, T)`` 1 for tokens with global attention (Longformer
+                layers only, as HF's argument of that name; default: none beyond the config's
+                ``global_positions``).
         Returns:
             ``(B, T, C)`` hidden states (rows at padding positions are defined but meaningless).
         Raises:
@@ -97,8 +101,11 @@ class EncoderModel(TransformerStack):
         """
         if attention_mask is not None and bool(attention_mask.all()):  # a mask hiding nothing is dropped:
             attention_mask = None                                         # attention runs unmasked, faster
+        if global_attention_mask is not None and "longformer" not in self.config.layer_mixers():
+            raise InputError(f"global_attention_mask applies to Longformer layers; this encoder's mixers are "
+                             f"{sorted(set(self.config.layer_mixers()))}; leave it out.")
         x = self.hidden_states(ids, attention_mask=attention_mask, positions=positions,
-                               token_type_ids=token_type_ids)
+                               token_type_ids=token_type_ids, global_attention_mask=global_attention_mask)
         return self.final_norm(x)
 
     def mlm_logits(self, ids: Tensor, **kwargs) -> Tensor:

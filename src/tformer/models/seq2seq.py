@@ -11,10 +11,12 @@ source pad, and the decoder's self-attention never reads a target pad. Positions
 tokens only, so left and right padding give the same logits for real tokens.
 
 Each side is a :class:`~tformer.models.stack.TransformerStack` (embeddings, blocks built from the
-mixer registry, final norm); the two share one ``tok_emb`` module. Decoding keeps a per-request
+mixer registry, final norm); the two share one ``tok_emb`` module. Each decoder block is given a
+:class:`~tformer.mixers.attention.CrossAttention`. Decoding keeps a per-request
 :class:`Seq2SeqState`: the encoder runs once, each decoder layer's cross-attention keys/values are
-projected from the memory once, and the decoder's :class:`~tformer.models.state.InferenceState`
-holds each layer's mixer state (attention: a KV cache of the target prefix).
+projected from the memory once (its ``new_state``), and the decoder's
+:class:`~tformer.models.state.InferenceState` holds each layer's mixer state (attention: a KV
+cache of the target prefix).
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ import math
 import torch
 import torch.nn as nn
 
-from tformer.ops.sdpa import scaled_dot_product_attention
 from tformer.ops.masks import padding_mask
-from tformer.mixers.attention import MultiHeadAttention
+from tformer.mixers.attention import CrossAttention, CrossMemory
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.models.state import InferenceState
@@ -48,45 +49,6 @@ class ScaledEmbedding(nn.Embedding):
     def forward(self, ids: Tensor) -> Tensor:
         out = super().forward(ids)
         return out * self.scale if self.scale != 1.0 else out
-
-
-@dataclasses.dataclass
-class CrossMemory:
-    """What the decoder's cross-attention reads: the encoder's ``memory (B, S, C)``, or per decoder
-    layer its keys/values already projected (``kv[i]``: two ``(B, n_kv_heads, S, head_dim)``)."""
-
-    memory: Tensor | None = None
-    kv: list[tuple[Tensor, Tensor]] | None = None
-
-
-class CrossAttention(MultiHeadAttention):
-    """Encoder-decoder attention of decoder layer ``layer`` that reads a :class:`CrossMemory`:
-    projects the memory (training, recomputation) or takes its cached keys/values (decoding).
-    Set ``keep_weights`` to store the last weights in ``last_weights`` ``(B, n_heads, T, S)``
-    (alignment plots; math backend)."""
-
-    def __init__(self, config: TransformerConfig, layer: int):
-        super().__init__(config, layer, cross=True)
-        self.layer = layer
-        self.keep_weights, self.last_weights = False, None
-
-    def project(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """Memory ``(B, S, C)`` -> keys, values ``(B, n_kv_heads, S, head_dim)``."""
-        B, S, _ = memory.shape
-        k, v = self.kv_proj(memory).split(self.n_kv_heads * self.head_dim, dim=-1)     # (B, S, nkv*hs) each
-        return (k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2),
-                v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2))
-
-    def forward(self, x: Tensor, *, context: CrossMemory, mask: Tensor | None = None, **_) -> Tensor:
-        B, T, _ = x.shape
-        k, v = context.kv[self.layer] if context.kv is not None else self.project(context.memory)  # (B, nkv, S, hs)
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, nh, T, hs)
-        out = scaled_dot_product_attention(
-            q, k, v, mask=mask, dropout_p=self.attn_dropout if self.training else 0.0,
-            backend="math" if self.keep_weights else self.backend, return_weights=self.keep_weights)
-        if self.keep_weights:
-            out, self.last_weights = out
-        return self.out_proj(out.transpose(1, 2).reshape(B, T, -1))                   # (B, T, C)
 
 
 @dataclasses.dataclass
@@ -149,11 +111,10 @@ class EncoderDecoder(nn.Module):
             raise ConfigError(f"model='encoder-decoder' takes absolute positions, not positions={config.positions!r}; "
                               f"use sinusoidal (Vaswani) or learned (BART).")
         self.config = c = config
-        enc = dataclasses.replace(c, causal=False, n_layers=c.encoder_layers or c.n_layers, model="encoder")
+        enc = dataclasses.replace(c, causal=False, n_layers=c.encoder_layers or c.n_layers, model="encoder",
+                                  d_ff=c.encoder_d_ff or c.d_ff, encoder_d_ff=None)
         self.encoder = TransformerStack(enc)
-        self.decoder = TransformerStack(c, cross_attention=True)
-        for i, block in enumerate(self.decoder.blocks):
-            block.cross_attn = CrossAttention(c, i)
+        self.decoder = TransformerStack(c, cross_attention=lambda layer: CrossAttention(c, layer))
         for side in (self.encoder, self.decoder):
             side.init_weights()
         self.encoder.tok_emb = self.decoder.tok_emb = ScaledEmbedding(c.vocab_size, c.d_model,
@@ -195,7 +156,7 @@ class EncoderDecoder(nn.Module):
         """Encode ``src`` once and make the decoding state: cross-attention keys/values per decoder
         layer, and the decoder's inference state for ``max_len`` target tokens."""
         memory = self.encode(src, src_mask)
-        kv = [block.cross_attn.project(memory) for block in self.decoder.blocks]
+        kv = [block.cross_attn.new_state(memory) for block in self.decoder.blocks]
         return Seq2SeqState(CrossMemory(kv=kv), self.decoder.new_state(src.shape[0], max_len), src_mask)
 
     def decode_step(self, tokens: Tensor, state: Seq2SeqState) -> Tensor:

@@ -14,6 +14,7 @@ Parameters keep the names they always had (``tok_emb``, ``pos_emb``, ``type_emb`
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -39,14 +40,15 @@ class TransformerStack(nn.Module):
 
     Args:
         config: every architectural switch.
-        cross_attention: give every block a cross-attention sub-layer (encoder-decoder decoders).
+        cross_attention: a factory ``layer -> module`` giving every block its cross-attention
+            sub-layer (encoder-decoder decoders: ``lambda i: CrossAttention(config, i)``), or ``None``.
     """
 
     # Decoders derive default positions from the attention mask (left padding); encoders count
     # from 0 whatever the padding (BERT's convention, with right padding the two agree).
     positions_follow_mask = True
 
-    def __init__(self, config: TransformerConfig, cross_attention: bool = False):
+    def __init__(self, config: TransformerConfig, cross_attention: Callable[[int], nn.Module] | None = None):
         super().__init__()
         check_mixers(config)                                                    # names -> classes, and their refusals
         self.config = c = config
@@ -56,7 +58,8 @@ class TransformerStack(nn.Module):
         self.emb_norm = make_norm(c) if c.embedding_norm else None             # BERT, BLOOM
         rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base) if c.positions == "rope" else None
         shared = Shared(rope=rope)
-        self.blocks = nn.ModuleList(Block(c, i, shared, cross_attention=cross_attention) for i in range(c.n_layers))
+        self.blocks = nn.ModuleList(Block(c, i, shared, cross_attention=cross_attention(i) if cross_attention else None)
+                                    for i in range(c.n_layers))
         # Post-norm blocks end in a norm already; pre-norm stacks need one at the end.
         self.final_norm = make_norm(c) if c.norm_placement == "pre" else nn.Identity()
         self.rope = rope
@@ -146,6 +149,7 @@ class TransformerStack(nn.Module):
         return_weights: bool = False,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
+        global_attention_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, list]:
         """Run embeddings and blocks: ``(B, T)`` ids -> ``(B, T, C)`` hidden states (before the
         final norm), and every layer's attention weights when ``return_weights``.
@@ -160,6 +164,8 @@ class TransformerStack(nn.Module):
                 ``state.valid`` as the padding mask and (default) as the positions: each row's count
                 of real tokens held. Nothing in this path depends on a Python value that changes
                 between steps.
+            global_attention_mask: ``(B, T)`` 1 for tokens given global attention (Longformer
+                layers; HF's argument of that name), 0 for the rest.
         """
         T = ids.shape[1]
         if slot is not None:   # never read state.length here: a changing int would recompile every step
@@ -168,6 +174,11 @@ class TransformerStack(nn.Module):
             step = self._step(T, state.length if state is not None else 0, attention_mask, positions, state)
         step.dropout = self.training and not torch.is_inference_mode_enabled()
         step.return_weights = return_weights
+        if global_attention_mask is not None:
+            if tuple(global_attention_mask.shape) != tuple(ids.shape):
+                raise InputError(f"global_attention_mask has shape {tuple(global_attention_mask.shape)}; it must be "
+                                 f"(batch, length) = {tuple(ids.shape)}, like the ids.")
+            step.global_tokens = global_attention_mask.bool()
         x = cpu_dropout(self.embed(ids, step.positions, token_type_ids), self.config.dropout, step.dropout)
         weights = []
         for i, block in enumerate(self.blocks):

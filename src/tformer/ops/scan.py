@@ -24,7 +24,7 @@ The recurrence ``h_t = a_t h_{t-1} + b_t`` is a first-order linear scan. It can 
   (:func:`scan_logspace`).
 
 Or, fastest on a CPU, with discretisation, recurrence and read-out fused into one loop per step and
-a hand-written backward (:mod:`tformer.ops.scan_fused`). ``benchmarks/mamba_scan.py`` measures them all
+a hand-written backward (:mod:`tformer.ops.scan_fused`). ``benchmarks/mamba/mamba_scan.py`` measures them all
 on this CPU; :data:`FAST_SCAN` names the fastest, which the layer uses by default. ``tests/mixers/test_mamba.py`` checks that they all agree with the reference and with
 ``mambapy``'s parallel scan.
 """
@@ -173,7 +173,7 @@ def scan_logspace(a: Tensor, b: Tensor, h0: Tensor | None = None) -> Tensor:
 SCANS = {"loop": scan_loop, "loop-autograd": scan_loop_autograd, "doubling": scan_doubling,
          "chunked": scan_chunked, "logspace": scan_logspace}
 METHODS = (*SCANS, "fused")  # "fused": discretisation, scan and read-out in one loop (tformer.ops.scan_fused)
-FAST_SCAN = "fused"  # measured fastest here, forward and backward: benchmarks/results/mamba_scan.md
+FAST_SCAN = "fused"  # measured fastest here, forward and backward: benchmarks/results/mamba/mamba_scan.md
 
 
 def selective_scan(x: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Callable
 import torch
 
 from tformer.io import atomic_write
+from tformer.machine import cpu_info
 from tformer.quant import gemv
 
 Tensor = torch.Tensor
@@ -45,13 +45,7 @@ FORCED = "TFORMER_DECODE_KERNEL"      # e.g. "ext" or "linear": skip the measure
 
 def machine_key() -> str:
     """CPU model name, torch version and thread count: what a kernel choice depends on."""
-    name = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    return f"{cpu_info().model} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
 def random_linear(n: int, k: int, g: torch.Generator) -> torch.nn.Linear:

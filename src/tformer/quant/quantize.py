@@ -70,7 +70,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)                   # (M, K)
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()      # (M, K); the kernels need rows packed
         if self.gemv is not None and x2.shape[0] == 1:
             y = self.gemv(self.weight, x2[0], self.scales32, self.bias32)       # (N,) bias included
             return y.to(x.dtype).view(*shape[:-1], self.out_features)
@@ -100,7 +100,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
             # The kernel returns garbage (or crashes) unless in_features is a multiple of 16
             # (measured with torch 2.13: K = 8 NaN, 24 and 72 wrong, 4 segfaults); such a layer
             # (Mamba's dt_proj, in_features = dt_rank) stays in float.
-            if isinstance(child, nn.Linear) and child.in_features % 16 == 0:
+            if isinstance(child, nn.Linear) and child.in_features % QUANT_WIDTH["int8"] == 0:
                 setattr(module, child_name, Int8Linear(child))
     return model
 
@@ -155,8 +155,8 @@ class DecodeLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)                                      # (M, K)
         if self.transposed:
             y = torch.mm(x2, self.weight) if self.bias is None else torch.addmm(self.bias, x2, self.weight)
-        elif x2.shape[0] == 1 and self.gemv is not None:
-            y = self.gemv(self.weight, x2[0], None, self.bias32).unsqueeze(0)     # (1, N)
+        elif x2.shape[0] == 1 and self.gemv is not None and not (x2.requires_grad and torch.is_grad_enabled()):
+            y = self.gemv(self.weight, x2[0], None, self.bias32).unsqueeze(0)     # (1, N); the ext loop has no backward
         elif x2.shape[0] == 1 and self.kernel == "mv":
             y = torch.mv(self.weight, x2[0]).unsqueeze(0)
             y = y if self.bias is None else y + self.bias
@@ -228,7 +228,7 @@ class Int4Linear(nn.Module):
         return [t for t in (self.weight, self.scales_zeros, self.bias) if t is not None]
 
     def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)                      # (M, K)
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()         # (M, K); the kernels need rows packed
         if self.gemv is not None and x2.shape[0] == 1:
             y = self.gemv(self.packed, x2[0], self.scales32, self.offsets32, self.bias32)   # (N,) bias included
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -248,6 +248,22 @@ def quantize_int4(model: nn.Module, group: int = 32) -> nn.Module:
             if isinstance(child, nn.Linear) and child.in_features % group == 0:
                 setattr(module, name, Int4Linear(child, group))
     return model
+
+
+QUANT_WIDTH = {"int8": 16, "int4": 32}   # in_features must be a multiple of this for the kernel
+
+
+def float_linears(model: nn.Module) -> tuple[list[str], int]:
+    """After ``set_precision(model, "int8" | "int4")``: the names of the linear layers it left in
+    floating point (their ``in_features`` is not a multiple of :data:`QUANT_WIDTH`), and how many
+    linear layers there are in all."""
+    left, total = [], 0
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear)):
+            total += 1
+            if isinstance(m, nn.Linear):
+                left.append(name)
+    return left, total
 
 
 def use_decode_kernels(model: nn.Module) -> nn.Module:
@@ -270,7 +286,7 @@ def set_precision(model: nn.Module, precision: str, decode_kernels: bool = True)
     Args:
         decode_kernels: float linears become :class:`DecodeLinear` (faster one-row kernels).
     Raises:
-        ValueError: for an unknown precision.
+        ConfigError: an unknown precision.
     """
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")

@@ -21,7 +21,6 @@ Pure Python (no numpy, no scipy): the planner must run with the core install.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 PF_DAY = 1e15 * 86400          # FLOPs in one petaFLOP/s-day, Kaplan et al.'s unit of compute
@@ -120,17 +119,3 @@ BESIROGLU = ChinchillaLaw("Besiroglu 2024", E=1.8172, A=482.01, B=2085.43, alpha
 BESIROGLU_SE = {"E": 0.03, "A": 124.58, "B": 1293.23, "alpha": 0.02, "beta": 0.02, "a": 0.02}
 KAPLAN = KaplanAllocation()
 LAWS = (HOFFMANN, BESIROGLU, KAPLAN)
-
-
-def isoflop_tokens(flops: float, n_params: float) -> float:
-    """Tokens an ``n_params`` model sees on ``flops`` FLOPs under ``C = 6 N D``."""
-    if flops <= 0 or n_params <= 0:
-        raise ValueError(f"need positive FLOPs and parameters, got C={flops}, N={n_params}.")
-    return flops / (6 * n_params)
-
-
-def log_spaced(lo: float, hi: float, k: int) -> list[float]:
-    """``k`` values from ``lo`` to ``hi`` evenly spaced in log (both ends included)."""
-    if k == 1:
-        return [math.sqrt(lo * hi)]
-    return [lo * (hi / lo) ** (i / (k - 1)) for i in range(k)]

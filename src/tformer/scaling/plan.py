@@ -182,6 +182,9 @@ def measure_flops_per_second(config: TransformerConfig, batch_size: int = 4, sec
     return training_flops_per_token(proxy, T) * batch_size * T / step
 
 
+FAR = 10       # a concrete config more than this many times smaller than N is not "near N": refused
+
+
 def make_plan(*, flops: float | None = None, hours: float | None = None, params: float | None = None,
               tokens: float | None = None, law: str = "Besiroglu 2024", preset: str = "llama-style",
               batch_size: int = 8, seq_len: int | None = None, flops_per_second: float | None = None) -> dict:
@@ -209,6 +212,9 @@ def make_plan(*, flops: float | None = None, hours: float | None = None, params:
     T = seq_len or config.context_length
     count = count_parameters(config)
     n_model = count.non_embedding if pick.non_embedding else count.total
+    if n_model * FAR < pick.n_params:
+        raise InputError(f"{chosen.name}'s N = {pick.n_params:.3g} parameters is beyond the largest {preset} config "
+                         f"this planner builds ({n_model:.3g}: d_model up to {64 * 512}); plan for a smaller budget.")
     train_flops = training_flops_per_token(config, T) * pick.n_tokens
     return {"given": {"flops": flops if hours is None else None, "hours": hours, "params": params, "tokens": tokens},
             "allocations": [{**asdict(a), "tokens_per_param": a.tokens_per_param} for a in allocations],

@@ -53,8 +53,17 @@ class SweepSpec:
     ladder: list[tuple[int, int, int]] = field(default_factory=lambda: list(LADDER))
 
     def __post_init__(self) -> None:
-        if len(self.budgets) < 2 or any(c <= 0 for c in self.budgets):
-            raise ConfigError(f"a sweep needs at least 2 positive compute budgets, got {self.budgets}.")
+        if len(self.budgets) < 2 or not all(math.isfinite(c) and c > 0 for c in self.budgets):
+            raise ConfigError(f"a sweep needs at least 2 positive finite compute budgets, got {self.budgets}.")
+        if not (math.isfinite(self.spread) and self.spread > 1):
+            raise ConfigError(f"spread={self.spread} (--spread) must be a finite number > 1: the largest model of a "
+                              f"budget over its smallest.")
+        if not (math.isfinite(self.center_tokens_per_param) and self.center_tokens_per_param > 0):
+            raise ConfigError(f"tokens per parameter {self.center_tokens_per_param} (--tokens-per-param) must be a "
+                              f"positive finite number (Chinchilla's is 20).")
+        for name in ("context_length", "batch_size", "min_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1.")
         if self.sizes < 3:
             raise ConfigError(f"sizes={self.sizes}: each budget needs at least 3 model sizes for its parabola.")
         self.budgets = sorted(float(c) for c in self.budgets)
@@ -143,7 +152,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, *, progress: bool = True, log=pr
 
     Raises:
         ConfigError: ``out`` holds a sweep with a different spec (continue it with the same
-            settings, or pick another folder).
+            settings, or pick another folder), or fewer than three runs per budget fit the ladder.
     """
     from tqdm import tqdm
 

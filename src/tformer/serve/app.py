@@ -19,6 +19,7 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from tformer.errors import TformerError
 from tformer.serve import schemas as S
 from tformer.serve.inspect import explain
 from tformer.serve.openai_api import chat_completions, completions, embeddings, read_json
@@ -59,10 +60,14 @@ async def inspect(request: Request):
     req = await read_json(request, server.limits.max_body_bytes, InspectRequest)
     if req.index >= len(req.token_ids):
         raise S.APIError(400, f"index {req.index} is past the {len(req.token_ids)} tokens given.", param="index")
+    vocab = server.model.config.vocab_size
+    if any(not 0 <= t < vocab for t in req.token_ids[:req.index + 1]):
+        raise S.APIError(400, f"token_ids must be in [0, {vocab}).", param="token_ids")
     context = server.encode_prompts(req.prompt)[0] + req.token_ids[:req.index]
     target = req.token_ids[req.index]
-    if not 0 <= target < server.model.config.vocab_size or len(context) > server.max_len:
-        raise S.APIError(400, f"the context must fit {server.max_len} tokens and the ids the vocabulary.")
+    if len(context) > server.max_len:
+        raise S.APIError(400, f"the prompt and token_ids[:index] make {len(context)} tokens; the context holds "
+                              f"{server.max_len}.", param="index")
     fut = server.scheduler.run_job(lambda: explain(server.model, server.tokenizer, context, target))
     return JSONResponse(await asyncio.wrap_future(fut))
 
@@ -76,6 +81,11 @@ async def api_error(request: Request, exc: S.APIError):
         request.app.state.server.metrics.inc("tformer_requests_total", status=str(exc.status),
                                              help="requests answered, by HTTP status")
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def input_error(request: Request, exc: TformerError):
+    """Bad input that library code refused in its own words: a 400, never a 500."""
+    return await api_error(request, S.APIError(400, str(exc)))
 
 
 async def http_error(request: Request, exc: HTTPException):
@@ -105,6 +115,6 @@ def build_app(server: Server) -> Starlette:
         Mount("/static", StaticFiles(directory=PLAYGROUND), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        S.APIError: api_error, HTTPException: http_error, Exception: server_error})
+        S.APIError: api_error, TformerError: input_error, HTTPException: http_error, Exception: server_error})
     app.state.server = server
     return app

@@ -19,10 +19,11 @@ import torch
 Tensor = torch.Tensor
 
 
-def attention_rows(model, context: Tensor) -> Tensor:
-    """``(n_layers, n_heads, t)``: every head's weights from the last position of ``context (t,)``."""
-    maps = model.attention_maps(context[None])                       # n_layers x (1, nh, t, t)
-    return torch.stack([m[0, :, -1, :] for m in maps]).float()        # (L, nh, t)
+def attention_rows(model, context: Tensor) -> list[list[list[float]]]:
+    """Per layer, ``(n_heads, t)``: every head's weights from the last position of ``context (t,)``;
+    ``[]`` for a layer whose mixer has no attention weights (Mamba)."""
+    maps = model.attention_maps(context[None])                       # n_layers x (1, nh, t, t) or None
+    return [[] if m is None else m[0, :, -1, :].float().tolist() for m in maps]
 
 
 def input_x_gradient(model, context: Tensor, target: int) -> tuple[Tensor, float]:
@@ -50,14 +51,14 @@ def explain(model, tokenizer, context_ids: list[int], target: int) -> dict:
     """The playground's JSON for predicting ``target`` after ``context_ids``."""
     device = model.tok_emb.weight.device
     context = torch.tensor(context_ids, dtype=torch.long, device=device)   # (t,)
-    attention = attention_rows(model, context)                             # (L, nh, t)
+    attention = attention_rows(model, context)                             # L x (nh, t) or []
     attribution, logp = input_x_gradient(model, context, target)
     return {
         "tokens": [tokenizer.decode([i]) for i in context_ids],
         "target": tokenizer.decode([target]),
         "logprob": logp,
-        "n_layers": attention.shape[0],
-        "n_heads": attention.shape[1],
-        "attention": attention.tolist(),
+        "n_layers": len(attention),
+        "n_heads": model.config.n_heads,
+        "attention": attention,
         "attribution": attribution.tolist(),
     }

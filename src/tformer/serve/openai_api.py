@@ -25,7 +25,13 @@ from tformer.serve.server import Server
 
 # --------------------------------------------------------------------------------- helpers
 async def read_json(request: Request, limit: int, schema: type[BaseModel]):
-    """The request body as ``schema``: 413 when too large, 400 when not JSON or of the wrong shape."""
+    """The request body as ``schema``: 415 unless sent as ``application/json`` (so that a web page,
+    which may post ``text/plain`` anywhere without asking, cannot drive a local server), 413 when too
+    large, 400 when not JSON (nested too deep included) or of the wrong shape."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise S.APIError(415, f"The body must be sent as application/json, not {kind or 'no content type'}; set the "
+                              f"Content-Type header.", code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise S.APIError(413, f"The request body has {declared} bytes; the limit is {limit}.", code="request_too_large")
@@ -38,6 +44,8 @@ async def read_json(request: Request, limit: int, schema: type[BaseModel]):
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise S.APIError(400, f"The body is not valid JSON ({e}); send a JSON object.") from None
+    except RecursionError:
+        raise S.APIError(400, "The body's JSON is nested too deeply to read; send a flatter object.") from None
     if not isinstance(data, dict):
         raise S.APIError(400, "The body must be a JSON object.")
     try:
@@ -70,8 +78,14 @@ async def collect(request: Request, seqs, queue: asyncio.Queue, on_token) -> lis
         elif event[0] == "done":
             reasons[index], left = event[1], left - 1
         else:
-            raise S.APIError(503, event[1], "server_error")
+            raise error_of(event)
     return reasons
+
+
+def error_of(event: tuple) -> S.APIError:
+    """The APIError for a scheduler ``("error", message[, status])`` event (503 when it names none)."""
+    status = event[2] if len(event) > 2 else 503
+    return S.APIError(status, event[1], "server_error" if status >= 500 else "invalid_request_error")
 
 
 def sse(obj) -> str:
@@ -202,7 +216,7 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
                 left -= 1
                 yield chunk([fmt.last(index, event[1])])
             else:
-                yield sse(S.APIError(503, event[1], "server_error").body())
+                yield sse(error_of(event).body())
                 break
         if include_usage:
             yield sse(fmt.obj(id_, server.name, [], S.usage(n_prompt, n_out), chunk=True))
@@ -215,10 +229,11 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
 
 
 # ------------------------------------------------------------------------------- endpoints
-def chat_prompt(messages: list[S.Message]) -> str:
-    """The model's input for a chat: the messages' texts joined by newlines, ending with one (the
-    checkpoints tformer trains have no chat template)."""
-    return "".join(m.text() + "\n" for m in messages)
+def chat_prompt(messages: list[S.Message], sep: str = "\n") -> str:
+    """The model's input for a chat: the messages' texts each followed by ``sep`` (a newline; see
+    :attr:`Server.chat_separator` for a vocabulary without one): the checkpoints tformer trains have
+    no chat template."""
+    return "".join(m.text() + sep for m in messages)
 
 
 async def completions(request: Request):
@@ -227,6 +242,7 @@ async def completions(request: Request):
     check_model(server, req.model)
     if req.echo and (req.stream or req.logprobs is not None):
         raise S.APIError(400, "echo is not supported with stream or logprobs; leave one of them out.", param="echo")
+    server.check_work(req.prompt, req.n)                     # before anything is encoded or allocated
     prompts = server.encode_prompts(req.prompt)
     if req.echo and len(prompts) > 1:
         raise S.APIError(400, "echo takes one prompt; send the prompts in separate requests.", param="echo")
@@ -240,11 +256,21 @@ async def chat_completions(request: Request):
     server: Server = request.app.state.server
     req = await read_json(request, server.limits.max_body_bytes, S.ChatRequest)
     check_model(server, req.model)
-    prompts = server.encode_prompts(chat_prompt(req.messages))
+    server.check_work("", req.n)
+    prompts = server.encode_prompts(chat_prompt(req.messages, server.chat_separator))
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = server.check_length(prompts, limit, None)
     fmt = ChatFormat(server, req.logprobs)
     return await run(request, server, req, prompts, fmt, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+
+
+def embedding_inputs(value) -> list:
+    """OpenAI's four spellings of ``input``: a string, strings, one token list, token lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value[0], int):
+        return [list(value)]
+    return list(value)
 
 
 async def embeddings(request: Request):
@@ -260,14 +286,21 @@ async def embeddings(request: Request):
         if req.model != name:
             raise S.APIError(404, f"The model '{req.model}' does not exist; the embedding model is '{name}'.",
                              param="model", code="model_not_found")
-        texts = [req.input] if isinstance(req.input, str) else req.input
-        if len(texts) > server.limits.max_embedding_inputs:
-            raise S.APIError(400, f"input has {len(texts)} items; send at most "
+        inputs = embedding_inputs(req.input)
+        if len(inputs) > server.limits.max_embedding_inputs:
+            raise S.APIError(400, f"input has {len(inputs)} items; send at most "
                                   f"{server.limits.max_embedding_inputs} per request.", param="input")
-        if any(not t for t in texts):
-            raise S.APIError(400, "input contains an empty string; embed non-empty text.", param="input")
-        n_tokens = sum(len(ids) for ids in encoder.tokenize(texts))
-        vectors = (await run_in_threadpool(encoder.encode, texts)).numpy().astype(np.float32)   # (N, d)
+        if any(not t for t in inputs):
+            raise S.APIError(400, "input contains an empty string or token list; embed non-empty input.", param="input")
+        if isinstance(inputs[0], str):
+            n_tokens = sum(len(ids) for ids in encoder.tokenize(inputs))
+            vectors = (await run_in_threadpool(encoder.encode, inputs)).numpy().astype(np.float32)   # (N, d)
+        else:                                                      # token ids of the embedding model's tokenizer
+            vocab = encoder.model.config.vocab_size
+            if any(not 0 <= t < vocab for ids in inputs for t in ids):
+                raise S.APIError(400, f"input token ids must be in [0, {vocab}) for {name}.", param="input")
+            n_tokens = sum(min(len(ids), encoder.max_length) for ids in inputs)
+            vectors = (await run_in_threadpool(encoder.encode_ids, inputs)).numpy().astype(np.float32)   # (N, d)
     if req.dimensions is not None and req.dimensions != vectors.shape[1]:
         raise S.APIError(400, f"dimensions={req.dimensions} is not supported; {name} gives {vectors.shape[1]}.",
                          param="dimensions")

@@ -1,7 +1,7 @@
 """The scheduler's token choice for a whole batch: each row with its own options, one host transfer.
 
 Rows differ in temperature, top-k, top-p, seed and whether they want log-probabilities. Greedy rows
-take the argmax of their logits; rows that sample are grouped by their options and drawn with
+(temperature 0, or below ``MIN_TEMPERATURE``) take the argmax of their logits; rows that sample are grouped by their options and drawn with
 :func:`tformer.generation.generate.sample`, each row from its own random generator, so a seeded
 request gets the same tokens alone or in any batch. Everything stays in tensors until ONE
 ``.tolist()`` brings the tokens (and, when some row asks, their log-probabilities) to Python.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tformer.generation.generate import sample
+from tformer.generation.generate import is_greedy, sample
 
 Tensor = torch.Tensor
 
@@ -27,7 +27,7 @@ def choose(logits: Tensor, params: list, generators: list[torch.Generator]) -> l
     picked = logits.argmax(dim=-1)                                           # (b,) greedy; sampled rows overwrite
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
-        if p.temperature != 0:
+        if not is_greedy(p.temperature):
             groups.setdefault((p.temperature, p.top_k, p.top_p if p.top_p < 1 else None), []).append(i)
     for (temperature, top_k, top_p), rows in groups.items():
         picked[rows] = sample(logits[rows], temperature, top_k, top_p, [generators[i] for i in rows])

@@ -15,14 +15,22 @@ A request joins the batch at the next step after its prefill and leaves the step
 (stop token, stop string, ``max_tokens``, the context, timeout or disconnect); its slot is free
 for the next waiting request at once. Results go back through each sequence's ``emit`` callback
 (the app turns them into SSE chunks), so the scheduler knows nothing about HTTP.
+
+**Faults.** An exception inside a step fails only the sequences that step concerns (a prefill's
+admitted prompts; a decode step's running batch): each gets ``("error", message, 500)``, its slot is
+freed, the traceback goes to stderr, ``tformer_step_errors_total`` counts it, and the loop goes on
+with the waiting requests. Only ``BaseException``s that are not ``Exception`` (interpreter exit)
+end the thread, and then every held request is told so.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -40,6 +48,10 @@ Tensor = torch.Tensor
 
 class QueueFull(Exception):
     """The waiting queue is at its limit: the client should retry later (HTTP 503)."""
+
+
+class NeverFits(ValueError):
+    """A request holds more sequences than the queue ever takes at once: retrying cannot help (HTTP 400)."""
 
 
 @dataclass
@@ -70,7 +82,7 @@ class Sequence:
     """A request's sequence: prompt, options, slot, output so far, and where to send results.
 
     ``emit(event)`` receives :class:`Token` objects, then one ``("done", finish_reason)`` or
-    ``("error", message)``. Called from the scheduler thread.
+    ``("error", message, http_status)``. Called from the scheduler thread.
     """
 
     prompt: list[int]
@@ -133,13 +145,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ called from other threads
     def submit(self, seq: Sequence) -> None:
+        self.submit_all([seq])
+
+    def submit_all(self, seqs: list[Sequence]) -> None:
+        """Queue every sequence of one request, or none: :class:`NeverFits` when there are more than
+        ``max_queue`` (no wait makes room), :class:`QueueFull` when the queue has no room now."""
+        if len(seqs) > self.max_queue:
+            raise NeverFits(f"the request needs {len(seqs)} sequences (prompts x n) and the queue holds at "
+                            f"most {self.max_queue}")
         with self.cond:
-            if self.stopping:
+            if self.stopping or not self.thread.is_alive():     # nothing would ever answer: refuse, never hang
                 raise QueueFull("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
+            if len(self.waiting) + len(seqs) > self.max_queue:
                 self.metrics.inc("tformer_rejected_total", help="requests refused because the queue was full")
-                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
-            self.waiting.append(seq)
+                raise QueueFull(f"{len(self.waiting)} of {self.max_queue} queue places are taken")
+            self.waiting.extend(seqs)
             self._gauges()
             self.cond.notify()
 
@@ -166,13 +186,11 @@ class Scheduler:
                         self.cond.wait()
                     if self.stopping:
                         break
-                self._run_jobs()
-                self._drop_finished_clients()
-                self._admit()
-                if self.running:
-                    self._decode()
-                self._gauges()
-        except BaseException as e:  # a bug: fail every request loudly rather than hang them
+                try:
+                    self._step()
+                except Exception as e:  # a bug outside a model call: fail the running batch, keep serving
+                    self._fail(list(self.running.values()), e)
+        except BaseException as e:  # the interpreter is exiting: fail every request loudly rather than hang them
             self.error = e
             raise
         finally:
@@ -181,7 +199,36 @@ class Scheduler:
                 self.running.clear()
                 self.waiting.clear()
             for seq in left:
-                seq.emit(("error", "the server is shutting down" if self.error is None else f"internal error: {self.error!r}"))
+                seq.emit(("error", "the server is shutting down" if self.error is None else
+                          f"internal error: {self.error!r}", 503))
+
+    def _step(self) -> None:
+        """One iteration: jobs, departures, admissions (one prefill), one decode step."""
+        self._run_jobs()
+        self._drop_finished_clients()
+        self._admit()
+        if self.running:
+            try:
+                self._decode()
+            except Exception as e:  # the decode step concerns every running sequence
+                self._fail(list(self.running.values()), e)
+        self._gauges()
+
+    def _fail(self, seqs: list[Sequence], error: Exception, status: int = 500) -> None:
+        """End ``seqs`` with an error event (HTTP ``status``), free their slots, report ``error``."""
+        if status >= 500:
+            print(f"tformer serve: a scheduler step failed; {len(seqs)} request(s) get a 500 and serving goes on:",
+                  file=sys.stderr)
+            traceback.print_exception(error, file=sys.stderr)
+            self.metrics.inc("tformer_step_errors_total", help="scheduler steps that raised (their requests got a 500)")
+            message = f"internal error while generating ({error!r}); the server is still up, retry the request"
+        else:
+            message = str(error)
+        for seq in seqs:
+            if seq.slot is not None and self.running.get(seq.slot) is seq:
+                self._finish(seq, None, "error")
+            seq.emit(("error", message, status))
+        self._gauges()
 
     def _run_jobs(self) -> None:
         while self.jobs:
@@ -223,14 +270,12 @@ class Scheduler:
             return
         try:
             logits = self.pool.prefill([s.slot for s in seqs], [s.prompt for s in seqs])     # (b, vocab)
-        except ValueError as e:  # bad input the server did not catch: fail these requests only
-            for seq in seqs:
-                self._finish(seq, None, "error")
-                seq.emit(("error", str(e)))
-            return
-        self.metrics.inc("tformer_prompt_tokens_total", sum(len(s.prompt) for s in seqs), help="prompt tokens prefilled")
-        self.metrics.observe("tformer_prefill_batch_size", len(seqs), BATCH_BUCKETS, help="prompts in each prefill")
-        self._take(seqs, logits)
+            self.metrics.inc("tformer_prompt_tokens_total", sum(len(s.prompt) for s in seqs),
+                             help="prompt tokens prefilled")
+            self.metrics.observe("tformer_prefill_batch_size", len(seqs), BATCH_BUCKETS, help="prompts in each prefill")
+            self._take(seqs, logits)
+        except Exception as e:  # fail these requests only (a ValueError is bad input the server did not catch)
+            self._fail([s for s in seqs if self.running.get(s.slot) is s], e, 400 if isinstance(e, ValueError) else 500)
 
     def _decode(self) -> None:
         hi = max(self.running) + 1

@@ -13,7 +13,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+INT64 = 2**63           # OpenAI's seed is a signed 64-bit integer
 
 
 class APIError(Exception):
@@ -38,16 +40,16 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr
     max_tokens: StrictInt | None = Field(default=None, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)   # not true, not "0.5"
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt | None = Field(default=None, ge=1)            # not OpenAI's; vLLM and others accept it
     n: StrictInt = Field(default=1, ge=1, le=16)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
+    presence_penalty: StrictFloat = Field(default=0.0, allow_inf_nan=False)
+    frequency_penalty: StrictFloat = Field(default=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: StrictStr | None = None
 
@@ -59,6 +61,8 @@ class _Sampling(BaseModel):
             raise ValueError("logit_bias is not supported; leave it out")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop takes at most 4 strings")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
         return self
 
     def stops(self) -> list[str]:
@@ -115,7 +119,7 @@ class ChatRequest(_Sampling):
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr
-    input: StrictStr | list[StrictStr] = Field(min_length=1)
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(min_length=1)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     user: StrictStr | None = None

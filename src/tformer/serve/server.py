@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tformer.errors import TformerError
 from tformer.serve import schemas as S
 from tformer.serve.metrics import Metrics
-from tformer.serve.scheduler import Params, QueueFull, Scheduler, Sequence
+from tformer.serve.scheduler import NeverFits, Params, QueueFull, Scheduler, Sequence
 
 PLAYGROUND = Path(__file__).parent / "playground"
 
@@ -21,6 +22,7 @@ class Limits:
     """What one request may ask for."""
 
     max_body_bytes: int = 512 * 1024
+    max_prompts: int = 64                 # prompts in one completion request
     max_queue: int = 64
     n_slots: int = 16
     request_timeout: float = 300.0
@@ -47,16 +49,47 @@ class Server:
         self.max_len = self.scheduler.max_len
         self.embedder_factory, self.embedder, self.embed_lock = embedder, None, asyncio.Lock()
         self.started = time.time()
+        self.chat_separator = self._separator()
+
+    def _separator(self) -> str:
+        """What ends each chat message: a newline, or a space (nothing at all) when the tokenizer
+        cannot encode one (a character vocabulary from a corpus without newlines)."""
+        for sep in ("\n", " "):
+            try:
+                if self.tokenizer.encode(sep):
+                    return sep
+            except (TformerError, KeyError, UnicodeError):
+                continue
+        return ""
 
     def close(self) -> None:
         self.scheduler.close()
 
     # ------------------------------------------------------------------ request -> sequences
+    def check_work(self, prompt, n: int) -> None:
+        """400 before anything is encoded or allocated when ``prompt`` (a completion request's field)
+        has more than ``max_prompts`` prompts, or prompts x ``n`` sequences can never be queued."""
+        count = 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
+        if count > self.limits.max_prompts:
+            raise S.APIError(400, f"prompt has {count} prompts; send at most {self.limits.max_prompts} per request.",
+                             param="prompt")
+        if count * n > self.limits.max_queue:
+            raise S.APIError(400, f"{count} prompt(s) x n={n} make {count * n} sequences; this server queues at most "
+                                  f"{self.limits.max_queue} at once, so send fewer prompts or a smaller n.", param="n")
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids; 400 naming the problem when the tokenizer cannot encode it."""
+        try:
+            return self.tokenizer.encode(text)
+        except (TformerError, KeyError, UnicodeError) as e:
+            why = str(e) if isinstance(e, TformerError) else f"it cannot be encoded ({e})"
+            raise S.APIError(400, f"prompt: {why}", param="prompt") from None
+
     def encode_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
+            prompts = [self.encode(prompt)]
         elif prompt and isinstance(prompt[0], str):
-            prompts = [self.tokenizer.encode(p) for p in prompt]
+            prompts = [self.encode(p) for p in prompt]
         elif prompt and isinstance(prompt[0], int):
             prompts = [list(prompt)]
         else:
@@ -100,20 +133,20 @@ class Server:
         seqs = []
         for p, ids in enumerate(prompts):
             for j in range(req.n):
-                params = Params(max_tokens, req.temperature, req.top_p, req.top_k,
-                                None if req.seed is None else req.seed + j, req.stops(), logprobs)
+                params = Params(max_tokens, req.temperature, req.top_p, req.top_k,   # int64 seeds -> [0, 2**64)
+                                None if req.seed is None else (req.seed + j) % 2**64, req.stops(), logprobs)
                 seqs.append(Sequence(ids, params, emitter(p * req.n + j), self.tokenizer, self.eos,
                                      timeout=self.limits.request_timeout))
+        if max_tokens == 0:
+            for seq in seqs:
+                seq.emit(("done", "length"))
+            return seqs, queue
         try:
-            for seq in seqs:
-                if max_tokens == 0:
-                    seq.emit(("done", "length"))
-                else:
-                    self.scheduler.submit(seq)
+            self.scheduler.submit_all(seqs)
+        except NeverFits as e:
+            raise S.APIError(400, f"This server cannot take this request ({e}); send fewer prompts or a smaller n.",
+                             param="n") from None
         except QueueFull as e:
-            for seq in seqs:
-                seq.cancel()
-            self.metrics.inc("tformer_requests_total", status="503")
             raise S.APIError(503, f"The server is full ({e}); retry later.", "server_error",
                              code="server_overloaded") from None
         return seqs, queue

@@ -19,7 +19,7 @@ from tformer.tokenizers import KINDS
 PRECISIONS = ("auto", "bf16", "fp32")
 STRATEGIES = ("ddp", "fsdp")                 # how a run under torchrun spreads over its ranks
 # On CPU, bf16 autocast pays for its casts only when the matmuls are wide enough. Measured on a 2-core
-# Xeon with AMX (benchmarks/train_shakespeare_char.py, docs/training.md): once the fused attention
+# Xeon with AMX (benchmarks/training/train_shakespeare_char.py, docs/training.md): once the fused attention
 # kernel runs in fp32 under autocast (its bf16 backward is slow), d_model=128 steps in bf16 took about
 # 0.65x the fp32 time and d_model=384 less still. So ``auto`` picks bf16 on CPU from this width up.
 AUTO_BF16_MIN_WIDTH = 128
@@ -125,17 +125,21 @@ def check_range(name: str, value, low, high, low_in: bool = True, high_in: bool 
 
 
 def check_train_settings(cfg: "TrainConfig") -> None:
-    """Every TrainConfig field's type, range and finiteness, up front, each message naming the setting."""
+    """Every TrainConfig field's type, range and finiteness, up front, each message naming the setting.
+
+    A subclass (a task's settings, e.g. ``Seq2SeqSettings``) is checked the same way: its own fields'
+    types, and the ranges of its class attribute ``RANGES`` besides :data:`TRAIN_RANGES`.
+    """
     for f in dataclasses.fields(cfg):
         value, kind = getattr(cfg, f.name), str(f.type)
         want = bool if kind.startswith("bool") else int if kind.startswith("int") else \
-            float if kind.startswith("float") else str
+            float if kind.startswith("float") else dict if kind.startswith("dict") else str
         if value is None and "None" in kind:
             continue
         if not (isinstance(value, want) or (want is float and isinstance(value, int))) or \
                 (want is int and isinstance(value, bool)):
             raise ConfigError(f"{f.name}={value!r} is not of type {want.__name__}; set it as e.g. --set {f.name}=...")
-    for name, bounds in TRAIN_RANGES.items():
+    for name, bounds in {**TRAIN_RANGES, **getattr(cfg, "RANGES", {})}.items():
         check_range(name, getattr(cfg, name), *bounds)
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"min_lr={cfg.min_lr} is above lr={cfg.lr}; set min_lr <= lr.")
@@ -173,6 +177,17 @@ def check_model_settings(settings: dict[str, Any]) -> None:
             check_range(name, value, *MODEL_RANGES[name])
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name}={value!r} must be a finite number.")
+
+
+def check_language_model(config: TransformerConfig) -> None:
+    """Refuse a model ``tformer train`` cannot train: it trains next-token (causal) language models only."""
+    if config.model == "decoder":
+        return
+    why = (f"model={config.model!r} is a sequence-to-sequence model; train it with --task seq2seq"
+           if config.model != "encoder" else
+           "causal=false makes a bidirectional encoder, which cannot be trained to predict the next token; "
+           "drop causal=false (and model=encoder) to train a language model")
+    raise ConfigError(f"tformer train trains causal language models only: {why}.")
 
 
 TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))

@@ -89,7 +89,8 @@ def resolve_corpus(data: str | None, encoding: str = "utf-8", log=None) -> list[
     ``log``, in a folder or glob (not for UTF-16/32 encodings, whose text holds NUL bytes).
 
     Raises:
-        ValueError: nothing exists at ``data`` or it names no file.
+        InputError: nothing exists at ``data``, it names no file, a file is unreadable, or the
+            files are all binary.
     """
     if data is None or data == "":
         return default_corpus_files()
@@ -186,7 +187,8 @@ def load_corpus(
         val_fraction: share of the tokens, at the end, kept for validation.
         encoding: how the files are decoded; undecodable bytes become U+FFFD and are counted.
     Raises:
-        ValueError: missing or empty corpus, a tokenizer that cannot encode it.
+        ConfigError: ``val_fraction`` outside (0, 1), or a BPE vocabulary below 256.
+        InputError: a missing or empty corpus, or a character vocabulary that cannot encode it.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"val_fraction={val_fraction} must be in (0, 1), e.g. 0.1.")

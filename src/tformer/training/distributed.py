@@ -21,11 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -35,7 +30,7 @@ import torch
 from tformer.errors import ConfigError
 from tformer.training.data import get_batch
 
-STOP_CODES = (None, "time", "term", "int")   # agreed over ranks by taking the largest code
+STOP_CODES = (None, "done", "time", "term", "int")   # agreed over ranks by taking the largest code
 
 
 def under_torchrun() -> bool:
@@ -237,28 +232,3 @@ def shutdown() -> None:
 def local_ranks() -> int:
     """Processes torchrun started on this machine (1 outside torchrun): they share its cores."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-
-
-# ---------------------------------------------------------------------- the launcher behind --nproc
-def launch(nproc: int, train_args: list[str]) -> int:
-    """Run ``tformer train <train_args>`` on ``nproc`` local ranks through torchrun; its exit status.
-
-    ``--standalone`` gives a c10d rendezvous on a free local port, and the ranks meet at 127.0.0.1 (one
-    machine: on Linux gloo is kept on the loopback interface too); no restarts, so a failing rank ends the job.
-    """
-    if nproc < 1:
-        raise ConfigError(f"--nproc {nproc} must be at least 1; pass the number of processes to start.")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--local-addr=127.0.0.1", "--max-restarts=0", "--monitor-interval=0.5", "-m", "tformer", "train",
-           *train_args]
-    env = dict(os.environ)
-    if "GLOO_SOCKET_IFNAME" not in env and any(name == "lo" for _, name in socket.if_nameindex()):
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    proc = subprocess.Popen(cmd, env=env)
-    # Ctrl-C reaches torchrun and the ranks from the terminal; this process just waits for them
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread() else None
-    try:
-        return proc.wait()
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)

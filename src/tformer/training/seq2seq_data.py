@@ -23,6 +23,7 @@ import torch
 
 from tformer.io import atomic_write
 from tformer.errors import InputError
+from tformer.training.data import is_binary
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -53,8 +54,9 @@ def number_pairs(n_train: int, n_test: int, seed: int = 0, max_digits: int = 9) 
     return pairs[:n_train], pairs[n_train:]
 
 
-def read_pairs(data: str) -> list[tuple[str, str]]:
-    """``source<TAB>target`` lines from a file, a folder (its ``*.tsv``/``*.txt``) or a glob."""
+def read_pairs(data: str, encoding: str = "utf-8") -> list[tuple[str, str]]:
+    """``source<TAB>target`` lines from a file, a folder (its ``*.tsv``/``*.txt``) or a glob, decoded
+    with ``encoding``; a binary file (NUL bytes) or one the encoding cannot decode is refused, naming it."""
     p = Path(data)
     files = sorted(p.glob("*.tsv")) + sorted(p.glob("*.txt")) if p.is_dir() else \
         ([p] if p.is_file() else [Path(f) for f in sorted(glob.glob(data))])
@@ -63,7 +65,7 @@ def read_pairs(data: str) -> list[tuple[str, str]]:
                          f"a folder of them or a glob.")
     pairs = []
     for f in files:
-        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(_read_text(f, encoding).splitlines(), 1):
             if not line.strip():
                 continue
             parts = line.split("\t")
@@ -73,6 +75,20 @@ def read_pairs(data: str) -> list[tuple[str, str]]:
     if len(pairs) < 2:
         raise InputError(f"--data {data} holds {len(pairs)} pair(s); training needs at least 2 (one held out).")
     return pairs
+
+
+def _read_text(path: Path, encoding: str) -> str:
+    if is_binary(path):
+        raise InputError(f"pairs file {path} is binary (it holds NUL bytes), not text; pass a text file of "
+                         f"source<TAB>target lines.")
+    try:
+        return path.read_text(encoding=encoding)
+    except UnicodeDecodeError as e:
+        raise InputError(f"pairs file {path} is not valid {encoding} (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}); pass its encoding with --encoding (e.g. --encoding latin-1).") from None
+    except LookupError:
+        raise InputError(f"--encoding {encoding} is not a text encoding Python knows; use e.g. utf-8 or "
+                         f"latin-1.") from None
 
 
 def split_pairs(pairs: list, test_fraction: float, seed: int = 0) -> tuple[list, list]:

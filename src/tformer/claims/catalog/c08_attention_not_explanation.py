@@ -23,6 +23,9 @@ from tformer.claims.base import Check, Claim
 from tformer.claims.common import fmt, kendall_tau, new_figure
 from tformer.config import TransformerConfig
 from tformer.models import build_model
+from tformer.training.config import TrainConfig
+from tformer.training.loop import fit
+from tformer.training.tasks.base import Task
 
 N_NEUTRAL, N_POSITIVE, N_NEGATIVE = 60, 10, 10
 VOCAB = N_NEUTRAL + N_POSITIVE + N_NEGATIVE
@@ -69,19 +72,30 @@ class AttentionClassifier(nn.Module):
         return self.pool(self.encoder(ids))
 
 
+class Sentiment(Task):
+    """Batches of 64 training sentences, step s's drawn with the seed s; binary cross-entropy."""
+
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor):
+        self.ids, self.labels = ids, labels
+
+    def batch(self, step: int):
+        rows = torch.randint(0, len(self.ids), (64,), generator=torch.Generator().manual_seed(step))
+        return self.ids[rows], self.labels[rows]                              # (64, T), (64,)
+
+    def loss(self, forward, batch) -> torch.Tensor:
+        ids, labels = batch
+        return nn.functional.binary_cross_entropy(forward(ids)[0], labels)
+
+
 def train_classifier(c: dict) -> AttentionClassifier:
+    """The classifier trained by the training loop: Adam(W) at a constant 3e-3, no weight decay, no clipping."""
     torch.manual_seed(0)
     model = AttentionClassifier(c["d_model"], c["length"])
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    ids, labels = make_data(c["train"], c["length"], seed=1)
-    for step in range(c["steps"]):
-        batch = torch.randint(0, len(ids), (64,), generator=torch.Generator().manual_seed(step))
-        p, _ = model(ids[batch])
-        loss = nn.functional.binary_cross_entropy(p, labels[batch])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    settings = TrainConfig(max_steps=c["steps"], lr=3e-3, min_lr=3e-3, warmup_steps=0, weight_decay=0.0, beta1=0.9,
+                           beta2=0.999, grad_clip=0.0, precision="fp32", device="cpu", seed=0,
+                           eval_interval=c["steps"], progress=False)
+    model, _ = fit(model, Sentiment(*make_data(c["train"], c["length"], seed=1)), settings, log=lambda message: None)
+    return model
 
 
 def importances(model: AttentionClassifier, ids: torch.Tensor):

@@ -1,0 +1,308 @@
+"""Training speed and quality on tinyshakespeare (char): tformer against nanoGPT, in the same run.
+
+    flock /tmp/tformer-bench.lock env PYTHONPATH=src python benchmarks/training/train_shakespeare_char.py
+
+nanoGPT's documented CPU configuration: 4 layers, 4 heads, d=128, context 64, batch 12, 2000
+iterations, lr 1e-3 -> 1e-4 cosine over 2000, 100 warmup, dropout 0, no biases, AdamW beta2 0.99,
+weight decay 0.1, clipping 1.0, evaluation every 250 iterations on 20 batches of each split.
+
+When ``../shared/peers/nanoGPT`` (an unmodified nanoGPT snapshot) exists, the folder is copied to a
+scratch directory, tinyshakespeare goes in as ``data/shakespeare_char/input.txt``, its own
+``prepare.py`` runs (offline: it skips the download when input.txt exists), and then its own
+``train.py`` runs with the CPU command from its README. Each round runs that command and then
+``tformer train`` at the same configuration, each as a whole subprocess: the wall time is what a
+user waits for (startup, evaluations, checkpoints included). Both use all the machine's cores
+(tformer with ``threads`` set to ``os.cpu_count()``, as torch's default that nanoGPT keeps).
+Reported: per-contender medians over the rounds, the ratio tformer / nanoGPT of the median walls,
+the val loss each prints at iteration 2000, the CPU and how busy the machine was before and after.
+When the nanoGPT folder is missing, tformer alone runs and no ratio is printed.
+
+``--large-steps N`` adds nanoGPT's shakespeare_char configuration (6 layers, 6 heads, d=384, context
+256, batch 64, dropout 0.2, which nanoGPT applies to the attention weights too, so tformer gets
+``attn_dropout=0.2``), in one process: nanoGPT's own ``model.py`` (from the scratch copy) stepped as
+its train.py steps (forward, backward, clip 1.0, AdamW as its ``configure_optimizers`` builds it),
+alternated step by step with tformer's fp32 and bf16-autocast steps, all on the same batches; one
+warm-up step each, then N timed steps each. Reported: median s/step, speed against nanoGPT fp32,
+and the training-loss curves (PNG), which should agree within seed noise.
+Goals (issue 17), stated before the runs: small config whole-command wall <= 0.6x nanoGPT's with
+val loss <= 1.89; large config tformer fp32 >= 1.2x nanoGPT fp32's speed, bf16 >= 2x.
+
+Rounds accumulate in ``benchmarks/results/training/train_shakespeare_char.json`` (``--fresh`` starts
+over), so each invocation can be one short exclusive hold (``--rounds 1``) and the report covers all
+rounds; each round records its commit and date, the report the invocation that wrote it.
+Writes benchmarks/results/training/train_shakespeare_char.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.record import Run, load_note, results_dir  # noqa: E402
+from common.record import commit  # noqa: E402
+from tformer.machine import busy_cores, cpu_info  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = results_dir("training")
+# The small configuration, in tformer's settings (nanoGPT's names in its command below).
+SMALL = dict(n_layers=4, n_heads=4, d_model=128, context_length=64, dropout=0.0, bias=False, batch_size=12,
+             lr=1e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99, weight_decay=0.1, grad_clip=1.0,
+             eval_interval=250, eval_batches=20, tokenizer="char", sample_tokens=0, progress=False, device="cpu")
+NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+                "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
+                "--n_embd=128", "--dropout=0.0"]
+LARGE = dict(n_layers=6, n_heads=6, d_model=384, context_length=256, dropout=0.2, attn_dropout=0.2, bias=False,
+             batch_size=64, lr=1e-3, beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_batches=1, tokenizer="char",
+             sample_tokens=0, progress=False, device="cpu")
+PRECISION = re.compile(r"(bfloat16|float32) on cpu")
+NAME = "train_shakespeare_char"                  # results files: <NAME>.json / .md / _large.png
+STATE = RESULTS / f"{NAME}.json"
+RUN: Run | None = None                           # this invocation, made in main()
+VAL = re.compile(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
+
+
+def find_default(*rel: str) -> Path:
+    """``../shared/<rel>`` next to the repository (or next to its parent, for a worktree)."""
+    options = [ROOT.parent / "shared" / Path(*rel), ROOT.parent.parent / "shared" / Path(*rel)]
+    return next((c for c in options if c.exists()), options[0])
+
+
+def val_at(stdout: str, step: int) -> float:
+    """The val loss a run printed at ``step`` (both programs print ``step N: train loss A, val loss B``)."""
+    found = {int(m[1]): float(m[3]) for m in VAL.finditer(stdout)}
+    if step not in found:
+        raise RuntimeError(f"no val loss printed at step {step}; output ends:\n{stdout[-2000:]}")
+    return found[step]
+
+
+def timed(cmd: list[str], cwd: str) -> tuple[float, str]:
+    """Wall seconds of one whole command, and its stdout (a failure raises with the output's tail)."""
+    t = time.perf_counter()
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+    return wall, p.stdout
+
+
+def prepare_nanogpt(peer: Path, data: str, tmp: str) -> Path:
+    """A scratch copy of the nanoGPT folder with tinyshakespeare prepared by its own prepare.py."""
+    work = Path(tmp) / "nanoGPT"
+    shutil.copytree(peer, work, ignore=shutil.ignore_patterns("out-*", "*.bin", "*.pkl", "input.txt"))
+    ds = work / "data" / "shakespeare_char"
+    shutil.copyfile(data, ds / "input.txt")
+    timed([sys.executable, "prepare.py"], str(ds))
+    return work
+
+
+def tformer_cmd(data: str, out: str, steps: int, cache: str) -> list[str]:
+    settings = {**SMALL, "max_steps": steps, "decay_steps": steps, "threads": int(os.environ["OMP_NUM_THREADS"]),
+                "cache_dir": cache,
+                "eval_interval": min(steps, SMALL["eval_interval"])}  # a smoke test with < 250 steps still evaluates
+    cmd = [sys.executable, "-m", "tformer", "train", "--data", data, "--out", out]
+    for k, v in settings.items():
+        cmd += ["--set", f"{k}={str(v).lower() if isinstance(v, bool) else v}"]
+    return cmd
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=None, help="tinyshakespeare.txt (default: ../shared/data/)")
+    ap.add_argument("--nanogpt", default=None, help="nanoGPT folder (default: ../shared/peers/nanoGPT)")
+    ap.add_argument("--steps", type=int, default=2000, help="iterations of each run (default 2000)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds, nanoGPT then tformer (default 3)")
+    ap.add_argument("--large-steps", type=int, default=0, help="timed steps of the 6L/384 config (0 = skip)")
+    ap.add_argument("--fresh", action="store_true", help="forget the rounds of earlier invocations")
+    ap.add_argument("--tag", default="", help="suffix of the results files (e.g. 1thread), to keep runs apart")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of both (default: all cores)")
+    args = ap.parse_args()
+    global STATE, NAME, RUN
+    RUN = Run(measure_load=False)
+    NAME = "train_shakespeare_char" + (f"-{args.tag}" if args.tag else "")
+    STATE = RESULTS / f"{NAME}.json"
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)           # nanoGPT keeps torch's default, which reads it
+    data = args.data or str(find_default("data", "tinyshakespeare.txt"))
+    peer = Path(args.nanogpt) if args.nanogpt else find_default("peers", "nanoGPT")
+    if not os.path.isfile(data):
+        print(f"error: {data} not found; pass --data PATH to tinyshakespeare.txt", file=sys.stderr)
+        return 2
+    have_peer = (peer / "train.py").is_file()
+    print(f"CPU: {cpu_info()}, {os.cpu_count()} cores", flush=True)
+    if not have_peer:
+        print(f"nanoGPT not found at {peer}: tformer alone runs, and no ratio is printed.", flush=True)
+    state = {"rounds": [], "large": []} if args.fresh or not STATE.exists() else json.loads(STATE.read_text())
+    tmp = tempfile.mkdtemp(prefix="tformer-bench-")
+    nano_dir = prepare_nanogpt(peer, data, tmp) if have_peer else None
+    nano_cmd = [sys.executable, "train.py", *NANOGPT_ARGS, f"--max_iters={args.steps}",
+                f"--lr_decay_iters={args.steps}"] + ([f"--eval_interval={args.steps}"] if args.steps < 250 else [])
+    cache = f"{tmp}/cache"
+    timed(tformer_cmd(data, f"{tmp}/warm", 1, cache) + ["--set", "eval_interval=1000"], str(ROOT))  # tokenise once,
+    for r in range(args.rounds):                            # as nanoGPT's prepare.py does before its timing
+        rec = {"steps": args.steps, "threads": args.threads, "busy_before": busy_cores(), "commit": commit(),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        print(load_note(rec["busy_before"]), flush=True)
+        if nano_dir is not None:
+            shutil.rmtree(nano_dir / "out-shakespeare-char", ignore_errors=True)
+            wall, out = timed(nano_cmd, str(nano_dir))
+            rec["nanoGPT"] = (wall, val_at(out, args.steps))
+            print(f"round {r + 1}: nanoGPT {wall:.1f} s, val {rec['nanoGPT'][1]:.4f}", flush=True)
+        wall, out = timed(tformer_cmd(data, f"{tmp}/run{r}", args.steps, cache), str(ROOT))
+        rec["tformer"] = (wall, val_at(out, args.steps))
+        rec["precision"] = (PRECISION.search(out) or [None, "?"])[1]
+        rec["busy_after"] = busy_cores()
+        print(f"round {r + 1}: tformer {wall:.1f} s ({rec['precision']}), val {rec['tformer'][1]:.4f}", flush=True)
+        state["rounds"].append(rec)
+        RUN.write_json(STATE, state)
+    if args.large_steps:
+        state["large"].append(run_large(data, tmp, nano_dir, args.large_steps))
+        RUN.write_json(STATE, state)
+    write_report(state, " ".join(["python", "train.py", *nano_cmd[2:]]))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def run_large(data: str, tmp: str, nano_dir: Path | None, steps: int) -> dict:
+    """s/step of the 6L/384 config, alternated step by step in one process on the same batches:
+    nanoGPT's model.py (fp32, its train.py's step) and tformer fp32 and bf16 autocast."""
+    import torch
+
+    from tformer.training.data import get_batch
+    from tformer.machine import bf16_supported
+    from tformer.training.trainer import Trainer
+
+    threads = int(os.environ["OMP_NUM_THREADS"])
+    torch.set_num_threads(threads)
+    trs = {f"tformer {p}": Trainer.create({**LARGE, "precision": p, "threads": threads, "data": data,
+                                           "out_dir": f"{tmp}/large-{p}", "cache_dir": f"{tmp}/cache"},
+                                          log=lambda m: None)
+           for p in (["fp32", "bf16"] if bf16_supported() else ["fp32"])}
+    corpus = next(iter(trs.values())).corpus
+    batch = lambda i: tuple(t.contiguous() for t in get_batch(corpus.train, LARGE["batch_size"],  # noqa: E731
+                                                             LARGE["context_length"], (7, i)))
+    steps_of = {}
+    if nano_dir is not None:
+        sys.path.insert(0, str(nano_dir))
+        from model import GPT, GPTConfig  # nanoGPT's model.py
+        torch.manual_seed(1337)
+        nano = GPT(GPTConfig(block_size=256, vocab_size=corpus.tokenizer.vocab_size, n_layer=6, n_head=6,
+                             n_embd=384, dropout=0.2, bias=False))
+        opt = nano.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+
+        def nano_step(i):
+            x, y = batch(i)
+            _, loss = nano(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(nano.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+        steps_of["nanoGPT fp32"] = nano_step
+    for name, tr in trs.items():
+        steps_of[name] = (lambda tr: lambda i: _tformer_step(tr, batch(i)))(tr)
+    times = {k: [] for k in steps_of}
+    losses = {k: [] for k in steps_of}
+    from tqdm import tqdm
+    for i in tqdm(range(steps + 1), desc="6L/384 steps (each contender)", file=sys.stderr):
+        for name, fn in steps_of.items():
+            t = time.perf_counter()
+            loss = fn(i)
+            if i > 0:                                                     # step 0 is the warm-up
+                times[name].append(time.perf_counter() - t)
+            losses[name].append(loss)
+    out = {"steps": steps, "threads": threads, "busy": busy_cores(), "s_per_step": {k: statistics.median(v) for k, v in times.items()},
+           "losses": losses}
+    print("large: " + ", ".join(f"{k} {v:.2f} s/step" for k, v in out["s_per_step"].items()), flush=True)
+    return out
+
+
+def _tformer_step(tr, xy) -> float:
+    """One tformer training step on the given batch (the trainer's own step, with its batch replaced)."""
+    import torch
+    x, y = xy
+    for group in tr.optimizer.param_groups:
+        group["lr"] = tr.cfg.lr
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tr.dtype == torch.bfloat16):
+        _, loss = tr.forward(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(tr.model.parameters(), tr.cfg.grad_clip, foreach=True)
+    tr.optimizer.step()
+    tr.optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def write_report(state: dict, nano_cmd: str) -> None:
+    rounds = [r for r in state["rounds"] if "tformer" in r]
+    lines = ["# Training benchmark: tinyshakespeare, character level, tformer and nanoGPT in the same run", "",
+             f"CPU: {cpu_info()}, {os.cpu_count()} cores (threads per table). Goals (issue 17): whole-command "
+             "wall <= 0.6x nanoGPT's with val loss <= 1.89; 6L/384 tformer fp32 >= 1.2x nanoGPT's speed, bf16 >= 2x.", ""]
+    if rounds:
+        lines += [f"## nanoGPT's CPU configuration: 4L/4H/128, context 64, batch 12, {rounds[-1]['steps']} iterations",
+                  "", f"nanoGPT command (its README's CPU run, in a scratch copy): `{nano_cmd}`. tformer: `tformer train` "
+                  "with the same settings (`precision` left at `auto`; the column says what it chose). Each round runs "
+                  "nanoGPT, then tformer, as whole commands.", "",
+                  "| round | threads | busy cores before / after | nanoGPT wall (s) | val | tformer wall (s) | precision | val | ratio |",
+                  "|---:|---:|---|---:|---:|---:|---|---:|---:|"]
+        for i, r in enumerate(rounds):
+            nano = r.get("nanoGPT")
+            ratio = f"{r['tformer'][0] / nano[0]:.2f}x" if nano else "-"
+            lines.append(f"| {i + 1} | {r.get('threads', os.cpu_count())} | {r['busy_before']:.2f} / {r['busy_after']:.2f} | "
+                         f"{nano[0] if nano else float('nan'):.1f} | {nano[1] if nano else float('nan'):.4f} | "
+                         f"{r['tformer'][0]:.1f} | {r['precision']} | {r['tformer'][1]:.4f} | {ratio} |")
+        both = [r for r in rounds if "nanoGPT" in r]
+        if both:
+            mn = statistics.median(r["nanoGPT"][0] for r in both)
+            mt = statistics.median(r["tformer"][0] for r in both)
+            ratios = sorted(r["tformer"][0] / r["nanoGPT"][0] for r in both)
+            lines += ["", f"Medians: nanoGPT {mn:.1f} s, tformer {mt:.1f} s; ratio of medians **{mt / mn:.2f}x**, "
+                          f"per-round ratios {', '.join(f'{x:.2f}' for x in ratios)} (below 1 = tformer faster)."]
+    for big in state.get("large", []):
+        sps = big["s_per_step"]
+        ref = sps.get("nanoGPT fp32")
+        lines += ["", f"## nanoGPT's shakespeare_char configuration: 6L/6H/384, context 256, batch 64, dropout 0.2 "
+                      f"(attention too); {big['steps']} steps each, {big.get('threads', os.cpu_count())} thread(s), alternated "
+                      "in one process, same batches; "
+                      f"busy cores at the end {big['busy']:.2f}", "",
+                  "| | s/step (median) | speed vs nanoGPT fp32 | train loss, first / last step | largest step-to-step rise |",
+                  "|---|---:|---:|---:|---:|"]
+        for k, v in sps.items():
+            ls = big["losses"][k]
+            rise = max(b - a for a, b in zip(ls, ls[1:]))
+            lines.append(f"| {k} | {v:.2f} | {f'{ref / v:.2f}x' if ref else '-'} | {ls[0]:.3f} / {ls[-1]:.3f} | {rise:.2f} |")
+        lines += ["", "All contenders take lr 1e-3 from the first step (no warmup), so single-step spikes are expected "
+                      "in so few steps; compare the curves' ends."]
+        _plot_losses(big["losses"])
+        lines += ["", f"Loss curves: {NAME}_large.png."]
+    lines += ["", "Reproduce (one round per exclusive hold; rounds accumulate): `flock /tmp/tformer-bench.lock env "
+                  "PYTHONPATH=src .venv/bin/python benchmarks/training/train_shakespeare_char.py --rounds 1` (first with "
+                  "`--fresh`), and `--rounds 0 --large-steps 8` for the 6L/384 table (`--rounds 0` alone rewrites this report)."]
+    RUN.write(RESULTS / f"{NAME}.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _plot_losses(losses: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for k, v in losses.items():
+        ax.plot(range(len(v)), v, label=k)
+    ax.set_xlabel("step (same batches for all)")
+    ax.set_ylabel("train loss")
+    ax.set_title("6L/384 shakespeare_char, dropout 0.2")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{NAME}_large.png", dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

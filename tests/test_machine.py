@@ -1,0 +1,67 @@
+"""tformer.machine.cpu_info: the model name and instruction sets that every benchmark result records.
+
+References: a hand-written /proc/cpuinfo excerpt (what each flag should turn into), and on this
+machine torch's own CPU dispatch level (``torch.backends.cpu.get_cpu_capability``, read by ATen from
+CPUID rather than from /proc/cpuinfo) and ``lscpu``'s model name.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tformer.machine import INSTRUCTION_SETS, cpu_info
+
+SAPPHIRE_RAPIDS = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_vnni avx_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+
+processor\t: 1
+model name\t: something else
+flags\t\t: fpu
+"""
+
+ZEN3 = """processor\t: 0
+model name\t: AMD EPYC 7763 64-Core Processor
+flags\t\t: fpu sse2 avx avx2 fma
+"""
+
+
+def test_flags_become_the_named_instruction_sets():
+    cpu = cpu_info(SAPPHIRE_RAPIDS)
+    assert cpu.model == "Intel(R) Xeon(R) Platinum 8480+"                      # the first processor's
+    assert cpu.instruction_sets == ("AVX2", "AVX-512", "AVX512_VNNI", "AVX-VNNI", "AVX512_BF16", "AMX")
+    assert str(cpu) == "Intel(R) Xeon(R) Platinum 8480+ (AVX2, AVX-512, AVX512_VNNI, AVX-VNNI, AVX512_BF16, AMX)"
+    zen = cpu_info(ZEN3)
+    assert zen.instruction_sets == ("AVX2",)
+    assert "avx512" not in str(zen).lower()
+
+
+def test_a_flag_is_matched_whole_not_as_a_prefix():
+    cpu = cpu_info("model name : x\nflags : avx512fp16 avx2_something amx_bf16\n")    # none of them is listed
+    assert cpu.instruction_sets == ()
+    assert str(cpu) == f"x (none of {', '.join(INSTRUCTION_SETS)})"
+
+
+def test_no_cpuinfo_still_names_a_model():
+    assert cpu_info("").model and cpu_info("").instruction_sets == ()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/cpuinfo is Linux's")
+def test_this_machine_agrees_with_torch_dispatch_and_lscpu():
+    cpu = cpu_info()
+    level = torch.backends.cpu.get_cpu_capability()                  # "AVX512", "AVX2", "DEFAULT", ...
+    if level == "AVX512":
+        assert {"AVX2", "AVX-512"} <= set(cpu.instruction_sets)
+    elif level == "AVX2":
+        assert "AVX2" in cpu.instruction_sets
+    if shutil.which("lscpu"):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        names = [ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.lower().startswith("model name")]
+        if names:
+            assert cpu.model == names[0]
