@@ -13,11 +13,13 @@ so the two differ by llama.cpp's rounding; this measures by how much:
                     same windows; resumable: each run works for --budget seconds and saves, so it fits
                     the benchmark lock's 5 minutes; run it again until it reports done.
 
-Results: benchmarks/results/interop/smollm2_parity.json (the data) and .md (the report), each with the
-commit, CPU and flags, threads, the load before and after, and the command.
+Results: benchmarks/results/interop/smollm2_parity.json (the data) and .md (the report), each starting
+with the record of the run that last wrote it (common/record.py); each part also keeps its own record
+(commit, CPU and instruction sets, threads, the load before and after, the command).
 
-    flock -w 900 /tmp/tformer-bench.lock timeout 300 python benchmarks/interop/smollm2_parity.py --part greedy
-    flock -w 900 /tmp/tformer-bench.lock timeout 300 python benchmarks/interop/smollm2_parity.py --part ppl
+    export PYTHONPATH=$PWD/src
+    flock -w 900 /tmp/tformer-bench.lock timeout 300 .venv/bin/python benchmarks/interop/smollm2_parity.py --part greedy
+    flock -w 900 /tmp/tformer-bench.lock timeout 300 .venv/bin/python benchmarks/interop/smollm2_parity.py --part ppl
 
 llama.cpp's CPU "extra buffer" weight repacking is switched off (``use_extra_bufts = False``): with it,
 llama-cpp-python 0.3.36 crashes (SIGSEGV) on this machine on any batch of more than one token of this
@@ -39,10 +41,12 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from machine import busy_cores, cpu_name, load_note  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.record import Run, load_note, results_dir  # noqa: E402
 
-OUT = ROOT / "benchmarks" / "results" / "interop" / "smollm2_parity"
+from tformer.machine import cpu_info  # noqa: E402
+
+OUT = results_dir("interop") / "smollm2_parity"
 TEXTS = [ROOT.parent / "shared" / "data" / "tinyshakespeare.txt", Path("/work/shared/data/tinyshakespeare.txt")]
 QUESTIONS = ["Write a short poem about the sea.", "What is the capital of France?",
              "Explain photosynthesis in one sentence.", "Give me three tips for learning to program.",
@@ -53,15 +57,10 @@ def environment(threads: int) -> dict:
     def git(*a):
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    flags = ""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
     import llama_cpp
+    cpu = cpu_info()
     return {"commit": git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain") else ""),
-            "cpu": cpu_name(), "flags": simd, "threads": threads, "torch": torch.__version__,
+            "cpu": cpu.model, "flags": list(cpu.instruction_sets), "threads": threads, "torch": torch.__version__,
             "llama_cpp": llama_cpp.__version__, "python": platform.python_version(),
             "command": " ".join([Path(sys.executable).name] + sys.argv)}
 
@@ -70,7 +69,8 @@ def llama_cpp_model(path: Path, n_ctx: int, threads: int, logits_all: bool):
     """llama.cpp on ``path`` with weight repacking off (see the module docstring)."""
     import llama_cpp
     import llama_cpp.llama as L
-    from llamacpp import LlamaCpp
+
+    from tformer.interop.llama_cpp import LlamaCpp
 
     default = llama_cpp.llama_model_default_params
 
@@ -273,18 +273,18 @@ def main() -> int:
     from tformer.tokenizers import load_chat_template, load_tokenizer
 
     torch.set_num_threads(args.threads)
+    run = Run()
     path, folder = builtin_path("smollm2"), resolve_model("smollm2")
     model, tok, template = load_model(folder).eval(), load_tokenizer(folder), load_chat_template(folder)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(OUT.with_suffix(".json").read_text()) if OUT.with_suffix(".json").is_file() else {}
-    part = {"env": environment(args.threads), "load_start": load_note(busy_cores())}
-    from tformer.io import atomic_write_json
-
+    part = {"env": environment(args.threads), "load_start": load_note(run.busy_before)}
     def save(state: dict) -> None:
+        """Both files, each with the record of this run (common/record.py); every part keeps its own too."""
         state.setdefault("load_end", "(the run was cut short)")
         data[args.part] = state
-        atomic_write_json(OUT.with_suffix(".json"), data)
-        OUT.with_suffix(".md").write_text(report(data), encoding="utf-8")
+        run.write_json(OUT.with_suffix(".json"), {k: v for k, v in data.items() if k != "recorded"})
+        run.write(OUT.with_suffix(".md"), report(data))
 
     if args.part == "greedy":
         part["rows"] = greedy(model, tok, template, path, args.threads)
@@ -294,7 +294,8 @@ def main() -> int:
             old = {}
         part.update(tokens=args.tokens, windows=old.get("windows", []))
         perplexity(model, tok, path, args.threads, part, args.budget, args.tokens, save)
-    part["load_end"] = load_note(busy_cores())
+    run.finish()
+    part["load_end"] = load_note(run.busy_after)
     save(part)
     print(report(data))
     return 0
