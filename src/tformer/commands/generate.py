@@ -21,8 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", action="store_true", help="print the text as it is produced")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the end-of-sequence token saved with the checkpoint")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8", "int4"],
-                   help="weights: fp32, bf16, fp16, or int8 / int4 weight-only linears (default: fp32)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8", "int4", "q8_0", "q4_0", "q4_1"],
+                   help="weights: fp32, bf16, fp16, int8 / int4 weight-only linears, or GGUF's q8_0 / q4_0 / q4_1 "
+                        "blocks with integer kernels (default: fp32)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole window every token (slow)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.set_defaults(func=run)
@@ -119,7 +120,8 @@ def say_float_linears(model, dtype: str) -> None:
     left, total = float_linears(model)
     if left:
         names = ", ".join(left[:4]) + (f", ... ({len(left) - 4} more)" if len(left) > 4 else "")
-        print(f"tformer generate: note: {dtype} left {len(left)} of {total} linear layers in bf16 (their input width "
+        rest = "float32" if dtype.startswith("q") else "bf16"        # the block formats keep the rest in float32
+        print(f"tformer generate: note: {dtype} left {len(left)} of {total} linear layers in {rest} (their input width "
               f"is not a multiple of {QUANT_WIDTH[dtype]}): {names}", file=sys.stderr)
 
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from tformer.errors import ConfigError
 from tformer.quant import gemv, kernels
+from tformer.quant.block_linear import BlockLinear, quantize_blocks
 
 Tensor = torch.Tensor
 
@@ -110,7 +111,7 @@ def weight_bytes(model: nn.Module) -> int:
     matrix once) and norm. Embedding lookups read one row and are left out (negligible)."""
     seen, total = set(), 0
     for m in model.modules():
-        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear, DecodeLinear, nn.LayerNorm)) or type(m).__name__ == "RMSNorm":
+        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear, DecodeLinear, BlockLinear, nn.LayerNorm)) or type(m).__name__ == "RMSNorm":
             skip = m._non_persistent_buffers_set                  # float32 copies of scales / bias
             tensors = m.decode_tensors() if hasattr(m, "decode_tensors") else \
                 list(m.parameters(recurse=False)) + [b for n, b in m.named_buffers(recurse=False) if n not in skip]
@@ -251,15 +252,16 @@ def quantize_int4(model: nn.Module, group: int = 32) -> nn.Module:
 
 
 QUANT_WIDTH = {"int8": 16, "int4": 32}   # in_features must be a multiple of this for the kernel
+QUANT_WIDTH.update({"q8_0": 32, "q4_0": 32, "q4_1": 32})   # GGUF blocks of 32 (BlockLinear)
 
 
 def float_linears(model: nn.Module) -> tuple[list[str], int]:
-    """After ``set_precision(model, "int8" | "int4")``: the names of the linear layers it left in
+    """After ``set_precision(model, "int8" | "int4" | "q8_0" | "q4_0" | "q4_1")``: the names of the linear layers it left in
     floating point (their ``in_features`` is not a multiple of :data:`QUANT_WIDTH`), and how many
     linear layers there are in all."""
     left, total = [], 0
     for name, m in model.named_modules():
-        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear)):
+        if isinstance(m, (nn.Linear, Int8Linear, Int4Linear, BlockLinear)):
             total += 1
             if isinstance(m, nn.Linear):
                 left.append(name)
@@ -277,11 +279,16 @@ def use_decode_kernels(model: nn.Module) -> nn.Module:
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16,
               "int4": torch.bfloat16}
+# GGUF block formats (tformer.quant.block_linear): the rest of the model stays float32, as llama.cpp's activations
+BLOCK_PRECISIONS = {"q8_0": torch.float32, "q4_0": torch.float32, "q4_1": torch.float32}
+PRECISIONS.update(BLOCK_PRECISIONS)
 
 
 def set_precision(model: nn.Module, precision: str, decode_kernels: bool = True) -> nn.Module:
     """Cast ``model`` for inference, in place: ``fp32``, ``bf16``, ``fp16``, ``int8`` or ``int4``
-    (weight-only int8 / int4 linear layers, everything else in bfloat16, their kernels' activation dtype).
+    (weight-only int8 / int4 linear layers, everything else in bfloat16, their kernels' activation dtype),
+    or a GGUF block format ``q8_0`` / ``q4_0`` / ``q4_1`` (:class:`BlockLinear` layers: integer block
+    products with the activations quantised to 8 bits per block of 32; everything else in float32).
 
     Args:
         decode_kernels: float linears become :class:`DecodeLinear` (faster one-row kernels).
@@ -295,6 +302,8 @@ def set_precision(model: nn.Module, precision: str, decode_kernels: bool = True)
         quantize_int8(model)
     elif precision == "int4":
         quantize_int4(model)
+    elif precision in BLOCK_PRECISIONS:
+        quantize_blocks(model, precision)
     elif decode_kernels:
         use_decode_kernels(model)
     return model

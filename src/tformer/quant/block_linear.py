@@ -1,0 +1,81 @@
+"""``nn.Linear`` with its weight in a GGUF block format (Q8_0, Q4_0, Q4_1), used as stored.
+
+The weight ``(N, K)`` is held as ggml's bytes, ``(N, K/32 · bytes)`` uint8 (:mod:`tformer.quant.blocks`),
+and never widened into a float copy: every call quantises its input rows to 8-bit blocks and runs
+the integer block products of :mod:`tformer.quant.qgemv` (AVX2, AVX-512 VNNI or portable C++,
+picked from the CPU), so a decode step reads 34 / 18 / 20 bytes per 32 weights (8.5 / 4.5 / 5
+bits a weight against bfloat16's 16). The bias stays float32.
+
+Error against the float layer: each weight is off by at most half its block's step (q8_0:
+``max|W_b| / 254``; q4_0: ``max|W_b| / 16``; q4_1: ``(max - min) / 30``) plus fp16's rounding of the
+scales, and each activation by at most half its block's step ``max|x_b| / 254``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tformer.errors import InputError
+from tformer.quant import blocks, qgemv
+
+Tensor = torch.Tensor
+
+
+class BlockLinear(nn.Module):
+    """A drop-in for ``nn.Linear`` (inference only) over block-quantised weights.
+
+    Args:
+        packed: ``(out_features, in_features/32 · BYTES[fmt])`` uint8 blocks (a GGUF tensor's bytes).
+        fmt: ``q8_0``, ``q4_0`` or ``q4_1``.
+        bias: ``(out_features,)`` float or None.
+    """
+
+    inference_only = True  # blocks, not nn.Linear's weight: tformer.checkpoint refuses to save it
+
+    def __init__(self, packed: Tensor, fmt: str, bias: Tensor | None = None):
+        super().__init__()
+        blocks.check_format(fmt)
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % blocks.BYTES[fmt]:
+            raise InputError(f"{fmt} weights must be (N, G·{blocks.BYTES[fmt]}) uint8 blocks; got "
+                             f"{packed.dtype} {tuple(packed.shape)}.")
+        self.fmt = fmt
+        self.out_features = packed.shape[0]
+        self.in_features = packed.shape[1] // blocks.BYTES[fmt] * blocks.BLOCK
+        if bias is not None and bias.shape != (self.out_features,):
+            raise InputError(f"the bias is {tuple(bias.shape)} but the weight has {self.out_features} outputs.")
+        self.register_buffer("blocks", packed.contiguous())
+        self.register_buffer("bias", bias.detach().float().contiguous() if bias is not None else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str) -> "BlockLinear":
+        """Quantise a float layer (``in_features`` a multiple of 32) with ggml's rounding."""
+        return cls(blocks.quantize(linear.weight, fmt), fmt, linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)                                           # (M, K)
+        y = qgemv.qgemm(self.blocks, self.fmt, x2, self.bias)                          # (M, N) in x's dtype
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> Tensor:
+        """The float32 weight ``(N, K)`` the blocks stand for (for checks; the layer never builds it)."""
+        return blocks.dequantize(self.blocks, self.fmt)
+
+    def decode_tensors(self) -> list[Tensor]:
+        """What one call reads: for :func:`tformer.quant.quantize.weight_bytes`."""
+        return [t for t in (self.blocks, self.bias) if t is not None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} blocks"
+
+
+def quantize_blocks(model: nn.Module, fmt: str) -> nn.Module:
+    """Replace every ``nn.Linear`` whose ``in_features`` is a multiple of 32 by a :class:`BlockLinear`
+    in ``fmt``, in place (others, such as Mamba's ``dt_proj``, stay in float); returns the model.
+    A tied LM head becomes its own quantised copy; the embedding keeps its float table."""
+    blocks.check_format(fmt)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child.in_features % blocks.BLOCK == 0:
+                setattr(module, name, BlockLinear.from_linear(child, fmt))
+    return model

@@ -1,0 +1,322 @@
+// Products of GGUF block-quantised weights (Q8_0, Q4_0, Q4_1) with activations quantised to 8-bit
+// blocks: y (M, N) = x (M, K) . W (N, K)^T [+ bias (N)], W kept as the file stores it.
+//
+// Per activation row and block of 32: a = max|x|, dx = a / 127, q = rne(x * (127 / a)) in
+// [-127, 127], s = sum q (integer). Per weight row and block: an integer dot product of the 32
+// codes, then one float multiply-add (tformer/quant/blocks.py has the formulas):
+//   q8_0: d dx sum(qw qx)        q4_0: d dx (sum(qw qx) - 8 s)        q4_1: d dx sum(qw qx) + m dx s
+// The integer sums are exact; only the float32 products and their sum over blocks round.
+//
+// Three implementations of the same arithmetic, picked at run time (path argument, see paths()):
+//   0 scalar      portable C++ (any CPU; the compiler may vectorise it for the baseline ISA);
+//   1 avx2        AVX2 + FMA + F16C: _mm256_maddubs_epi16 (u8 x s8 pairs -> s16) + _mm256_madd_epi16;
+//   2 avx512vnni  AVX-512 BW/VL/DQ + VNNI: _mm512_dpbusd_epi32 (u8 x s8 quads -> s32), 2 blocks a step.
+// The file is compiled for the baseline ISA; each SIMD path carries its own target attribute, so
+// one build runs on every x86 CPU, and __builtin_cpu_supports says which paths this one can run.
+// maddubs / dpbusd multiply unsigned by signed bytes: q8_0 uses |qw| times qx with qw's sign
+// (|-128| = 128 fits u8; 2 * 128 * 127 < 2^15, so maddubs cannot saturate), the 4-bit codes 0..15
+// are unsigned already. Output rows are split between torch's threads (at::parallel_for).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TFORMER_X86 1
+#endif
+
+namespace {
+
+enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum Path : int64_t { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
+constexpr int64_t BLOCK_BYTES[3] = {34, 18, 20};
+
+// One quantised activation row: K codes, G float scales, per block the correction -8 s (q4_0) in
+// lane 0 of 8 int32 (so a SIMD path adds it with one vector add), and dx * s (q4_1) in float.
+struct QRow {
+  const int8_t* q;
+  const float* d;
+  const int32_t* corr;  // (G, 8)
+  const float* ds;      // (G,)
+};
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Every path computes R output rows (rows w, w + stride, ...) against one activation row at a time:
+// the activation codes of a block are loaded once for the R rows, and R streams of weights are in
+// flight. F is the format (the branches on it vanish at compile time).
+using DotFn = void (*)(const uint8_t* w, int64_t stride, const QRow& x, int64_t G, float* out);
+
+// ---------------------------------------------------------------- scalar (portable) ----------
+template <int F>
+void dot_scalar(const uint8_t* w, int64_t, const QRow& x, int64_t G, float* out) {
+  constexpr int64_t bytes = BLOCK_BYTES[F];
+  float acc = 0.0f, mins = 0.0f;
+  for (int64_t g = 0; g < G; ++g, w += bytes) {
+    const int8_t* xq = x.q + 32 * g;
+    int32_t s = 0;
+    if (F == Q8_0) {
+      const int8_t* qw = reinterpret_cast<const int8_t*>(w + 2);
+      for (int k = 0; k < 32; ++k) s += int32_t(qw[k]) * xq[k];
+    } else {
+      const uint8_t* qs = w + bytes - 16;
+      for (int k = 0; k < 16; ++k) s += int32_t(qs[k] & 15) * xq[k] + int32_t(qs[k] >> 4) * xq[k + 16];
+      s += x.corr[8 * g];
+    }
+    acc += half_to_float(w) * x.d[g] * float(s);
+    if (F == Q4_1) mins += half_to_float(w + 2) * x.ds[g];
+  }
+  out[0] = acc + mins;
+}
+
+#ifdef TFORMER_X86
+// ---------------------------------------------------------------- AVX2 -----------------------
+#define T_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+T_AVX2 inline float h2f_avx2(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+T_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 16 bytes of nibbles -> 32 bytes: elements 0..15 (low nibbles) then 16..31 (high nibbles).
+T_AVX2 inline __m256i nibbles256(const uint8_t* p) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m256i b = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+  return _mm256_and_si256(b, _mm256_set1_epi8(15));
+}
+
+template <int F, int R>
+T_AVX2 void dot_avx2(const uint8_t* w, int64_t stride, const QRow& x, int64_t G, float* out) {
+  constexpr int64_t bytes = BLOCK_BYTES[F];
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  float mins[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.0f; }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * g));
+    const float xd = x.d[g];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* b = w + r * stride + g * bytes;
+      __m256i p;
+      if (F == Q8_0) {
+        __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+      } else {
+        p = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles256(b + bytes - 16), xv), ones);
+        if (F == Q4_0) p = _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + 8 * g)));
+        if (F == Q4_1) mins[r] += h2f_avx2(b + 2) * x.ds[g];
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f_avx2(b) * xd), _mm256_cvtepi32_ps(p), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]) + mins[r];
+}
+
+// ---------------------------------------------------------------- AVX-512 VNNI ---------------
+#define T_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+template <int F>
+T_VNNI inline __m512i codes512(const uint8_t* w0, const uint8_t* w1) {
+  if (F == Q8_0)
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + 2))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + 2)), 1);
+  constexpr int64_t off = BLOCK_BYTES[F] - 16;
+  return _mm512_inserti64x4(_mm512_castsi256_si512(nibbles256(w0 + off)), nibbles256(w1 + off), 1);
+}
+
+template <int F, int R>
+T_VNNI void dot_vnni(const uint8_t* w, int64_t stride, const QRow& x, int64_t G, float* out) {
+  constexpr int64_t bytes = BLOCK_BYTES[F];
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[R];
+  float mins[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm512_setzero_ps(); mins[r] = 0.0f; }
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {                                   // blocks g, g + 1 in one register
+    const __m512i xv = _mm512_loadu_si512(x.q + 32 * g);
+    const __m512i init = F == Q4_0 ? _mm512_loadu_si512(x.corr + 8 * g) : zero;
+    const float xd0 = x.d[g], xd1 = x.d[g + 1];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* b = w + r * stride + g * bytes;
+      const __m512i wv = codes512<F>(b, b + bytes);
+      __m512i p;
+      if (F == Q8_0) {
+        __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);   // qx with qw's sign
+        p = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), sx);
+      } else {
+        p = _mm512_dpbusd_epi32(init, wv, xv);
+        if (F == Q4_1) mins[r] += h2f_avx2(b + 2) * x.ds[g] + h2f_avx2(b + bytes + 2) * x.ds[g + 1];
+      }
+      const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(h2f_avx2(b) * xd0),
+                                             _mm512_set1_ps(h2f_avx2(b + bytes) * xd1));
+      acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(p), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float tail = 0.0f;
+    if (g < G) {                                                  // an odd last block: 256 bits
+      const uint8_t* b = w + r * stride + g * bytes;
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * g));
+      __m256i p;
+      if (F == Q8_0) {
+        __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      } else {
+        p = _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + 8 * g)),
+                                nibbles256(b + bytes - 16), xv);
+        if (F == Q4_1) mins[r] += h2f_avx2(b + 2) * x.ds[g];
+      }
+      tail = hsum256(_mm256_mul_ps(_mm256_set1_ps(h2f_avx2(b) * x.d[g]), _mm256_cvtepi32_ps(p)));
+    }
+    out[r] = _mm512_reduce_add_ps(acc[r]) + tail + mins[r];
+  }
+}
+#endif  // TFORMER_X86
+
+constexpr int ROWS = 4;   // rows per SIMD call
+
+// The kernel for (path, format): rows at a time (ROWS for SIMD, 1 for scalar) and one row.
+void kernels(int64_t path, int64_t fmt, DotFn& many, DotFn& one, int& rows) {
+  static const DotFn scalar[3] = {&dot_scalar<Q8_0>, &dot_scalar<Q4_0>, &dot_scalar<Q4_1>};
+  many = one = scalar[fmt];
+  rows = 1;
+#ifdef TFORMER_X86
+  static const DotFn avx2[2][3] = {{&dot_avx2<Q8_0, ROWS>, &dot_avx2<Q4_0, ROWS>, &dot_avx2<Q4_1, ROWS>},
+                                   {&dot_avx2<Q8_0, 1>, &dot_avx2<Q4_0, 1>, &dot_avx2<Q4_1, 1>}};
+  static const DotFn vnni[2][3] = {{&dot_vnni<Q8_0, ROWS>, &dot_vnni<Q4_0, ROWS>, &dot_vnni<Q4_1, ROWS>},
+                                   {&dot_vnni<Q8_0, 1>, &dot_vnni<Q4_0, 1>, &dot_vnni<Q4_1, 1>}};
+  if (path == AVX2 || path == AVX512VNNI) {
+    const auto& t = path == AVX2 ? avx2 : vnni;
+    many = t[0][fmt];
+    one = t[1][fmt];
+    rows = ROWS;
+  }
+#endif
+}
+
+bool supports(int64_t path) {
+#ifdef TFORMER_X86
+  if (path == AVX2)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (path == AVX512VNNI)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#endif
+  return path == SCALAR;
+}
+
+// The paths this CPU can run, fastest last.
+std::vector<int64_t> paths() {
+  std::vector<int64_t> out;
+  for (int64_t p : {SCALAR, AVX2, AVX512VNNI})
+    if (supports(p)) out.push_back(p);
+  return out;
+}
+
+// Activation row x (K floats) -> codes, scales, corrections (see QRow), written into the buffers.
+void quantize_row(int64_t fmt, const float* x, int64_t K, int8_t* q, float* d, int32_t* corr, float* ds) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const float* b = x + 32 * g;
+    float a = 0.0f;
+    for (int k = 0; k < 32; ++k) a = std::max(a, std::fabs(b[k]));
+    const float inv = a != 0.0f ? 127.0f / a : 0.0f;
+    int32_t s = 0;
+    for (int k = 0; k < 32; ++k) {
+      // round half to even: adding and subtracting 1.5 * 2^23 leaves the nearest integer (ties to
+      // even, the default rounding mode) for |v| <= 127: exact in IEEE float arithmetic (the build has no -ffast-math)
+      const float t = b[k] * inv;
+      const int32_t v = static_cast<int32_t>((t + 12582912.0f) - 12582912.0f);
+      q[32 * g + k] = static_cast<int8_t>(v);
+      s += v;
+    }
+    d[g] = a / 127.0f;
+    for (int k = 0; k < 8; ++k) corr[8 * g + k] = 0;
+    if (fmt == Q4_0) corr[8 * g] = -8 * s;
+    ds[g] = d[g] * static_cast<float>(s);
+  }
+}
+
+// The op: blocks (N, G * bytes) uint8, x (M, K = 32 G) float32|bf16|f16, bias (N,) float32 or
+// none, path 0|1|2. Returns y (M, N) in x's dtype.
+at::Tensor qgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                 int64_t path) {
+  TORCH_CHECK(fmt >= 0 && fmt <= 2, "qgemm: fmt must be 0 (q8_0), 1 (q4_0) or 2 (q4_1)");
+  TORCH_CHECK(path >= 0 && path <= 2 && supports(path), "qgemm: this CPU cannot run path ", path);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.device().is_cpu() && blocks.size(1) % BLOCK_BYTES[fmt] == 0,
+              "qgemm: blocks must be a contiguous CPU (N, G*", BLOCK_BYTES[fmt], ") uint8 matrix");
+  const int64_t N = blocks.size(0), G = blocks.size(1) / BLOCK_BYTES[fmt], K = 32 * G;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qgemm: x must be (M, ", K, ")");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "qgemm: bias must be contiguous float32 (N,)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "qgemm: x must be float32, bfloat16 or float16");
+  const int64_t M = x.size(0);
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * G), ds(M * G);
+  std::vector<int32_t> corr(M * G * 8);
+  const float* xp = xf.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(fmt, xp + m * K, K, q.data() + m * K, d.data() + m * G, corr.data() + m * G * 8, ds.data() + m * G);
+  });
+  at::Tensor yf = at::empty({M, N}, xf.options());
+  float* yp = yf.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+  DotFn many, one;
+  int rows;
+  kernels(path, fmt, many, one, rows);
+  // ~32 KB of weight per task (rows of one task stay in L1/L2 while every activation row passes)
+  const int64_t grain = std::max<int64_t>(ROWS, (32768 / row_bytes) / ROWS * ROWS);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float tmp[ROWS];
+    for (int64_t m = 0; m < M; ++m) {
+      const QRow row{q.data() + m * K, d.data() + m * G, corr.data() + m * G * 8, ds.data() + m * G};
+      float* out = yp + m * N;
+      int64_t n = n0;
+      for (; n + rows <= n1; n += rows) {
+        many(wp + n * row_bytes, row_bytes, row, G, tmp);
+        for (int r = 0; r < rows; ++r) out[n + r] = tmp[r] + (bp ? bp[n + r] : 0.0f);
+      }
+      for (; n < n1; ++n) {
+        one(wp + n * row_bytes, row_bytes, row, G, tmp);
+        out[n] = tmp[0] + (bp ? bp[n] : 0.0f);
+      }
+    }
+  });
+  return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tformer_qgemv, m) {
+  m.def("qgemm(Tensor blocks, int fmt, Tensor x, Tensor? bias, int path) -> Tensor");
+  m.def("paths() -> int[]");
+}
+
+TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) { m.impl("qgemm", &qgemm); }
+TORCH_LIBRARY_IMPL(tformer_qgemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); }

@@ -1,0 +1,125 @@
+"""Block-quantised products (``qgemv.cpp``), built at first use, with the path picked from the CPU.
+
+``y (M, N) = x (M, K) · Wᵀ + b`` for ``W`` in GGUF's Q8_0 / Q4_0 / Q4_1 blocks
+(:mod:`tformer.quant.blocks`): the activations are quantised to 8-bit blocks of 32, each block's
+dot product is an integer, and one float multiply-add per block scales it. Paths (the same
+arithmetic; they differ only in the float32 summation order):
+
+- ``scalar``: portable C++, any CPU (ARM included);
+- ``avx2``: AVX2 + FMA + F16C (``_mm256_maddubs_epi16``), e.g. AMD Zen 2/3, Intel since Haswell;
+- ``avx512vnni``: AVX-512 BW/VL/DQ with VNNI (``_mm512_dpbusd_epi32``), e.g. Intel since Ice Lake, Zen 4.
+
+:func:`path` is the fastest one this CPU runs (the last of ``paths()``), or
+``$TFORMER_QGEMV_PATH`` when set (tests and A/B runs force each path with it; a path the CPU
+cannot run is refused with a ConfigError). The library is compiled once per machine for the
+baseline ISA, each SIMD path carrying its own ``target`` attribute, into ``$TFORMER_CACHE``
+(default ``~/.cache/tformer``)/``qgemv-<hash>``. Where it cannot be built (no compiler,
+``TFORMER_NO_EXTENSION=1``) :func:`qgemm` computes the same arithmetic with torch
+(:func:`tformer.quant.blocks.dot`, far slower) and warns once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from tformer.errors import ConfigError
+from tformer.quant import blocks, gemv
+
+Tensor = torch.Tensor
+SOURCE = Path(__file__).with_name("qgemv.cpp")
+PATHS = ("scalar", "avx2", "avx512vnni")      # index = the op's path number
+FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+FORCED = "TFORMER_QGEMV_PATH"
+STATUS: dict[str, str] = {}                    # "state": "built" | "unavailable: <why>"
+_LOCK = threading.Lock()
+_OP: list = []
+_WARNED: list = []
+_PATHS: list = []                              # paths() once computed: the CPU does not change
+
+
+def _build():
+    if os.environ.get("TFORMER_NO_EXTENSION"):
+        raise RuntimeError("TFORMER_NO_EXTENSION is set")
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-fopenmp"]
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:12]
+    build = gemv.cache_dir() / f"qgemv-{digest}"
+    build.mkdir(parents=True, exist_ok=True)
+    if not (build / "tformer_qgemv.so").exists():
+        print(f"tformer: building the block-quantised kernels once for this machine into {build} (about a minute)",
+              file=sys.stderr, flush=True)
+    # -fopenmp: at::parallel_for is an OpenMP pragma in a header (a serial loop without it)
+    cpp_extension.load(name="tformer_qgemv", sources=[str(SOURCE)], build_directory=str(build),
+                       extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    op = torch.ops.tformer_qgemv
+
+    @torch.library.register_fake("tformer_qgemv::qgemm")
+    def _shape(blocks, fmt, x, bias, path):             # lets torch.compile trace through the op
+        return x.new_empty(x.shape[0], blocks.shape[0])
+    return op
+
+
+def load():
+    """The ``torch.ops.tformer_qgemv`` namespace, building it the first time; ``None`` when it cannot
+    be built here (the reason is in ``STATUS["state"]``)."""
+    if not _OP:
+        with _LOCK:
+            if not _OP:
+                try:
+                    _OP.append(_build())
+                    STATUS["state"] = "built"
+                except Exception as e:  # noqa: BLE001  any failure means: the torch fallback
+                    _OP.append(None)
+                    STATUS["state"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return _OP[0]
+
+
+def paths() -> tuple[str, ...]:
+    """The kernel paths this CPU runs, slowest first (``()`` when the library is not built)."""
+    if not _PATHS:
+        op = load()
+        _PATHS.append(tuple(PATHS[i] for i in op.paths()) if op is not None else ())
+    return _PATHS[0]
+
+
+def path() -> str | None:
+    """The path products use: ``$TFORMER_QGEMV_PATH`` if set, else the fastest this CPU runs;
+    ``None`` when the library is not built (the torch fallback)."""
+    here = paths()
+    forced = os.environ.get(FORCED)
+    if forced:
+        if forced not in PATHS:
+            raise ConfigError(f"{FORCED}={forced!r} is not a kernel path; choose one of {', '.join(PATHS)}.")
+        if here and forced not in here:
+            raise ConfigError(f"{FORCED}={forced!r} but this CPU runs only {', '.join(here)}: unset it or pick one of those.")
+        return forced if here else None
+    return here[-1] if here else None
+
+
+def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None) -> Tensor:
+    """``x (M, K) · Wᵀ + bias`` for ``packed (N, K/32 · bytes)`` ``fmt`` blocks: ``(M, N)`` in x's dtype.
+
+    Args:
+        kernel_path: force ``scalar`` / ``avx2`` / ``avx512vnni`` (default :func:`path`).
+        bias: float32 ``(N,)`` or None.
+    """
+    blocks.check_format(fmt)
+    op = load()
+    if op is None:
+        if not _WARNED:
+            _WARNED.append(True)
+            warnings.warn(f"tformer's block-quantised kernels are {STATUS.get('state')}; the q8_0/q4_0/q4_1 "
+                          "layers run a slow torch implementation of the same arithmetic.", stacklevel=2)
+        return blocks.dot(packed, fmt, x, bias).to(x.dtype)
+    p = kernel_path or path()
+    if p not in PATHS:
+        raise ConfigError(f"unknown kernel path {p!r}; choose one of {', '.join(PATHS)}.")
+    return op.qgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
