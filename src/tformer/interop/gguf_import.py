@@ -1,0 +1,256 @@
+"""GGUF file (llama.cpp's format) -> tformer model, tokenizer and chat template.
+
+    model = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")          # DecoderLM, float32, eval mode
+    tformer convert --from-gguf FILE.gguf --out CKPT                # a checkpoint folder with tokenizer
+
+Architectures (``general.architecture``): ``llama`` (Llama, Mistral-style, SmolLM2), ``qwen2`` and
+``gpt2``, which include every file ``tformer convert --to-gguf`` writes. The metadata becomes an HF
+``config.json`` dict and llama.cpp's tensor names become HF names, so the HF family converters
+(``tformer.interop.llama`` / ``gpt2``) build the model and refuse what they cannot express. Two
+layout changes undo what llama.cpp's ``convert_hf_to_gguf.py`` did (see ``tformer.interop.gguf``):
+
+- ``llama`` Q and K rows are stored for interleaved RoPE (dimension 2i pairs with 2i+1); tformer
+  and HF rotate halves (j pairs with j + d/2). Per head the stored row (i, half h) goes back to
+  (half h, i): ``W.reshape(heads, d/2, 2, -1).swapaxes(1, 2)``, the inverse of
+  :func:`tformer.interop.gguf.llama_rope_permute`. ``qwen2`` files are stored in rotate-half order
+  already (llama.cpp runs them with NEOX RoPE), so they are not permuted.
+- ``gpt2`` matrices are stored ``(out, in)``; HF's ``Conv1D`` wants ``(in, out)``.
+
+Every tensor is dequantised to float32 by ``gguf.quants`` (:mod:`tformer.interop.gguf_reader`).
+Metadata that tformer cannot honour is refused with one sentence naming the key: an architecture
+it does not implement, RoPE scaling, mixture-of-experts, or any ``{arch}.*`` key it does not know.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tformer.errors import CheckpointError
+from tformer.interop.gguf import CONV1D
+from tformer.interop.gguf_reader import GGUFFile
+from tformer.interop.loader import TensorSource
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2")
+# The "{arch}." keys understood; any other one is refused (it may change the maths).
+KNOWN_KEYS = {
+    "llama": {"context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
+              "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.dimension_count", "rope.freq_base",
+              "vocab_size", "attention.key_length", "attention.value_length", "rope.scaling.type",
+              "rope.scaling.factor", "expert_count", "expert_used_count"},
+    "gpt2": {"context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
+             "attention.layer_norm_epsilon", "vocab_size"},
+}
+KNOWN_KEYS["qwen2"] = KNOWN_KEYS["llama"]
+
+# llama.cpp tensor name (under blk.{i}. for layers) -> HF name (under model.layers.{i}. / transformer.h.{i}.).
+LLAMA_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+LLAMA_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+GPT2_TOP = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
+            "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+            "output.weight": "lm_head.weight"}
+GPT2_LAYER = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+              "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def llama_rope_unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp interleaved rows -> HF rotate-half rows, per head: ``(heads*d, ...)`` -> same shape."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def refuse_key(path: Path, key: str, value, why: str) -> CheckpointError:
+    return CheckpointError(f"{path}: GGUF metadata {key}={value!r} cannot be honoured: {why}")
+
+
+def architecture(f: GGUFFile) -> str:
+    arch = f.field("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise refuse_key(f.path, "general.architecture", arch, f"tformer imports {', '.join(ARCHITECTURES)} only.")
+    return arch
+
+
+def check_metadata(f: GGUFFile, arch: str) -> None:
+    """Refuse any ``{arch}.*`` key tformer does not know and the known ones it cannot implement."""
+    for key, value in f.metadata.items():
+        if key.startswith(arch + ".") and key[len(arch) + 1:] not in KNOWN_KEYS[arch]:
+            raise refuse_key(f.path, key, value, "tformer does not implement what this key describes.")
+    scaling = f.field(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise refuse_key(f.path, f"{arch}.rope.scaling.type", scaling, "tformer implements unscaled RoPE only.")
+    factor = f.field(f"{arch}.rope.scaling.factor", 1.0)
+    if factor not in (0.0, 1.0):
+        raise refuse_key(f.path, f"{arch}.rope.scaling.factor", factor, "tformer implements unscaled RoPE only.")
+    if f.field(f"{arch}.expert_count", 0):
+        raise refuse_key(f.path, f"{arch}.expert_count", f.field(f"{arch}.expert_count"),
+                         "mixture-of-experts layers are not implemented.")
+    for key in (f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"):
+        if isinstance(f.field(key), list):
+            raise refuse_key(f.path, key, f.field(key)[:4], "a different head count per layer is not implemented.")
+
+
+def hf_config(f: GGUFFile, arch: str) -> dict:
+    """The HF ``config.json`` dict the file's metadata describes."""
+    def need(key):
+        value = f.field(f"{arch}.{key}")
+        if value is None:
+            raise CheckpointError(f"{f.path}: GGUF metadata {arch}.{key} is missing; a {arch} file must have it; "
+                                  f"convert the model again with llama.cpp.")
+        return value
+
+    vocab = f.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in f.tensors else need("vocab_size")
+    tied = "output.weight" not in f.tensors
+    if arch == "gpt2":
+        return {"model_type": "gpt2", "vocab_size": vocab, "n_positions": need("context_length"),
+                "n_embd": need("embedding_length"), "n_layer": need("block_count"),
+                "n_head": need("attention.head_count"), "n_inner": need("feed_forward_length"),
+                "activation_function": "gelu_new", "layer_norm_epsilon": need("attention.layer_norm_epsilon"),
+                "tie_word_embeddings": tied}
+    d, heads = need("embedding_length"), need("attention.head_count")
+    head_dim = f.field(f"{arch}.attention.key_length", d // heads)
+    if f.field(f"{arch}.attention.value_length", head_dim) != head_dim:
+        raise refuse_key(f.path, f"{arch}.attention.value_length", f.field(f"{arch}.attention.value_length"),
+                         f"tformer needs values as wide as keys ({head_dim}).")
+    rot = f.field(f"{arch}.rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise refuse_key(f.path, f"{arch}.rope.dimension_count", rot,
+                         f"tformer rotates the whole head ({head_dim} dimensions).")
+    bias = "blk.0.attn_q.bias" in f.tensors
+    hf = {"model_type": arch, "vocab_size": vocab, "hidden_size": d, "intermediate_size": need("feed_forward_length"),
+          "num_hidden_layers": need("block_count"), "num_attention_heads": heads,
+          "num_key_value_heads": f.field(f"{arch}.attention.head_count_kv", heads), "head_dim": head_dim,
+          "max_position_embeddings": need("context_length"), "hidden_act": "silu",
+          "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
+          "rope_theta": float(f.field(f"{arch}.rope.freq_base", 10000.0)), "tie_word_embeddings": tied}
+    if arch == "llama":
+        hf.update(attention_bias=bias, mlp_bias="blk.0.ffn_up.bias" in f.tensors)
+    return hf
+
+
+def hf_name(f: GGUFFile, arch: str, name: str) -> str:
+    """The HF name of llama.cpp's tensor ``name`` (refused if it has none)."""
+    top, layer, prefix = (GPT2_TOP, GPT2_LAYER, "transformer.h.") if arch == "gpt2" else \
+        (LLAMA_TOP, LLAMA_LAYER, "model.layers.")
+    if name in top:
+        return top[name]
+    m = LAYER_NAME.match(name)
+    if m and m.group(2) in layer:
+        return f"{prefix}{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
+    raise CheckpointError(f"{f.path}: tensor {name!r} is not part of a {arch} model as tformer implements it "
+                          f"(rope_freqs.weight would mean scaled RoPE); tformer refuses to drop a weight it does "
+                          f"not understand.")
+
+
+def hf_tensors(f: GGUFFile, arch: str, hf: dict) -> dict[str, torch.Tensor]:
+    """Every tensor under its HF name, float32, in HF's layout."""
+    out = {}
+    for name in f.tensors:
+        target = hf_name(f, arch, name)
+        a = f.array(name)
+        if arch == "llama" and ".self_attn.q_proj." in target:
+            a = llama_rope_unpermute(a, hf["num_attention_heads"])
+        elif arch == "llama" and ".self_attn.k_proj." in target:
+            a = llama_rope_unpermute(a, hf["num_key_value_heads"])
+        elif arch == "gpt2" and target.endswith(CONV1D):
+            a = a.T                                         # (out, in) -> Conv1D's (in, out)
+        out[target] = torch.from_numpy(np.array(a, dtype=np.float32))   # a copy: the file is mapped read-only
+    return out
+
+
+def load_gguf(path: str | Path) -> torch.nn.Module:
+    """Load a GGUF file as a float32 :class:`~tformer.models.decoder.DecoderLM` in eval mode.
+
+    Raises:
+        CheckpointError: a malformed file, or an architecture, tensor type or metadata key that tformer
+            cannot honour (one sentence naming it).
+    """
+    return load_gguf_file(GGUFFile(path))
+
+
+def load_gguf_file(f: GGUFFile) -> torch.nn.Module:
+    from tformer.interop.hf import build_model, family
+
+    arch = architecture(f)
+    check_metadata(f, arch)
+    hf = hf_config(f, arch)
+    module = family(arch, "general.architecture")
+    config = module.config_from_hf(hf)
+    config.hf_model_type = arch
+    src = TensorSource(hf_tensors(f, arch, hf), prefix=module.PREFIX)
+    state = module.state_from_hf(src, config)
+    src.check_consumed()
+    model = build_model(config, state)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        lines = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
+        raise CheckpointError(f"{f.path}: the tensors do not fit the metadata ({(lines or [str(e)])[0]}); the "
+                              f"file is damaged.") from e
+    return model.eval()
+
+
+def gguf_tokenizer(f: GGUFFile):
+    """The file's byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``) as a
+    :class:`~tformer.tokenizers.HFTokenizer`, or ``None`` when the file has none (``none``)."""
+    from tformer.tokenizers import gguf_bpe_tokenizer
+
+    kind = f.field("tokenizer.ggml.model", "none")
+    if kind == "none":
+        return None
+    if kind != "gpt2":
+        raise refuse_key(f.path, "tokenizer.ggml.model", kind, "tformer reads byte-level BPE vocabularies ('gpt2') "
+                         "only; load the weights with load_gguf and bring the tokenizer separately.")
+    return gguf_bpe_tokenizer(
+        tokens=f.field("tokenizer.ggml.tokens"), merges=f.field("tokenizer.ggml.merges", []),
+        token_types=f.field("tokenizer.ggml.token_type"), pre=f.field("tokenizer.ggml.pre", "default"),
+        bos_id=f.field("tokenizer.ggml.bos_token_id"), add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
+        eos_id=f.field("tokenizer.ggml.eos_token_id"), add_eos=bool(f.field("tokenizer.ggml.add_eos_token", False)))
+
+
+def tokenizer_config(f: GGUFFile) -> dict:
+    """HF ``tokenizer_config.json`` fields: the chat template and the special tokens by name."""
+    tokens = f.field("tokenizer.ggml.tokens") or []
+    out = {"add_bos_token": bool(f.field("tokenizer.ggml.add_bos_token", False))}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id"),
+                      ("unk_token", "unknown_token_id")):
+        i = f.field(f"tokenizer.ggml.{key}")
+        if i is not None and 0 <= i < len(tokens):
+            out[name] = tokens[i]
+    if f.field("tokenizer.chat_template") is not None:
+        out["chat_template"] = f.field("tokenizer.chat_template")
+    return out
+
+
+def stop_token_ids(f: GGUFFile) -> list[int]:
+    """End-of-turn ids: ``eos`` and ``eot`` (llama.cpp stops at either)."""
+    ids = [f.field(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
+    return sorted({int(i) for i in ids if i is not None})
+
+
+def convert_gguf(path: str | Path, out: str | Path) -> dict:
+    """Write the checkpoint folder ``out`` (model, ``tokenizer.json``, ``tokenizer_config.json`` with the
+    chat template, end-of-sequence ids) for GGUF file ``path``; ``out`` must be new or empty.
+
+    Returns ``{"model", "tokenizer" (bool), "chat_template" (bool), "eos"}``.
+    """
+    from tformer.checkpoint import save_model
+    from tformer.io import atomic_write, atomic_write_json
+
+    f = GGUFFile(path)
+    model = load_gguf_file(f)
+    tok = gguf_tokenizer(f)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    eos = stop_token_ids(f)
+    save_model(out, model, generation={"eos_token_id": eos} if eos else None)
+    if tok is not None:
+        atomic_write(out / "tokenizer.json", lambda tmp: tok.tok.save(tmp))
+        atomic_write_json(out / "tokenizer_config.json", tokenizer_config(f))
+    return {"model": model, "tokenizer": tok is not None, "chat_template": "tokenizer.chat_template" in f.metadata,
+            "eos": eos}

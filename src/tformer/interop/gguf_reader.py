@@ -1,0 +1,194 @@
+"""Reading a GGUF file (llama.cpp's format): its metadata, its tensor table, and each tensor as float32.
+
+A GGUF file is, in order (all integers little-endian)::
+
+    magic "GGUF" | version u32 (2 or 3) | tensor count u64 | metadata count u64
+    metadata:  key (string) | value type u32 | value        (strings are u64 length + UTF-8 bytes;
+                                                              arrays are item type u32 + u64 count + items)
+    tensors:   name (string) | n_dims u32 | dims u64 x n_dims | ggml type u32 | offset u64
+    padding to ``general.alignment`` (default 32), then the tensor data, each at its offset.
+
+``dims`` lists the fastest-varying dimension first (ggml's ``ne[0]`` is the row length), so the
+numpy shape is ``dims`` reversed: a matrix stored as ``[in, out]`` is the array ``(out, in)``, the
+``nn.Linear`` weight. A quantised type packs each row in blocks of ``block_size`` values taking
+``type_size`` bytes (``gguf.GGML_QUANT_SIZES``: Q4_1 is 32 values in 20 bytes: an f16 scale d, an f16
+minimum m and 32 four-bit q, each value ``d * q + m``), so a tensor takes
+``prod(dims) / block_size * type_size`` bytes.
+
+The header is parsed here (not by ``gguf.GGUFReader``) so that every malformed file gets one
+sentence naming what is wrong: not a GGUF file, truncated, an unknown tensor type, a tensor whose
+bytes do not fit its shape (rows that are not whole blocks, data running past the end of the file
+or into the next tensor). Dequantisation is the ``gguf`` package's own (``gguf.quants.dequantize``).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tformer.errors import CheckpointError, InputError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+# The tensor types this reader turns into float32 (those gguf.quants can dequantise and published files use).
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Metadata value types: GGUFValueType id -> struct format of one item (STRING=8 and ARRAY=9 are handled apart).
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file: ``shape`` in numpy order (dims reversed), ``type`` a ggml type name."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: str
+    offset: int          # absolute, in the file
+    nbytes: int
+
+
+class _Cursor:
+    """Reads the header's values in order, refusing to run past the end of the file."""
+
+    def __init__(self, data: memoryview, path: Path):
+        self.data, self.pos, self.path = data, 0, path
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise CheckpointError(f"{self.path} ends inside its header (at byte {len(self.data):,}, reading "
+                                  f"{n:,} bytes at {self.pos:,}): the file is truncated or damaged; download it again.")
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        raw = bytes(self.take(self.scalar("<Q")))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self.path}: a string at byte {self.pos - len(raw):,} of the header is not "
+                                  f"UTF-8; the file is damaged; download it again.") from None
+
+    def value(self, kind: int, key: str):
+        if kind in SCALARS:
+            return self.scalar(SCALARS[kind])
+        if kind == STRING:
+            return self.string()
+        if kind == ARRAY:
+            item, count = self.scalar("<I"), self.scalar("<Q")
+            if count > len(self.data) - self.pos:          # every item takes at least one byte
+                self.take(count)                            # refuses: truncated
+            if item in SCALARS and item != 7:               # numbers: one vectorised read
+                fmt = SCALARS[item]
+                raw = self.take(count * struct.calcsize(fmt))
+                return np.frombuffer(raw, dtype=np.dtype(fmt)).tolist()
+            return [self.value(item, key) for _ in range(count)]
+        raise CheckpointError(f"{self.path}: metadata key {key!r} has value type {kind}, which GGUF does not "
+                              f"define; the file is damaged or from an unknown GGUF version.")
+
+
+class GGUFFile:
+    """A GGUF file opened for reading: ``metadata`` (key -> value), ``tensors`` (name -> TensorInfo).
+
+    Raises:
+        CheckpointError: the file is not GGUF, is truncated, names an unknown tensor type, or holds a
+            tensor whose bytes do not fit its shape (one sentence each, naming the tensor or key).
+    """
+
+    def __init__(self, path: str | Path):
+        try:
+            import gguf
+        except ImportError:
+            raise InputError("reading a GGUF file needs the gguf package; install it with "
+                             "`pip install 'tformer[gguf]'` (make install does).") from None
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path} is not a file; pass the path of a .gguf model file.")
+        self.raw = np.memmap(self.path, dtype=np.uint8, mode="r") if self.path.stat().st_size else np.zeros(0, np.uint8)
+        cur = _Cursor(memoryview(self.raw), self.path)
+        head = bytes(self.raw[:4])
+        if head != MAGIC:
+            raise CheckpointError(f"{self.path} is not a GGUF file (it starts with {head!r}, not {MAGIC!r}); "
+                                  f"pass a .gguf model file as llama.cpp writes them.")
+        cur.take(4)
+        version = cur.scalar("<I")
+        if version not in VERSIONS:
+            raise CheckpointError(f"{self.path} is GGUF version {version}; only versions 2 and 3 are read; "
+                                  f"convert it again with a current llama.cpp.")
+        n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+        self.metadata: dict = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.scalar("<I"), key)
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.scalar("<I")
+            if n_dims > 8:
+                raise CheckpointError(f"{self.path}: tensor {name!r} claims {n_dims} dimensions (ggml has at most "
+                                      f"4); the file is damaged; download it again.")
+            dims = [cur.scalar("<Q") for _ in range(n_dims)]
+            type_id, offset = cur.scalar("<I"), cur.scalar("<Q")
+            infos.append((name, dims, type_id, offset))
+        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise CheckpointError(f"{self.path}: general.alignment={alignment} is not a power of two; the file "
+                                  f"is damaged.")
+        self.data_start = -(-cur.pos // alignment) * alignment
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dims, type_id, offset in infos:
+            self.tensors[name] = self._info(gguf, name, dims, type_id, self.data_start + offset)
+        self._check_layout()
+
+    def _info(self, gguf, name: str, dims: list[int], type_id: int, offset: int) -> TensorInfo:
+        try:
+            qtype = gguf.GGMLQuantizationType(type_id)
+        except ValueError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has ggml type id {type_id}, which is not a known "
+                                  f"tensor type; the file is damaged or needs a newer reader.") from None
+        if qtype.name not in SUPPORTED:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is stored as {qtype.name}, which tformer cannot "
+                                  f"dequantise (it reads {', '.join(SUPPORTED)}); use a file of another type.")
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        if not dims or dims[0] % block:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(reversed(dims))} but {qtype.name} "
+                                  f"stores rows in whole blocks of {block} values; the file is damaged.")
+        nbytes = math.prod(dims) // block * size
+        return TensorInfo(name, tuple(reversed(dims)), qtype.name, offset, nbytes)
+
+    def _check_layout(self) -> None:
+        """Each tensor's bytes lie inside the file and end before the next tensor's begin."""
+        end_of_file = len(self.raw)
+        ordered = sorted(self.tensors.values(), key=lambda t: t.offset)
+        for t, after in zip(ordered, ordered[1:] + [None]):
+            limit = after.offset if after is not None else end_of_file
+            what = f"the next tensor {after.name!r} at byte {limit:,}" if after is not None else \
+                f"the end of the file at byte {end_of_file:,}"
+            if t.offset + t.nbytes > limit:
+                hint = "the file is truncated; download it again" if after is None and \
+                    t.offset + t.nbytes > end_of_file else "its shape does not match its data; the file is damaged"
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} (shape {list(t.shape)}, {t.type}) needs "
+                                      f"{t.nbytes:,} bytes from byte {t.offset:,}, past {what}: {hint}.")
+
+    def field(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+    def array(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as float32 in numpy order (``shape``), dequantised by ``gguf.quants``."""
+        import gguf
+
+        t = self.tensors[name]
+        raw = np.asarray(self.raw[t.offset:t.offset + t.nbytes])
+        qtype = gguf.GGMLQuantizationType[t.type]
+        rows = math.prod(t.shape[:-1])
+        out = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(t.shape)
