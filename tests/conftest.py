@@ -1,5 +1,8 @@
 """Shared fixtures."""
 
+import string
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,3 +55,30 @@ def smollm2(tmp_path_factory):
             os.environ.pop("TFORMER_CACHE", None)
         else:
             os.environ["TFORMER_CACHE"] = old
+
+
+def char_checkpoint(folder: Path, **config) -> Path:
+    """A random 2-layer character-level decoder saved as `tformer train` saves one (seed 0)."""
+    from tformer import DecoderLM, TransformerConfig
+    from tformer.checkpoint import save_model
+    from tformer.tokenizers import CharTokenizer
+
+    torch.manual_seed(0)
+    tok = CharTokenizer(list(string.ascii_letters + " .:\n"))
+    cfg = TransformerConfig(vocab_size=tok.vocab_size, n_heads=4, n_layers=2, context_length=64, **config)
+    save_model(folder, DecoderLM(cfg).eval())
+    tok.save(folder / "tokenizer.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mamba(tmp_path_factory):
+    """A Mamba character checkpoint (d 64, no feed-forward)."""
+    return char_checkpoint(tmp_path_factory.mktemp("mamba"), d_model=64, mixer="mamba", ffn="none",
+                           positions="none", norm="rmsnorm")
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    """An attention character checkpoint of width 40: not a multiple of 16 or 32 (quantised widths)."""
+    return char_checkpoint(tmp_path_factory.mktemp("narrow"), d_model=40)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import string
 import subprocess
 import sys
 from pathlib import Path
@@ -12,32 +11,10 @@ import pytest
 import torch
 
 import tformer
-from tformer import DecoderLM, TransformerConfig
-from tformer.checkpoint import save_model
 from tformer.cli import main
-from tformer.tokenizers import CharTokenizer
-
-CHARS = list(string.ascii_letters + " .:\n")
 
 
-def checkpoint(folder: Path, **config) -> Path:
-    torch.manual_seed(0)
-    tok = CharTokenizer(CHARS)
-    cfg = TransformerConfig(vocab_size=tok.vocab_size, n_heads=4, n_layers=2, context_length=64, **config)
-    save_model(folder, DecoderLM(cfg).eval())
-    tok.save(folder / "tokenizer.json")
-    return folder
 
-
-@pytest.fixture(scope="module")
-def mamba(tmp_path_factory):
-    return checkpoint(tmp_path_factory.mktemp("mamba"), d_model=64, mixer="mamba", ffn="none", positions="none",
-                      norm="rmsnorm")
-
-
-@pytest.fixture(scope="module")
-def narrow(tmp_path_factory):
-    return checkpoint(tmp_path_factory.mktemp("narrow"), d_model=40)      # widths 40: not a multiple of 16 or 32
 
 
 def test_a_denormal_temperature_generates_greedily(narrow, capsys):

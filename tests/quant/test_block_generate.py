@@ -3,39 +3,16 @@ note names the linears a block format left in float32 (input width not a multipl
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 import pytest
 import torch
 
-from tformer import DecoderLM, TransformerConfig
-from tformer.checkpoint import save_model
 from tformer.cli import main
-from tformer.tokenizers import CharTokenizer
 
-CHARS = list(string.ascii_letters + " .:\n")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def checkpoint(folder: Path, **config) -> Path:
-    torch.manual_seed(0)
-    tok = CharTokenizer(CHARS)
-    cfg = TransformerConfig(vocab_size=tok.vocab_size, n_heads=4, n_layers=2, context_length=64, **config)
-    save_model(folder, DecoderLM(cfg).eval())
-    tok.save(folder / "tokenizer.json")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def mamba(tmp_path_factory):
-    return checkpoint(tmp_path_factory.mktemp("mamba"), d_model=64, mixer="mamba", ffn="none", positions="none",
-                      norm="rmsnorm")
-
-
-@pytest.fixture(scope="module")
-def narrow(tmp_path_factory):
-    return checkpoint(tmp_path_factory.mktemp("narrow"), d_model=40)      # width 40: not a multiple of 32
 
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1"])

@@ -89,16 +89,23 @@ def pack_int4(q: Tensor) -> Tensor:
 def load():
     """The ``gemv(weight, x, scales=None, bias=None)`` op, building it the first time; ``None`` when
     it cannot be built or run here (the reason is in ``STATUS["state"]``)."""
-    if not _OP:
-        with _LOCK:
-            if not _OP:
+    return build_once(_build, _OP, _LOCK, STATUS)
+
+
+def build_once(build, held: list, lock: threading.Lock, status: dict[str, str]):
+    """``build()``'s result, built by the first caller only (``held`` keeps it, ``lock`` makes the
+    other threads wait); ``None`` when building fails, with the reason in ``status["state"]``: any
+    failure (no compiler, no ninja, a flag the CPU lacks) means the caller keeps its torch fallback."""
+    if not held:
+        with lock:
+            if not held:
                 try:
-                    _OP.append(_build())
-                    STATUS["state"] = "built"
+                    held.append(build())
+                    status["state"] = "built"
                 except Exception as e:  # noqa: BLE001  any failure means: keep torch's kernels
-                    _OP.append(None)
-                    STATUS["state"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return _OP[0]
+                    held.append(None)
+                    status["state"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return held[0]
 
 
 def reference_q4(q: Tensor, scales: Tensor, offsets: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:

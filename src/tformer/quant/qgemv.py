@@ -70,16 +70,7 @@ def _build():
 def load():
     """The ``torch.ops.tformer_qgemv`` namespace, building it the first time; ``None`` when it cannot
     be built here (the reason is in ``STATUS["state"]``)."""
-    if not _OP:
-        with _LOCK:
-            if not _OP:
-                try:
-                    _OP.append(_build())
-                    STATUS["state"] = "built"
-                except Exception as e:  # noqa: BLE001  any failure means: the torch fallback
-                    _OP.append(None)
-                    STATUS["state"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return _OP[0]
+    return gemv.build_once(_build, _OP, _LOCK, STATUS)
 
 
 def paths() -> tuple[str, ...]:
