@@ -15,7 +15,7 @@ import json
 import torch
 
 from tformer.generation.generate import generate
-from tformer.training.chat_data import IGNORE
+from tformer.training.chat_data import IGNORE, encode
 from tformer.training.tasks.base import Task, step_generator
 
 
@@ -47,6 +47,8 @@ class FinetuneTask(Task):
         self.questions, self.stop_ids, self.decode = questions or [], tuple(stop_ids), decode or tokenizer.decode
         mean = sum(len(x) - 1 for x, _ in train) / len(train)
         self.tokens_per_step = round(cfg.batch_size * mean)       # the mean: batches differ in length
+        # greedy answers stop after the longest reference answer's tokens and a few more (a longer one is wrong)
+        self.answer_tokens = 4 + max((len(encode(tokenizer, ref)) for _, ref in self.questions), default=44)
         self.fingerprint = hashlib.sha256(json.dumps([train, val]).encode()).hexdigest()[:16]
 
     def batch(self, step: int) -> dict:
@@ -71,7 +73,7 @@ class FinetuneTask(Task):
             out["val_loss"] = total / max(count, 1)
         if self.questions:
             out["exact_match"] = exact_match(loop.model, self.questions, self.stop_ids, self.decode,
-                                             self.pad_id, loop.device)
+                                             self.pad_id, loop.device, self.answer_tokens)
         return out
 
     def state(self) -> dict:
@@ -98,7 +100,9 @@ def answers(model, prompts: list[list[int]], stop_ids: tuple[int, ...], decode, 
     return out
 
 
-def exact_match(model, questions: list, stop_ids, decode, pad_id: int, device: str = "cpu") -> float:
-    """Share of ``(prompt ids, reference)`` whose greedy answer is the reference exactly (stripped)."""
-    got = answers(model, [p for p, _ in questions], stop_ids, decode, pad_id, device)
+def exact_match(model, questions: list, stop_ids, decode, pad_id: int, device: str = "cpu",
+                max_new_tokens: int = 48) -> float:
+    """Share of ``(prompt ids, reference)`` whose greedy answer is the reference exactly (stripped);
+    an answer longer than ``max_new_tokens`` tokens is cut there (and so wrong)."""
+    got = answers(model, [p for p, _ in questions], stop_ids, decode, pad_id, device, max_new_tokens)
     return sum(g == ref.strip() for g, (_, ref) in zip(got, questions)) / len(questions)
