@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.common.record import Run, results_dir  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.record import Run, results_dir  # noqa: E402
 
 
 def batches(vocab: int, n: int, batch: int, seq: int) -> list[torch.Tensor]:
