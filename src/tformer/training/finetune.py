@@ -352,7 +352,9 @@ def run_command(args, settings: dict) -> int:
     if summary["stopped"] in ("int", "term"):
         return 128 + (signal.SIGTERM if summary["stopped"] == "term" else signal.SIGINT)
     written = finish(loop)
-    last = [r for r in summary["history"] if "val_loss" in r or "exact_match" in r]
+    records = [json.loads(line) for line in (loop.out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+               if line.strip()]                             # the whole run's, across resumes
+    last = [r for r in records if "val_loss" in r or "exact_match" in r]
     first = last[0] if last else {}
     shown = ", ".join(f"{k.replace('_', ' ')} {first.get(k, float('nan')):.4f} -> {last[-1][k]:.4f}"
                       for k in ("val_loss", "exact_match") if last and k in last[-1])
