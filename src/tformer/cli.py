@@ -20,7 +20,8 @@ import sys
 from tformer.errors import TformerError
 
 # Subcommand modules, in the order ``tformer --help`` lists them.
-COMMANDS = ["train", "sample", "generate", "count", "convert", "embed", "claims", "plan", "sweep", "serve", "translate", "chat"]
+COMMANDS = ["train", "finetune", "sample", "generate", "chat", "count", "convert", "embed", "claims", "plan", "sweep", "serve",
+            "translate"]
 
 # OSError conditions that are the user's to fix, and the advice that goes with each.
 USER_OS_ERRORS = {

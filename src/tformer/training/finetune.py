@@ -1,0 +1,370 @@
+"""``tformer finetune``: adapt a pretrained decoder (a tformer checkpoint or a HuggingFace folder) to
+chat or text data, with LoRA (:mod:`tformer.training.lora`) or every weight, on the one training
+loop (:mod:`tformer.training.loop`): its checkpoints, exact resume, SIGTERM save, run lock and progress.
+
+A run folder holds the loop's ``ckpt/step-N`` (the whole model, base and adapters, with the optimizer
+state of the trained tensors only) and, at the end, ``adapter/`` (PEFT's LoRA format) and with
+``merge=true`` ``merged/`` (a plain tformer checkpoint with the adapters folded in, the tokenizer
+and the chat template). The chat template, the data's fingerprint and the base model are kept in
+each checkpoint's trainer state, so ``--resume`` needs nothing but the run folder and the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from tformer.checkpoint import CONFIG, POINTER, WEIGHTS, load_config, load_generation_defaults, load_model, \
+    read_pointer, resolve_checkpoint, save_model
+from tformer.errors import CheckpointError, ConfigError, InputError
+from tformer.interop.hf import load_hf
+from tformer.io import atomic_write
+from tformer.models import build_model
+from tformer.tokenizers import load_tokenizer
+from tformer.training import distributed
+from tformer.training.chat_data import ChatTemplate, chat_example, encode, number_task, read_chat, text_examples, truncate
+from tformer.training.config import TrainConfig, cast_value
+from tformer.training.lora import TARGETS, LoRASpec, add_lora, merge_lora
+from tformer.training.loop import Loop
+from tformer.training.peft_adapter import save_adapter
+from tformer.training.runlock import RunLock
+from tformer.training.runs import load_training_state
+from tformer.training.runstate import check_more_steps, check_state, start_metrics
+from tformer.training.tasks.finetune import FinetuneTask, answers
+
+METHODS = ("lora", "full")
+UNUSED = ("tokenizer", "bpe_vocab_size", "cache_dir", "sample_tokens", "sample_prompt", "strategy")
+RESUME_KEEPS = ("model", "data", "encoding", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+                "max_length", "val_fraction", "n_train", "n_test", "max_number", "seed")
+
+
+@dataclass
+class FinetuneSettings(TrainConfig):
+    """Everything ``tformer finetune`` reads (``--set key=value``): the loop's optimisation, schedule,
+    precision, checkpoint and time fields (defaults below) and the fine-tuning ones.
+
+    Args:
+        model: the base model, a tformer checkpoint / run folder or a HuggingFace folder.
+        data: chat JSONL (``.jsonl``) or plain text; ``None`` = the built-in chat numbers task.
+        method: ``lora`` (adapters, base frozen) or ``full`` (every weight).
+        lora_r, lora_alpha, lora_dropout, lora_targets: LoRA's rank, scale numerator, input dropout and
+            projections (comma-separated HF names, or ``all``).
+        max_length: tokens an example keeps (longer ones are cut).
+        val_fraction: share of the examples held out for ``val_loss``.
+        n_train, n_test, max_number: the built-in task's size and largest number.
+        eval_exact: held-out questions answered greedily for ``exact_match`` at each evaluation
+            (the built-in task; 0 = none).
+        merge: also write ``merged/``, the model with the adapters folded in.
+    """
+
+    model: str | None = None
+    out_dir: str | None = "runs/finetune"
+    method: str = "lora"
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str = "q_proj,v_proj"
+    max_length: int = 256
+    val_fraction: float = 0.05
+    n_train: int = 2000
+    n_test: int = 100
+    max_number: int = 9999
+    eval_exact: int = 100
+    merge: bool = False
+    batch_size: int = 8
+    max_steps: int = 200
+    warmup_steps: int = 10
+    lr: float = 2e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    eval_interval: int = 50
+    eval_batches: int = 4
+    log_interval: int = 5
+    seed: int = 0
+
+    RANGES = {"lora_r": (1, None, True, True), "lora_alpha": (0.0, None, False, True),
+              "lora_dropout": (0.0, 1.0, True, False), "max_length": (2, None, True, True),
+              "val_fraction": (0.0, 1.0, True, False), "n_train": (1, None, True, True),
+              "n_test": (1, None, True, True), "max_number": (1, None, True, True), "eval_exact": (0, None, True, True)}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.method not in METHODS:
+            raise ConfigError(f"method={self.method!r} is not known; choose lora or full.")
+        self.lora_spec()
+
+    def lora_spec(self) -> LoRASpec:
+        targets = TARGETS if self.lora_targets.strip() == "all" else \
+            tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        return LoRASpec(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=targets)
+
+    @classmethod
+    def from_strings(cls, values: dict[str, Any]) -> "FinetuneSettings":
+        own = [f.name for f in dataclasses.fields(cls) if f.name not in UNUSED]
+        out = {}
+        for key, value in values.items():
+            if key not in own:
+                raise ConfigError(f"unknown setting {key!r} for tformer finetune; valid keys are: "
+                                  f"{', '.join(sorted(own))}.")
+            out[key] = cast_value(key, value, schema=cls)
+        return cls(**out)
+
+
+# ---------------------------------------------------------------------------------------- the base model
+def load_base(path: str) -> tuple[torch.nn.Module, Any, ChatTemplate, tuple[int, ...]]:
+    """``(model, tokenizer, chat template, stop ids)`` of a tformer checkpoint / run folder or a HF folder."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise InputError(f"--model {path} is not a folder; pass a tformer checkpoint (tformer convert --out) "
+                         f"or a HuggingFace model folder.")
+    if (folder / CONFIG).is_file() or (folder / POINTER).is_file():
+        ckpt = resolve_checkpoint(folder)
+        model, eos = load_model(ckpt), load_generation_defaults(ckpt).get("eos_token_id")
+        tokenizer = load_tokenizer(ckpt)
+    elif (folder / "config.json").is_file():
+        ckpt, model = folder, load_hf(folder)
+        tokenizer = load_tokenizer(folder / "tokenizer.json")
+        eos = None
+        for name in ("generation_config.json", "config.json"):
+            if (folder / name).is_file() and eos is None:
+                eos = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
+    else:
+        raise InputError(f"--model {path} is neither a tformer checkpoint ({CONFIG}) nor a HuggingFace folder "
+                         f"(config.json).")
+    template = read_template(Path(ckpt))
+    stops = [eos] if isinstance(eos, int) else list(eos or [])
+    for special in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", template.eos_token):
+        tid = token_id(tokenizer, special)
+        if tid is not None and tid not in stops:
+            stops.append(tid)
+    return model, tokenizer, template, tuple(stops)
+
+
+def token_id(tokenizer, text: str | None) -> int | None:
+    inner = getattr(tokenizer, "tok", None)
+    return inner.token_to_id(text) if text and inner is not None and hasattr(inner, "token_to_id") else None
+
+
+def read_template(folder: Path) -> ChatTemplate:
+    """The folder's chat template (``chat_template.jinja``, else ``tokenizer_config.json``'s), else ChatML."""
+    cfg = {}
+    if (folder / "tokenizer_config.json").is_file():
+        try:
+            cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise CheckpointError(f"{folder}/tokenizer_config.json is not JSON ({e}); restore it.") from None
+
+    def text(v):
+        return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+    source = cfg.get("chat_template")
+    if isinstance(source, list):                      # named templates: take the default one
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    if (folder / "chat_template.jinja").is_file():
+        source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    return ChatTemplate(source or ChatTemplate.source, text(cfg.get("bos_token")), text(cfg.get("eos_token")))
+
+
+# ---------------------------------------------------------------------------------------- the data
+def load_examples(s: FinetuneSettings, tokenizer, template: ChatTemplate, stops) -> tuple[list, list, list]:
+    """``(train, val, questions)``: examples and, for the built-in task, held-out questions."""
+    questions = []
+    if s.data is None:
+        train_convs, test_convs = number_task(s.n_train, s.n_test, s.max_number, s.seed)
+        val = [truncate(chat_example(c, template, tokenizer), s.max_length) for c in test_convs]
+        questions = [(prompt_ids(template, c[:1], tokenizer), c[1]["content"]) for c in test_convs[:s.eval_exact]]
+        train = [truncate(chat_example(c, template, tokenizer), s.max_length) for c in train_convs]
+        return train, val, questions
+    path = Path(s.data)
+    if not path.is_file():
+        raise InputError(f"--data {s.data} is not a file; pass a chat .jsonl file or a plain-text file.")
+    if path.suffix in (".jsonl", ".json"):
+        examples = [truncate(chat_example(c, template, tokenizer), s.max_length) for c in read_chat(path, s.encoding)]
+        examples = [e for e in examples if any(t != -100 for t in e[1][1:])]
+        if not examples:
+            raise InputError(f"no conversation of {path} keeps an answer token within max_length={s.max_length}; "
+                             f"raise max_length.")
+    else:
+        try:
+            examples = text_examples(path.read_text(encoding=s.encoding), tokenizer, s.max_length)
+        except UnicodeDecodeError as e:
+            raise InputError(f"{path} is not {s.encoding} text ({e.reason}); pass --set encoding=...") from None
+    order = list(range(len(examples)))
+    random.Random(s.seed).shuffle(order)
+    n_val = min(len(examples) - 1, round(len(examples) * s.val_fraction)) if s.val_fraction else 0
+    return [examples[i] for i in order[n_val:]], [examples[i] for i in order[:n_val]], questions
+
+
+def prompt_ids(template: ChatTemplate, messages: list[dict], tokenizer) -> list[int]:
+    """The tokens a model answering ``messages`` is given: the conversation, then the assistant header
+    (tokenised piece by piece, as :func:`chat_example` does for training)."""
+    done = template.render(messages)
+    return chat_example(messages, template, tokenizer)[0] + \
+        encode(tokenizer, template.render(messages, add_generation_prompt=True)[len(done):])
+
+
+# ---------------------------------------------------------------------------------------- the run
+class FinetuneLoop(Loop):
+    """The one loop, reading its LoRA checkpoints back itself: a step folder's ``model.safetensors``
+    holds the base and the adapters, which :func:`tformer.checkpoint.load_model` (a base model) refuses."""
+
+    def resume(self, folder: Path, state: dict, opt_state: dict | None) -> None:
+        from safetensors.torch import load_file
+        if opt_state is None:
+            raise CheckpointError(f"{folder} is sharded; tformer finetune resumes single-process checkpoints only.")
+        weights = load_file(str(folder / WEIGHTS))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise CheckpointError(f"{folder}/{WEIGHTS} does not fit this run's model: missing {sorted(missing)[:3]}, "
+                                  f"unexpected {sorted(unexpected)[:3]}; resume with the run's own settings.")
+        self.optimizer.load_state_dict(opt_state["optimizer"])
+        torch.set_rng_state(opt_state["torch_rng"])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.elapsed, self.best_val = state["elapsed_s"], state["best_val_loss"]
+        self.saved_step = state["step"]
+
+
+def prepare(s: FinetuneSettings, log: Callable[[str], None] = print, resume: bool = False,
+            given: set[str] | None = None) -> FinetuneLoop:
+    """A new or resumed run, every check done (settings, model, data, run folder) before a step."""
+    if distributed.under_torchrun():
+        raise ConfigError("tformer finetune trains in one process; run it without torchrun.")
+    out = Path(s.out_dir or "runs/finetune")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file, not a folder; pass a folder for the run.")
+    lock = RunLock(out)
+    try:
+        loop = _resume(out, s, log, given or set()) if resume else _new(out, s, log)
+    except BaseException:
+        lock.release()
+        raise
+    loop.lock = lock
+    return loop
+
+
+def _new(out: Path, s: FinetuneSettings, log) -> FinetuneLoop:
+    if (pointer := read_pointer(out, missing_ok=True)) is not None:
+        raise InputError(f"{out} already holds a checkpoint (step {pointer['step']}); pass --resume to continue it, "
+                         f"or choose another --out to start a new run.")
+    if s.model is None:
+        raise ConfigError("tformer finetune needs --model: a tformer checkpoint or a HuggingFace model folder.")
+    model, tokenizer, template, stops = load_base(s.model)
+    torch.manual_seed(s.seed)
+    if s.method == "lora":
+        add_lora(model, s.lora_spec())
+    loop = _loop(model, tokenizer, template, stops, s, out, log)
+    start_metrics(out, None)
+    return loop
+
+
+def _loop(model, tokenizer, template, stops, s, out, log) -> FinetuneLoop:
+    train, val, questions = load_examples(s, tokenizer, template, stops)
+    pad = stops[0] if stops else 0
+    task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops)
+    base_state = task.state
+
+    def state() -> dict:      # what resume needs beyond the weights
+        return {**base_state(), "chat_template": dataclasses.asdict(template), "stop_ids": list(stops)}
+
+    task.state = state
+    loop = FinetuneLoop(model.train(), task, s, out_dir=out, log=log,
+                        resume_hint=f"tformer finetune --resume --out {out}")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"{s.method}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters trained; "
+        f"{len(train)} training / {len(val)} held-out examples" + (f", {len(questions)} questions" if questions else ""))
+    return loop
+
+
+def _resume(out: Path, s: FinetuneSettings, log, given: set[str]) -> FinetuneLoop:
+    if not out.is_dir() or read_pointer(out, missing_ok=True) is None:
+        raise InputError(f"nothing to resume: {out} holds no checkpoint; drop --resume to start a run.")
+    folder = resolve_checkpoint(out)
+    state, opt_state = load_training_state(folder)
+    check_state(state, opt_state, folder)
+    saved = state["train_config"]
+    if "method" not in saved:
+        raise CheckpointError(f"{out} is not a tformer finetune run; resume it with the command that made it.")
+    asked = {k: getattr(s, k) for k in given if k != "out_dir"}
+    changed = {k: v for k, v in asked.items() if k in RESUME_KEEPS and v != saved.get(k)}
+    if changed:
+        raise ConfigError(f"the checkpoint in {folder} was made with "
+                          f"{', '.join(f'{k}={saved.get(k)!r}' for k in changed)}, but this run asks for "
+                          f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}; resume with the original settings.")
+    fields = {f.name for f in dataclasses.fields(FinetuneSettings)}
+    s = FinetuneSettings(**{**{k: v for k, v in saved.items() if k in fields}, **asked, "out_dir": str(out)})
+    check_more_steps(out, state["step"], s.max_steps)
+    config, _ = load_config(folder)
+    model = build_model(config)
+    if s.method == "lora":
+        add_lora(model, s.lora_spec())
+    template = ChatTemplate(**state["chat_template"])
+    loop = _loop(model, load_tokenizer(folder), template, tuple(state["stop_ids"]), s, out, log)
+    if loop.task.fingerprint != state["corpus_fingerprint"]:
+        raise InputError(f"the data {s.data or '(built-in task)'} differs from what the checkpoint in {folder} was "
+                         f"trained on; resume with the original --data or start a new run with another --out.")
+    loop.resume(folder, state, opt_state)
+    start_metrics(out, loop.step)
+    log(f"resumed {out} at step {loop.step} from {folder}")
+    return loop
+
+
+def finish(loop: FinetuneLoop) -> dict:
+    """After the run: ``adapter/`` (LoRA) and, with ``merge``, ``merged/``; a summary."""
+    s, out, model = loop.cfg, loop.out_dir, loop.model
+    written = {}
+    if s.method == "lora":
+        written["adapter"] = str(save_adapter(model, out / "adapter", base_model=s.model))
+    if s.merge or s.method == "full":
+        merged = out / "merged"
+        plain = merge_lora(_copy(model)) if s.method == "lora" else model
+        save_model(merged, plain, generation={"eos_token_id": list(loop.task.stop_ids)})
+        loop.task.tokenizer.save(merged / "tokenizer.json")
+        template = loop.task.state()["chat_template"]["source"]
+        atomic_write(merged / "chat_template.jinja", lambda tmp: Path(tmp).write_text(template, encoding="utf-8"))
+        written["merged"] = str(merged)
+    return written
+
+
+def _copy(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+    return copy.deepcopy(model)
+
+
+def run_command(args, settings: dict) -> int:
+    """``tformer finetune``'s body (after the argument parsing in :mod:`tformer.commands.finetune`)."""
+    given = set(settings)
+    s = FinetuneSettings.from_strings(settings)
+    loop = prepare(s, log=lambda m: print(m, flush=True), resume=args.resume, given=given)
+    try:
+        summary = loop.fit()
+    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving this step
+        print(f"\naborted; the last complete checkpoint (step {loop.saved_step}) is kept.", file=sys.stderr)
+        return 130
+    if summary["stopped"] in ("int", "term"):
+        return 128 + (signal.SIGTERM if summary["stopped"] == "term" else signal.SIGINT)
+    written = finish(loop)
+    records = [json.loads(line) for line in (loop.out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+               if line.strip()]                             # the whole run's, across resumes
+    last = [r for r in records if "val_loss" in r or "exact_match" in r]
+    first = last[0] if last else {}
+    shown = ", ".join(f"{k.replace('_', ' ')} {first.get(k, float('nan')):.4f} -> {last[-1][k]:.4f}"
+                      for k in ("val_loss", "exact_match") if last and k in last[-1])
+    print(f"\nfine-tuned {summary['step']} steps ({loop.elapsed:.0f} s); {shown}; "
+          + "; ".join(f"{k} in {v}" for k, v in written.items()), flush=True)
+    if loop.task.questions:
+        prompts = loop.task.questions[:3]
+        got = answers(loop.model.eval(), [p for p, _ in prompts], loop.task.stop_ids, loop.task.decode,
+                      loop.task.pad_id, loop.device)
+        for (_, ref), g in zip(prompts, got):
+            print(f"  {g!r} (reference {ref!r})")
+    return 0
+

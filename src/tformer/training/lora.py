@@ -1,0 +1,198 @@
+"""LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models") on a decoder's linears.
+
+A frozen projection ``y = x W^T + b`` (``W: (out, in)``) learns a low-rank update per adapted slice
+of its output rows ``[s, e)``:
+
+    y[..., s:e] += (alpha / r) · B · A · dropout(x)       A: (r, in) (Kaiming-uniform), B: (e - s, r) (zeros)
+
+so at initialisation the model is exactly the base model. tformer fuses q, k and v into one
+``qkv_proj`` (rows ``[0, q) [q, q+kv) [q+kv, q+2kv)``), so "LoRA on q and v" is one adapter per
+slice of the fused output: each slice's ``A`` and ``B`` are the ``lora_A`` / ``lora_B`` of PEFT's
+separate ``q_proj`` / ``v_proj`` and map onto them one to one (:mod:`tformer.training.peft_adapter`).
+The slices' ``A`` matrices are stacked into one matmul; each slice then has its own ``B``.
+
+:func:`merge_lora` folds ``(alpha / r) · B · A`` into ``W[s:e]`` and gives back plain ``nn.Linear``.
+Targets are named as HuggingFace's Llama modules (``q_proj k_proj v_proj o_proj gate_proj up_proj
+down_proj``), the names PEFT's ``target_modules`` use; :func:`lora_sites` maps them to tformer's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tformer.errors import ConfigError
+from tformer.interop.llama import LAYER, QKV
+
+# The HF Llama projections LoRA can adapt (``all`` = every one).
+TARGETS = QKV + tuple(h.split(".")[-2] for _, h in LAYER if h.endswith("proj.weight"))
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """Where and how big: ``targets`` (HF names, see :data:`TARGETS`), rank ``r``, ``alpha`` (the
+    update is scaled by ``alpha / r``, or ``alpha / sqrt(r)`` with ``rslora``) and ``dropout`` on the
+    adapter's input."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ConfigError(f"lora_r={self.r} must be at least 1; use e.g. --set lora_r=8.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora_dropout={self.dropout} must be in [0, 1); use e.g. --set lora_dropout=0.05.")
+        bad = [t for t in self.targets if t not in TARGETS]
+        if bad or not self.targets:
+            raise ConfigError(f"LoRA target(s) {bad or '(none)'} are not known; choose among {', '.join(TARGETS)} "
+                              f"(comma-separated), or 'all'.")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear (``weight (out, in)``, ``bias``, the wrapped ``nn.Linear``'s own tensors under the
+    same names, so a checkpoint's base keys are unchanged) plus one adapter per output slice.
+
+    Args:
+        base: the linear to adapt; its parameters are frozen.
+        slices: adapter name (the HF module, e.g. ``q_proj``) -> ``(start, stop)`` output rows.
+    """
+
+    def __init__(self, base: nn.Linear, slices: dict[str, tuple[int, int]], spec: LoRASpec):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.requires_grad_(False)
+        self.slices = dict(sorted(slices.items(), key=lambda kv: kv[1]))
+        self.r, self.scale = spec.r, spec.scale
+        self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        device, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = nn.ParameterDict({n: nn.Parameter(torch.empty(spec.r, self.in_features, device=device, dtype=dtype))
+                                        for n in self.slices})
+        self.lora_B = nn.ParameterDict({n: nn.Parameter(torch.zeros(e - s, spec.r, device=device, dtype=dtype))
+                                        for n, (s, e) in self.slices.items()})
+        for a in self.lora_A.values():
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))      # PEFT's (and nn.Linear's) init; B = 0
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """``(alpha / r) · B · A``: ``(e - s, in)``, the update of rows ``slices[name]``."""
+        return self.scale * (self.lora_B[name] @ self.lora_A[name])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)                                    # (..., out)
+        names = list(self.slices)
+        z = F.linear(self.dropout(x), torch.cat([self.lora_A[n] for n in names]))  # (..., r · len(names))
+        parts, pos = [], 0
+        for i, n in enumerate(names):
+            s, e = self.slices[n]
+            if s > pos:
+                parts.append(y[..., pos:s])
+            parts.append(y[..., s:e] + self.scale * F.linear(z[..., i * self.r:(i + 1) * self.r], self.lora_B[n]))
+            pos = e
+        if pos < self.out_features:
+            parts.append(y[..., pos:])
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def merged(self) -> nn.Linear:
+        """A plain ``nn.Linear`` whose weight is ``W`` plus every slice's update."""
+        out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            w = self.weight.detach().clone()
+            for n, (s, e) in self.slices.items():
+                w[s:e] += self.delta_weight(n).to(w.dtype)
+            out.weight.copy_(w)
+            if self.bias is not None:
+                out.bias.copy_(self.bias)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, r={self.r}, scale={self.scale:g}, " \
+               f"slices={self.slices}"
+
+
+def lora_sites(model: nn.Module, targets: tuple[str, ...]) -> dict[str, dict[str, tuple[int, int]]]:
+    """tformer module path -> {HF module name: output rows}, for each block of a decoder.
+
+    The HF name is the full one under the Llama model (``layers.{i}.self_attn.q_proj``); its last part
+    keys the adapter inside the :class:`LoRALinear`."""
+    c = model.config
+    if c.model != "decoder" or c.mixer != "attention" or not hasattr(model, "blocks"):
+        raise ConfigError(f"LoRA adapts decoders of softmax attention (Llama-family layout); this model is a "
+                          f"{c.model} with mixer {c.mixer!r}. Fine-tune it with --method full.")
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    rows = dict(zip(QKV, ((0, q), (q, q + kv), (q + kv, q + 2 * kv))))
+    sites: dict[str, dict[str, tuple[int, int]]] = {}
+    for i in range(c.n_layers):
+        fused = {f"layers.{i}.self_attn.{t}": rows[t] for t in QKV if t in targets}
+        if fused:
+            sites[f"blocks.{i}.attn.qkv_proj"] = fused
+        for ours, hf in LAYER:
+            short = hf.split(".")[-2]
+            if short in targets:
+                module = model.get_submodule(f"blocks.{i}.{ours.rsplit('.', 1)[0]}")
+                sites[f"blocks.{i}.{ours.rsplit('.', 1)[0]}"] = {
+                    f"layers.{i}.{hf.rsplit('.', 1)[0]}": (0, module.out_features)}
+    return sites
+
+
+def add_lora(model: nn.Module, spec: LoRASpec, sites: dict[str, dict[str, tuple[int, int]]] | None = None) -> nn.Module:
+    """Freeze every parameter of ``model`` and put a :class:`LoRALinear` on each site (in place;
+    ``model`` is returned). ``sites`` default: :func:`lora_sites` of ``spec.targets``. Adapter keys
+    inside a module are the HF module's last name (``q_proj``); :func:`hf_names` gives the full ones."""
+    sites = lora_sites(model, spec.targets) if sites is None else sites
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for path, slices in sites.items():
+        parent, _, leaf = path.rpartition(".")
+        holder = model.get_submodule(parent)
+        base = getattr(holder, leaf)
+        if isinstance(base, LoRALinear):
+            raise ConfigError(f"{path} has LoRA adapters already; merge them (merge_lora) before adding new ones.")
+        setattr(holder, leaf, LoRALinear(base, {hf.rsplit(".", 1)[-1]: rows for hf, rows in slices.items()}, spec))
+    model.lora_spec = spec
+    return model
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """tformer module path -> its :class:`LoRALinear`."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def hf_names(path: str, adapter: str) -> str:
+    """The HF module (under ``model.``) of adapter ``adapter`` of tformer module ``path``:
+    ``blocks.3.attn.qkv_proj`` + ``v_proj`` -> ``layers.3.self_attn.v_proj``."""
+    i = path.split(".")[1]
+    if adapter in QKV:
+        return f"layers.{i}.self_attn.{adapter}"
+    ours = path.split(".", 2)[2] + ".weight"
+    hf = dict(LAYER)[ours]
+    return f"layers.{i}.{hf.rsplit('.', 1)[0]}"
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its weight (in place): each :class:`LoRALinear` becomes the plain
+    ``nn.Linear`` of :meth:`LoRALinear.merged`; the result is the base model's architecture."""
+    for path, module in lora_modules(model).items():
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, module.merged())
+    if hasattr(model, "lora_spec"):
+        del model.lora_spec
+    return model
+
+
+def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The trainable adapter tensors, by state-dict name."""
+    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}

@@ -1,0 +1,116 @@
+"""LoRA adapters in PEFT's folder format, both ways, for Llama-family decoders.
+
+A PEFT LoRA folder is ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``,
+``target_modules``, ...) and ``adapter_model.safetensors`` whose keys name the HF modules under
+``PeftModel``'s wrapper:
+
+    base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight     (r, in)
+    base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight     (out, r)
+
+tformer's adapter ``q_proj`` on the fused ``blocks.{i}.attn.qkv_proj`` is exactly that pair (see
+:mod:`tformer.training.lora`), so saving and loading renames tensors and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tformer.errors import CheckpointError
+from tformer.interop.llama import PREFIX
+from tformer.io import atomic_write, atomic_write_json
+from tformer.training.lora import LoRASpec, add_lora, hf_names, lora_modules, lora_sites
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+WRAPPER = "base_model.model."                      # PeftModel -> LoraModel -> the HF model
+KEY = re.compile(rf"^{re.escape(WRAPPER + PREFIX)}(layers\.\d+\.(?:self_attn|mlp)\.\w+)\.lora_([AB])\.weight$")
+
+
+def save_adapter(model: nn.Module, folder: str | Path, base_model: str | None = None) -> Path:
+    """Write ``model``'s adapters as a PEFT LoRA folder (atomically, file by file); the folder."""
+    from safetensors.torch import save_file
+
+    spec: LoRASpec = getattr(model, "lora_spec", None)
+    modules = lora_modules(model)
+    if spec is None or not modules:
+        raise CheckpointError("this model has no LoRA adapters to save; fine-tune it with --method lora first.")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, m in modules.items():
+        for name in m.slices:
+            key = WRAPPER + PREFIX + hf_names(path, name)
+            tensors[f"{key}.lora_A.weight"] = m.lora_A[name].detach().contiguous().cpu()
+            tensors[f"{key}.lora_B.weight"] = m.lora_B[name].detach().contiguous().cpu()
+    atomic_write(folder / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    atomic_write_json(folder / CONFIG, {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": spec.r, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "use_rslora": spec.rslora,
+        "target_modules": sorted(spec.targets), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+        "init_lora_weights": True, "use_dora": False, "revision": None})
+    return folder
+
+
+def read_adapter(folder: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
+    """``(spec, tensors)`` of a PEFT LoRA folder; refuses what tformer's LoRA does not compute
+    (DoRA, biases, per-module ranks, extra trained modules), naming the field."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
+        raise CheckpointError(f"{folder} is not a PEFT adapter folder: it needs {CONFIG} and {WEIGHTS} "
+                              f"(PeftModel.save_pretrained writes both).")
+    try:
+        cfg = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+        tensors = load_file(str(folder / WEIGHTS))
+    except Exception as e:  # json / safetensors errors
+        raise CheckpointError(f"cannot read the adapter in {folder}: {e}; restore it or save it again.") from None
+    refusals = [("peft_type", "LORA"), ("bias", "none"), ("use_dora", False), ("fan_in_fan_out", False),
+                ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {})]
+    for key, want in refusals:
+        if cfg.get(key, want) not in (want, None if want == {} else want):
+            raise CheckpointError(f"{folder}/{CONFIG} has {key}={cfg[key]!r}; tformer loads plain LoRA adapters "
+                                  f"only ({key}={want!r}).")
+    found = {}
+    for key, t in tensors.items():
+        m = KEY.match(key)
+        if m is None:
+            raise CheckpointError(f"{folder}/{WEIGHTS} holds {key!r}, which is not a LoRA matrix of a Llama-family "
+                                  f"projection; tformer loads adapters on q/k/v/o/gate/up/down_proj only.")
+        found[(m.group(1), m.group(2))] = t
+    targets = sorted({name.rsplit(".", 1)[-1] for name, _ in found})
+    r = int(cfg.get("r", 8))
+    spec = LoRASpec(r=r, alpha=float(cfg.get("lora_alpha", r)), dropout=float(cfg.get("lora_dropout") or 0.0),
+                    targets=tuple(targets), rslora=bool(cfg.get("use_rslora", False)))
+    return spec, {f"{name}.lora_{ab}": t for (name, ab), t in found.items()}
+
+
+def load_adapter(model: nn.Module, folder: str | Path) -> nn.Module:
+    """Put the adapters of a PEFT LoRA folder on ``model`` (a tformer decoder without adapters; in
+    place, returned). Only the layers and projections the file has get adapters."""
+    spec, tensors = read_adapter(folder)
+    wanted = {name for name in (k.rsplit(".", 1)[0] for k in tensors)}
+    sites = {path: {hf: rows for hf, rows in slices.items() if hf in wanted}
+             for path, slices in lora_sites(model, spec.targets).items()}
+    sites = {p: s for p, s in sites.items() if s}
+    if len({hf for s in sites.values() for hf in s}) != len(wanted):
+        missing = sorted(wanted - {hf for s in sites.values() for hf in s})
+        raise CheckpointError(f"the adapter in {folder} adapts {missing[:3]}, which this model does not have "
+                              f"(another number of layers?); load it onto the model it was trained for.")
+    add_lora(model, spec, sites)
+    with torch.no_grad():
+        for path, m in lora_modules(model).items():
+            for name in m.slices:
+                hf = hf_names(path, name)
+                for ab, holder in (("A", m.lora_A), ("B", m.lora_B)):
+                    t = tensors[f"{hf}.lora_{ab}"]
+                    if t.shape != holder[name].shape:
+                        raise CheckpointError(f"{folder}: {hf}.lora_{ab} has shape {tuple(t.shape)} but this model "
+                                              f"needs {tuple(holder[name].shape)}; load it onto its own base model.")
+                    holder[name].copy_(t)
+    return model
