@@ -74,3 +74,17 @@ def test_a_huggingface_tokenizer_json_loads_as_is(tmp_path):
     assert tok.vocab_size == 3 and tok.kind == "tokenizers"
     assert tok.encode("hello world") == hf.encode("hello world").ids == [0, 1]
     assert tok.decode([1, 0]) == hf.decode([1, 0])
+
+
+def test_a_chat_template_in_its_own_file_is_found_and_converted_along(tmp_path):
+    """transformers 5 saves the template as chat_template.jinja, not in tokenizer_config.json."""
+    from tformer.commands.convert import copy_side_files
+    from tformer.tokenizers import load_chat_template
+
+    hf, ours = tmp_path / "hf", tmp_path / "ckpt"
+    hf.mkdir(), ours.mkdir()
+    (hf / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    assert load_chat_template(ours) is None
+    assert "chat_template.jinja" in copy_side_files(hf, ours)
+    template = load_chat_template(ours)
+    assert template is not None and template.render([{"role": "user", "content": "hi"}]).startswith("<user>hi")

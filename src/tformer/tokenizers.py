@@ -272,16 +272,20 @@ class ChatTemplate:
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
 def load_chat_template(folder: str | os.PathLike) -> ChatTemplate | None:
-    """The chat template saved with a checkpoint (``tokenizer_config.json``'s ``chat_template``), or ``None``."""
-    path = Path(folder) / TOKENIZER_CONFIG
-    if not path.is_file():
+    """The chat template saved with a checkpoint, or ``None``: ``chat_template.jinja`` (where
+    transformers 5 writes it) or else ``tokenizer_config.json``'s ``chat_template``."""
+    path, jinja = Path(folder) / TOKENIZER_CONFIG, Path(folder) / CHAT_TEMPLATE_FILE
+    if not path.is_file() and not jinja.is_file():
         return None
     try:
-        conf = json.loads(path.read_text(encoding="utf-8"))
+        conf = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except ValueError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); restore it or convert the model again.") from None
-    source = conf.get("chat_template")
+    source = jinja.read_text(encoding="utf-8") if jinja.is_file() else conf.get("chat_template")
     if isinstance(source, list):               # HF allows named templates: take the default one
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
     if not isinstance(source, str):

@@ -26,7 +26,7 @@ from tformer.errors import InputError
 
 # Files that travel with the weights unchanged (tokenizer, sentence-transformers settings).
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-              "merges.txt", "sentence_bert_config.json", "modules.json", "1_Pooling/config.json")
+              "merges.txt", "chat_template.jinja", "sentence_bert_config.json", "modules.json", "1_Pooling/config.json")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
