@@ -164,3 +164,16 @@ def test_interactive_chat_in_a_terminal(smollm2, tmp_path):
         assert "[exited 0]" in term.screen(), term.screen()
     finally:
         term.close()
+
+
+def test_generate_takes_the_built_in_model(smollm2, capsys):
+    """`tformer generate --model smollm2` continues plain text with the real weights (greedy)."""
+    assert main(["generate", "--model", "smollm2", "--prompt", "The capital of France is", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_generate_needs_exactly_one_model(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x"])
+    assert "--ckpt" in capsys.readouterr().err

@@ -31,9 +31,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser, prompt_default: str | None = None, top_k_default: int | None = None) -> None:
     """The arguments ``generate`` and ``sample`` share."""
-    p.add_argument("--ckpt", metavar="DIR", required=True,
-                   help="run folder (--out of tformer train) or checkpoint folder "
-                        "(tformer_config.json, model.safetensors, tokenizer.json)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--ckpt", metavar="DIR",
+                       help="run folder (--out of tformer train) or checkpoint folder "
+                            "(tformer_config.json, model.safetensors, tokenizer.json)")
+    which.add_argument("--model", metavar="NAME|FILE",
+                       help="a built-in model (smollm2: SmolLM2-135M-Instruct) or a .gguf file, converted once "
+                            "and cached")
     p.add_argument("--prompt", required=prompt_default is None, default=prompt_default,
                    help="the text to continue" + (f" (default: {prompt_default!r})" if prompt_default else ""))
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="most tokens to generate (default: 200)")
@@ -72,6 +76,7 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     """Generate; with ``echo`` the prompt is printed before its continuation."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
     from tformer.generation.text import generate_text, stream_text
+    from tformer.interop.builtin import resolve_model
     from tformer.quant.quantize import QUANT_WIDTH, set_precision
     from tformer.tokenizers import load_tokenizer
 
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     check_options(args)
     if threads is not None:
         torch.set_num_threads(threads)
-    folder = resolve_checkpoint(args.ckpt)
+    folder = resolve_model(args.model) if getattr(args, "model", None) else resolve_checkpoint(args.ckpt)
     model = set_precision(load_model(folder).eval(), dtype)
     if dtype in QUANT_WIDTH:
         say_float_linears(model, dtype)
