@@ -122,3 +122,18 @@ def test_bahdanau_checks_fail_without_alignment_or_gain():
     bucket = [{"lengths": "1-10", "bleu": 50.0}, {"lengths": ">10", "bleu": 40.0}]
     m = {"models": {"bahdanau": {"tau": 0.0, "by_length": bucket}, "rnn-encoder-decoder": {"by_length": bucket}}}
     assert verdict_of(claim.checks(m)) == "not reproduced"
+
+
+def test_pre_post_ln_gradients_use_the_analysis_setting_and_its_checks_can_fail():
+    from tformer.claims.catalog import c05_pre_post_ln as c05
+
+    config = c05.CLAIM.sizes["quick"]
+    cfg = c05._analysis_config("post", config, 3)
+    assert (cfg.d_ff, cfg.activation, cfg.tie_embeddings) == (cfg.d_model, "relu", False)
+    claim = get_claims(["pre-vs-post-ln"])[0]
+    flat = {"grads": {"post": [1.0, 1.0, 1.0], "pre": [1.0, 0.2, 0.1]}, "depths": [2, 4],
+            "last_by_depth": {"post": [1.0, 5.0], "pre": [1.0, 1.0]}, "lr": 5e-3,
+            "runs": {"pre, no warm-up": {"val_loss": 2.5, "losses": []},
+                     "post, no warm-up": {"val_loss": 2.2, "losses": []},
+                     "post, warm-up": {"val_loss": 2.9, "losses": []}}}
+    assert verdict_of(claim.checks(flat)) == "not reproduced"
