@@ -70,7 +70,7 @@ def test_scripts_write_results_through_the_record_helper():
     """A script that writes a result file uses common/record.py (``Run(...).write`` / ``write_json``),
     so the file records commit, CPU, load and command; none writes results with a bare write_text."""
     for p in scripts():
-        if p.parent.name == "common" or p.name == "mamba_tasks.py":
+        if p.parent.name == "common":
             continue
         text = p.read_text(encoding="utf-8")
         assert "from common.record import" in text, f"{p.relative_to(ROOT)} does not use benchmarks/common/record.py"
@@ -85,5 +85,4 @@ def test_no_test_imports_a_benchmark_script():
         text = p.read_text(encoding="utf-8")
         if re.search(r"sys\.path\.\w+\([^)]*benchmarks", text) or re.search(r"^\s*(from|import) benchmarks\b", text, re.M):
             offenders.append(str(p.relative_to(ROOT)))
-    offenders = [o for o in offenders if o != "tests/training/test_mamba_tasks.py"]   # moves with mamba_tasks.py
     assert not offenders, f"these tests import benchmark scripts: {offenders}; move what they need into the library"

@@ -123,6 +123,8 @@ def test_quick_run_of_every_claim_writes_the_report_and_caches(claims_report):
         assert by_name[name]["verdict"] == "reproduced", by_name[name]["checks"]
     assert by_name["kv-cache-gqa"]["checks"][0]["passed"]                  # bytes = 2·L·n·h_kv·d·4
     assert by_name["flash-memory"]["checks"][-1]["passed"]                 # exact in float64
+    crossover = by_name["kv-cache-crossover"]["checks"]
+    assert crossover[0]["passed"] and crossover[1]["passed"]                # allocation = formula, n* = P/(2·L·h_kv·d·b)
     html = (out / "index.html").read_text(encoding="utf-8")
     assert html.count('<section class="claim"') == len(results["claims"])
     assert html.count("data:image/png;base64,") == len(results["claims"])

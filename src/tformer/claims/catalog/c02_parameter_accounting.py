@@ -1,11 +1,20 @@
-"""Claim 2: a layer holds 4d² in attention and 8d² in the MLP (Kaplan et al., 2020, Table 1).
+"""Claim 2: a layer holds 4d² in attention and 8d² in the MLP (Kaplan et al., 2020, Table 1); h heads
+of width d/h cost what one head of width d costs (Vaswani et al. 2017, §3.2.2).
 
 Measured on built models, not from the formula: a model with two layers minus the same model with one
 layer is exactly one layer's parameters; within it, the parameters named for the attention
 projections and for the feed-forward are summed separately, and what is left must be the two norms.
+
+Multi-head cost: one attention layer of width d with h = 1, 4, 16 heads, its forward pass's FLOPs counted
+by ``torch.utils.flop_counter`` (the math backend, whose matrix products the counter sees) on (B, n, d)
+inputs, against the closed form 2·B·n·4d² (the four projections) + 2·2·B·n²·d (QKᵀ and AV over all heads:
+h · n² · d/h = n²·d), which does not depend on h.
 """
 
 from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from tformer.accounting import count_parameters
 from tformer.claims.base import Check, Claim
@@ -36,10 +45,27 @@ def layer_parameters(d: int, n_heads: int, n_kv_heads: int) -> dict:
             "mlp": mlp, "rest": layer - attention - mlp, "accounting_layer": acc.layers // acc.n_layers}
 
 
+def head_costs(d: int, n: int, batch: int, heads: list[int]) -> list[dict]:
+    """Parameters and counted forward FLOPs of one attention layer of width ``d`` per head count."""
+    out = []
+    for h in heads:
+        config = TransformerConfig(d_model=d, n_heads=h, n_layers=1, bias=False, vocab_size=256, context_length=n,
+                                   attention_backend="math")
+        attn = build_model(config).blocks[0].attn
+        x = torch.randn(batch, n, d)                                             # (B, n, d)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            attn(x)
+        out.append({"h": h, "params": sum(p.numel() for p in attn.parameters()), "flops": counter.get_total_flops(),
+                    "formula": 2 * batch * n * 4 * d * d + 4 * batch * n * n * d})
+    return out
+
+
 def run(config: dict, progress) -> dict:
     mha = [layer_parameters(d, max(1, d // 64), max(1, d // 64)) for d in progress(config["widths"], "widths")]
     gqa = [layer_parameters(d, h, kv) for d, h, kv in config["gqa"]]
-    return {"mha": mha, "gqa": gqa}
+    c = config["heads"]
+    return {"mha": mha, "gqa": gqa, "heads": head_costs(c["d"], c["n"], c["batch"], c["counts"]),
+            "heads_shape": c}
 
 
 def checks(m: dict) -> list[Check]:
@@ -56,6 +82,11 @@ def checks(m: dict) -> list[Check]:
         Check("the rest of a layer is its two norm gains (2d), and the accounting module agrees",
               all(r["rest"] == 2 * r["d"] and r["accounting_layer"] == r["layer"] for r in mha + gqa),
               ", ".join(f"d={r['d']}: rest {r['rest']}" for r in mha)),
+        Check("multi-head costs what single-head costs: the same parameters and counted FLOPs for every head count, "
+              "equal to 2·B·n·4d² + 4·B·n²·d",
+              len({(r["params"], r["flops"]) for r in m["heads"]}) == 1
+              and all(r["flops"] == r["formula"] for r in m["heads"]),
+              ", ".join(f"h={r['h']}: {r['params']:,} params, {r['flops']:,} FLOPs" for r in m["heads"])),
     ]
 
 
@@ -68,6 +99,11 @@ def rows(m: dict) -> list[tuple[str, str, str]]:
     for r in m["gqa"]:
         out.append((f"GQA attention, d = {r['d']}, h = {r['n_heads']}, h_kv = {r['n_kv_heads']}",
                     "2d² + 2d²·h_kv/h", f"{r['attention'] / r['d'] ** 2:g}d²"))
+    hs = m["heads_shape"]
+    out.append((f"attention FLOPs, d = {hs['d']}, n = {hs['n']}, B = {hs['batch']}, h = "
+                + " / ".join(str(r["h"]) for r in m["heads"]),
+                "the same for every h (§3.2.2: 'similar to that of single-head attention with full dimensionality')",
+                " / ".join(f"{r['flops']:,}" for r in m["heads"])))
     return out
 
 
@@ -87,14 +123,19 @@ def plot(m: dict):
 CLAIM = Claim(
     name="parameter-accounting", order=2, title="A layer is 12d²: 4d² attention, 8d² MLP",
     sentence="An attention layer holds 4d² parameters (W_Q, W_K, W_V, W_O) and the MLP 8d², two thirds of "
-             "the 12d² a layer holds; grouped-query attention shrinks W_K and W_V by h_kv/h.",
+             "the 12d² a layer holds; grouped-query attention shrinks W_K and W_V by h_kv/h; and h heads of width "
+             "d/h cost what one head of width d costs.",
     source="Kaplan et al. 2020, Scaling Laws for Neural Language Models, Table 1 (N ≈ 12·n_layer·d² with "
-           "d_attn = d, d_ff = 4d); Ainslie et al. 2023 for GQA",
+           "d_attn = d, d_ff = 4d); Ainslie et al. 2023 for GQA; Vaswani et al. 2017 §3.2.2 for the heads",
     published=[("attention parameters per layer", "4·d·d_attn = 4d²"),
                ("feed-forward parameters per layer", "2·d·d_ff = 8d²"),
-               ("per layer", "12d² (biases and norms neglected)")],
-    sizes={"quick": {"widths": [64, 128, 256, 512], "gqa": [[256, 8, 2], [256, 8, 1]]},
-           "full": {"widths": [64, 128, 256, 512, 1024, 2048], "gqa": [[512, 8, 2], [512, 8, 1], [1024, 16, 4]]}},
+               ("per layer", "12d² (biases and norms neglected)"),
+               ("Vaswani §3.2.2", "with d_k = d_v = d/h, the total cost is similar to single-head attention at "
+                                  "full dimensionality")],
+    sizes={"quick": {"widths": [64, 128, 256, 512], "gqa": [[256, 8, 2], [256, 8, 1]],
+                     "heads": {"d": 256, "n": 64, "batch": 2, "counts": [1, 4, 16]}},
+           "full": {"widths": [64, 128, 256, 512, 1024, 2048], "gqa": [[512, 8, 2], [512, 8, 1], [1024, 16, 4]],
+                    "heads": {"d": 1024, "n": 512, "batch": 2, "counts": [1, 2, 4, 8, 16, 64]}}},
     run=run, checks=checks, rows=rows, plot=plot,
     notes="Bias-free layers (biases would add O(d)); heads of width 64. The counts come from the built models' "
           "parameters, selected by name; the accounting module's formula is only compared.",

@@ -5,9 +5,15 @@ states and changes nothing else, f(P x) = P f(x). With learned positions it does
 (b) RoPE rotates q at position p and k at position r so that their dot product depends on p - r only:
 shifting both by s changes no score. A decoder with RoPE (or ALiBi) gives the same logits when every
 position is shifted by s; with sinusoidal positions added to the embedding it does not (control).
+(c) Vaswani et al. §3.5: for any fixed offset k, PE(p + k) is a linear function of PE(p): the rotation of
+each (sin, cos) pair by k·ω_i, one orthogonal matrix M_k built from k and the frequencies alone (not from
+the table), the same at every position; the best linear map of a table of random (learned-like) vectors
+misses (control).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -53,6 +59,33 @@ def rope_shift_error(head_dim: int, shifts: list[int], seed: int) -> dict:
     return out
 
 
+def rotation(dim: int, k: int, base: float = 10000.0) -> torch.Tensor:
+    """M_k of §3.5 from the frequencies alone, ω_i = base^(-2i/dim): block i maps (sin pω_i, cos pω_i) to
+    (sin (p+k)ω_i, cos (p+k)ω_i) = [[cos kω_i, sin kω_i], [-sin kω_i, cos kω_i]] (sin pω_i, cos pω_i). (dim, dim)."""
+    m = torch.zeros(dim, dim, dtype=torch.float64)
+    for i in range(dim // 2):
+        c, s = math.cos(k * base ** (-2 * i / dim)), math.sin(k * base ** (-2 * i / dim))
+        m[2 * i, 2 * i], m[2 * i, 2 * i + 1], m[2 * i + 1, 2 * i], m[2 * i + 1, 2 * i + 1] = c, s, -s, c
+    return m
+
+
+def linear_map_error(dim: int, offsets: list[int], length: int, seed: int) -> dict:
+    """Per offset k: max |M_k PE(p) - PE(p + k)| over p < length with M_k from :func:`rotation` (the same
+    matrix at every p), and max |M_k M_kᵀ - I|; control: the residual of the best linear map (least
+    squares, in sample) of a table of random vectors, relative to its scale."""
+    table = sinusoidal_table(length + max(offsets), dim).double()              # (L, dim)
+    g = torch.Generator().manual_seed(seed)
+    random = torch.randn(length + max(offsets), dim, generator=g, dtype=torch.float64)
+    out = {"sinusoidal": [], "orthogonality": [], "random": []}
+    for k in offsets:
+        m = rotation(dim, k)
+        out["sinusoidal"].append(float((table[:length] @ m.T - table[k:length + k]).abs().max()))
+        out["orthogonality"].append(float((m @ m.T - torch.eye(dim, dtype=m.dtype)).abs().max()))
+        fit = torch.linalg.lstsq(random[:length], random[k:length + k]).solution          # (dim, dim)
+        out["random"].append(float((random[:length] @ fit - random[k:length + k]).abs().max() / random.abs().max()))
+    return out
+
+
 def logit_shift_error(positions: str, shift: int, seed: int) -> float:
     """max |logits(positions + shift) - logits(positions)| / max |logits| of a random decoder."""
     torch.manual_seed(seed)
@@ -72,7 +105,10 @@ def run(config: dict, progress) -> dict:
     shifts = config["shifts"]
     rope = rope_shift_error(64, shifts, seed=1)
     logits = {p: logit_shift_error(p, shifts[-1], seed=2) for p in ("rope", "alibi", "sinusoidal")}
-    return {"equivariance": equi, "shifts": shifts, "score_shift": rope, "logit_shift": logits}
+    lin = config["linear_map"]
+    linear = linear_map_error(64, lin["offsets"], lin["length"], seed=3)
+    return {"equivariance": equi, "shifts": shifts, "score_shift": rope, "logit_shift": logits, "linear_map": linear,
+            "linear_map_shape": lin}
 
 
 def checks(m: dict) -> list[Check]:
@@ -85,6 +121,12 @@ def checks(m: dict) -> list[Check]:
         Check("RoPE and ALiBi decoders: logits change by < 1e-6 under a common shift; sinusoidal by > 1e-2",
               lg["rope"] < 1e-6 and lg["alibi"] < 1e-6 and lg["sinusoidal"] > 1e-2,
               f"rope {lg['rope']:.2e}, alibi {lg['alibi']:.2e}, sinusoidal {lg['sinusoidal']:.2e}"),
+        Check("sinusoids: one matrix M_k, built from k and the frequencies alone, maps PE(p) to PE(p+k) at every p "
+              "(error < 1e-6; the table is float32) and is orthogonal (|M Mᵀ - I| < 1e-12); the best linear map of a "
+              "random table misses by > 0.1", max(m["linear_map"]["sinusoidal"]) < 1e-6
+              and max(m["linear_map"]["orthogonality"]) < 1e-12 and min(m["linear_map"]["random"]) > 0.1,
+              f"max error {max(m['linear_map']['sinusoidal']):.1e}, orthogonality {max(m['linear_map']['orthogonality']):.1e}, "
+              f"random table {min(m['linear_map']['random']):.2f}"),
     ]
 
 
@@ -94,7 +136,11 @@ def rows(m: dict) -> list[tuple[str, str, str]]:
             ("same, learned positions (control)", "≠ 0", f"{e['learned']:.1e}"),
             (f"RoPE q·k, both positions shifted by up to {s[-1]}, relative", "0 (exact)", f"{max(r['rope']):.1e}"),
             (f"decoder logits, positions shifted by {s[-1]}: RoPE / ALiBi / sinusoidal", "0 / 0 / ≠ 0",
-             f"{lg['rope']:.1e} / {lg['alibi']:.1e} / {fmt(lg['sinusoidal'])}")]
+             f"{lg['rope']:.1e} / {lg['alibi']:.1e} / {fmt(lg['sinusoidal'])}"),
+            (f"PE(p+k) vs M_k PE(p), p < {m['linear_map_shape']['length']}, "
+             f"k = {', '.join(map(str, m['linear_map_shape']['offsets']))}",
+             "a linear function of PE(p) (§3.5): 0", f"{max(m['linear_map']['sinusoidal']):.1e} "
+             f"(random table: {fmt(min(m['linear_map']['random']))})")]
 
 
 def plot(m: dict):
@@ -117,13 +163,18 @@ def plot(m: dict):
 CLAIM = Claim(
     name="position-symmetry", order=3, title="No positions: permutation-equivariant; RoPE: relative only",
     sentence="Self-attention without position information is permutation-equivariant (it sees a set, not a "
-             "sequence); with RoPE, the score of a query and a key depends only on their relative position.",
+             "sequence); a sinusoidal encoding at offset k is a fixed linear map of the encoding; with RoPE, the "
+             "score of a query and a key depends only on their relative position.",
     source="Vaswani et al. 2017 §3.5 (why positions must be injected); Su et al. 2021, RoFormer §3.2, eq. (16): "
            "q_mᵀ k_n = xᵀ W_q R_{n-m} W_k x",
     published=[("f(P x) − P f(x) without positions", "0: an identity, no figure"),
+               ("Vaswani §3.5", "for any fixed offset k, PE_{pos+k} can be represented as a linear function of "
+                                "PE_pos"),
                ("RoPE score change under a common shift", "0: an identity, no figure")],
-    sizes={"quick": {"seq_len": 24, "seeds": 2, "shifts": [0, 1, 10, 100, 1000]},
-           "full": {"seq_len": 128, "seeds": 8, "shifts": [0, 1, 10, 100, 1000, 10000]}},
+    sizes={"quick": {"seq_len": 24, "seeds": 2, "shifts": [0, 1, 10, 100, 1000],
+                     "linear_map": {"offsets": [1, 7, 50], "length": 1024}},
+           "full": {"seq_len": 128, "seeds": 8, "shifts": [0, 1, 10, 100, 1000, 10000],
+                    "linear_map": {"offsets": [1, 2, 7, 50, 300, 1000], "length": 8192}}},
     run=run, checks=checks, rows=rows, plot=plot,
     notes="Random (untrained) models in float64: an identity of the architecture holds for every weight. "
           "The RoPE tables are float32, which bounds the residual error.",
