@@ -93,9 +93,12 @@ class ProjectedAttention(nn.Module):
     def project(self, x: Tensor, step: Step, proj: nn.Linear | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``x (B, T, C)`` -> ``q (B, nh, T, hs)``, ``k, v (B, nkv, T, hs)`` (RoPE applied at ``step.positions``);
         ``proj`` replaces ``qkv_proj`` (Longformer's global projections)."""
+        B, T, _ = x.shape
         nh, nkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = (proj or self.qkv_proj)(x).split([nh * hs, nkv * hs, nkv * hs], dim=-1)
-        q, k, v = split_heads(q, nh), split_heads(k, nkv), split_heads(v, nkv)   # (B, nh|nkv, T, hs)
+        # One matmul for q, k and v, then the heads as views (split_heads written out: this runs per
+        # layer per decoded token, where every Python call counts at small widths).
+        qkv = (proj or self.qkv_proj)(x).view(B, T, nh + 2 * nkv, hs).transpose(1, 2)   # (B, nh+2nkv, T, hs)
+        q, k, v = qkv.split([nh, nkv, nkv], dim=1)                          # (B, nh|nkv, T, hs)
         if self.rope is not None:  # rotate the new q and k (a cache holds keys rotated when written)
             q, k = self.rope(q, step.positions), self.rope(k, step.positions)
         return q, k, v
@@ -111,7 +114,8 @@ class ProjectedAttention(nn.Module):
     def finish(self, out: Tensor, step: Step, weights: Tensor | None = None):
         """``(B, nh, T, hs)`` -> ``(B, T, C)`` through ``out_proj`` (plus ``weights`` if asked; ``None``
         from a kernel that has none to show)."""
-        out = self.out_proj(merge_heads(out))
+        B, nh, T, hs = out.shape
+        out = self.out_proj(out.transpose(1, 2).reshape(B, T, nh * hs))      # merge_heads, written out
         return (out, weights) if step.return_weights else out
 
     @staticmethod
