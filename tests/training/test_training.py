@@ -209,3 +209,34 @@ def test_busy_cores_sees_another_process_spinning():
     finally:
         spinner.wait()
     assert 0.5 <= busy <= (os.cpu_count() or 1) + 0.01
+
+
+@pytest.mark.parametrize("mixer,extra", [
+    ("attention", {}), ("mamba", {"ffn": "none", "positions": "none"}), ("longformer", {}), ("performer", {}),
+    ("bigbird", {"causal": False}), ("linformer", {"causal": False}),
+])
+def test_weight_decay_groups_for_every_mixer(tmp_path, mixer, extra):
+    """What `tformer train --set mixer=M` decays: every matrix, except what is marked no_weight_decay
+    (Mamba's A_log, 2-D, its dynamics); never a vector (biases, norm gains, Mamba's D and Δ bias).
+    BigBird and Linformer are bidirectional, which `tformer train` refuses: their encoders go through
+    the same make_optimizer."""
+    options = {"bigbird": {"block_size": 8}, "longformer": {"window": 8}, "linformer": {"k": 8}}.get(mixer)
+    kw = {"mixer": mixer, **extra, **({"mixer_options": {mixer: options}} if options else {})}
+    if extra.get("causal") is False:
+        from tformer.config import TransformerConfig
+        from tformer.models import build_model
+        model = build_model(TransformerConfig(vocab_size=64, **{k: v for k, v in TINY.items() if k in
+                                                                 ("n_layers", "d_model", "n_heads", "context_length")}, **kw))
+        optimizer = make_optimizer(model, 1e-3, (0.9, 0.95), 0.1)
+    else:
+        trainer = _trainer(tmp_path, **kw)
+        model, optimizer = trainer.model, trainer.optimizer
+    decayed, spared = ({id(p) for p in g["params"]} for g in sorted(optimizer.param_groups,
+                                                                    key=lambda g: -g["weight_decay"]))
+    names = dict((id(p), n) for n, p in model.named_parameters())
+    for n, p in model.named_parameters():
+        marked = n.endswith(("A_log", ".D", "dt_bias"))
+        assert (id(p) in spared) == (p.dim() < 2 or marked), n
+        assert (id(p) in decayed) == (p.dim() >= 2 and not marked), n
+    if mixer == "mamba":
+        assert {names[i].rsplit(".", 1)[-1] for i in spared} >= {"A_log", "D", "dt_bias", "weight"}
