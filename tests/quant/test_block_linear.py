@@ -13,17 +13,9 @@ from tformer.quant import blocks
 from tformer.quant.block_linear import BlockLinear
 from tformer.quant.quantize import set_precision, weight_bytes
 
+from quant_models import tiny
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny():
-    torch.manual_seed(0)
-    c = TransformerConfig(vocab_size=61, context_length=48, n_layers=2, d_model=64, n_heads=4,
-                          n_kv_heads=2, positions="rope", norm="rmsnorm", ffn="swiglu", bias=False)
-    model = DecoderLM(c).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    return model
 
 
 def gpt2_like():

@@ -10,6 +10,8 @@ from tformer.generation.generate import generate
 from tformer.quant.quantize import (DecodeLinear, Int8Linear, quantize_int8, quantize_weight, set_precision,
                                         weight_bytes)
 
+from quant_models import tiny
+
 # Greedy-token agreement of the int8 model with fp32 on the fixed prompts below, measured 1.0 (first
 # token and all 16 tokens of 8 prompts; max logit error 0.13 of 31) on
 # this tiny model; the test demands at least 0.9 (a margin for other CPUs' rounding).
@@ -42,16 +44,6 @@ def test_int8_linear_matches_float64_reference():
     torch.testing.assert_close(out.double(), ref, atol=8e-3 * ref.abs().max().item(), rtol=0)
     # and against the float layer: only the weight rounding and bf16 input separate them (measured 0.69%)
     assert (out - lin(x)).abs().max() < 0.02 * lin(x).abs().max()
-
-
-def tiny():
-    torch.manual_seed(0)
-    c = TransformerConfig(vocab_size=61, context_length=48, n_layers=2, d_model=64, n_heads=4,
-                          n_kv_heads=2, positions="rope", norm="rmsnorm", ffn="swiglu", bias=False)
-    model = DecoderLM(c).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    return model
 
 
 def test_int8_model_accuracy_against_fp32():
