@@ -29,8 +29,6 @@ Size: ``2 · n_layers · max_len · n_kv_heads · head_dim · bytes_per_element`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tformer.errors import InputError
@@ -38,7 +36,6 @@ from tformer.errors import InputError
 Tensor = torch.Tensor
 
 
-@dataclass
 class KeyView:
     """What attention reads after a cache write: keys, values, and where the queries sit among them.
 
@@ -51,10 +48,10 @@ class KeyView:
             one query of row ``b`` sits at key index ``query_index[b]`` (a static step).
     """
 
-    k: Tensor
-    v: Tensor
-    mask: Tensor | None = None
-    query_index: Tensor | None = None
+    __slots__ = ("k", "v", "mask", "query_index")   # one per layer per token: kept as cheap as a tuple
+
+    def __init__(self, k: Tensor, v: Tensor, mask: Tensor | None = None, query_index: Tensor | None = None):
+        self.k, self.v, self.mask, self.query_index = k, v, mask, query_index
 
     def attention_arguments(self, *, causal: bool, window: int | None, alibi_slopes: Tensor | None,
                             backend: str, dtype: torch.dtype) -> dict:
@@ -120,8 +117,7 @@ class KVCache:
     def store(self, k: Tensor, v: Tensor, step) -> KeyView:
         """Attention's one call: write this step's ``k, v (B, nkv, T, hs)`` at ``step.start_pos`` and
         return every key held, ``(B, nkv, start_pos + T, hs)``, under ``step.mask``."""
-        k_all, v_all = self.update(step.start_pos, k, v)
-        return KeyView(k_all, v_all, step.mask)
+        return KeyView(*self.update(step.start_pos, k, v), step.mask)
 
     def rows(self, slots: Tensor) -> "RowWriter":
         """A writer that prefills rows ``slots (b,)`` of this cache from position 0."""
