@@ -151,7 +151,8 @@ def test_work_that_can_never_fit_is_a_400_before_anything_is_allocated(served, m
 
 
 def test_queue_limits(tmp_path, one_thread):
-    """--max-queue 0 is refused at start; a full queue is one 503, counted once; n=4 on a queue of 2
+    """--max-queue 0 is refused at start; a full queue is one 429 (OpenAI's "retry later", with
+    Retry-After), counted once; n=4 on a queue of 2
     is a 400 (it never fits); a request that fits waits for its turn."""
     model, tok = tiny_checkpoint(tmp_path)
     with pytest.raises(ConfigError, match="max-queue"):
@@ -170,9 +171,10 @@ def test_queue_limits(tmp_path, one_thread):
         while len(server.scheduler.waiting) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        before = server.metrics.value("tformer_requests_total", status="503")
-        assert_openai_error(post(running, "/v1/completions", body), 503)
-        assert server.metrics.value("tformer_requests_total", status="503") == before + 1
+        before = server.metrics.value("tformer_requests_total", status="429")
+        full = post(running, "/v1/completions", body)
+        assert assert_openai_error(full, 429)["code"] == "rate_limit_exceeded" and full.headers["retry-after"] == "1"
+        assert server.metrics.value("tformer_requests_total", status="429") == before + 1
         gate.set()
         threads[0].join(30)
         assert results[0].status_code == 200 and len(results[0].json()["choices"]) == 2

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import errno
 import ipaddress
+import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from tformer.errors import CheckpointError, ConfigError
@@ -29,6 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="sentence-embedding model folder (default: all-MiniLM-L6-v2 when installed)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights (default: fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="positions per sequence, prompt and completion (default: the model's context); smaller "
+                        "means less memory per slot")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: env "
+                        "TFORMER_API_KEY; none when unset)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, seconds running requests may take to finish before they are "
+                        "ended with an error (default: 30)")
     p.set_defaults(func=run)
 
 
@@ -59,7 +70,8 @@ def embedder_factory(folder: str | None):
 
 
 def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout: float = 300.0,
-                 embeddings: str | None = None, dtype: str = "fp32", model: str | None = None):
+                 embeddings: str | None = None, dtype: str = "fp32", model: str | None = None,
+                 max_model_len: int | None = None):
     """Load the checkpoint (or ``model``: a built-in name or a .gguf file, converted once and cached) and
     start its scheduler: a :class:`tformer.serve.server.Server`."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
@@ -86,7 +98,10 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     if not hasattr(model, "lm_head"):
         raise CheckpointError(f"{folder} holds a {type(model).__name__}; `tformer serve` generates with a decoder "
                               f"(an encoder is served for embeddings with --embeddings).")
-    per_slot = model.new_state(1, model.config.context_length).nbytes        # the pool is allocated at start
+    context = model.config.context_length
+    if max_model_len is not None and not 1 <= max_model_len <= context:
+        raise ConfigError(f"--max-model-len {max_model_len}: use 1..{context} (the model's context).")
+    per_slot = model.new_state(1, max_model_len or context).nbytes        # the pool is allocated at start
     free = available_memory()
     if slots * per_slot > free:
         raise ConfigError(f"--slots {slots} needs {slots * per_slot / 2**30:.3g} GiB of state "
@@ -95,11 +110,27 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     tokenizer = load_tokenizer(folder)
     eos = load_generation_defaults(folder).get("eos_token_id", [])
     name = spec if spec is not None and not Path(spec).exists() else run.resolve().name     # "smollm2"
-    server = Server(model, tokenizer, name, eos=eos, embedder=embedder,
-                    limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout))
     from tformer.tokenizers import load_chat_template
-    server.chat_template = load_chat_template(folder)
+    template = load_chat_template(folder)
+    eos = sorted(set(eos) | set(end_of_turn_ids(template, tokenizer)))
+    server = Server(model, tokenizer, name, eos=eos, embedder=embedder,
+                    limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout,
+                                  max_model_len=max_model_len))
+    server.chat_template = template
     return server
+
+
+def end_of_turn_ids(template, tokenizer) -> list[int]:
+    """The id of the token the chat template ends a turn with (its ``eos_token``, ``<|im_end|>`` for
+    SmolLM2's ChatML), when that is one token of the vocabulary; the checkpoint's eos ids may not name it."""
+    name = None if template is None else template.special.get("eos_token")
+    if not name:
+        return []
+    try:
+        ids = tokenizer.encode(name, add_special_tokens=False)
+    except Exception:  # a vocabulary without it (a character tokenizer): nothing to add
+        return []
+    return ids if len(ids) == 1 else []
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,23 +146,60 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port} is not a port; pass one in 0..65535 (0: any free port).")
     if args.threads is not None:
         torch.set_num_threads(max(1, args.threads))
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TFORMER_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("the API key is empty; pass --api-key KEY (or set TFORMER_API_KEY) with a non-empty key, "
+                          "or leave both out for none.")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ConfigError(f"--shutdown-timeout {args.shutdown_timeout}: pass a finite number of seconds >= 0.")
     sock = listen(args.host, args.port)                    # before loading: a taken port fails at once
     try:
         server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype,
-                              args.model)
+                              args.model, args.max_model_len)
     except BaseException:
         sock.close()
         raise
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {server.name} at http://{shown}:{port}/  (playground at /, API at /v1)", flush=True)
-    if not is_loopback(args.host):
+    if not is_loopback(args.host) and not api_key:
         print(f"tformer serve: warning: --host {args.host} accepts connections from other machines, and the server "
-              f"has no API key: anyone who reaches this port can use the model. Use --host 127.0.0.1 unless you "
-              f"mean it.", file=sys.stderr, flush=True)
-    config = uvicorn.Config(build_app(server), log_level="warning")
-    uvicorn.Server(config).run(sockets=[sock])
+              f"has no API key: anyone who reaches this port can use the model. Use --host 127.0.0.1 or pass "
+              f"--api-key unless you mean it.", file=sys.stderr, flush=True)
+    config = uvicorn.Config(build_app(server, api_key), log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)   # a backstop: see Draining
+    Draining(config, server, args.shutdown_timeout).run(sockets=[sock])
     return 0
+
+
+class Draining:
+    """uvicorn's server with a graceful SIGTERM (and Ctrl-C): the first signal makes the server
+    refuse new requests (503, ``/health`` says "draining") while uvicorn stops accepting connections
+    and waits for the open ones; running requests finish, and those still running after ``grace``
+    seconds are ended by stopping the scheduler (each gets a "shutting down" error, streams included),
+    so the process exits within about ``grace`` seconds."""
+
+    def __init__(self, config, server, grace: float):
+        import uvicorn
+
+        outer = self
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                outer.drain()
+                super().handle_exit(sig, frame)
+
+        self.uvicorn, self.server, self.grace, self.timer = _Server(config), server, grace, None
+
+    def drain(self) -> None:
+        if self.timer is None:
+            self.server.draining = True
+            self.timer = threading.Timer(self.grace, self.server.close)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def run(self, sockets) -> None:
+        self.uvicorn.run(sockets=sockets)
 
 
 def is_loopback(host: str) -> bool:

@@ -4,12 +4,18 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embe
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /v1/inspect`` (the
 playground's attention and attribution for one token; not part of OpenAI's API), ``GET /`` and
 ``/static/*`` (the playground, served from this package: no CDN).
+
+With an API key every route but ``/health`` (what a load balancer probes) needs
+``Authorization: Bearer <key>``: compared in constant time (``hmac.compare_digest``, so the answer's
+timing does not reveal how much of a guess was right), else a 401 in OpenAI's error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import json
 
 from pydantic import BaseModel, Field, StrictInt, StrictStr
 from starlette.applications import Starlette
@@ -29,8 +35,8 @@ from tformer.serve.server import PLAYGROUND, Server
 async def health(request: Request):
     server: Server = request.app.state.server
     sched = server.scheduler
-    alive = sched.thread.is_alive()
-    body = {"status": "ok" if alive else "error", "model": server.name, "running": len(sched.running),
+    alive = sched.thread.is_alive() and not server.draining       # draining: send new work elsewhere
+    body = {"status": "ok" if alive else ("draining" if server.draining else "error"), "model": server.name, "running": len(sched.running),
             "waiting": len(sched.waiting), "free_slots": len(sched.free), "slots": sched.pool.n_slots}
     return JSONResponse(body, status_code=200 if alive else 503)
 
@@ -80,7 +86,7 @@ async def api_error(request: Request, exc: S.APIError):
     if exc.status >= 400:
         request.app.state.server.metrics.inc("tformer_requests_total", status=str(exc.status),
                                              help="requests answered, by HTTP status")
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def input_error(request: Request, exc: TformerError):
@@ -96,8 +102,38 @@ async def server_error(request: Request, exc: Exception):
     return JSONResponse(S.APIError(500, f"internal error: {exc!r}", "server_error").body(), status_code=500)
 
 
-def build_app(server: Server) -> Starlette:
-    """The app for ``server``; shutting the app down stops the scheduler."""
+class APIKey:
+    """ASGI middleware: HTTP requests to any path but ``/health`` need ``Authorization: Bearer <key>``."""
+
+    OPEN = ("/health",)
+
+    def __init__(self, app, key: str, server: Server):
+        self.app, self.key, self.server = app, key.encode(), server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = ("Incorrect API key provided; pass it as the header 'Authorization: Bearer <key>' (the key given to "
+                   "tformer serve --api-key or TFORMER_API_KEY)." if given else
+                   "This server needs an API key; pass it as the header 'Authorization: Bearer <key>'.")
+        self.server.metrics.inc("tformer_requests_total", status="401", help="requests answered, by HTTP status")
+        body = json.dumps(S.APIError(401, message, code="invalid_api_key").body()).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def build_app(server: Server, api_key: str | None = None) -> Starlette:
+    """The app for ``server`` (behind :class:`APIKey` when ``api_key``); shutting the app down stops
+    the scheduler."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -117,4 +153,6 @@ def build_app(server: Server) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         S.APIError: api_error, TformerError: input_error, HTTPException: http_error, Exception: server_error})
     app.state.server = server
+    if api_key:
+        app.add_middleware(APIKey, key=api_key, server=server)
     return app

@@ -3,7 +3,8 @@
 Each request is read here (body size, JSON, types: 413 / 400 in OpenAI's error shape), scheduled
 through :class:`Server`, and answered with one JSON object or an SSE stream (``data: {...}`` chunks,
 then ``data: [DONE]``). A client that goes away cancels its sequences, which frees their KV slots
-at the scheduler's next step.
+at the scheduler's next step. ``response_format`` (json_object, json_schema) gives each sequence a
+grammar constraint (:mod:`tformer.serve.grammar`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from tformer.errors import TformerError
+from tformer.serve import grammar
 from tformer.serve import schemas as S
 from tformer.serve.scheduler import Token
 from tformer.serve.server import Server
@@ -62,23 +65,34 @@ def check_model(server: Server, name: str) -> None:
                          param="model", code="model_not_found")
 
 
+async def watch_disconnect(request: Request, seqs, queue: asyncio.Queue) -> None:
+    """Cancel ``seqs`` the moment the client goes away (ASGI's ``http.disconnect``; the body has been
+    read, so nothing else arrives), so their slots are free at the scheduler's next step."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for seq in seqs:
+        seq.cancel()
+    queue.put_nowait((-1, ("gone",)))
+
+
 async def collect(request: Request, seqs, queue: asyncio.Queue, on_token) -> list[str]:
     """Wait for every sequence to finish (or the client to leave); return each one's finish reason."""
     reasons: list[str | None] = [None] * len(seqs)
     left = len(seqs)
-    while left:
-        try:
-            index, event = await asyncio.wait_for(queue.get(), timeout=1.0)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
+    watcher = asyncio.ensure_future(watch_disconnect(request, seqs, queue))
+    try:
+        while left:
+            index, event = await queue.get()
+            if isinstance(event, Token):
+                on_token(index, event)
+            elif event[0] == "done":
+                reasons[index], left = event[1], left - 1
+            elif event[0] == "gone":
                 raise asyncio.CancelledError
-            continue
-        if isinstance(event, Token):
-            on_token(index, event)
-        elif event[0] == "done":
-            reasons[index], left = event[1], left - 1
-        else:
-            raise error_of(event)
+            else:
+                raise error_of(event)
+    finally:
+        watcher.cancel()
     return reasons
 
 
@@ -163,9 +177,9 @@ class ChatFormat(_Format):
 
 # --------------------------------------------------------------------------------- running
 async def run(request: Request, server: Server, req, prompts: list[list[int]], fmt: _Format,
-              max_tokens: int, top: int | None, prefix_text: str = ""):
+              max_tokens: int, top: int | None, prefix_text: str = "", constraint=None):
     """Schedule the request's sequences and answer with one object or an SSE stream."""
-    seqs, queue = server.start(prompts, req, max_tokens, top)
+    seqs, queue = server.start(prompts, req, max_tokens, top, constraint)
     id_, n_prompt = S.new_id(fmt.prefix), sum(len(p) for p in prompts)
     started = time.monotonic()
     if not req.stream:
@@ -264,8 +278,32 @@ async def chat_completions(request: Request):
         prompts = server.encode_prompts(chat_prompt(req.messages, server.chat_separator))
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = server.check_length(prompts, limit, None)
+    constraint = await response_constraint(server, req.response_format)
     fmt = ChatFormat(server, req.logprobs)
-    return await run(request, server, req, prompts, fmt, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    return await run(request, server, req, prompts, fmt, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                     constraint=constraint)
+
+
+async def response_constraint(server: Server, fmt: S.ResponseFormat | None):
+    """A function giving each sequence its own grammar constraint for ``response_format``, or None
+    for plain text. The schema is compiled here, once, so a bad one is a 400 before anything is queued."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if not grammar.available():
+        raise S.APIError(400, f"This server cannot honour response_format: {grammar.MISSING}", param="response_format")
+    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+    if fmt.type == "json_schema" and schema is None:
+        schema = {}                                           # OpenAI's default: any JSON value
+    try:
+        async with server.grammar_lock:                       # one engine per server, made once
+            if server.grammar is None:
+                server.grammar = await run_in_threadpool(grammar.GrammarEngine, server.tokenizer,
+                                                         server.model.config.vocab_size, server.eos)
+        first = await run_in_threadpool(server.grammar.json, schema)
+    except TformerError as e:
+        raise S.APIError(400, str(e), param="response_format") from None
+    pending = [first]
+    return lambda: pending.pop() if pending else server.grammar.json(schema)
 
 
 def embedding_inputs(value) -> list:

@@ -9,7 +9,9 @@ Each loop iteration:
    than one prefill);
 4. runs ONE decode step for all running sequences: each row feeds its last token at its own
    length, gets its own logits, and picks its token with its own options and random generator
-   (:func:`tformer.serve.sampling.choose`: one host transfer for the whole batch).
+   (:func:`tformer.serve.sampling.choose`: one host transfer for the whole batch); a row whose
+   sequence has a ``constraint`` (structured output, :mod:`tformer.serve.grammar`) is masked to the
+   tokens its grammar allows first, at this one place where every token is picked.
 
 A request joins the batch at the next step after its prefill and leaves the step it finishes
 (stop token, stop string, ``max_tokens``, the context, timeout or disconnect); its slot is free
@@ -97,6 +99,7 @@ class Sequence:
     cancelled: bool = False
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    constraint: object | None = None       # structured output: mask(row) before each choice, advance(token) after
 
     def __post_init__(self):
         self.tracker = TextTracker(self.tokenizer, self.params.stop)
@@ -295,6 +298,9 @@ class Scheduler:
     def _take(self, seqs: list[Sequence], logits: Tensor) -> None:
         """Pick each sequence's next token from its row of ``logits (len(seqs), vocab)`` with its own
         options, send it, and finish the sequences that are done."""
+        seqs, logits = self._constrain(seqs, logits)
+        if not seqs:
+            return
         picked = choose(logits, [s.params for s in seqs], [s.generator for s in seqs])
         self.metrics.inc("tformer_generated_tokens_total", len(seqs), help="tokens generated")
         now = time.monotonic()
@@ -307,6 +313,8 @@ class Scheduler:
             if tok in seq.stop_ids:
                 self._finish(seq, "stop")
                 continue
+            if seq.constraint is not None:
+                seq.constraint.advance(tok)
             seq.generated.append(tok)
             seq.last = tok
             seq.tracker.add(tok)
@@ -315,6 +323,26 @@ class Scheduler:
                 self._finish(seq, "stop")
             elif len(seq.generated) >= p.max_tokens or seq.positions >= self.max_len:
                 self._finish(seq, "length")
+
+    def _constrain(self, seqs: list[Sequence], logits: Tensor) -> tuple[list[Sequence], Tensor]:
+        """Mask, in place, the rows of ``logits (len(seqs), vocab)`` whose sequence has a constraint
+        (structured output) to the tokens its grammar allows; a sequence whose grammar fails ends with
+        a 500 alone, and the others go on (returned with their rows)."""
+        if all(seq.constraint is None for seq in seqs):
+            return seqs, logits
+        logits = logits.clone()                 # the pool's output is an inference tensor: not writable here
+        failed = []
+        for i, seq in enumerate(seqs):
+            if seq.constraint is not None:
+                try:
+                    seq.constraint.mask(logits[i])
+                except Exception as e:  # that request's grammar, not the batch
+                    failed.append(i)
+                    self._fail([seq], e)
+        if not failed:
+            return seqs, logits
+        keep = [i for i in range(len(seqs)) if i not in failed]
+        return [seqs[i] for i in keep], logits[keep]
 
     def _finish(self, seq: Sequence, reason: str | None, label: str = "disconnect") -> None:
         """Free ``seq``'s slot; tell the client why it ended (``None``: the client is gone)."""

@@ -2,7 +2,8 @@
 
 Requests are pydantic models that accept the fields OpenAI documents and ignore unknown ones (clients
 send extras); a field tformer cannot honour (``logit_bias``, penalties, ``tools``, ...) is refused
-with a 400 naming it rather than silently ignored. Responses are plain dicts built by the helpers
+with a 400 naming it rather than silently ignored.
+``response_format`` (structured output) is validated here and applied by :mod:`tformer.serve.grammar`. Responses are plain dicts built by the helpers
 below, shaped exactly like OpenAI's (``id``, ``object``, ``created``, ``model``, ``choices``,
 ``usage``), so the official client parses them into its own types.
 """
@@ -19,12 +20,14 @@ INT64 = 2**63           # OpenAI's seed is a signed 64-bit integer
 
 
 class APIError(Exception):
-    """An error to send as OpenAI's ``{"error": {...}}`` body with HTTP ``status``."""
+    """An error to send as OpenAI's ``{"error": {...}}`` body with HTTP ``status`` (and ``headers``,
+    e.g. ``Retry-After`` on a 429)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -100,17 +103,52 @@ class Message(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's ``name`` (required), ``schema``, ``strict``, ``description``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: StrictStr = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f'json_schema is only allowed with type "json_schema", not "{self.type}"')
+        return self
+
+
+# Tool calls: SmolLM2's template (and every template tformer's own checkpoints have) never renders
+# ``tools`` and the model was not trained to call them, so the server refuses them in one sentence
+# rather than inventing a format; response_format json_schema gives the same guarantee of shape.
+NO_TOOLS = ("tools are not supported: this model's chat template has no tool calling; describe the function in a "
+            "message and ask for its arguments with response_format json_schema instead")
+
+
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _chat_only(self):
-        if self.tools:
-            raise ValueError("tools are not supported by this server; leave them out")
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(NO_TOOLS)
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self

@@ -27,6 +27,7 @@ class Limits:
     n_slots: int = 16
     request_timeout: float = 300.0
     max_embedding_inputs: int = 256
+    max_model_len: int | None = None      # positions per sequence (prompt + completion); None: the model's context
 
 
 class Server:
@@ -44,13 +45,16 @@ class Server:
         self.model, self.tokenizer, self.name, self.eos = model, tokenizer, name, frozenset(eos)
         self.limits = limits or Limits()
         self.metrics = Metrics()
-        self.scheduler = Scheduler(model, n_slots=self.limits.n_slots, max_queue=self.limits.max_queue,
-                                   metrics=self.metrics)
+        self.scheduler = Scheduler(model, n_slots=self.limits.n_slots, max_len=self.limits.max_model_len,
+                                   max_queue=self.limits.max_queue, metrics=self.metrics)
         self.max_len = self.scheduler.max_len
         self.embedder_factory, self.embedder, self.embed_lock = embedder, None, asyncio.Lock()
         self.started = time.time()
         self.chat_separator = self._separator()
         self.chat_template = None        # a tformer.tokenizers.ChatTemplate: /v1/chat/completions renders with it
+        self.grammar = None              # a tformer.serve.grammar.GrammarEngine, made by the first response_format
+        self.grammar_lock = asyncio.Lock()
+        self.draining = False            # SIGTERM came: running requests finish, new ones get a 503
 
     def _separator(self) -> str:
         """What ends each chat message: a newline, or a space (nothing at all) when the tokenizer
@@ -119,8 +123,13 @@ class Server:
                                   f"to at most {room}.", param="max_tokens", code="context_length_exceeded")
         return n
 
-    def start(self, prompts: list[list[int]], req, max_tokens: int, logprobs: int | None):
-        """Submit ``len(prompts) * n`` sequences; return them and the queue their events arrive on."""
+    def start(self, prompts: list[list[int]], req, max_tokens: int, logprobs: int | None, constraint=None):
+        """Submit ``len(prompts) * n`` sequences; return them and the queue their events arrive on.
+        ``constraint``: a function giving each sequence its own structured-output constraint, or None.
+        A full queue is a 429 (retry after a second), a server shutting down a 503."""
+        if self.draining:
+            raise S.APIError(503, "The server is shutting down; send the request to another instance or retry "
+                                  "once it is back.", "server_error", code="server_shutting_down")
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def emitter(index: int):
@@ -137,7 +146,8 @@ class Server:
                 params = Params(max_tokens, req.temperature, req.top_p, req.top_k,   # int64 seeds -> [0, 2**64)
                                 None if req.seed is None else (req.seed + j) % 2**64, req.stops(), logprobs)
                 seqs.append(Sequence(ids, params, emitter(p * req.n + j), self.tokenizer, self.eos,
-                                     timeout=self.limits.request_timeout))
+                                     timeout=self.limits.request_timeout,
+                                     constraint=None if constraint is None else constraint()))
         if max_tokens == 0:
             for seq in seqs:
                 seq.emit(("done", "length"))
@@ -148,8 +158,11 @@ class Server:
             raise S.APIError(400, f"This server cannot take this request ({e}); send fewer prompts or a smaller n.",
                              param="n") from None
         except QueueFull as e:
-            raise S.APIError(503, f"The server is full ({e}); retry later.", "server_error",
-                             code="server_overloaded") from None
+            if self.scheduler.stopping or not self.scheduler.thread.is_alive():
+                raise S.APIError(503, f"The server cannot take requests ({e}); retry later.", "server_error",
+                                 code="server_shutting_down") from None
+            raise S.APIError(429, f"The server is full ({e}); retry in a second.", "requests",
+                             code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         return seqs, queue
 
     def token_string(self, tok: int, as_ids: bool) -> str:

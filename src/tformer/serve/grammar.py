@@ -1,0 +1,112 @@
+"""Structured output: a per-sequence constraint that lets through only the tokens a grammar allows.
+
+``response_format: {"type": "json_schema", ...}`` and ``{"type": "json_object"}`` become a
+:class:`JSONConstraint` on the request's :class:`~tformer.serve.scheduler.Sequence`. The scheduler
+calls ``mask(row)`` on the sequence's logits row right before it picks a token and ``advance(token)``
+right after, so whatever the sampling options, the picked token is one the grammar accepts next:
+
+    logits'[v] = logits[v]   if v extends the text to a prefix of some string in the language
+               = -inf        otherwise                                              (row: (vocab,))
+
+Once the JSON value is complete, only the end-of-turn tokens are allowed, so the sequence finishes
+with ``finish_reason: "stop"``. Greedy decoding under the mask is "argmax over the allowed tokens";
+sampling draws from the model's distribution renormalised over them.
+
+The engine is llguidance (PyPI ``llguidance``, the ``grammar`` extra; a Rust library whose token mask
+walks a trie of the vocabulary against the grammar's lexer and Earley parser). It was picked over
+xgrammar by the per-token overhead on SmolLM2's 49,152-token vocabulary,
+``benchmarks/serving/grammar_overhead.py`` (results/serving/grammar_overhead.md). The vocabulary is
+compiled once per server (:class:`GrammarEngine`, ~1 s); a schema once per request (milliseconds).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tformer.errors import ConfigError, InputError
+
+Tensor = torch.Tensor
+MISSING = "structured output (response_format) needs the grammar engine llguidance: pip install 'tformer[grammar]'."
+# The JSON the grammar writes: compact separators and no free whitespace, so a small model cannot
+# spend its tokens on blank lines, and every value ends.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def available() -> bool:
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class GrammarEngine:
+    """One tokenizer's vocabulary, compiled for the grammar engine (made once per server).
+
+    Args:
+        tokenizer: a tformer tokenizer backed by HF ``tokenizers`` (its ``.tok``); a character
+            vocabulary has none, and is refused.
+        vocab_size: the model's logits width (>= the tokenizer's; ids past it are never allowed).
+        stop_ids: the end-of-turn ids; the grammar allows them once the value is complete.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        try:
+            import llguidance
+        except ImportError:
+            raise ConfigError(MISSING) from None
+        backend = getattr(tokenizer, "tok", None)
+        if backend is None or not hasattr(backend, "to_str"):
+            raise InputError(f"structured output needs a byte-level (HF tokenizers) vocabulary, and this model's "
+                             f"tokenizer is a {type(tokenizer).__name__}; serve a model with a tokenizer.json.")
+        if not stop_ids:
+            raise InputError("structured output needs an end-of-turn token to end the value with, and this model "
+                             "has none; save eos_token_id with the checkpoint.")
+        self.llg = llguidance
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=sorted(stop_ids))
+
+    def json(self, schema: dict | None) -> "JSONConstraint":
+        """A fresh constraint for one sequence: any JSON object when ``schema`` is None (json_object),
+        else a value valid against ``schema``; an :class:`InputError` naming the problem when the
+        engine cannot compile the schema."""
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(
+            json.dumps({"type": "object"} if schema is None else schema), defaults=JSON_OPTIONS)
+        matcher = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InputError(f"response_format: the JSON schema cannot be used ({matcher.get_error()}); "
+                             f"simplify it or send a valid JSON Schema.")
+        return JSONConstraint(matcher, self.vocab_size)
+
+
+class JSONConstraint:
+    """The grammar state of one sequence: :meth:`mask` before each choice, :meth:`advance` after."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.words = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)    # (W,) 32 tokens per word
+        self.bit = torch.arange(32, dtype=torch.int32)                                # (32,)
+
+    def allowed(self) -> Tensor:
+        """``(vocab,)`` bool: the tokens the grammar accepts next (bit ``v % 32`` of word ``v // 32``)."""
+        if self.matcher.is_error():
+            raise InputError(f"the grammar failed while generating ({self.matcher.get_error()})")
+        self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
+        bits = (self.words[:, None] >> self.bit) & 1                                  # (W, 32)
+        return bits.flatten()[:self.vocab_size].bool()
+
+    def mask(self, row: Tensor) -> None:
+        """Set ``row (vocab,)`` to -inf, in place, at every token the grammar does not allow next."""
+        row.masked_fill_(~self.allowed()[:row.shape[-1]], float("-inf"))
+
+    def advance(self, token: int) -> None:
+        """Feed the picked token to the grammar (one :meth:`mask` allowed it, so it is accepted)."""
+        if not self.matcher.consume_token(token):
+            raise InputError(f"the grammar refused token {token} ({self.matcher.get_error()})")
+
+    @property
+    def complete(self) -> bool:
+        """Whether the text so far is a whole value (only end-of-turn tokens are allowed now)."""
+        return self.matcher.is_stopped() or self.matcher.is_accepting()

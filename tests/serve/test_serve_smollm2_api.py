@@ -1,0 +1,122 @@
+"""SmolLM2-135M-Instruct served as people deploy it, driven by the official `openai` client (issue 27):
+chat through the model's template that ends at its end-of-turn token, streams and counts usage; and
+structured output (response_format) that is schema-valid on every one of 50 concurrent requests.
+
+References: the prompt's token count is the chat template's own encoding (ChatTemplate.encode); the
+JSON check is the `jsonschema` package (an independent implementation of JSON Schema), never the
+grammar engine that constrained the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from serve_util import Running
+from tformer.commands.serve import build_server, end_of_turn_ids
+from tformer.serve.app import build_app
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+VERDICT = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                            "confident": {"type": "boolean"}},
+           "required": ["answer", "confident"], "additionalProperties": False}
+COLORS = {"type": "object", "properties": {"colors": {"type": "array", "minItems": 1, "maxItems": 3,
+                                                      "items": {"type": "string", "enum": ["red", "green", "blue"]}}},
+          "required": ["colors"], "additionalProperties": False}
+SCHEMAS = {"person": (PERSON, "Invent a person. Reply in JSON with their name and age."),
+           "verdict": (VERDICT, "Is the sky green? Reply in JSON."),
+           "colors": (COLORS, "Name the colours of a traffic light as JSON.")}
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    server = build_server(None, slots=16, max_queue=64, model="smollm2", max_model_len=512)
+    running = Running(build_app(server, api_key="sk-test"))
+    yield server, running
+    running.stop()
+
+
+def client(running, **kw):
+    return openai.OpenAI(base_url=running.url + "/v1", api_key="sk-test", max_retries=0, timeout=300, **kw)
+
+
+def test_the_end_of_turn_token_comes_from_the_template(served):
+    server, _ = served
+    assert end_of_turn_ids(server.chat_template, server.tokenizer) == [2]
+    assert server.tokenizer.tok.id_to_token(2) == "<|im_end|>" and 2 in server.eos
+
+
+def test_chat_ends_its_turn_streams_and_counts_usage(served):
+    server, running = served
+    c = client(running)
+    assert [m.id for m in c.models.list().data][0] == "smollm2"
+    messages = [{"role": "user", "content": "Say hello in one short sentence."}]
+    r = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, temperature=0)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", text           # the model ended its turn before 60 tokens
+    assert "<|im_end|>" not in text and text.strip()
+    assert r.usage.prompt_tokens == len(server.chat_template.encode(server.tokenizer, messages))
+    assert r.usage.completion_tokens == len(server.tokenizer.encode(text, add_special_tokens=False))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(c.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == text                                    # greedy: the stream says what the full answer said
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_json_object_mode_returns_an_object(served):
+    _, running = served
+    r = client(running).chat.completions.create(
+        model="smollm2", max_tokens=48, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "What is the capital of France? Answer as JSON with the key city."}])
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_tools_and_bad_response_formats_are_400s(served):
+    _, running = served
+    c = client(running)
+    msgs = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
+        c.chat.completions.create(model="smollm2", messages=msgs, tools=[tool])
+    with pytest.raises(openai.BadRequestError, match="json_schema"):
+        c.chat.completions.create(model="smollm2", messages=msgs, response_format={"type": "json_schema"})
+    with pytest.raises(openai.BadRequestError, match="cannot be used"):
+        c.chat.completions.create(model="smollm2", messages=msgs, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_fifty_concurrent_requests_are_schema_valid(served, name):
+    """50 sampled requests at once (seeds 0..49, temperature 1: 50 different answers): every one is
+    JSON valid against the schema and ended by the model (finish_reason "stop"), and the server
+    holds no slot afterwards."""
+    server, running = served
+    schema, question = SCHEMAS[name]
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="sk-test", max_retries=0,
+                                      timeout=300) as c:
+            return await asyncio.gather(*(c.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=40,
+                temperature=1.0, seed=i, response_format=fmt) for i in range(50)))
+    answers = asyncio.run(main())
+    texts = [a.choices[0].message.content for a in answers]
+    for a, text in zip(answers, texts):
+        assert a.choices[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+    assert len(set(texts)) > 1                                  # sampling really varied the answers
+    assert server.scheduler.metrics.value("tformer_pool_slots_in_use") == 0
