@@ -199,7 +199,15 @@ class Draining:
             self.timer.start()
 
     def run(self, sockets) -> None:
-        self.uvicorn.run(sockets=sockets)
+        import signal
+
+        # uvicorn raises the signal it caught again once it has shut down, under the handler that was
+        # there before it: a quiet one makes a drained SIGTERM an exit 0 (a deliberate, clean stop)
+        previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+        try:
+            self.uvicorn.run(sockets=sockets)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def is_loopback(host: str) -> bool:

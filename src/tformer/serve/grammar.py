@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 
 from tformer.errors import ConfigError, InputError
@@ -32,6 +33,14 @@ MISSING = "structured output (response_format) needs the grammar engine llguidan
 # The JSON the grammar writes: compact separators and no free whitespace, so a small model cannot
 # spend its tokens on blank lines, and every value ends.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def unpack(words: Tensor, vocab_size: int) -> Tensor:
+    """``(vocab,)`` bool from the engines' bitmask ``words (W,) int32``: token ``v`` is bit ``v % 32``
+    (least significant first) of word ``v // 32``; on a little-endian machine that is bit ``v % 8`` of
+    byte ``v // 8``, which numpy unpacks in one call (torch has no bit unpacking)."""
+    bits = np.unpackbits(words.numpy().view(np.uint8), bitorder="little")[:vocab_size]      # (vocab,) 0/1
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 def available() -> bool:
@@ -87,15 +96,13 @@ class JSONConstraint:
     def __init__(self, matcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
         self.words = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)    # (W,) 32 tokens per word
-        self.bit = torch.arange(32, dtype=torch.int32)                                # (32,)
 
     def allowed(self) -> Tensor:
         """``(vocab,)`` bool: the tokens the grammar accepts next (bit ``v % 32`` of word ``v // 32``)."""
         if self.matcher.is_error():
             raise InputError(f"the grammar failed while generating ({self.matcher.get_error()})")
         self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
-        bits = (self.words[:, None] >> self.bit) & 1                                  # (W, 32)
-        return bits.flatten()[:self.vocab_size].bool()
+        return unpack(self.words, self.vocab_size)
 
     def mask(self, row: Tensor) -> None:
         """Set ``row (vocab,)`` to -inf, in place, at every token the grammar does not allow next."""
