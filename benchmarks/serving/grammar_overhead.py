@@ -1,7 +1,7 @@
 """Which grammar engine constrains tformer serve's structured output: per-token mask overhead of
 llguidance against xgrammar on SmolLM2-135M-Instruct's 49,152-token vocabulary.
 
-For each of the three schemas of benchmarks/serving/structured_output.py and json_object (any
+For each of the three schemas of the structured-output check (tests/serve/structured_util.py) and json_object (any
 object), a fixed schema-valid JSON text is tokenized with SmolLM2's tokenizer and walked token by
 token, as the scheduler does: compute the next-token mask (both engines write the same 32-tokens-
 per-int32-word bitmask), set a logits row of 49,152 to -inf where it is 0 (the same torch code for
@@ -21,7 +21,6 @@ only for GPU kernels). Writes benchmarks/results/serving/grammar_overhead.md.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import sys
@@ -36,9 +35,8 @@ from common.record import Run, results_dir  # noqa: E402
 
 record = Run()
 torch.set_num_threads(1)
-_spec = importlib.util.spec_from_file_location("structured_output", HERE / "structured_output.py")
-structured = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(structured)
+sys.path.insert(0, str(HERE.parents[1] / "tests" / "serve"))          # the schemas of the structured-output check
+import structured_util as structured  # noqa: E402
 
 from tformer.interop.builtin import resolve_model  # noqa: E402
 from tformer.serve.grammar import JSON_OPTIONS, unpack  # noqa: E402
@@ -94,10 +92,16 @@ class XGrammar:
         import importlib.metadata
 
         import xgrammar as xgr
-        from transformers import PreTrainedTokenizerFast
         self.xgr = xgr
-        hf = PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token="<|im_end|>")
-        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=V, stop_token_ids=[EOT])
+        # the vocabulary in GPT-2's byte alphabet; control tokens blank, which xgrammar never allows
+        # (given as text, "<|im_start|>" would be allowed inside a JSON string: its spelling is valid content)
+        vocab = [""] * V
+        for token, i in tok.tok.get_vocab(with_added_tokens=True).items():
+            vocab[i] = token
+        for i, added in tok.tok.get_added_tokens_decoder().items():
+            if added.special:
+                vocab[i] = ""
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=V, stop_token_ids=[EOT])
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False, max_threads=1)
         self.version = importlib.metadata.version("xgrammar")
 
@@ -138,6 +142,25 @@ def walk(engine, compiled, ids) -> tuple[list[float], list[float]]:
     return times, own
 
 
+def walks(engine, schema, text: str, tok) -> bool:
+    """Whether ``engine``'s masks let every token of ``text`` through and then the end-of-turn token."""
+    engine.start(engine.compile(schema))
+    row = torch.zeros(V)
+    for t in tok.encode(text, add_special_tokens=False):
+        if not apply(engine.mask(), row)[t]:
+            return False
+        engine.advance(t)
+        row.zero_()
+    return bool(apply(engine.mask(), row)[EOT])
+
+
+# Validity: texts that are NOT JSON (json.loads refuses each) yet a careless string grammar takes:
+# raw control characters in a string (RFC 8259 section 7 wants them escaped) and a lone backslash.
+INVALID = {"raw U+0001 in a string": '{"name": "B\u0001ob", "age": 42}',
+           "raw tab in a string": '{"name": "B\tob", "age": 42}',
+           "raw newline in a string": '{"name": "B\nob", "age": 42}'}
+
+
 def main() -> None:
     tok = load_tokenizer(resolve_model("smollm2"))
     engines, vocab_s = [], {}
@@ -174,13 +197,19 @@ def main() -> None:
     faster = "llguidance" if us(all_a) <= us(all_b) else "xgrammar"
     comp_ratio = (comp_a / comp_b) if faster == "llguidance" else (comp_b / comp_a)
     pick = faster if comp_ratio <= 10 else ("xgrammar" if faster == "llguidance" else "llguidance")
-    # the bare apply step, the same for both engines (its share of the figures above)
-    words = torch.full((V // 32,), -1, dtype=torch.int32)
-    row, reps = torch.zeros(V), []
-    for _ in range(200):
-        start = time.perf_counter()
-        apply(words, row)
-        reps.append(time.perf_counter() - start)
+    validity = []
+    for what, text in INVALID.items():
+        try:
+            json.loads(text)
+            raise AssertionError(f"{what}: json.loads takes it, so it is no test of validity")
+        except ValueError:
+            pass
+        took = [e.name for e in engines if walks(e, GRAMMARS["person"], text, tok)]
+        validity.append(f"| {what} | {', '.join(took) or 'neither'} |")
+    wrong = {e.name for e in engines if any(walks(e, GRAMMARS["person"], t, tok) for t in INVALID.values())}
+    valid_pick = pick if pick not in wrong else next((e.name for e in engines if e.name not in wrong), "neither")
+    # the apply step (the same torch code for both engines), timed inside the walks: total - own
+    applied = [t - o for key in per_token for t, o in zip(per_token[key], engine_only[key])]
     text = "\n".join([
         "# Grammar engines for structured output: per-token overhead on SmolLM2's 49,152-token vocabulary", "",
         f"llguidance {engines[0].version} against xgrammar {engines[1].version}, one thread, {ROUNDS} alternating "
@@ -192,10 +221,15 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|", *rows, "",
         f"All grammars: llguidance {us(all_a):.0f} µs/token, xgrammar {us(all_b):.0f} µs/token "
         f"(xgrammar / llguidance {us(all_b) / us(all_a):.2f}); schema compile medians {comp_a * 1e3:.1f} ms and "
-        f"{comp_b * 1e3:.1f} ms. The shared apply step alone: {us(reps):.0f} µs. Vocabulary compiled once: "
+        f"{comp_b * 1e3:.1f} ms. Of it the shared apply step (unpack the bitmask, -inf fill): median {us(applied):.0f} µs. Vocabulary compiled once: "
         f"llguidance {vocab_s['llguidance']:.2f} s, xgrammar {vocab_s['xgrammar']:.2f} s.", "",
         f"Criterion (set before the run): the lower median per-token time wins unless its compile is over 10x "
-        f"slower. Pick: **{pick}**.", ""])
+        f"slower. By speed: **{pick}**.", "",
+        "Validity (added after the first runs, when a cross-check of the two engines' masks token by token "
+        "showed them differ inside strings): texts json.loads refuses, walked through the `person` schema's "
+        "masks. An engine that lets one through can emit invalid JSON, which disqualifies it whatever its speed.",
+        "", "| invalid text | engines whose mask takes it to the end-of-turn token |", "|---|---|", *validity, "",
+        f"Pick, fast among the valid: **{valid_pick}**.", ""])
     record.finish()
     print(text)
     print(record.write(results_dir("serving") / "grammar_overhead.md", text))

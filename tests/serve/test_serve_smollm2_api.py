@@ -11,12 +11,11 @@ grammar engine that constrained the output.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+import structured_util as structured
 from serve_util import Running
 from tformer.commands.serve import build_server, end_of_turn_ids
 from tformer.serve.app import build_app
@@ -25,10 +24,6 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("structured_output", ROOT / "benchmarks/serving/structured_output.py")
-structured = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(structured)       # the 3 schemas and the client of the 3 x 50 run, one home
 N = 12                                     # requests per schema here; the script's run does 50 (results/serving)
 
 
