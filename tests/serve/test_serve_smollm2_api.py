@@ -104,3 +104,35 @@ def test_concurrent_requests_are_schema_valid(served, name):
         assert structured.valid(a, schema)
     assert len(set(texts)) > 1                                  # sampling really varied the answers
     assert server.scheduler.metrics.value("tformer_pool_slots_in_use") == 0
+
+
+def test_the_mask_allows_only_prefixes_of_the_language(smollm2):
+    """The VERDICT schema's language is four strings (compact separators, declared order): written out
+    by hand here, it is the reference. Along each string's tokens, every token the mask allows must
+    extend the text to a prefix of one of the four (soundness; llguidance may allow fewer spellings);
+    the string's own next token is allowed; at the end only the end-of-turn token is. Raw control
+    characters in a string (invalid JSON) are never allowed (why llguidance is the engine)."""
+    from tformer.serve.grammar import GrammarEngine
+    from tformer.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(smollm2[1])
+    engine = GrammarEngine(tok, 49152, [2])
+    language = [f'{{"answer": "{a}", "confident": {c}}}' for a in ("yes", "no") for c in ("true", "false")]
+    pieces = [tok.decode([t]) for t in range(49152)]
+    for text in language:
+        c, ids = engine.json(structured.VERDICT), tok.encode(text, add_special_tokens=False)
+        for i, t in enumerate(ids + [None]):
+            allowed = c.allowed().nonzero().flatten().tolist()
+            if t is None:
+                assert allowed == [2]
+                break
+            done = tok.decode(ids[:i])
+            assert t in allowed and allowed
+            bad = [a for a in allowed if not pieces[a] or not any(w.startswith(done + pieces[a]) for w in language)]
+            assert bad == [], (done, [pieces[a] for a in bad][:5])
+            c.advance(t)
+    c = engine.json(structured.PERSON)
+    for t in tok.encode('{"name": "B', add_special_tokens=False):
+        c.advance(t)
+    allowed = c.allowed()
+    assert not any(allowed[t] for t in range(49152) if any(ord(ch) < 0x20 for ch in pieces[t]))

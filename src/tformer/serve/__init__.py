@@ -4,6 +4,7 @@
     pool.py        the preallocated pool of per-sequence inference states; batched prefill and decode calls
     scheduler.py   the thread that owns the model: admission, batched prefill and decode, finishing
     sampling.py    each row's token choice (greedy, sampled, logprobs) for a whole batch at once
+    grammar.py     structured output: a JSON-schema constraint per sequence, masking its logits row
     server.py      what the routes share: model, tokenizer, limits, metrics; request -> sequences
     openai_api.py  /v1/completions, /v1/chat/completions, /v1/embeddings (JSON and SSE)
     inspect.py     attention and input x gradient attribution of one prediction (the playground)
