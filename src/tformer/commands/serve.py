@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "means less memory per slot")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: env "
-                        "TFORMER_API_KEY; none when unset)")
+                        "TFORMER_API_KEY, which other users cannot read in the process list; none when unset)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds running requests may take to finish before they are "
                         "ended with an error (default: 30)")
