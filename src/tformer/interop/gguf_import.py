@@ -190,6 +190,12 @@ def load_gguf(path: str | Path, keep_quant: bool = False) -> torch.nn.Module:
     return load_gguf_file(GGUFFile(path), keep_quant=keep_quant)
 
 
+def layer_formats(f: GGUFFile) -> set[str]:
+    """The storage types of the file's layer matrices (``blk.*`` tensors of two dimensions): tformer's
+    block format names where it keeps them (``q4_1``), else the GGUF type (``Q6_K``, ``F16``)."""
+    return {KEPT.get(t.type, t.type) for name, t in f.tensors.items() if name.startswith("blk.") and len(t.shape) == 2}
+
+
 def block_format(packed: torch.Tensor, in_features: int) -> str:
     """The block format of file bytes ``(N, row bytes)`` for rows of ``in_features`` values: the bytes
     per block of 32 tell it (34 q8_0, 18 q4_0, 20 q4_1)."""
