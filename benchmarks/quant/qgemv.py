@@ -47,9 +47,10 @@ class Block:
 
     def __init__(self, packed, fmt, path):
         self.packed, self.fmt, self.path = packed, fmt, path
+        self.tiled = qgemv.tiles(packed, fmt, path)      # the SIMD paths' interleaved rows, made once (as BlockLinear)
 
     def __call__(self, x):
-        return qgemv.qgemm(self.packed, self.fmt, x, None, self.path)
+        return qgemv.qgemm(self.packed, self.fmt, x, None, self.path, self.tiled)
 
 
 def nbytes(c) -> int:

@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="do not stop at the end-of-sequence token saved with the checkpoint")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8", "int4", "q8_0", "q4_0", "q4_1"],
                    help="weights: fp32, bf16, fp16, int8 / int4 weight-only linears, or GGUF's q8_0 / q4_0 / q4_1 "
-                        "blocks with integer kernels (default: fp32)")
+                        "blocks with integer kernels; a GGUF --model stored in the format asked for keeps its "
+                        "blocks as they are (SmolLM2: q4_1) (default: fp32)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole window every token (slow)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.set_defaults(func=run)
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     """Generate; with ``echo`` the prompt is printed before its continuation."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
     from tformer.generation.text import generate_text, stream_text
-    from tformer.interop.builtin import resolve_model
+    from tformer.interop.builtin import load_model_as
     from tformer.quant.quantize import QUANT_WIDTH, set_precision
     from tformer.tokenizers import load_tokenizer
 
@@ -84,8 +85,11 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     check_options(args)
     if threads is not None:
         torch.set_num_threads(threads)
-    folder = resolve_model(args.model) if getattr(args, "model", None) else resolve_checkpoint(args.ckpt)
-    model = set_precision(load_model(folder).eval(), dtype)
+    if getattr(args, "model", None):       # a GGUF in the block format asked for keeps its blocks
+        model, folder = load_model_as(args.model, dtype)
+    else:
+        folder = resolve_checkpoint(args.ckpt)
+        model = set_precision(load_model(folder).eval(), dtype)
     if dtype in QUANT_WIDTH:
         say_float_linears(model, dtype)
     if not model.config.causal:

@@ -70,6 +70,41 @@ def cached_conversion(gguf_path: Path) -> Path:
     return target
 
 
+def gguf_file(spec: str | os.PathLike | None) -> Path | None:
+    """The GGUF file behind a model spec (a built-in name or a ``.gguf`` path), else ``None``."""
+    spec = str(spec if spec is not None else DEFAULT_MODEL)
+    if spec in BUILTIN:
+        return builtin_path(spec)
+    path = Path(spec)
+    if path.is_file():
+        with open(path, "rb") as f:
+            return path if f.read(4) == b"GGUF" else None
+    return None
+
+
+def load_model_as(spec: str | os.PathLike | None, precision: str):
+    """``(model, checkpoint folder)`` for a model spec at ``precision`` (eval mode).
+
+    A GGUF source whose layer matrices are all stored in the block format asked for (SmolLM2's file
+    and ``q4_1``) keeps them as the file's blocks (:func:`tformer.interop.gguf_import.load_gguf` with
+    ``keep_quant``): no float round trip, llama.cpp's arithmetic on the same bytes. Anything else is the
+    float32 checkpoint cast by :func:`tformer.quant.quantize.set_precision` (a q8_0 model of a Q4_1
+    file is re-quantised from the dequantised weights). The folder holds the tokenizer either way.
+    """
+    from tformer.checkpoint import load_model
+    from tformer.interop.gguf_import import layer_formats, load_gguf
+    from tformer.interop.gguf_reader import GGUFFile
+    from tformer.quant.quantize import BLOCK_PRECISIONS, set_precision
+
+    folder = resolve_model(spec)
+    path = gguf_file(spec)
+    if path is not None and precision in BLOCK_PRECISIONS and layer_formats(GGUFFile(path)) == {precision}:
+        model = load_gguf(path, keep_quant=True)
+    else:
+        model = load_model(folder).eval()
+    return set_precision(model, precision), folder
+
+
 def resolve_model(spec: str | os.PathLike | None = None) -> Path:
     """A checkpoint folder for a built-in name, a ``.gguf`` file, or a tformer checkpoint / run folder."""
     from tformer.checkpoint import resolve_checkpoint

@@ -16,7 +16,14 @@ layout changes undo what llama.cpp's ``convert_hf_to_gguf.py`` did (see ``tforme
   already (llama.cpp runs them with NEOX RoPE), so they are not permuted.
 - ``gpt2`` matrices are stored ``(out, in)``; HF's ``Conv1D`` wants ``(in, out)``.
 
-Every tensor is dequantised to float32 by ``gguf.quants`` (:mod:`tformer.interop.gguf_reader`).
+Every tensor is dequantised to float32 by ``gguf.quants`` (:mod:`tformer.interop.gguf_reader`), unless
+``keep_quant=True``: then every matrix stored as Q8_0, Q4_0 or Q4_1 stays in its file bytes and runs as
+a :class:`~tformer.quant.block_linear.BlockLinear` (the embedding as a
+:class:`~tformer.quant.block_embedding.BlockEmbedding`, a tied LM head over the same bytes): llama.cpp's
+arithmetic (activations rounded to 8-bit blocks, integer block products), no float copy of those
+weights in the model. The two layout changes are exact on blocks: the RoPE un-permutation moves
+whole rows, and q, k, v are joined row after row; a ``gpt2`` file (whose matrices would have to be
+transposed) is refused with ``keep_quant``.
 Metadata that tformer cannot honour is refused with one sentence naming the key: an architecture
 it does not implement, RoPE scaling, mixture-of-experts, or any ``{arch}.*`` key it does not know.
 """
@@ -147,33 +154,87 @@ def hf_name(f: GGUFFile, arch: str, name: str) -> str:
                           f"not understand.")
 
 
-def hf_tensors(f: GGUFFile, arch: str, hf: dict) -> dict[str, torch.Tensor]:
-    """Every tensor under its HF name, float32, in HF's layout."""
+KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}   # GGUF type -> tformer block format kept as stored
+
+
+def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor under its HF name, float32, in HF's layout; with ``keep_quant`` the Q8_0 / Q4_0 /
+    Q4_1 matrices are their file bytes instead, ``(rows, row bytes)`` uint8."""
     out = {}
     for name in f.tensors:
         target = hf_name(f, arch, name)
-        a = f.array(name)
+        kept = keep_quant and f.tensors[name].type in KEPT and len(f.tensors[name].shape) == 2
+        if kept and arch == "gpt2" and target.endswith(CONV1D):
+            raise CheckpointError(f"{f.path}: keep_quant cannot keep {name} ({f.tensors[name].type}) as blocks: a gpt2 "
+                                  f"file's matrices must be transposed for tformer; load it with keep_quant=False.")
+        a = f.blocks(name) if kept else f.array(name)
         if arch == "llama" and ".self_attn.q_proj." in target:
             a = llama_rope_unpermute(a, hf["num_attention_heads"])
         elif arch == "llama" and ".self_attn.k_proj." in target:
             a = llama_rope_unpermute(a, hf["num_key_value_heads"])
         elif arch == "gpt2" and target.endswith(CONV1D):
             a = a.T                                         # (out, in) -> Conv1D's (in, out)
-        out[target] = torch.from_numpy(np.array(a, dtype=np.float32))   # a copy: the file is mapped read-only
+        # a copy: the file is mapped read-only
+        out[target] = torch.from_numpy(np.array(a, dtype=np.uint8 if kept else np.float32))
     return out
 
 
-def load_gguf(path: str | Path) -> torch.nn.Module:
-    """Load a GGUF file as a float32 :class:`~tformer.models.decoder.DecoderLM` in eval mode.
+def load_gguf(path: str | Path, keep_quant: bool = False) -> torch.nn.Module:
+    """Load a GGUF file as a :class:`~tformer.models.decoder.DecoderLM` in eval mode: float32, or with
+    ``keep_quant`` its Q8_0 / Q4_0 / Q4_1 matrices kept as blocks (see the module docstring).
 
     Raises:
         CheckpointError: a malformed file, or an architecture, tensor type or metadata key that tformer
             cannot honour (one sentence naming it).
     """
-    return load_gguf_file(GGUFFile(path))
+    return load_gguf_file(GGUFFile(path), keep_quant=keep_quant)
 
 
-def load_gguf_file(f: GGUFFile) -> torch.nn.Module:
+def layer_formats(f: GGUFFile) -> set[str]:
+    """The storage types of the file's layer matrices (``blk.*`` tensors of two dimensions): tformer's
+    block format names where it keeps them (``q4_1``), else the GGUF type (``Q6_K``, ``F16``)."""
+    return {KEPT.get(t.type, t.type) for name, t in f.tensors.items() if name.startswith("blk.") and len(t.shape) == 2}
+
+
+def block_format(packed: torch.Tensor, in_features: int) -> str:
+    """The block format of file bytes ``(N, row bytes)`` for rows of ``in_features`` values: the bytes
+    per block of 32 tell it (34 q8_0, 18 q4_0, 20 q4_1)."""
+    from tformer.quant.blocks import BYTES
+
+    per_block = {size: fmt for fmt, size in BYTES.items()}
+    size = packed.shape[1] * 32 // max(in_features, 1)
+    if in_features % 32 or size * in_features != packed.shape[1] * 32 or size not in per_block:
+        raise CheckpointError(f"a block-quantised matrix of {packed.shape[1]} bytes a row does not fit {in_features} "
+                              f"inputs; the file is damaged.")
+    return per_block[size]
+
+
+def install_blocks(model: torch.nn.Module, kept: dict[str, torch.Tensor]) -> None:
+    """Replace the modules whose ``weight`` is in ``kept`` (state name -> file bytes) by block modules:
+    ``nn.Linear`` -> BlockLinear, ``nn.Embedding`` -> BlockEmbedding; one buffer for tied matrices."""
+    from tformer.quant.block_embedding import BlockEmbedding
+    from tformer.quant.block_linear import BlockLinear
+
+    for key, packed in kept.items():
+        path, _, leaf = key.rpartition(".")
+        parent_name, _, child_name = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        child = getattr(parent, child_name)
+        if leaf != "weight" or not isinstance(child, (torch.nn.Linear, torch.nn.Embedding)):
+            raise CheckpointError(f"tensor {key} is block-quantised but belongs to a {type(child).__name__}, which "
+                                  f"tformer runs in float only; load the file with keep_quant=False.")
+        rows = child.num_embeddings if isinstance(child, torch.nn.Embedding) else child.out_features
+        if packed.shape[0] != rows:
+            raise CheckpointError(f"tensor {key} has {packed.shape[0]} rows but the metadata gives {rows}; the file "
+                                  f"is damaged.")
+        if isinstance(child, torch.nn.Embedding):
+            setattr(parent, child_name, BlockEmbedding(packed, block_format(packed, child.embedding_dim)))
+        else:
+            bias = child.bias.detach() if child.bias is not None else None
+            setattr(parent, child_name, BlockLinear(packed, block_format(packed, child.in_features), bias))
+
+
+def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
     from tformer.interop.hf import build_model, family
 
     arch = architecture(f)
@@ -182,12 +243,21 @@ def load_gguf_file(f: GGUFFile) -> torch.nn.Module:
     module = family(arch, "general.architecture")
     config = module.config_from_hf(hf)
     config.hf_model_type = arch
-    src = TensorSource(hf_tensors(f, arch, hf), prefix=module.PREFIX)
+    src = TensorSource(hf_tensors(f, arch, hf, keep_quant), prefix=module.PREFIX)
     state = module.state_from_hf(src, config)
     src.check_consumed()
     model = build_model(config, state)
+    kept = {k: v for k, v in state.items() if v.dtype == torch.uint8}
     try:
-        model.load_state_dict(state, strict=True)
+        if kept:
+            # biases and norms load into the float modules first; then the block modules replace theirs
+            missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in kept}, strict=False)
+            if set(missing) != set(kept) or unexpected:
+                raise RuntimeError(f"size mismatch: missing {sorted(set(missing) - set(kept))[:3]}, "
+                                   f"unexpected {unexpected[:3]}")
+            install_blocks(model, kept)
+        else:
+            model.load_state_dict(state, strict=True)
     except RuntimeError as e:
         lines = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
         raise CheckpointError(f"{f.path}: the tensors do not fit the metadata ({(lines or [str(e)])[0]}); the "

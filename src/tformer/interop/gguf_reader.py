@@ -192,3 +192,10 @@ class GGUFFile:
         rows = math.prod(t.shape[:-1])
         out = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
         return np.ascontiguousarray(out, dtype=np.float32).reshape(t.shape)
+
+    def blocks(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s bytes as they are in the file, one row a line: ``(rows, row bytes)`` uint8
+        (a read-only view of the mapped file; a quantised row is ``K / block_size`` blocks)."""
+        t = self.tensors[name]
+        rows = math.prod(t.shape[:-1])
+        return np.asarray(self.raw[t.offset:t.offset + t.nbytes]).reshape(rows, t.nbytes // rows)

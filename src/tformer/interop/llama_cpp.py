@@ -57,18 +57,34 @@ class LlamaCpp:
         f32_cache: keys and values cached in float32 (llama.cpp's default is float16, which alone
             moves logits by ~1e-3; the exactness check needs float32, the speed runs keep the default).
         n_batch: tokens per llama.cpp batch (default: the whole prompt at once).
+        repack: let llama.cpp repack weights into its CPU "extra buffer" layouts (AMX / interleaved
+            rows; its default). ``False`` runs the ggml kernels on the weights as stored: needed for
+            block-quantised files on this project's Xeon, where llama-cpp-python 0.3.36 crashes
+            (SIGSEGV) with repacking on any batch of more than one token (SmolLM2's Q4_1 file).
     """
 
     def __init__(self, path: Path, n_ctx: int, threads: int = 2, logits_all: bool = False, f32_cache: bool = False,
-                 n_batch: int | None = None):
+                 n_batch: int | None = None, repack: bool = True):
         import llama_cpp
+        import llama_cpp.llama as wrapper
 
         self.lib = llama_cpp
         cache = dict(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32) if f32_cache else {}
         batch = n_batch or n_ctx
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=batch, n_ubatch=batch,
-                                   n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
-                                   verbose=False, **cache)
+        default = llama_cpp.llama_model_default_params
+
+        def params():                       # Llama() takes its model parameters from this function
+            p = default()
+            p.use_extra_bufts = repack
+            return p
+
+        wrapper.llama_cpp.llama_model_default_params = params
+        try:
+            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=batch, n_ubatch=batch,
+                                       n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
+                                       verbose=False, **cache)
+        finally:
+            wrapper.llama_cpp.llama_model_default_params = default
         self.vocab = self.llm.n_vocab()
 
     def _last_logits(self) -> np.ndarray:

@@ -46,6 +46,7 @@ class BlockLinear(nn.Module):
             raise InputError(f"the bias is {tuple(bias.shape)} but the weight has {self.out_features} outputs.")
         self.register_buffer("blocks", packed.contiguous())
         self.register_buffer("bias", bias.detach().float().contiguous() if bias is not None else None)
+        self._tiled: dict[str, Tensor | None] = {}        # kernel path -> qgemv.tiles(blocks) (not state)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> "BlockLinear":
@@ -54,7 +55,13 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)                                           # (M, K)
-        y = qgemv.qgemm(self.blocks, self.fmt, x2, self.bias)                          # (M, N) in x's dtype
+        p = qgemv.path()
+        tiled = self._tiled.get(p) if p in qgemv.TILE_ROWS else None
+        if p in qgemv.TILE_ROWS and tiled is None:
+            # the SIMD paths' interleaved rows, made at the first call on a path (the file layout
+            # stays in ``blocks``: what the checks, dequantisation and export read)
+            tiled = self._tiled[p] = qgemv.tiles(self.blocks, self.fmt, p)
+        y = qgemv.qgemm(self.blocks, self.fmt, x2, self.bias, p, tiled)                # (M, N) in x's dtype
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> Tensor:

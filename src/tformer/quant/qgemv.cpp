@@ -18,6 +18,7 @@
 // are unsigned already. Output rows are split between torch's threads (at::parallel_for).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -311,12 +312,196 @@ at::Tensor qgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, con
   return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
 }
 
+// ---------------------------------------------------------------- interleaved tiles ----------
+// The SIMD paths run on weights repacked R rows at a time (R = 8 for AVX2, 16 for AVX-512): tile t
+// holds rows tR .. tR + R - 1 (zero rows pad the last tile), and for each block g, in order:
+//   d[R] fp16 | m[R] fp16 (q4_1 only) | codes, as [quad j][row r][4 bytes]
+// where quad j of a row is its codes 4j .. 4j + 3: for q4_0 / q4_1 j = 0..3 and each byte holds code
+// 4j + b in its low nibble and code 16 + 4j + b in its high nibble (the file's qs[4j + b], moved);
+// for q8_0 j = 0..7, one code a byte (signed for AVX2; for AVX-512 plus 128, i.e. unsigned).
+// A 32-bit lane r of one vector then holds row r's four codes of one quad: the activation's four
+// codes are broadcast to every lane and one dpbusd (or maddubs + madd) adds four products to each
+// row's sum: R rows' dot products with no horizontal sums, and the R scales of a block are one
+// vector (cvtph). Bytes per tile and block: R * BLOCK_BYTES (the same bytes as the file, moved).
+int64_t tile_block_bytes(int64_t fmt, int64_t R) { return R * BLOCK_BYTES[fmt]; }
+
+at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R) {
+  TORCH_CHECK(fmt >= 0 && fmt <= 2 && (R == 8 || R == 16), "repack: fmt 0..2 and R 8 or 16");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.size(1) % BLOCK_BYTES[fmt] == 0, "repack: blocks must be contiguous (N, G*bytes) uint8");
+  const int64_t N = blocks.size(0), bytes = BLOCK_BYTES[fmt], G = blocks.size(1) / bytes;
+  const int64_t T = (N + R - 1) / R, tb = tile_block_bytes(fmt, R);
+  at::Tensor out = at::zeros({T, G * tb}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const bool offset = fmt == Q8_0 && R == 16;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t t = n / R, r = n % R;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* b = src + (n * G + g) * bytes;
+      uint8_t* o = dst + (t * G + g) * tb;
+      std::memcpy(o + 2 * r, b, 2);                                       // d
+      int64_t off = 2 * R;
+      if (fmt == Q4_1) { std::memcpy(o + off + 2 * r, b + 2, 2); off += 2 * R; }
+      const uint8_t* qs = b + (fmt == Q8_0 ? 2 : bytes - 16);
+      const int quads = fmt == Q8_0 ? 8 : 4;
+      for (int j = 0; j < quads; ++j)
+        for (int k = 0; k < 4; ++k) o[off + (j * R + r) * 4 + k] = offset ? uint8_t(qs[4 * j + k] ^ 0x80) : qs[4 * j + k];
+    }
+  }
+  return out;
+}
+
+// One activation row against one tile: out[R] = the R rows' products (no bias).
+struct XRow {
+  const int8_t* q;      // (K,)
+  const float* d;       // (G,)
+  const int32_t* s;     // (G,) sum of the codes
+  const float* ds;      // (G,) d * s
+};
+
+#ifdef TFORMER_X86
+template <int F>
+T_AVX2 void tile_avx2(const uint8_t* w, const XRow& x, int64_t G, float* out) {
+  constexpr int64_t tb = 8 * BLOCK_BYTES[F];
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g, w += tb) {
+    const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + 32 * g);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    __m256i idot;
+    if (F == Q8_0) {
+      const uint8_t* c = w + 16;
+      idot = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
+        const __m256i xv = _mm256_set1_epi32(xq[j]);
+        idot = _mm256_add_epi32(idot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv),
+                                                                             _mm256_sign_epi8(xv, wv)), ones));
+      }
+    } else {
+      const uint8_t* c = w + (F == Q4_1 ? 32 : 16);
+      __m256i p16 = _mm256_setzero_si256();   // 8 maddubs of codes <= 15: |sum| <= 8 * 2 * 15 * 127 < 2^15
+      for (int j = 0; j < 4; ++j) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
+        p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(_mm256_and_si256(wv, low), _mm256_set1_epi32(xq[j])));
+        p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(wv, 4), low),
+                                                         _mm256_set1_epi32(xq[4 + j])));
+      }
+      idot = _mm256_madd_epi16(p16, ones);
+      if (F == Q4_0) idot = _mm256_add_epi32(idot, _mm256_set1_epi32(-8 * x.s[g]));
+    }
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[g])), _mm256_cvtepi32_ps(idot), acc);
+    if (F == Q4_1)
+      acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))),
+                            _mm256_set1_ps(x.ds[g]), acc);
+  }
+  _mm256_storeu_ps(out, acc);
+}
+
+template <int F>
+T_VNNI void tile_vnni(const uint8_t* w, const XRow& x, int64_t G, float* out) {
+  constexpr int64_t tb = 16 * BLOCK_BYTES[F];
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g, w += tb) {
+    const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + 32 * g);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    __m512i a, b;                             // two chains of dpbusd (latency), added at the end
+    if (F == Q8_0) {                          // codes + 128: sum (q + 128) x - 128 sum x
+      const uint8_t* c = w + 32;
+      a = _mm512_set1_epi32(-128 * x.s[g]);
+      b = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(c + 64 * j), _mm512_set1_epi32(xq[j]));
+        b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512(c + 64 * (j + 1)), _mm512_set1_epi32(xq[j + 1]));
+      }
+    } else {
+      const uint8_t* c = w + (F == Q4_1 ? 64 : 32);
+      a = F == Q4_0 ? _mm512_set1_epi32(-8 * x.s[g]) : _mm512_setzero_si512();
+      b = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        const __m512i wv = _mm512_loadu_si512(c + 64 * j);
+        a = _mm512_dpbusd_epi32(a, _mm512_and_si512(wv, low), _mm512_set1_epi32(xq[j]));
+        b = _mm512_dpbusd_epi32(b, _mm512_and_si512(_mm512_srli_epi16(wv, 4), low), _mm512_set1_epi32(xq[4 + j]));
+      }
+    }
+    const __m512i idot = _mm512_add_epi32(a, b);
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.d[g])), _mm512_cvtepi32_ps(idot), acc);
+    if (F == Q4_1)
+      acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))),
+                            _mm512_set1_ps(x.ds[g]), acc);
+  }
+  _mm512_storeu_ps(out, acc);
+}
+#endif
+
+// The op on tiles: tiles (T, G * R * bytes) from repack(), N <= T R outputs, path avx2 (R 8) or
+// avx512vnni (R 16). x (M, K) -> y (M, N) in x's dtype.
+at::Tensor qgemm_tiles(const at::Tensor& tiles, int64_t fmt, int64_t N, const at::Tensor& x,
+                       const c10::optional<at::Tensor>& bias, int64_t path) {
+  TORCH_CHECK(fmt >= 0 && fmt <= 2, "qgemm_tiles: fmt must be 0, 1 or 2");
+  TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "qgemm_tiles: this CPU cannot run path ", path);
+  const int64_t R = path == AVX2 ? 8 : 16, tb = tile_block_bytes(fmt, R);
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.size(1) % tb == 0 && N <= tiles.size(0) * R && N > (tiles.size(0) - 1) * R,
+              "qgemm_tiles: tiles must be repack(blocks, fmt, ", R, ") of an (N, K) weight");
+  const int64_t T = tiles.size(0), G = tiles.size(1) / tb, K = 32 * G;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qgemm_tiles: x must be (M, ", K, ")");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "qgemm_tiles: bias must be contiguous float32 (N,)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "qgemm_tiles: x must be float32, bfloat16 or float16");
+  const int64_t M = x.size(0);
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * G), ds(M * G);
+  std::vector<int32_t> corr(M * G * 8), s(M * G);
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(Q4_0, xp + m * K, K, q.data() + m * K, d.data() + m * G, corr.data() + m * G * 8, ds.data() + m * G);
+    for (int64_t g = 0; g < G; ++g) s[m * G + g] = corr[(m * G + g) * 8] / -8;
+  }
+  at::Tensor yf = at::empty({M, N}, xf.options());
+  float* yp = yf.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const uint8_t* wp = tiles.data_ptr<uint8_t>();
+  using TileFn = void (*)(const uint8_t*, const XRow&, int64_t, float*);
+  TileFn fn = nullptr;
+#ifdef TFORMER_X86
+  static const TileFn avx2[3] = {&tile_avx2<Q8_0>, &tile_avx2<Q4_0>, &tile_avx2<Q4_1>};
+  static const TileFn vnni[3] = {&tile_vnni<Q8_0>, &tile_vnni<Q4_0>, &tile_vnni<Q4_1>};
+  fn = path == AVX2 ? avx2[fmt] : vnni[fmt];
+#endif
+  const int64_t row_bytes = tiles.size(1);
+  // a task: enough tiles for ~32 KB of weight (fork/join costs more than a small matrix's work)
+  const int64_t grain = std::max<int64_t>(1, 32768 / row_bytes);
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    float tmp[16];
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m = 0; m < M; ++m) {
+        const XRow row{q.data() + m * K, d.data() + m * G, s.data() + m * G, ds.data() + m * G};
+        fn(wp + t * row_bytes, row, G, tmp);
+        const int64_t n0 = t * R, n1 = std::min(N, n0 + R);
+        float* out = yp + m * N;
+        for (int64_t n = n0; n < n1; ++n) out[n] = tmp[n - n0] + (bp ? bp[n] : 0.0f);
+      }
+  });
+  return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("qgemm(Tensor blocks, int fmt, Tensor x, Tensor? bias, int path) -> Tensor");
   m.def("paths() -> int[]");
+  m.def("repack(Tensor blocks, int fmt, int R) -> Tensor");
+  m.def("qgemm_tiles(Tensor tiles, int fmt, int N, Tensor x, Tensor? bias, int path) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) { m.impl("qgemm", &qgemm); }
+TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
+  m.impl("qgemm", &qgemm);
+  m.impl("repack", &repack);
+  m.impl("qgemm_tiles", &qgemm_tiles);
+}
 TORCH_LIBRARY_IMPL(tformer_qgemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); }

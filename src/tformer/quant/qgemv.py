@@ -9,6 +9,11 @@ arithmetic; they differ only in the float32 summation order):
 - ``avx2``: AVX2 + FMA + F16C (``_mm256_maddubs_epi16``), e.g. AMD Zen 2/3, Intel since Haswell;
 - ``avx512vnni``: AVX-512 BW/VL/DQ with VNNI (``_mm512_dpbusd_epi32``), e.g. Intel since Ice Lake, Zen 4.
 
+The two SIMD paths read the weight repacked by :func:`tiles`: 8 (AVX2) or 16 (AVX-512) rows
+interleaved by groups of four codes, so one broadcast of four activation codes and one
+``maddubs``/``dpbusd`` advance 8 / 16 rows' dot products at once, and a block's 8 / 16 scales are one
+``cvtph`` (qgemv.cpp, "interleaved tiles"): the same bytes moved, made once per layer by BlockLinear.
+
 :func:`path` is the fastest one this CPU runs (the last of ``paths()``), or
 ``$TFORMER_QGEMV_PATH`` when set (tests and A/B runs force each path with it; a path the CPU
 cannot run is refused with a ConfigError). The library is compiled once per machine for the
@@ -64,6 +69,10 @@ def _build():
     @torch.library.register_fake("tformer_qgemv::qgemm")
     def _shape(blocks, fmt, x, bias, path):             # lets torch.compile trace through the op
         return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("tformer_qgemv::qgemm_tiles")
+    def _tiles_shape(tiles, fmt, n, x, bias, path):
+        return x.new_empty(x.shape[0], n)
     return op
 
 
@@ -95,12 +104,27 @@ def path() -> str | None:
     return here[-1] if here else None
 
 
-def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None) -> Tensor:
+TILE_ROWS = {"avx2": 8, "avx512vnni": 16}     # rows interleaved per tile by the SIMD paths (qgemv.cpp)
+
+
+def tiles(packed: Tensor, fmt: str, kernel_path: str) -> Tensor | None:
+    """``packed`` repacked for ``kernel_path`` (``TILE_ROWS`` rows interleaved, the same bytes moved:
+    see qgemv.cpp), or ``None`` for the scalar path and the torch fallback, which read the file layout."""
+    op = load()
+    if op is None or kernel_path not in TILE_ROWS:
+        return None
+    return op.repack(packed, FMT[fmt], TILE_ROWS[kernel_path])
+
+
+def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None,
+          tiled: Tensor | None = None) -> Tensor:
     """``x (M, K) · Wᵀ + bias`` for ``packed (N, K/32 · bytes)`` ``fmt`` blocks: ``(M, N)`` in x's dtype.
 
     Args:
         kernel_path: force ``scalar`` / ``avx2`` / ``avx512vnni`` (default :func:`path`).
         bias: float32 ``(N,)`` or None.
+        tiled: ``tiles(packed, fmt, kernel_path)`` made once by the caller (BlockLinear keeps it);
+            without it the SIMD paths repack on every call (tests, one-off products).
     """
     blocks.check_format(fmt)
     op = load()
@@ -113,4 +137,7 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
     p = kernel_path or path()
     if p not in PATHS:
         raise ConfigError(f"unknown kernel path {p!r}; choose one of {', '.join(PATHS)}.")
+    if p in TILE_ROWS:
+        t = tiled if tiled is not None else tiles(packed, fmt, p)
+        return op.qgemm_tiles(t, FMT[fmt], packed.shape[0], x, bias, PATHS.index(p))
     return op.qgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
