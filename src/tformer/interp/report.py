@@ -56,9 +56,14 @@ def save(fig, path: Path) -> None:
 
 
 def top_heads(scores: torch.Tensor, k: int = 5) -> list[dict]:
-    flat = scores.flatten().topk(k)
+    flat = scores.detach().flatten().topk(k)
     nh = scores.shape[1]
     return [dict(layer=int(i) // nh, head=int(i) % nh, score=round(float(v), 3)) for v, i in zip(flat.values, flat.indices)]
+
+
+def rounded(t: torch.Tensor, digits: int = 3) -> list:
+    """A table as nested lists of rounded floats (summary.json keeps every figure's numbers)."""
+    return [[round(float(v), digits) for v in row] for row in t.detach()]
 
 
 def heatmap(ax, data, title, xlabel, ylabel, cmap="viridis", centre=False, **kw):
@@ -141,7 +146,8 @@ def ioi(model, tok, out: Path, pyplot) -> dict:
     pyplot.close(fig)
     return dict(clean=CLEAN, corrupted=CORRUPT, clean_logit_diff=round(clean_diff, 3),
                 corrupted_logit_diff=round(corrupt_diff, 3), top_patched_heads=top_heads(heads, 6),
-                top_dla_heads=top_heads(dla, 6), most_negative_dla_heads=top_heads(-dla, 3))
+                top_dla_heads=top_heads(dla, 6), most_negative_dla_heads=top_heads(-dla, 3),
+                tokens=words, resid_patching=rounded(resid), head_patching=rounded(heads), head_dla=rounded(dla))
 
 
 def lens(model, tok, out: Path, pyplot) -> dict:
