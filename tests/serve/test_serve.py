@@ -226,6 +226,29 @@ def test_inspect_attention_and_attribution(served):
     assert got["logprob"] == pytest.approx(logp(0, 0.0), abs=1e-6)          # reported in float32
 
 
+def test_inspect_logit_lens_and_head_ablation(served):
+    """The lens's last row is the model's own prediction (p = exp(logprob), 1e-5); ablating head
+    (1, 2) equals zeroing its columns of W_O (log p within 1e-5); a head outside the model is a 400."""
+    model, tok, server, running, _ = served
+    body = {"prompt": "ab c", "token_ids": [5, 9, 11], "index": 2}
+    data = httpx.post(running.url + "/v1/inspect", json={**body, "ablate": [[1, 2]]}).json()
+    c = model.config
+    assert len(data["logit_lens"]) == c.n_layers + 1
+    last = data["logit_lens"][-1]
+    assert last["p_target"] == pytest.approx(float(np.exp(data["logprob"])), abs=1e-5)
+    assert all(0 <= row["p_target"] <= row["p_top"] + 1e-7 for row in data["logit_lens"])
+    m = __import__("copy").deepcopy(model)
+    hs = c.head_dim
+    with torch.no_grad():
+        m.blocks[1].attn.out_proj.weight[:, 2 * hs:3 * hs] = 0
+        edited = torch.log_softmax(m(torch.tensor([tok.encode("ab c") + [5, 9]]))[0][0, -1].float(), -1)[11].item()
+    assert data["ablation"]["heads"] == [[1, 2]]
+    assert data["ablation"]["logprob"] == pytest.approx(edited, abs=1e-5)
+    assert abs(data["ablation"]["logprob"] - data["logprob"]) > 1e-6          # the head mattered a little at least
+    bad = httpx.post(running.url + "/v1/inspect", json={**body, "ablate": [[c.n_layers, 0]]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ablate"
+
+
 def test_cli_serve(tmp_path, one_thread, monkeypatch, capsys):
     """`tformer serve` without a run says in one line how to get one; with a run it serves (a subprocess)."""
     import os

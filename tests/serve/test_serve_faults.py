@@ -236,6 +236,11 @@ def test_inspect_and_chat_on_unusual_models(tmp_path, one_thread):
         data = r.json()
         assert data["n_layers"] == 2 and data["attention"][0] == [] and len(data["attention"][1]) == 4
         assert len(data["attention"][1][0]) == 6 and abs(sum(data["attribution"]) - 1) < 1e-5
+        assert len(data["logit_lens"]) == 3                              # the lens reads any mixer's stream
+        r = post(running, "/v1/inspect", {"prompt": "ab c", "token_ids": [5, 9, 11], "index": 2, "ablate": [[0, 0]]})
+        assert r.status_code == 400 and "not a softmax-attention layer" in r.json()["error"]["message"]
+        r = post(running, "/v1/inspect", {"prompt": "ab c", "token_ids": [5, 9, 11], "index": 2, "ablate": [[1, 0]]})
+        assert r.status_code == 200 and "ablation" in r.json()
     finally:
         running.stop()
     model, _ = tiny_checkpoint(tmp_path / "flat")

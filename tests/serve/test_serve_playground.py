@@ -1,6 +1,7 @@
 """The playground in a real browser: Debian's headless Chromium driven by Playwright (never its own
 browser download). Type a prompt, wait for streamed tokens, click one, check the heatmap has one row
-per layer and head, and the attribution one cell per context token; the screenshot goes to
+per layer and head, the attribution one cell per context token, the logit lens one row per layer
+(+1), and that clicking a head ablates it (the prediction is recomputed without it); the screenshot goes to
 $TFORMER_SCREENSHOT when set (the README's picture is made this way)."""
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def test_playground_streams_and_explains_a_token(tmp_path, one_thread):
             assert rows.nth(0).locator("td.cell").count() == context
             assert page.locator("#attribution tr.attribution-row td.cell").count() == context
             assert "finish_reason: length" in page.text_content("#status")
+            # The logit lens: one row per block input and one after the last block.
+            assert page.locator("#lens tr.lens-row").count() == c.n_layers + 1
+            assert "click a head" in page.text_content("#ablation").lower()
+            # Ablate head (1, 0): its row is marked and the prediction is computed again without it.
+            rows.nth(c.n_heads).click()
+            page.wait_for_function("document.getElementById('ablation').textContent.includes('L1 H0 ablated')")
+            assert page.locator("#attention tr.ablated").count() == 1
             shot = os.environ.get("TFORMER_SCREENSHOT") or str(tmp_path / "playground.png")
             page.screenshot(path=shot, full_page=True)
             browser.close()

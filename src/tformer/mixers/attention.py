@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from tformer.ops.explicit import explicit_attention
 from tformer.ops.sdpa import scaled_dot_product_attention
 from tformer.config import TransformerConfig
 from tformer.errors import InputError
@@ -112,6 +113,8 @@ class MultiHeadAttention(ProjectedAttention):
             if positions is None and self.rope is not None:
                 positions = torch.arange(x.shape[1], device=x.device)
             step = Step(positions=positions, mask=mask, dropout=self.training, return_weights=return_weights)
+        if step.hooks is not None:
+            return self.forward_hooked(x, step, state)
         q, k, v = self.project(x, step)                              # (B, nh, T, hs), (B, nkv, T, hs) x 2
 
         # The cache decides how the new keys are written and what is read (eager prefix, or a static
@@ -127,6 +130,35 @@ class MultiHeadAttention(ProjectedAttention):
         )
         out, weights = result if step.return_weights else (result, None)
         return self.finish(out, step, weights)                       # re-assemble heads: (B, T, C)
+
+    def forward_hooked(self, x: Tensor, step: Step, state: KVCache | None) -> Tensor | tuple[Tensor, Tensor]:
+        """:meth:`forward` with the attention written out (:func:`~tformer.ops.explicit.explicit_attention`)
+        through the hook points ``blocks.{i}.attn.hook_q``, ``hook_k``, ``hook_v`` ``(B, T, nh|nkv, hs)``
+        (before RoPE), ``hook_rot_q``, ``hook_rot_k`` (after it), ``hook_attn_scores``,
+        ``hook_pattern`` ``(B, nh, T, m)`` and ``hook_z`` ``(B, T, nh, hs)`` (each head's output,
+        before ``out_proj``). No attention dropout: hooks are for looking at a trained model."""
+        hook, p = step.hooks, f"blocks.{self.layer}.attn."
+        B, T, _ = x.shape
+        nh, nkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, hs).split([nh, nkv, nkv], dim=2)   # (B, T, heads, hs)
+        q, k, v = (hook(p + name, t).transpose(1, 2) for name, t in (("hook_q", q), ("hook_k", k), ("hook_v", v)))
+        if self.rope is not None:
+            q = hook(p + "hook_rot_q", self.rope(q, step.positions).transpose(1, 2)).transpose(1, 2)
+            k = hook(p + "hook_rot_k", self.rope(k, step.positions).transpose(1, 2)).transpose(1, 2)
+        keys = state.store(k, v, step) if state is not None else KeyView(k, v, step.mask)
+        kw = keys.attention_arguments(causal=self.causal, window=self.window, alibi_slopes=self.alibi_slopes,
+                                      backend="math", dtype=q.dtype)
+        weights = None
+
+        def on_pattern(pattern: Tensor) -> Tensor:
+            nonlocal weights
+            weights = hook(p + "hook_pattern", pattern)
+            return weights
+
+        out = explicit_attention(q, keys.k, keys.v, on_scores=lambda s: hook(p + "hook_attn_scores", s),
+                                 on_pattern=on_pattern, **kw)                   # (B, nh, T, hs)
+        z = hook(p + "hook_z", out.transpose(1, 2))                             # (B, T, nh, hs)
+        return self.finish(z.transpose(1, 2), step, weights)
 
 @dataclass
 class CrossMemory:

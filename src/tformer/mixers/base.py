@@ -42,6 +42,7 @@ What a state provides
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -68,6 +69,9 @@ class Step:
         return_weights: also return attention weights (for attention maps).
         global_tokens: ``(B, T)`` bool, ``True`` for the new tokens the caller gives global
             attention (HF Longformer's ``global_attention_mask``); ``None``: none beyond a mixer's own.
+        hooks: ``hooks(name, tensor) -> tensor``, called at every named hook point of the forward
+            (``tformer.interp``: caches, interventions), or ``None``: no hook point is visited and
+            the forward is the plain one (the only cost of hooks is this one test per module).
     """
 
     positions: Tensor
@@ -78,6 +82,7 @@ class Step:
     dropout: bool = False
     return_weights: bool = False
     global_tokens: Tensor | None = None
+    hooks: Callable[[str, Tensor], Tensor] | None = None
 
 
 @dataclass

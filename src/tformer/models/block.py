@@ -46,6 +46,7 @@ class Block(nn.Module):
                  cross_attention: nn.Module | None = None, rope: RotaryEmbedding | None = None):
         super().__init__()
         shared = shared if shared is not None else Shared(rope=rope)
+        self.layer = layer
         self.pre_norm = config.norm_placement == "pre"
         self.p_drop = config.dropout
         self.attn_norm = make_norm(config)
@@ -83,6 +84,8 @@ class Block(nn.Module):
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
             step = Step(positions=positions, mask=mask, dropout=self.training)
+        if step.hooks is not None:
+            return self.forward_hooked(x, step, state, context, context_mask)
         weights = None
 
         def mix(h: Tensor) -> Tensor:
@@ -98,4 +101,35 @@ class Block(nn.Module):
                                step.dropout)
         if self.ffn is not None:
             x = self._residual(x, self.ffn_norm, self.ffn, step.dropout)
+        return (x, weights) if step.return_weights else x
+
+    def forward_hooked(self, x: Tensor, step: Step, state, context: Tensor | None,
+                       context_mask: Tensor | None) -> Tensor | tuple[Tensor, Tensor | None]:
+        """:meth:`forward` visiting the hook points ``blocks.{i}.hook_resid_pre``, ``hook_attn_out``
+        (the mixer's output), ``hook_resid_mid``, ``hook_mlp_out``, ``hook_resid_post`` (all
+        ``(B, T, C)``) and the feed-forward's ``mlp.hook_*``; each ``step.hooks(name, t)`` may
+        return a replacement. The same sums as :meth:`forward`, in the same order."""
+        hook, p = step.hooks, f"blocks.{self.layer}."
+        weights = None
+
+        def mix(h: Tensor) -> Tensor:
+            nonlocal weights
+            out = self.attn(h, step, state)
+            if step.return_weights:
+                out, weights = out
+            return hook(p + "hook_attn_out", out)
+
+        def feed_forward(h: Tensor) -> Tensor:
+            hooked = getattr(self.ffn, "hooked", None)        # a feed-forward without hook points runs plain
+            out = hooked(h, hook, p + "mlp.") if hooked is not None else self.ffn(h)
+            return hook(p + "hook_mlp_out", out)
+
+        x = hook(p + "hook_resid_pre", x)
+        x = hook(p + "hook_resid_mid", self._residual(x, self.attn_norm, mix, step.dropout))
+        if self.cross_attn is not None:
+            x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(h, context=context, mask=context_mask),
+                               step.dropout)
+        if self.ffn is not None:
+            x = self._residual(x, self.ffn_norm, feed_forward, step.dropout)
+        x = hook(p + "hook_resid_post", x)
         return (x, weights) if step.return_weights else x

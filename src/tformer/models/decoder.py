@@ -84,7 +84,10 @@ class DecoderLM(TransformerStack):
             x = x[torch.arange(ids.shape[0], device=x.device), last_index][:, None]   # (B, 1, C)
         elif last_only:
             x = x[:, -1:]
-        logits = self.lm_head(self.final_norm(x))                               # (B, T, vocab)
+        x = self.final_norm(x)
+        if self.hooks is not None:
+            x = self.hooks("ln_final.hook_out", x)
+        logits = self.lm_head(x)                                                # (B, T, vocab)
         loss = None
         if targets is not None:
             loss = token_loss(logits, targets)

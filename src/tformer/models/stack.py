@@ -63,6 +63,8 @@ class TransformerStack(nn.Module):
         # Post-norm blocks end in a norm already; pre-norm stacks need one at the end.
         self.final_norm = make_norm(c) if c.norm_placement == "pre" else nn.Identity()
         self.rope = rope
+        # tformer.interp's hook function while it runs a model (see Step.hooks); None otherwise.
+        self.hooks: Callable[[str, Tensor], Tensor] | None = None
 
     def init_weights(self, scale_residual: bool = True) -> None:
         """GPT-2's init: N(0, init_std) everywhere (then a mixer's own ``init_weights()``, if it has one), and (``scale_residual``) the projections that write
@@ -116,8 +118,12 @@ class TransformerStack(nn.Module):
             positions = torch.arange(ids.shape[1], device=ids.device)
         try:  # an index outside a table raises here; look at the values only then (no sync otherwise)
             x = self.tok_emb(ids)                                                # (B, T, C)
+            hook = self.hooks
+            if hook is not None:
+                x = hook("hook_embed", x)
             if self.pos_emb is not None:
-                x = x + self.pos_emb(positions)
+                pe = self.pos_emb(positions)                                     # (T, C) or (B, T, C)
+                x = x + (pe if hook is None else hook("hook_pos_embed", pe.expand_as(x)))
             x = self._add_token_types(x, ids, token_type_ids)
         except IndexError:
             self._explain_index_error(ids, positions, token_type_ids)
@@ -186,6 +192,7 @@ class TransformerStack(nn.Module):
             step = self._step(T, state.length if state is not None else 0, attention_mask, positions, state)
         step.dropout = self.training and not torch.is_inference_mode_enabled()
         step.return_weights = return_weights
+        step.hooks = self.hooks
         if global_attention_mask is not None:
             if tuple(global_attention_mask.shape) != tuple(ids.shape):
                 raise InputError(f"global_attention_mask has shape {tuple(global_attention_mask.shape)}; it must be "

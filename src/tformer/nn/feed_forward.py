@@ -37,6 +37,12 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.down(self.act(self.up(x)))
 
+    def hooked(self, x: Tensor, hook, prefix: str) -> Tensor:
+        """:meth:`forward` through the hook points ``hook_pre`` (``up(x)``) and ``hook_post`` (after the
+        activation), both ``(B, T, d_ff)``; ``hook(name, t)`` may return a replacement."""
+        post = hook(prefix + "hook_post", self.act(hook(prefix + "hook_pre", self.up(x))))
+        return self.down(post)
+
 
 class SwiGLU(nn.Module):
     """Gated feed-forward (Shazeer, 2020; Llama): down(silu(gate(x)) * up(x)).
@@ -52,6 +58,13 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    def hooked(self, x: Tensor, hook, prefix: str) -> Tensor:
+        """:meth:`forward` through the hook points ``hook_pre`` (``gate(x)``), ``hook_pre_linear``
+        (``up(x)``) and ``hook_post`` (their gated product), all ``(B, T, d_ff)``."""
+        pre = hook(prefix + "hook_pre", self.gate(x))
+        post = hook(prefix + "hook_post", F.silu(pre) * hook(prefix + "hook_pre_linear", self.up(x)))
+        return self.down(post)
 
 
 def make_feed_forward(config: TransformerConfig) -> nn.Module | None:

@@ -59,6 +59,7 @@ class InspectRequest(BaseModel):
     prompt: StrictStr
     token_ids: list[StrictInt] = Field(min_length=1)
     index: StrictInt = Field(ge=0)
+    ablate: list[tuple[StrictInt, StrictInt]] = Field(default_factory=list, max_length=4096)   # (layer, head) pairs
 
 
 async def inspect(request: Request):
@@ -74,7 +75,15 @@ async def inspect(request: Request):
     if len(context) > server.max_len:
         raise S.APIError(400, f"the prompt and token_ids[:index] make {len(context)} tokens; the context holds "
                               f"{server.max_len}.", param="index")
-    fut = server.scheduler.run_job(lambda: explain(server.model, server.tokenizer, context, target))
+    model = server.model
+    for layer, head in req.ablate:
+        if not (0 <= layer < len(model.blocks) and 0 <= head < model.config.n_heads):
+            raise S.APIError(400, f"ablate names head ({layer}, {head}); the model has {len(model.blocks)} layers of "
+                                  f"{model.config.n_heads} heads.", param="ablate")
+        if not hasattr(model.blocks[layer].attn, "forward_hooked"):
+            raise S.APIError(400, f"layer {layer} is not a softmax-attention layer; only its heads can be ablated.",
+                             param="ablate")
+    fut = server.scheduler.run_job(lambda: explain(model, server.tokenizer, context, target, req.ablate))
     return JSONResponse(await asyncio.wrap_future(fut))
 
 

@@ -10,6 +10,12 @@ For the prediction of ``target`` from ``context (t,)``:
   to sum 1. A first-order estimate of how much each token's embedding moves the prediction's
   log-probability. The two often disagree (Jain & Wallace, 2019: "Attention is not Explanation"),
   which is the point of showing them side by side.
+- **logit lens** (:mod:`tformer.interp.lens`): the residual stream at the input of every block (and
+  after the last) read through the final norm and the head: the top token there, its probability
+  and the target's. Where the prediction forms, layer by layer.
+- **head ablation**: ``log p(target)`` again with the chosen heads' outputs set to zero
+  (:mod:`tformer.interp.patching`): what removing them changes, a causal test that attention
+  weights alone cannot give.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from tformer.generation.step import prefill
+from tformer.interp.lens import logit_lens
+from tformer.interp.patching import ablate_heads
 
 Tensor = torch.Tensor
 
@@ -49,13 +57,39 @@ def input_x_gradient(model, context: Tensor, target: int) -> tuple[Tensor, float
     return scores / scores.sum().clamp_min(1e-12), float(logp.detach())
 
 
-def explain(model, tokenizer, context_ids: list[int], target: int) -> dict:
-    """The playground's JSON for predicting ``target`` after ``context_ids``."""
+@torch.no_grad()
+def lens_rows(model, tokenizer, context: Tensor, target: int) -> list[dict]:
+    """Per block input (``n_layers + 1`` rows, the last after the final block): the logit lens's top
+    token at the last position, its probability, and the target's probability and rank."""
+    logp = torch.log_softmax(logit_lens(model, context[None])[:, 0, -1].float(), dim=-1)   # (L+1, vocab)
+    top = logp.argmax(-1)
+    rows = []
+    for layer in range(logp.shape[0]):
+        rows.append({"top": tokenizer.decode([int(top[layer])]), "p_top": float(logp[layer, top[layer]].exp()),
+                     "p_target": float(logp[layer, target].exp()),
+                     "rank": int((logp[layer] > logp[layer, target]).sum())})
+    return rows
+
+
+@torch.no_grad()
+def ablated_logprob(model, context: Tensor, target: int, heads: list[tuple[int, int]]) -> float:
+    """``log p(target | context)`` with every ``(layer, head)`` in ``heads`` zero-ablated."""
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in heads:
+        by_layer.setdefault(layer, []).append(head)
+    logits = ablate_heads(model, context[None], by_layer, "zero")[0, -1]
+    return float(torch.log_softmax(logits.float(), dim=-1)[target])
+
+
+def explain(model, tokenizer, context_ids: list[int], target: int,
+            ablate: list[tuple[int, int]] | None = None) -> dict:
+    """The playground's JSON for predicting ``target`` after ``context_ids`` (and, with ``ablate``
+    ``[(layer, head), ...]``, its log-probability with those heads zero-ablated)."""
     device = model.tok_emb.weight.device
     context = torch.tensor(context_ids, dtype=torch.long, device=device)   # (t,)
     attention = attention_rows(model, context)                             # L x (nh, t) or []
     attribution, logp = input_x_gradient(model, context, target)
-    return {
+    out = {
         "tokens": [tokenizer.decode([i]) for i in context_ids],
         "target": tokenizer.decode([target]),
         "logprob": logp,
@@ -63,4 +97,8 @@ def explain(model, tokenizer, context_ids: list[int], target: int) -> dict:
         "n_heads": model.config.n_heads,
         "attention": attention,
         "attribution": attribution.tolist(),
+        "logit_lens": lens_rows(model, tokenizer, context, target),
     }
+    if ablate:
+        out["ablation"] = {"heads": [list(h) for h in ablate], "logprob": ablated_logprob(model, context, target, ablate)}
+    return out

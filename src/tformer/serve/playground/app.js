@@ -1,5 +1,6 @@
 // The tformer playground: stream a completion from /v1/completions (SSE), then explain any token
-// with /v1/inspect (attention per layer and head, and input x gradient attribution).
+// with /v1/inspect (attention per layer and head, input x gradient attribution, the logit lens, and
+// the prediction again with the heads clicked in the attention table zero-ablated).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -7,6 +8,8 @@ let model = null;          // served model id
 let promptText = "";       // the prompt of the last generation
 let tokenIds = [];         // generated token ids, in order
 let controller = null;     // aborts the running stream
+let selected = null;       // the token span being explained
+const ablated = new Set(); // "layer,head" of the heads clicked for ablation
 
 async function loadModel() {
   const r = await fetch("/v1/models");
@@ -26,6 +29,7 @@ async function generate() {
   if (!model) await loadModel();
   promptText = $("prompt").value;
   tokenIds = [];
+  ablated.clear();
   $("prompt-echo").textContent = promptText;
   $("tokens").textContent = "";
   $("explain").hidden = true;
@@ -97,9 +101,11 @@ function addToken(choice) {
 async function explain(span) {
   document.querySelectorAll(".tok.selected").forEach((s) => s.classList.remove("selected"));
   span.classList.add("selected");
+  selected = span;
   const index = parseInt(span.dataset.index, 10);
+  const ablate = [...ablated].map((k) => k.split(",").map(Number));
   const r = await fetch("/v1/inspect", {method: "POST", headers: {"Content-Type": "application/json"},
-                                        body: JSON.stringify({prompt: promptText, token_ids: tokenIds, index})});
+                                        body: JSON.stringify({prompt: promptText, token_ids: tokenIds, index, ablate})});
   const data = await r.json();
   if (!r.ok) { $("status").textContent = `error: ${data.error.message}`; return; }
   $("target").textContent = JSON.stringify(data.target);
@@ -107,6 +113,8 @@ async function explain(span) {
     `${data.n_layers} layers × ${data.n_heads} heads over ${data.tokens.length} context tokens`;
   drawAttention(data);
   drawAttribution(data);
+  drawLens(data);
+  drawAblation(data);
   $("explain").hidden = false;
 }
 
@@ -132,6 +140,9 @@ function drawAttention(data) {
       tr.className = "head-row" + (h === 0 ? " layer-start" : "");
       tr.dataset.layer = l;
       tr.dataset.head = h;
+      if (ablated.has(`${l},${h}`)) tr.classList.add("ablated");
+      tr.title = "click to ablate this head (zero its output) and predict again";
+      tr.addEventListener("click", () => toggleHead(l, h));
       tr.append(Object.assign(document.createElement("th"), {textContent: `L${l} H${h}`}));
       const max = Math.max(...row);
       row.forEach((w, j) => {
@@ -163,6 +174,45 @@ function drawAttribution(data) {
   const order = data.attribution.map((a, j) => [a, j]).sort((x, y) => y[0] - x[0]).slice(0, 5);
   $("top-attribution").replaceChildren(...order.map(([a, j]) =>
     Object.assign(document.createElement("li"), {textContent: `${JSON.stringify(data.tokens[j])} at ${j}: ${a.toFixed(3)}`})));
+}
+
+function toggleHead(l, h) {
+  const key = `${l},${h}`;
+  if (ablated.has(key)) ablated.delete(key); else ablated.add(key);
+  if (selected) explain(selected);
+}
+
+function drawLens(data) {
+  const table = $("lens");
+  const head = document.createElement("tr");
+  for (const t of ["layer", "top token", "p(top)", `p(${show(data.target)})`, "rank"])
+    head.append(Object.assign(document.createElement("th"), {textContent: t}));
+  table.replaceChildren(head);
+  data.logit_lens.forEach((row, l) => {
+    const tr = document.createElement("tr");
+    tr.className = "lens-row";
+    const cells = [l === data.logit_lens.length - 1 ? `${l} (out)` : `${l}`, show(row.top) || " ",
+                   row.p_top.toFixed(3), row.p_target.toFixed(3), `${row.rank}`];
+    cells.forEach((text, j) => {
+      const td = Object.assign(document.createElement("td"), {textContent: text});
+      if (j === 3) td.style.background = heat(row.p_target, 1);
+      if (j === 3 && row.p_target > 0.5) td.style.color = "#fff";
+      tr.append(td);
+    });
+    table.append(tr);
+  });
+}
+
+function drawAblation(data) {
+  const el = $("ablation");
+  if (!data.ablation) {
+    el.textContent = "Click a head's row in the attention table to ablate it (zero its output) and see the prediction change.";
+    return;
+  }
+  const names = data.ablation.heads.map(([l, h]) => `L${l} H${h}`).join(", ");
+  const delta = data.ablation.logprob - data.logprob;
+  el.textContent = `with ${names} ablated: log p = ${data.ablation.logprob.toFixed(3)} ` +
+    `(${delta >= 0 ? "+" : ""}${delta.toFixed(3)} against ${data.logprob.toFixed(3)})`;
 }
 
 $("generate").addEventListener("click", generate);
