@@ -22,6 +22,7 @@ th{background:#eef1f4}
 .verdict-partly{background:#fff1c9;color:#6b4e00}
 .verdict-not-reproduced{background:#fbdada;color:#7a1616}
 .verdict-error{background:#7a1616;color:#fff}
+.verdict-unavailable,.verdict-not-run{background:#e3e6ea;color:#3a424c}
 pre.error{background:#fbdada;padding:8px;overflow-x:auto;font-size:.85em}
 .pass{color:#145a24}.fail{color:#7a1616}
 img.plot{max-width:100%;height:auto;border:1px solid #eee;margin-top:8px}

@@ -24,6 +24,7 @@ from tformer.errors import InputError
 from tformer.io import atomic_write, atomic_write_json
 from tformer.claims.base import Claim, verdict_of
 from tformer.claims.common import figure_png
+from tformer.claims.real import Unavailable
 from tformer.claims.registry import module_file
 from tformer.machine import busy_cores
 
@@ -76,7 +77,7 @@ def _progress(iterable, desc: str):
 def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = False) -> dict:
     """Run (or load from the cache) one claim; returns its entry of results.json, with ``png`` bytes."""
     key = cache_key(claim, size)
-    path = cache_dir / f"{claim.name}-{size}-{key}.json" if cache_dir else None
+    path = cached_path(claim, size, cache_dir) if cache_dir else None
     cached = bool(path and path.exists() and not fresh)
     if cached:
         stored = json.loads(path.read_text(encoding="utf-8"))
@@ -102,10 +103,21 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
     }
 
 
+def cached_path(claim: Claim, size: str, cache_dir: Path) -> Path:
+    """Where ``claim``'s result at ``size`` is stored for its current code hash."""
+    return cache_dir / f"{claim.name}-{size}-{cache_key(claim, size)}.json"
+
+
 def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike = "claims-report",
-               cache_dir: str | os.PathLike | None = None, fresh: bool = False, use_cache: bool = True) -> dict:
+               cache_dir: str | os.PathLike | None = None, fresh: bool = False, use_cache: bool = True,
+               cached_only: bool = False) -> dict:
     """Run ``claims`` at ``size`` with a progress bar; write ``out/index.html``, ``out/results.json``
-    and ``out/results.md``. Returns the results dict (without the PNG bytes)."""
+    and ``out/results.md``. Returns the results dict (without the PNG bytes).
+
+    ``cached_only`` measures nothing: the report is assembled from the cache alone, and a claim
+    without a cached result at its current code hash is listed with the verdict ``not run``. That
+    is how a full run too long for one sitting is merged: run the claims one or a few at a time
+    with the same ``cache_dir`` (each stores its own result), then once with ``cached_only``."""
     from tformer.claims.report import render_html, render_markdown
 
     out = Path(out)
@@ -118,8 +130,15 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
     bar = tqdm(claims, desc=f"claims ({size})", unit="claim", dynamic_ncols=True)
     for claim in bar:
         bar.set_postfix_str(claim.name)
+        if cached_only and not cached_path(claim, size, cache).exists():
+            entries.append(_error_entry(claim, size, f"no cached {size} result for code hash {cache_key(claim, size)} "
+                                        f"in {cache}; run `tformer claims run {claim.name}` first.", verdict="not run"))
+            continue
         try:
             entries.append(run_claim(claim, size, cache if use_cache else None, fresh))
+        except Unavailable as e:    # a real model that is not installed: say so, run the others
+            print(f"{claim.name}: unavailable: {e}", file=sys.stderr)
+            entries.append(_error_entry(claim, size, str(e), verdict="unavailable"))
         except Exception:  # a crashing claim is a bug: keep its traceback, report it, run the others
             trace = traceback.format_exc()
             print(trace, file=sys.stderr)
@@ -138,11 +157,11 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
     return results
 
 
-def _error_entry(claim: Claim, size: str, trace: str) -> dict:
+def _error_entry(claim: Claim, size: str, trace: str, verdict: str = "error") -> dict:
     return {"name": claim.name, "title": claim.title, "sentence": claim.sentence, "source": claim.source,
             "published": [list(p) for p in claim.published], "notes": claim.notes, "size": size,
             "config": claim.sizes[size], "code_hash": cache_key(claim, size), "cached": False, "seconds": 0.0,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "checks": [], "verdict": "error",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "checks": [], "verdict": verdict,
             "rows": [], "measured": {}, "error": trace, "png": None}
 
 
