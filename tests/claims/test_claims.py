@@ -175,3 +175,36 @@ def test_cached_only_merges_claims_run_one_at_a_time(claims_report, tmp_path):
     assert [(c["name"], c["verdict"], c["cached"]) for c in merged["claims"]] == [
         ("sqrt-dk", "reproduced", True), ("position-symmetry", "not run", False)]
     assert "tformer claims run position-symmetry" in merged["claims"][1]["error"]
+
+
+def test_a_stopped_run_resumes_from_its_finished_parts(tmp_path):
+    """A claim's parts are stored as they finish: after a crash in part two, the next run recomputes only
+    part two, and the stored parts go once the whole result is cached."""
+    from tformer.claims.resume import part
+
+    calls = []
+
+    def experiment(config, progress):
+        a = part(progress, "a", lambda: calls.append("a") or {"x": (1, 2)})
+        def b():
+            calls.append("b")
+            if calls.count("b") == 1:
+                raise RuntimeError("stopped")
+            return 3
+        return {"a": a, "b": part(progress, "b", b)}
+
+    claim = Claim(name="two-parts", order=0, title="t", sentence="s", source="x", published=[("a", "b")],
+                  sizes={"quick": {}, "full": {}}, run=experiment, checks=lambda m: [Check("ok", m["b"] == 3)],
+                  rows=lambda m: [("q", "p", "o")], plot=lambda m: None)
+    from tformer.claims.runner import run_claim
+    from unittest import mock
+
+    with mock.patch("tformer.claims.runner.figure_png", lambda fig: b""):
+        with pytest.raises(RuntimeError, match="stopped"):
+            run_claim(claim, "quick", tmp_path)
+        assert list(tmp_path.glob("*.parts.json"))
+        entry = run_claim(claim, "quick", tmp_path)
+    assert calls == ["a", "b", "b"] and entry["resumed_parts"] == ["a"]
+    assert entry["measured"] == {"a": {"x": [1, 2]}, "b": 3} and entry["verdict"] == "reproduced"
+    assert not list(tmp_path.glob("*.parts.json")) and len(list(tmp_path.glob("two-parts-quick-*.json"))) == 1
+    assert part(lambda it, d: it, "c", lambda: 5) == 5                  # no store: just computes

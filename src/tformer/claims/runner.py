@@ -25,6 +25,7 @@ from tformer.io import atomic_write, atomic_write_json
 from tformer.claims.base import Claim, verdict_of
 from tformer.claims.common import figure_png
 from tformer.claims.real import Unavailable
+from tformer.claims.resume import Parts
 from tformer.claims.registry import module_file
 from tformer.machine import busy_cores
 
@@ -70,8 +71,15 @@ def writable_folder(path: Path, flag: str) -> None:
         raise InputError(f"{flag} {path}: the folder is not writable; fix its permissions or pass another folder.")
 
 
-def _progress(iterable, desc: str):
-    return tqdm(iterable, desc=f"  {desc}", leave=False, position=1, dynamic_ncols=True)
+class _Progress:
+    """What a claim's ``run`` gets as ``progress``: ``progress(iterable, desc)`` wraps a loop in a nested bar;
+    ``parts`` (or ``None``) stores finished parts for a resumed run (:mod:`tformer.claims.resume`)."""
+
+    def __init__(self, parts: Parts | None = None):
+        self.parts = parts
+
+    def __call__(self, iterable, desc: str):
+        return tqdm(iterable, desc=f"  {desc}", leave=False, position=1, dynamic_ncols=True)
 
 
 def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = False) -> dict:
@@ -83,18 +91,28 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
         stored = json.loads(path.read_text(encoding="utf-8"))
     else:
         t0 = time.perf_counter()
-        measured = claim.run(claim.sizes[size], _progress)
-        stored = {"measured": measured, "seconds": round(time.perf_counter() - t0, 2),
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        parts = Parts(path.with_suffix(".parts.json")) if path else None
+        if parts is not None and fresh and parts.path.exists():
+            parts.path.unlink()
+            parts = Parts(parts.path)
+        measured = claim.run(claim.sizes[size], _Progress(parts))
+        seconds = time.perf_counter() - t0
+        stored = {"measured": measured, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        if parts is not None and parts.reused:            # resumed: count the earlier sittings' parts too
+            stored["resumed_parts"] = parts.reused
+            seconds += parts.reused_seconds()
+        stored["seconds"] = round(seconds, 2)
         if path:
             atomic_write_json(path, stored)
+            if parts is not None and parts.path.exists():
+                parts.path.unlink()
     measured = stored["measured"]
     checks = claim.checks(measured)
     return {
         "name": claim.name, "title": claim.title, "sentence": claim.sentence, "source": claim.source,
         "published": [list(p) for p in claim.published], "notes": claim.notes, "size": size,
         "config": claim.sizes[size], "code_hash": key, "cached": cached,
-        "seconds": stored["seconds"], "date": stored["date"],
+        "seconds": stored["seconds"], "date": stored["date"], "resumed_parts": stored.get("resumed_parts", []),
         "checks": [{"what": c.what, "passed": bool(c.passed), "detail": c.detail} for c in checks],
         "verdict": verdict_of(checks),
         "rows": [list(r) for r in claim.rows(measured)],

@@ -25,6 +25,7 @@ import torch
 
 from tformer.claims.base import Check, Claim
 from tformer.claims.common import fmt, new_figure
+from tformer.claims.resume import part
 from tformer.models import build_model
 from tformer.training.tasks.mamba import accuracy, attention_config, induction_heads, mamba_config, selective_copying, train
 
@@ -34,9 +35,11 @@ def selective_copy(c: dict, progress) -> dict:
     test = task(c["test"], g=torch.Generator().manual_seed(12345))
     out = {}
     for kind in progress(["selective", "lti"], "selective copying"):
-        config = mamba_config(10, d=c["d"], selective=kind == "selective")
-        model, losses, _, _ = train(config, task, c["steps"], c["batch"], lr=c["lr"], desc="")
-        out[kind] = {"accuracy": accuracy(model, *test), "losses": losses}
+        def one(kind=kind):
+            config = mamba_config(10, d=c["d"], selective=kind == "selective")
+            model, losses, _, _ = train(config, task, c["steps"], c["batch"], lr=c["lr"], desc="")
+            return {"accuracy": accuracy(model, *test), "losses": losses}
+        out[kind] = part(progress, f"copying-{kind}", one)   # one part per model: a stopped run resumes there
     return out
 
 
@@ -44,10 +47,12 @@ def induction(c: dict, progress) -> dict:
     task = partial(induction_heads, c["train_len"])
     out = {}
     for kind in progress(["mamba", "attention"], "induction"):
-        config = mamba_config(17, d=c["d"]) if kind == "mamba" else attention_config(17, d=c["d"])
-        model, _, _, _ = train(config, task, c["steps"], c["batch"], lr=c["lr"][kind], desc="")
-        out[kind] = {str(n): accuracy(model, *induction_heads(c["test"], n, g=torch.Generator().manual_seed(n)))
-                     for n in c["test_lengths"]}
+        def one(kind=kind):
+            config = mamba_config(17, d=c["d"]) if kind == "mamba" else attention_config(17, d=c["d"])
+            model, _, _, _ = train(config, task, c["steps"], c["batch"], lr=c["lr"][kind], desc="")
+            return {str(n): accuracy(model, *induction_heads(c["test"], n, g=torch.Generator().manual_seed(n)))
+                    for n in c["test_lengths"]}
+        out[kind] = part(progress, f"induction-{kind}", one)
     return out
 
 
