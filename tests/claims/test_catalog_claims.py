@@ -94,8 +94,15 @@ def test_mamba_checks_fail_on_an_lti_that_copies_and_a_quadratic_scan():
     claim = get_claims(["mamba-selective"])[0]
     m = {"copying": {"selective": {"accuracy": 0.95, "losses": [1.0]}, "lti": {"accuracy": 0.95, "losses": [1.0]}},
          "induction": {"mamba": {"32": 1.0, "256": 0.1}, "attention": {"32": 1.0, "256": 0.1}}, "train_len": 32,
-         "forward": {"256": 1.0, "512": 4.0, "1024": 16.0}}
+         "forward": {"256": 1.0, "512": 4.0, "1024": 16.0},
+         # decode cost growing with the context and a state that grows: not constant-cost generation
+         "decode": {name: {"params": 1, "by_position": {"64": {"fastest": 1.0, "median": 1.0, "state_bytes": 10},
+                                                         "4096": {"fastest": 9.0, "median": 9.0, "state_bytes": 640}}}
+                    for name in ("mamba", "transformer")},
+         "train": {"mamba": {"val_loss": 2.0, "tokens_per_s": 1.0, "params": 1, "curve": []},
+                   "transformer": {"val_loss": 1.5, "tokens_per_s": 1.0, "params": 1, "curve": []}}}
     assert c12.exponent(m["forward"]) == pytest.approx(2.0)
+    assert c12.decode_growth(m)["mamba"] == {"time": 9.0, "state": 64.0}
     assert verdict_of(claim.checks(m)) == "not reproduced"
 
 
