@@ -27,7 +27,7 @@ from tformer.claims.common import figure_png
 from tformer.claims.real import Unavailable
 from tformer.claims.resume import Parts
 from tformer.claims.registry import module_file
-from tformer.machine import busy_cores
+from tformer.machine import busy_cores, cpu_info
 
 HERE = Path(__file__).resolve().parent
 
@@ -90,6 +90,8 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
     if cached:
         stored = json.loads(path.read_text(encoding="utf-8"))
     else:
+        full = size == "full"                 # the load is sampled over a second: for the full size only
+        busy_before = busy_cores(1.0) if full else None
         t0 = time.perf_counter()
         parts = Parts(path.with_suffix(".parts.json")) if path else None
         if parts is not None and fresh and parts.path.exists():
@@ -97,7 +99,10 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
             parts = Parts(parts.path)
         measured = claim.run(claim.sizes[size], _Progress(parts))
         seconds = time.perf_counter() - t0
-        stored = {"measured": measured, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        stored = {"measured": measured, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "threads": torch.get_num_threads(), "load_average": round(os.getloadavg()[0], 1)}
+        if full:
+            stored.update(busy_cores_before=round(busy_before, 2), busy_cores_after=round(busy_cores(1.0), 2))
         if parts is not None and parts.reused:            # resumed: count the earlier sittings' parts too
             stored["resumed_parts"] = parts.reused
             seconds += parts.reused_seconds()
@@ -113,6 +118,8 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
         "published": [list(p) for p in claim.published], "notes": claim.notes, "size": size,
         "config": claim.sizes[size], "code_hash": key, "cached": cached,
         "seconds": stored["seconds"], "date": stored["date"], "resumed_parts": stored.get("resumed_parts", []),
+        "machine": {k: stored[k] for k in ("threads", "busy_cores_before", "busy_cores_after", "load_average")
+                    if k in stored},                     # how busy the machine was while this claim measured
         "checks": [{"what": c.what, "passed": bool(c.passed), "detail": c.detail} for c in checks],
         "verdict": verdict_of(checks),
         "rows": [list(r) for r in claim.rows(measured)],
@@ -163,7 +170,8 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
             entries.append(_error_entry(claim, size, trace))
     results = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "size": size,
-        "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "cpu": cpu_name(), "instruction_sets": list(cpu_info().instruction_sets), "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
         "busy_cores_before": round(busy_before, 2), "busy_cores_after": round(busy_cores(1.0), 2),
         "load_average": round(os.getloadavg()[0], 1),
         "claims": [{k: v for k, v in e.items() if k != "png"} for e in entries],
