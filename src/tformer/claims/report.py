@@ -96,6 +96,9 @@ Each claim: the published figures, ours, the verdict from checks fixed before ru
 
 
 def _machine_load(results: dict) -> str:
+    if results.get("cached_only"):
+        return (f"assembled from cached results (each claim's own load is in its section); other processes kept "
+                f"{results['busy_cores_before']:.1f} of {results['cores']} cores busy while assembling")
     return (f"other processes kept {results['busy_cores_before']:.1f} of {results['cores']} cores busy before the "
             f"run and {results['busy_cores_after']:.1f} after (load average {results['load_average']})")
 
@@ -107,7 +110,9 @@ def render_markdown(results: dict) -> str:
              f"{results.get('threads', '?')} torch threads, torch {results['torch']}; {_machine_load(results)}.", "",
              "| claim | quantity | published | tformer | verdict |", "|---|---|---|---|---|"]
     for c in results["claims"]:
-        for i, (q, p, o) in enumerate(c["rows"] or [("the claim's code failed", "", "see index.html")]):
+        empty = ([("not measured", "", c.get("error", "").split(";")[0])] if c["verdict"] in ("not run", "unavailable")
+                 else [("the claim's code failed", "", "see index.html")])
+        for i, (q, p, o) in enumerate(c["rows"] or empty):
             first = i == 0
             cells = [c["name"] if first else "", q, p, o, c["verdict"] if first else ""]
             lines.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")

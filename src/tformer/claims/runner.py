@@ -173,7 +173,7 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
         "cpu": cpu_name(), "instruction_sets": list(cpu_info().instruction_sets), "cores": os.cpu_count(),
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "busy_cores_before": round(busy_before, 2), "busy_cores_after": round(busy_cores(1.0), 2),
-        "load_average": round(os.getloadavg()[0], 1),
+        "load_average": round(os.getloadavg()[0], 1), "cached_only": cached_only,
         "claims": [{k: v for k, v in e.items() if k != "png"} for e in entries],
     }
     out.mkdir(parents=True, exist_ok=True)
