@@ -94,8 +94,15 @@ def test_mamba_checks_fail_on_an_lti_that_copies_and_a_quadratic_scan():
     claim = get_claims(["mamba-selective"])[0]
     m = {"copying": {"selective": {"accuracy": 0.95, "losses": [1.0]}, "lti": {"accuracy": 0.95, "losses": [1.0]}},
          "induction": {"mamba": {"32": 1.0, "256": 0.1}, "attention": {"32": 1.0, "256": 0.1}}, "train_len": 32,
-         "forward": {"256": 1.0, "512": 4.0, "1024": 16.0}}
+         "forward": {"256": 1.0, "512": 4.0, "1024": 16.0},
+         # decode cost growing with the context and a state that grows: not constant-cost generation
+         "decode": {name: {"params": 1, "by_position": {"64": {"fastest": 1.0, "median": 1.0, "state_bytes": 10},
+                                                         "4096": {"fastest": 9.0, "median": 9.0, "state_bytes": 640}}}
+                    for name in ("mamba", "transformer")},
+         "train": {"mamba": {"val_loss": 2.0, "tokens_per_s": 1.0, "params": 1, "curve": []},
+                   "transformer": {"val_loss": 1.5, "tokens_per_s": 1.0, "params": 1, "curve": []}}}
     assert c12.exponent(m["forward"]) == pytest.approx(2.0)
+    assert c12.decode_growth(m)["mamba"] == {"time": 9.0, "state": 64.0}
     assert verdict_of(claim.checks(m)) == "not reproduced"
 
 
@@ -137,3 +144,68 @@ def test_pre_post_ln_gradients_use_the_analysis_setting_and_its_checks_can_fail(
                      "post, no warm-up": {"val_loss": 2.2, "losses": []},
                      "post, warm-up": {"val_loss": 2.9, "losses": []}}}
     assert verdict_of(claim.checks(flat)) == "not reproduced"
+
+
+def test_pre_post_ln_measures_the_decoder_of_an_encoder_decoder():
+    """The by-layer gradients come from the paper's 6-6 translation architecture: one W^{FC2} per encoder and
+    decoder layer, split by side in layer order."""
+    from tformer.claims.catalog import c05_pre_post_ln as c05
+    from tformer.claims.common import byte_corpus
+
+    config = c05.CLAIM.sizes["quick"]
+    cfg = c05._seq2seq_config("post", config, 2)
+    assert (cfg.model, cfg.encoder_layers, cfg.n_layers, cfg.activation) == ("encoder-decoder", 2, 2, "relu")
+    train, _ = byte_corpus(20_000)
+    sides = c05.init_gradients("post", config, train, 2, "seq2seq")
+    assert set(sides) == {"encoder", "decoder"} and len(sides["encoder"]) == len(sides["decoder"]) == 2
+    assert all(x > 0 for x in sides["encoder"] + sides["decoder"])
+    assert list(c05.init_gradients("pre", config, train, 3)) == ["decoder"]
+
+
+def test_real_model_claims_checks_fail_on_contradicting_measurements():
+    rope = get_claims(["rope-relative-real"])[0]
+    m = {"shifts": [1], "worst": {"1": [1e-2, 1e-3]}, "control": [0.0, 1e-4], "weights_error": 0.1,
+         "prompts": 1, "layers": 2, "heads": 9, "kv_heads": 3}
+    assert verdict_of(rope.checks(m)) == "not reproduced"
+    gqa = get_claims(["gqa-cache-real"])[0]
+    m = {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "element_bytes": 4, "capacities": [1, 2],
+         "gqa_per_token": 138240.0, "mha_per_token": 138240.0, "weight_bytes": 1, "decode_error": 1.0, "prompts": 1}
+    assert verdict_of(gqa.checks(m)) == "not reproduced"
+    jw = get_claims(["attention-explanation-real"])[0]
+    layer = {"grad": 0.9, "loo": 0.9}
+    m = {"prompts": [{"tokens": 5, "grad_loo": 0.1, "layers": [layer, layer], "heads": [[layer], [layer]]}],
+         "n_layers": 2, "n_heads": 1}
+    assert verdict_of(jw.checks(m)) == "not reproduced"
+
+
+def test_leave_one_out_batched_equals_one_forward_per_removed_token():
+    from tformer.claims.catalog import c18_attention_explanation_real as c18
+
+    torch.manual_seed(0)
+    model = build_model(TransformerConfig(vocab_size=50, context_length=16, n_layers=2, d_model=32, n_heads=4,
+                                          positions="rope")).eval()
+    ids = torch.randint(0, 50, (1, 9))
+    got = c18.leave_one_out(model, ids)
+    with torch.no_grad():
+        p = torch.softmax(model(ids)[0][0, -1].double(), -1)
+        for j in range(8):
+            q = torch.softmax(model(torch.cat([ids[:, :j], ids[:, j + 1:]], 1))[0][0, -1].double(), -1)
+            assert got[j] == pytest.approx(float(0.5 * (q - p).abs().sum()), abs=1e-6)
+    grad, target = c18.gradient_importance(model, ids)
+    assert len(grad) == 9 and all(g >= 0 for g in grad) and 0 <= target < 50
+
+
+def test_rope_scores_rebuilt_from_a_layer_input_match_its_attention_weights():
+    from tformer.claims.catalog import c16_rope_relative_real as c16
+
+    torch.manual_seed(0)
+    model = build_model(TransformerConfig(vocab_size=50, context_length=64, n_layers=2, d_model=32, n_heads=4,
+                                          n_kv_heads=2, positions="rope")).eval()
+    ids = torch.randint(0, 50, (1, 10))
+    maps = model.attention_maps(ids)
+    for layer, (block, h) in enumerate(zip(model.blocks, c16.layer_inputs(model, ids))):
+        s0 = c16.scores(block.attn, h, 0, 0)
+        w = torch.softmax((s0 / block.attn.head_dim ** 0.5).masked_fill(~torch.ones(10, 10).bool().tril(), -math.inf), -1)
+        assert (w - maps[layer]).abs().max() < 1e-5
+        assert (c16.scores(block.attn, h, 30, 30) - s0).abs().max() < 1e-4 * s0.abs().max()
+        assert (c16.scores(block.attn, h, 1, 0) - s0).abs().max() > 1e-2 * s0.abs().max()

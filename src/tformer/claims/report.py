@@ -22,6 +22,7 @@ th{background:#eef1f4}
 .verdict-partly{background:#fff1c9;color:#6b4e00}
 .verdict-not-reproduced{background:#fbdada;color:#7a1616}
 .verdict-error{background:#7a1616;color:#fff}
+.verdict-unavailable,.verdict-not-run{background:#e3e6ea;color:#3a424c}
 pre.error{background:#fbdada;padding:8px;overflow-x:auto;font-size:.85em}
 .pass{color:#145a24}.fail{color:#7a1616}
 img.plot{max-width:100%;height:auto;border:1px solid #eee;margin-top:8px}
@@ -59,9 +60,17 @@ def _section(c: dict, png: bytes) -> str:
   <ul class="checks">{checks}</ul>
   {notes}
   {figure}
-  <p class="meta">{_e(c['size'])} size, {origin} ({_e(c['date'])}, {c['seconds']:.1f} s);
+  <p class="meta">{_e(c['size'])} size, {origin} ({_e(c['date'])}, {c['seconds']:.1f} s{_claim_load(c)});
   code hash {_e(c['code_hash'])}; config {_e(c['config'])}</p>
 </section>"""
+
+
+def _claim_load(c: dict) -> str:
+    m = c.get("machine") or {}
+    if "busy_cores_before" not in m:
+        return f", {m['threads']} threads" if "threads" in m else ""
+    return (f", {m['threads']} threads; other processes kept {m['busy_cores_before']:.1f} / {m['busy_cores_after']:.1f} "
+            f"cores busy before / after, load average {m['load_average']}")
 
 
 def render_html(results: dict, pngs: list[bytes]) -> str:
@@ -76,8 +85,9 @@ def render_html(results: dict, pngs: list[bytes]) -> str:
 <title>tformer claims</title><style>{CSS}</style></head>
 <body><main>
 <h1>tformer claims</h1>
-<p class="meta">{_e(results['size'])} size · generated {_e(results['generated'])} · {_e(results['cpu'])},
-{results['cores']} cores · torch {_e(results['torch'])} · {_machine_load(results)}.
+<p class="meta">{_e(results['size'])} size · generated {_e(results['generated'])} · {_e(results['cpu'])}
+({_e(', '.join(results.get('instruction_sets', [])))}), {results['cores']} cores, {results.get('threads', '?')} torch
+threads · torch {_e(results['torch'])} · {_machine_load(results)}.
 Each claim: the published figures, ours, the verdict from checks fixed before running, and a plot.</p>
 <table class="summary"><tr><th>claim</th><th>what</th><th>verdict</th></tr>{summary}</table>
 {sections}
@@ -86,20 +96,31 @@ Each claim: the published figures, ours, the verdict from checks fixed before ru
 
 
 def _machine_load(results: dict) -> str:
+    if results.get("cached_only"):
+        return (f"assembled from cached results (each claim's own load is in its section); other processes kept "
+                f"{results['busy_cores_before']:.1f} of {results['cores']} cores busy while assembling")
     return (f"other processes kept {results['busy_cores_before']:.1f} of {results['cores']} cores busy before the "
             f"run and {results['busy_cores_after']:.1f} after (load average {results['load_average']})")
 
 
 def render_markdown(results: dict) -> str:
     """One table row per claim comparison, with the verdict; for docs and the README."""
-    lines = [f"Generated {results['generated']} ({results['size']} size) on {results['cpu']}, "
-             f"{results['cores']} cores, torch {results['torch']}; {_machine_load(results)}.", "",
+    lines = [f"Generated {results['generated']} ({results['size']} size) on {results['cpu']} "
+             f"({', '.join(results.get('instruction_sets', []))}), {results['cores']} cores, "
+             f"{results.get('threads', '?')} torch threads, torch {results['torch']}; {_machine_load(results)}.", "",
              "| claim | quantity | published | tformer | verdict |", "|---|---|---|---|---|"]
     for c in results["claims"]:
-        for i, (q, p, o) in enumerate(c["rows"] or [("the claim's code failed", "", "see index.html")]):
+        empty = ([("not measured", "", c.get("error", "").split(";")[0])] if c["verdict"] in ("not run", "unavailable")
+                 else [("the claim's code failed", "", "see index.html")])
+        for i, (q, p, o) in enumerate(c["rows"] or empty):
             first = i == 0
             cells = [c["name"] if first else "", q, p, o, c["verdict"] if first else ""]
             lines.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
+    loads = [f"{c['name']} {c['machine']['busy_cores_before']:.1f}/{c['machine']['busy_cores_after']:.1f}"
+             f" (load {c['machine']['load_average']})" for c in results["claims"]
+             if "busy_cores_before" in (c.get("machine") or {})]
+    if loads:
+        lines += ["", "Cores other processes kept busy before/after each claim's own measurement: " + ", ".join(loads) + "."]
     lines += ["", "Time per claim (s): " + ", ".join(
         f"{c['name']} {c['seconds']:.0f}{' (cached)' if c['cached'] else ''}" for c in results["claims"])
         + f"; total {sum(c['seconds'] for c in results['claims']):.0f} s.", "",

@@ -24,8 +24,10 @@ from tformer.errors import InputError
 from tformer.io import atomic_write, atomic_write_json
 from tformer.claims.base import Claim, verdict_of
 from tformer.claims.common import figure_png
+from tformer.claims.real import Unavailable
+from tformer.claims.resume import Parts
 from tformer.claims.registry import module_file
-from tformer.machine import busy_cores
+from tformer.machine import busy_cores, cpu_info
 
 HERE = Path(__file__).resolve().parent
 
@@ -69,31 +71,55 @@ def writable_folder(path: Path, flag: str) -> None:
         raise InputError(f"{flag} {path}: the folder is not writable; fix its permissions or pass another folder.")
 
 
-def _progress(iterable, desc: str):
-    return tqdm(iterable, desc=f"  {desc}", leave=False, position=1, dynamic_ncols=True)
+class _Progress:
+    """What a claim's ``run`` gets as ``progress``: ``progress(iterable, desc)`` wraps a loop in a nested bar;
+    ``parts`` (or ``None``) stores finished parts for a resumed run (:mod:`tformer.claims.resume`)."""
+
+    def __init__(self, parts: Parts | None = None):
+        self.parts = parts
+
+    def __call__(self, iterable, desc: str):
+        return tqdm(iterable, desc=f"  {desc}", leave=False, position=1, dynamic_ncols=True)
 
 
 def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = False) -> dict:
     """Run (or load from the cache) one claim; returns its entry of results.json, with ``png`` bytes."""
     key = cache_key(claim, size)
-    path = cache_dir / f"{claim.name}-{size}-{key}.json" if cache_dir else None
+    path = cached_path(claim, size, cache_dir) if cache_dir else None
     cached = bool(path and path.exists() and not fresh)
     if cached:
         stored = json.loads(path.read_text(encoding="utf-8"))
     else:
+        full = size == "full"                 # the load is sampled over a second: for the full size only
+        busy_before = busy_cores(1.0) if full else None
         t0 = time.perf_counter()
-        measured = claim.run(claim.sizes[size], _progress)
-        stored = {"measured": measured, "seconds": round(time.perf_counter() - t0, 2),
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        parts = Parts(path.with_suffix(".parts.json")) if path else None
+        if parts is not None and fresh and parts.path.exists():
+            parts.path.unlink()
+            parts = Parts(parts.path)
+        measured = claim.run(claim.sizes[size], _Progress(parts))
+        seconds = time.perf_counter() - t0
+        stored = {"measured": measured, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "threads": torch.get_num_threads(), "load_average": round(os.getloadavg()[0], 1)}
+        if full:
+            stored.update(busy_cores_before=round(busy_before, 2), busy_cores_after=round(busy_cores(1.0), 2))
+        if parts is not None and parts.reused:            # resumed: count the earlier sittings' parts too
+            stored["resumed_parts"] = parts.reused
+            seconds += parts.reused_seconds()
+        stored["seconds"] = round(seconds, 2)
         if path:
             atomic_write_json(path, stored)
+            if parts is not None and parts.path.exists():
+                parts.path.unlink()
     measured = stored["measured"]
     checks = claim.checks(measured)
     return {
         "name": claim.name, "title": claim.title, "sentence": claim.sentence, "source": claim.source,
         "published": [list(p) for p in claim.published], "notes": claim.notes, "size": size,
         "config": claim.sizes[size], "code_hash": key, "cached": cached,
-        "seconds": stored["seconds"], "date": stored["date"],
+        "seconds": stored["seconds"], "date": stored["date"], "resumed_parts": stored.get("resumed_parts", []),
+        "machine": {k: stored[k] for k in ("threads", "busy_cores_before", "busy_cores_after", "load_average")
+                    if k in stored},                     # how busy the machine was while this claim measured
         "checks": [{"what": c.what, "passed": bool(c.passed), "detail": c.detail} for c in checks],
         "verdict": verdict_of(checks),
         "rows": [list(r) for r in claim.rows(measured)],
@@ -102,10 +128,21 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
     }
 
 
+def cached_path(claim: Claim, size: str, cache_dir: Path) -> Path:
+    """Where ``claim``'s result at ``size`` is stored for its current code hash."""
+    return cache_dir / f"{claim.name}-{size}-{cache_key(claim, size)}.json"
+
+
 def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike = "claims-report",
-               cache_dir: str | os.PathLike | None = None, fresh: bool = False, use_cache: bool = True) -> dict:
+               cache_dir: str | os.PathLike | None = None, fresh: bool = False, use_cache: bool = True,
+               cached_only: bool = False) -> dict:
     """Run ``claims`` at ``size`` with a progress bar; write ``out/index.html``, ``out/results.json``
-    and ``out/results.md``. Returns the results dict (without the PNG bytes)."""
+    and ``out/results.md``. Returns the results dict (without the PNG bytes).
+
+    ``cached_only`` measures nothing: the report is assembled from the cache alone, and a claim
+    without a cached result at its current code hash is listed with the verdict ``not run``. That
+    is how a full run too long for one sitting is merged: run the claims one or a few at a time
+    with the same ``cache_dir`` (each stores its own result), then once with ``cached_only``."""
     from tformer.claims.report import render_html, render_markdown
 
     out = Path(out)
@@ -118,17 +155,25 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
     bar = tqdm(claims, desc=f"claims ({size})", unit="claim", dynamic_ncols=True)
     for claim in bar:
         bar.set_postfix_str(claim.name)
+        if cached_only and not cached_path(claim, size, cache).exists():
+            entries.append(_error_entry(claim, size, f"no cached {size} result for code hash {cache_key(claim, size)} "
+                                        f"in {cache}; run `tformer claims run {claim.name}` first.", verdict="not run"))
+            continue
         try:
             entries.append(run_claim(claim, size, cache if use_cache else None, fresh))
+        except Unavailable as e:    # a real model that is not installed: say so, run the others
+            print(f"{claim.name}: unavailable: {e}", file=sys.stderr)
+            entries.append(_error_entry(claim, size, str(e), verdict="unavailable"))
         except Exception:  # a crashing claim is a bug: keep its traceback, report it, run the others
             trace = traceback.format_exc()
             print(trace, file=sys.stderr)
             entries.append(_error_entry(claim, size, trace))
     results = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "size": size,
-        "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "cpu": cpu_name(), "instruction_sets": list(cpu_info().instruction_sets), "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
         "busy_cores_before": round(busy_before, 2), "busy_cores_after": round(busy_cores(1.0), 2),
-        "load_average": round(os.getloadavg()[0], 1),
+        "load_average": round(os.getloadavg()[0], 1), "cached_only": cached_only,
         "claims": [{k: v for k, v in e.items() if k != "png"} for e in entries],
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -138,11 +183,11 @@ def run_claims(claims: list[Claim], size: str = "quick", out: str | os.PathLike 
     return results
 
 
-def _error_entry(claim: Claim, size: str, trace: str) -> dict:
+def _error_entry(claim: Claim, size: str, trace: str, verdict: str = "error") -> dict:
     return {"name": claim.name, "title": claim.title, "sentence": claim.sentence, "source": claim.source,
             "published": [list(p) for p in claim.published], "notes": claim.notes, "size": size,
             "config": claim.sizes[size], "code_hash": cache_key(claim, size), "cached": False, "seconds": 0.0,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "checks": [], "verdict": "error",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "checks": [], "verdict": verdict,
             "rows": [], "measured": {}, "error": trace, "png": None}
 
 

@@ -20,6 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", default="claims-report", help="report folder (default: claims-report)")
     r.add_argument("--cache-dir", default=None, help="result cache (default: ~/.cache/tformer/claims)")
     r.add_argument("--fresh", action="store_true", help="ignore cached results and measure again")
+    r.add_argument("--cached-only", action="store_true",
+                   help="measure nothing: assemble the report from cached results (claims run one at a time "
+                        "with the same --cache-dir); a claim without one is listed as 'not run'")
     r.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     r.set_defaults(func=run)
 
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--threads {args.threads} must be at least 1.")
         torch.set_num_threads(args.threads)
     claims = get_claims(args.names)
-    results = run_claims(claims, "full" if args.full else "quick", args.out, args.cache_dir, fresh=args.fresh)
+    results = run_claims(claims, "full" if args.full else "quick", args.out, args.cache_dir, fresh=args.fresh,
+                          cached_only=args.cached_only)
     width = max(len(c["name"]) for c in results["claims"])
     for c in results["claims"]:
         print(f"{c['name']:<{width}}  {c['verdict']:<15} {c['seconds']:7.1f} s{' (cached)' if c['cached'] else ''}")

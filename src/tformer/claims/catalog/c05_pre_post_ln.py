@@ -3,12 +3,17 @@
 
 (a) At initialisation, in the setting of the paper's analysis (every matrix Xavier-normal, a ReLU
 feed-forward with W^{FC1}, W^{FC2} of d x d, unit-variance embeddings), the gradient norm of each
-layer's second feed-forward matrix W^{FC2}, averaged over batches of text, in a 12-layer stack (twice
-the paper's 6): for Post-LN it grows with the layer index, for Pre-LN it stays about the same (their
-Fig. 3). (The first version of this claim used tformer's GELU feed-forward of width 4d: there Post-LN's
-gradients came out flat, 1.09 at layer 1 and 1.03 at layer 12, d 64, 2 batches; the d x d ReLU
-feed-forward of the analysis is what makes the sub-layer's output comparable to its input, so that each
-Post-LN normalisation shrinks the gradient flowing down.)
+layer's second feed-forward matrix W^{FC2}, averaged over batches, in the paper's own architecture: a
+6-layer encoder and 6-layer decoder translation Transformer (source: a window of text, target another);
+the checks read the decoder's layers. For Post-LN the gradient grows with the layer index, for Pre-LN it
+stays about the same (their Fig. 3). The same measurement is reported, unchecked, for the encoder and
+for a decoder-only 12-layer stack: the two earlier versions of this claim measured only that stack, where
+Post-LN's gradient came out about flat (GELU 4d feed-forward: 1.09 at layer 1, 1.03 at layer 12; the d x d
+ReLU of the analysis: 1.12x from first to last, 2026-12-01), which the encoder-decoder explains: an
+exploratory measurement (4 batches, d 256) before this version gave Post-LN 0.51 at the decoder's first
+layer and 2.81 at its last, the encoder flat (2.54 to 2.21), the decoder-only stack 1.33x over 12 layers.
+Liu et al. 2020 (Understanding the Difficulty of Training Transformers, §3) locate the growth in the
+decoder too. The thresholds are those of the claim's first version, unchanged.
 (b) Trained with a large learning rate and no warm-up (Adam, no gradient clipping), Post-LN ends worse
 than Pre-LN; with a warm-up, Post-LN recovers (their Fig. 2 setting, shrunk).
 """
@@ -38,30 +43,61 @@ def _analysis_config(placement: str, c: dict, layers: int) -> TransformerConfig:
                              tie_embeddings=False)
 
 
-def init_gradients(placement: str, c: dict, train, layers: int) -> list[float]:
-    """Per-layer ‖∂loss/∂W^{FC2}‖ at the paper's initialisation (every matrix Xavier-normal, untied head,
-    unit-variance embeddings as Vaswani's √d-scaled ones), mean over ``c['grad']['batches']`` batches."""
-    torch.manual_seed(0)
-    model = build_model(_analysis_config(placement, c, layers))
-    for module in model.modules():
+def _seq2seq_config(placement: str, c: dict, layers: int) -> TransformerConfig:
+    """The paper's translation Transformer in the analysis setting: ``layers`` encoder and decoder blocks,
+    sinusoidal positions, a d x d ReLU feed-forward (the head is tied to the shared embedding, as in Vaswani)."""
+    g = c["grad"]
+    return TransformerConfig(model="encoder-decoder", vocab_size=256, context_length=c["block"], n_layers=layers,
+                             encoder_layers=layers, d_model=g["d_model"], n_heads=g["heads"], d_ff=g["d_model"],
+                             activation="relu", norm_placement=placement, positions="sinusoidal")
+
+
+def _xavier(model: nn.Module) -> None:
+    """The paper's initialisation: every matrix Xavier-normal, embeddings (token, learned positions) of unit
+    variance (as Vaswani's √d-scaled ones)."""
+    for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             nn.init.xavier_normal_(module.weight)
-        elif isinstance(module, nn.Embedding) or module is model.pos_emb:
+        elif isinstance(module, nn.Embedding) or name.endswith("pos_emb") and hasattr(module, "weight"):
             nn.init.normal_(module.weight, std=1.0)
-    fc2 = [p for n, p in model.named_parameters() if n.endswith("ffn.down.weight")]    # one per layer, in order
-    norms = torch.zeros(len(fc2))
+
+
+def init_gradients(placement: str, c: dict, train, layers: int, arch: str = "decoder") -> dict[str, list[float]]:
+    """Per-layer ‖∂loss/∂W^{FC2}‖ at the paper's initialisation, mean over ``c['grad']['batches']`` batches
+    of ``(batch, block)`` byte windows: ``{"decoder": [...]}`` for a decoder-only stack (``arch="decoder"``),
+    ``{"encoder": [...], "decoder": [...]}`` for the encoder-decoder (``arch="seq2seq"``; the source is
+    another window of the same text)."""
+    torch.manual_seed(0)
+    seq2seq = arch == "seq2seq"
+    model = build_model(_seq2seq_config(placement, c, layers) if seq2seq else _analysis_config(placement, c, layers))
+    _xavier(model)
+    names = [n for n, _ in model.named_parameters() if n.endswith("ffn.down.weight")]   # one per layer, in order
+    params = dict(model.named_parameters())
+    norms = torch.zeros(len(names))
     for i in range(c["grad"]["batches"]):
-        x, y = get_batch(train, c["batch"], c["block"], (7, i))
+        x, y = get_batch(train, c["batch"], c["block"], (7, i))             # (B, block) twice
         model.zero_grad(set_to_none=True)
-        model(x, targets=y)[1].backward()
-        norms += torch.stack([p.grad.norm() for p in fc2])
-    return (norms / c["grad"]["batches"]).tolist()
+        if seq2seq:
+            source, _ = get_batch(train, c["batch"], c["block"], (8, i))
+            loss = model(source, x, targets=y)[1]
+        else:
+            loss = model(x, targets=y)[1]
+        loss.backward()
+        norms += torch.stack([params[n].grad.norm() for n in names])
+    norms = (norms / c["grad"]["batches"]).tolist()
+    sides = {}
+    for name, value in zip(names, norms):
+        sides.setdefault("encoder" if name.startswith("encoder.") else "decoder", []).append(value)
+    return sides
 
 
 def run(config: dict, progress) -> dict:
     train, val = byte_corpus(config["corpus_bytes"])
-    grads = {p: init_gradients(p, config, train, config["grad"]["layers"]) for p in ("post", "pre")}
-    depth = {p: [init_gradients(p, config, train, n)[-1] for n in config["depths"]] for p in ("post", "pre")}
+    seq2seq = {p: init_gradients(p, config, train, config["grad"]["seq2seq_layers"], "seq2seq") for p in ("post", "pre")}
+    grads = {p: seq2seq[p]["decoder"] for p in ("post", "pre")}
+    encoder = {p: seq2seq[p]["encoder"] for p in ("post", "pre")}
+    stack = {p: init_gradients(p, config, train, config["grad"]["layers"])["decoder"] for p in ("post", "pre")}
+    depth = {p: [init_gradients(p, config, train, n)["decoder"][-1] for n in config["depths"]] for p in ("post", "pre")}
     runs = {}
     for name, placement, warmup in progress([("pre, no warm-up", "pre", 0), ("post, no warm-up", "post", 0),
                                              ("post, warm-up", "post", config["warmup"])], "training"):
@@ -71,7 +107,7 @@ def run(config: dict, progress) -> dict:
         val_loss = eval_loss(model, val, config["block"], config["eval_tokens"]) if losses[-1] == losses[-1] \
             else float("nan")
         runs[name] = {"losses": losses, "val_loss": val_loss}
-    return {"grads": grads, "depths": config["depths"], "last_by_depth": depth, "runs": runs, "lr": config["lr"]}
+    return {"grads": grads, "encoder_grads": encoder, "stack_grads": stack, "depths": config["depths"], "last_by_depth": depth, "runs": runs, "lr": config["lr"]}
 
 
 def _growth(norms: list[float]) -> float:
@@ -84,9 +120,10 @@ def checks(m: dict) -> list[Check]:
     diverged = r["post, no warm-up"] != r["post, no warm-up"]
     dpre, dpost = (_growth(m["last_by_depth"][p]) for p in ("pre", "post"))
     return [
-        Check("Post-LN at init: last layer's W^{FC2} gradient >= 1.5 x the first layer's", post >= 1.5,
-              f"ratio {fmt(post)}"),
-        Check("Pre-LN at init: last / first layer gradient within [0.67, 1.5]", 0.67 <= pre <= 1.5,
+        Check("Post-LN at init, encoder-decoder: the decoder's last layer's W^{FC2} gradient >= 1.5 x its first "
+              "layer's", post >= 1.5, f"ratio {fmt(post)}"),
+        Check("Pre-LN at init, encoder-decoder: the decoder's last / first layer gradient within [0.67, 1.5]",
+              0.67 <= pre <= 1.5,
               f"ratio {fmt(pre)}"),
         Check("last layer's gradient vs depth (Theorem 1): Pre-LN's falls to <= 0.75 x from the shallowest to the "
               "deepest model, Post-LN's stays within [0.67, 1.5]", dpre <= 0.75 and 0.67 <= dpost <= 1.5,
@@ -103,10 +140,16 @@ def checks(m: dict) -> list[Check]:
 def rows(m: dict) -> list[tuple[str, str, str]]:
     g = m["grads"]
     r = {k: v["val_loss"] for k, v in m["runs"].items()}
-    return [("Post-LN W^{FC2} gradient by layer at init (first → last)", "grows with the layer index (Fig. 3)",
-             " / ".join(fmt(x) for x in g["post"])),
-            ("Pre-LN W^{FC2} gradient by layer at init", "about the same in every layer (Fig. 3)",
+    enc, stack = m["encoder_grads"], m["stack_grads"]
+    return [("Post-LN W^{FC2} gradient by decoder layer at init, encoder-decoder (first → last)",
+             "grows with the layer index (Fig. 3)", " / ".join(fmt(x) for x in g["post"])),
+            ("Pre-LN W^{FC2} gradient by decoder layer at init", "about the same in every layer (Fig. 3)",
              " / ".join(fmt(x) for x in g["pre"])),
+            ("the same, encoder layers: Post-LN / Pre-LN, last / first", "(not checked)",
+             f"{fmt(_growth(enc['post']))} / {fmt(_growth(enc['pre']))}"),
+            (f"the same, a decoder-only stack of {len(stack['post'])} layers (no cross-attention): Post-LN / Pre-LN, "
+             "last / first", "(not checked: the earlier versions' setting)",
+             f"{fmt(_growth(stack['post']))} / {fmt(_growth(stack['pre']))}"),
             (f"last layer's gradient at depth {m['depths'][0]} → {m['depths'][-1]}: Post-LN / Pre-LN",
              "Theorem 1: independent of depth / shrinks like 1/√L",
              f"{fmt(m['last_by_depth']['post'][0])} → {fmt(m['last_by_depth']['post'][-1])} / "
@@ -120,11 +163,13 @@ def plot(m: dict):
     from matplotlib.ticker import NullLocator
 
     fig, (a, c, b) = new_figure(3, width=4.2)
-    for placement in ("post", "pre"):
+    for placement, colour in (("post", "C0"), ("pre", "C1")):
         norms = m["grads"][placement]
-        a.plot(range(1, len(norms) + 1), norms, "o-", label=f"{placement}-LN")
+        a.plot(range(1, len(norms) + 1), norms, "o-", color=colour, label=f"{placement}-LN, decoder")
+        enc = m["encoder_grads"][placement]
+        a.plot(range(1, len(enc) + 1), enc, "x:", color=colour, label=f"{placement}-LN, encoder")
         c.plot(m["depths"], m["last_by_depth"][placement], "o-", label=f"{placement}-LN")
-    a.set(yscale="log", xlabel="layer", ylabel="‖∂loss/∂W^{FC2}‖ at init", title="by layer, at init (Fig. 3)")
+    a.set(yscale="log", xlabel="layer", ylabel="‖∂loss/∂W^{FC2}‖ at init", title="encoder-decoder, at init (Fig. 3)")
     c.set(xscale="log", yscale="log", xlabel="number of layers", ylabel="last layer's ‖∂loss/∂W^{FC2}‖",
           title="last layer vs depth (Thm. 1)")
     c.set_xticks(m["depths"], [str(d) for d in m["depths"]])
@@ -151,16 +196,17 @@ CLAIM = Claim(
                ("§3", "Post-LN trained without warm-up, or with too short a one, reaches much worse BLEU; "
                       "Pre-LN trains without warm-up")],
     sizes={"quick": {"corpus_bytes": 200_000, "d_model": 32, "heads": 2, "block": 32, "batch": 16,
-                     "grad": {"d_model": 64, "heads": 4, "layers": 6, "batches": 1}, "depths": [2, 4],
+                     "grad": {"d_model": 64, "heads": 4, "layers": 6, "seq2seq_layers": 3, "batches": 1}, "depths": [2, 4],
                      "train_layers": 3, "steps": 20, "warmup": 5, "lr": 1e-2, "eval_tokens": 4096},
            "full": {"corpus_bytes": 2_000_000, "d_model": 64, "heads": 4, "block": 32, "batch": 16,
-                    "grad": {"d_model": 256, "heads": 4, "layers": 12, "batches": 8}, "depths": [2, 4, 8, 16],
+                    "grad": {"d_model": 256, "heads": 4, "layers": 12, "seq2seq_layers": 6, "batches": 8}, "depths": [2, 4, 8, 16],
                     "train_layers": 6, "steps": 400, "warmup": 200, "lr": 5e-3, "eval_tokens": 16384}},
     run=run, checks=checks, rows=rows, plot=plot,
-    notes="Decoder-only byte-level language models on Python source instead of the paper's translation "
-          "encoder-decoders. For the gradients at init, the setting of the paper's analysis: every matrix "
-          "Xavier-normal, a d x d ReLU feed-forward, the head untied, unit-variance embeddings, a 12-layer stack "
-          "(d 256 at the full size). The training runs (6 layers, GELU 4d feed-forward, tformer's GPT-2 init, AdamW "
+    notes="Byte-level Python source instead of the paper's WMT/IWSLT translation data. For the gradients at init, "
+          "the setting of the paper's analysis (every matrix Xavier-normal, a d x d ReLU feed-forward, unit-variance "
+          "embeddings) in the paper's 6-6 encoder-decoder (d 256 at the full size; the source a window of text, the "
+          "target another), checked on the decoder's layers; the encoder and a decoder-only 12-layer stack (untied "
+          "head) are shown unchecked, and the depth check (Theorem 1) uses decoder-only stacks. The training runs (6 layers, GELU 4d feed-forward, tformer's GPT-2 init, AdamW "
           "without gradient clipping, cosine decay) compare a large learning rate with and without a warm-up of "
           "half the run. Without warm-up at that rate Post-LN does not blow up to nan (its normalisations bound the "
           "activations): it falls back to the plateau of byte frequencies, ~2.98 nats, and stays there. The rate was "

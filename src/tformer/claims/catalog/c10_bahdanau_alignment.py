@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tformer.claims.base import Check, Claim
+from tformer.claims.resume import part
 from tformer.claims.common import fmt, kendall_tau, new_figure
 from tformer.training.seq2seq import Seq2SeqSettings, load_run, scores_by_length, train
 from tformer.training.seq2seq_data import make_batch, number_pairs
@@ -49,26 +50,31 @@ def alignment_tau(model, tok, pairs: list) -> tuple[float, list[list[float]]]:
     return (statistics.fmean(taus) if taus else float("nan")), first
 
 
+def train_one(c: dict, kind: str, data) -> dict:
+    """Train model ``kind`` on ``data`` and score it: BLEU by source length, and for Bahdanau's the alignment."""
+    with tempfile.TemporaryDirectory(prefix="tformer-claim-seq2seq-") as tmp:
+        s = Seq2SeqSettings(architecture={"model": kind}, max_steps=c["steps"], out_dir=str(Path(tmp) / kind),
+                            eval_max=c["n_test"], beams=c["beams"], progress=False, lr=c["lr"][kind],
+                            warmup_steps=max(1, c["steps"] // 10), n_train=c["n_train"], n_test=c["n_test"])
+        log = []
+        metrics = train(s, log=log.append, data=data)
+        model, tok, _ = load_run(s.out_dir)
+        rows = scores_by_length(model, tok, data[1], edges=tuple(c["edges"]), beams=c["beams"])
+        entry = {"bleu": metrics["bleu"], "parameters": metrics["parameters"], "by_length": rows}
+        if kind == "bahdanau":
+            entry["tau"], entry["weights"] = alignment_tau(model, tok, data[1][: c["align_pairs"]])
+            source, reference = data[1][0]
+            entry["words"] = [tok.itos[i] for i in make_batch([(source, reference)], tok)["src"][0].tolist()]
+            entry["out_words"] = [tok.itos[i] for i in tok.encode(reference)]
+    return entry
+
+
 def run(config: dict, progress) -> dict:
     c = config
     data = number_pairs(c["n_train"], c["n_test"], seed=0, max_digits=c["max_digits"])
     out = {"models": {}, "edges": c["edges"]}
-    with tempfile.TemporaryDirectory(prefix="tformer-claim-seq2seq-") as tmp:
-        for kind in progress(c["models"], "models"):
-            s = Seq2SeqSettings(architecture={"model": kind}, max_steps=c["steps"], out_dir=str(Path(tmp) / kind),
-                                eval_max=c["n_test"], beams=c["beams"], progress=False, lr=c["lr"][kind],
-                                warmup_steps=max(1, c["steps"] // 10), n_train=c["n_train"], n_test=c["n_test"])
-            log = []
-            metrics = train(s, log=log.append, data=data)
-            model, tok, _ = load_run(s.out_dir)
-            rows = scores_by_length(model, tok, data[1], edges=tuple(c["edges"]), beams=c["beams"])
-            entry = {"bleu": metrics["bleu"], "parameters": metrics["parameters"], "by_length": rows}
-            if kind == "bahdanau":
-                entry["tau"], entry["weights"] = alignment_tau(model, tok, data[1][: c["align_pairs"]])
-                source, reference = data[1][0]
-                entry["words"] = [tok.itos[i] for i in make_batch([(source, reference)], tok)["src"][0].tolist()]
-                entry["out_words"] = [tok.itos[i] for i in tok.encode(reference)]
-            out["models"][kind] = entry
+    for kind in progress(c["models"], "models"):     # one part per model: a stopped full run resumes there
+        out["models"][kind] = part(progress, kind, lambda: train_one(c, kind, data))
     return out
 
 
