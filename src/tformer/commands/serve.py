@@ -29,6 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="sentence-embedding model folder (default: all-MiniLM-L6-v2 when installed)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights (default: fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--prefix-cache-mb", type=float, default=256.0, metavar="MIB",
+                   help="MiB of KV blocks kept to reuse shared prompt prefixes (default: 256; 0: off)")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="prompt-lookup draft tokens verified per step when one sequence runs alone (default: 0, off)")
     p.set_defaults(func=run)
 
 
@@ -59,7 +63,8 @@ def embedder_factory(folder: str | None):
 
 
 def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout: float = 300.0,
-                 embeddings: str | None = None, dtype: str = "fp32", model: str | None = None):
+                 embeddings: str | None = None, dtype: str = "fp32", model: str | None = None,
+                 prefix_cache_mb: float = 256.0, speculative: int = 0):
     """Load the checkpoint (or ``model``: a built-in name or a .gguf file, converted once and cached) and
     start its scheduler: a :class:`tformer.serve.server.Server`."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
@@ -72,6 +77,9 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     if slots < 1 or max_queue < 1 or not 0 < timeout < float("inf"):
         raise ConfigError(f"--slots {slots}, --max-queue {max_queue}, --timeout {timeout}: use slots >= 1, "
                           f"max-queue >= 1 (a request waits there before its slot) and a finite timeout > 0.")
+    if not (0 <= prefix_cache_mb < float("inf") and 0 <= speculative <= 64):
+        raise ConfigError(f"--prefix-cache-mb {prefix_cache_mb}, --speculative {speculative}: use a size >= 0 MiB "
+                          f"(0 turns the prefix cache off) and 0..64 draft tokens (0 turns speculation off).")
     embedder = embedder_factory(embeddings)
     if model is not None and ckpt is not None:
         raise ConfigError("pass --ckpt or --model, not both.")
@@ -96,7 +104,8 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     eos = load_generation_defaults(folder).get("eos_token_id", [])
     name = spec if spec is not None and not Path(spec).exists() else run.resolve().name     # "smollm2"
     server = Server(model, tokenizer, name, eos=eos, embedder=embedder,
-                    limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout))
+                    limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout,
+                                  prefix_cache_mb=prefix_cache_mb, speculative=speculative))
     from tformer.tokenizers import load_chat_template
     server.chat_template = load_chat_template(folder)
     return server
@@ -118,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)                    # before loading: a taken port fails at once
     try:
         server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype,
-                              args.model)
+                              args.model, prefix_cache_mb=args.prefix_cache_mb, speculative=args.speculative)
     except BaseException:
         sock.close()
         raise

@@ -27,6 +27,8 @@ class Limits:
     n_slots: int = 16
     request_timeout: float = 300.0
     max_embedding_inputs: int = 256
+    prefix_cache_mb: float = 256.0        # KV blocks kept for shared prompt prefixes (0: none)
+    speculative: int = 0                  # prompt-lookup draft tokens per step for a lone sequence (0: off)
 
 
 class Server:
@@ -45,7 +47,8 @@ class Server:
         self.limits = limits or Limits()
         self.metrics = Metrics()
         self.scheduler = Scheduler(model, n_slots=self.limits.n_slots, max_queue=self.limits.max_queue,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, prefix_cache_mb=self.limits.prefix_cache_mb,
+                                   speculative=self.limits.speculative)
         self.max_len = self.scheduler.max_len
         self.embedder_factory, self.embedder, self.embed_lock = embedder, None, asyncio.Lock()
         self.started = time.time()
