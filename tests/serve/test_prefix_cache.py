@@ -117,3 +117,26 @@ def test_budget_evicts_least_recent_leaves_and_keeps_chains_reachable():
 def test_no_prefix_cache_for_recurrent_layers():
     model = tiny(positions="none", mixer=["mamba", "attention"])
     assert KVPool(model, 2, 64, prefix_cache_mb=1).prefix is None
+
+
+def test_smollm2_chats_sharing_a_system_prompt_decode_as_without_cache(smollm2):
+    """The real model, fp32: greedy tokens equal and logits within 1e-3 (its logits are ~10x the tiny
+    models', so the same relative rounding of a differently shaped prefill)."""
+    from tformer.checkpoint import load_model
+    from tformer.tokenizers import load_chat_template, load_tokenizer
+
+    _, folder = smollm2
+    model = load_model(folder).eval()
+    tok, template = load_tokenizer(folder), load_chat_template(folder)
+    system = {"role": "system", "content": "You are a concise assistant. You answer every question in one sentence."}
+    prompts = [template.encode(tok, [system, {"role": "user", "content": q}])
+               for q in ("What is 2 + 2?", "Name a colour.", "Where is Paris?")]
+    torch.set_num_threads(2)
+    pool, ref = KVPool(model, 3, 256, prefix_cache_mb=64), KVPool(model, 3, 256)
+    run(pool, [0], prompts[:1], 1)
+    got, seen = run(pool, [0, 1, 2], prompts, 6)
+    want, ref_seen = run(ref, [0, 1, 2], prompts, 6)
+    assert pool.prefix.metrics is None and len(pool.prefix) >= 2
+    assert got == want
+    for a, b in zip(seen, ref_seen):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
