@@ -117,3 +117,20 @@ def test_smollm2_greedy_speculation_is_exact(smollm2):
         want = generate(model, ids, 16, temperature=0)[0, ids.shape[1]:].tolist()
         got, _ = generate_speculative(model, ids, 16, k=4)
         assert got == want, ask
+
+
+def test_extend_gives_every_positions_logits_and_truncate_rolls_back():
+    from tformer.generation.step import extend, prefill
+
+    model = tiny(sharp=1.0)
+    ids = torch.randint(0, 11, (1, 14), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids)[0][0]                                         # (14, V) reference: one uncached forward
+        state = model.new_state(1, 32)
+        prefill(model, ids[:, :8], state)
+        got = extend(model, ids[:, 8:12], state)[0]                     # (4, V) after tokens 8..11
+        torch.testing.assert_close(got, full[8:12], atol=1e-5, rtol=0)
+        state.truncate(10)                                              # forget tokens 10, 11 ("rejected")
+        assert state.length == 10 and not state.valid[0, 10:].any()
+        again = extend(model, ids[:, 10:14], state)[0]
+        torch.testing.assert_close(again, full[10:14], atol=1e-5, rtol=0)
