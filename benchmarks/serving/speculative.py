@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=6, help="drafted tokens per step")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--dtype", default="bf16", help="default: what serve_precision.py chose for serving here")
     ap.add_argument("--prompts", default=",".join(PROMPTS))
     args = ap.parse_args()
     run = Run()
@@ -78,9 +78,13 @@ def main() -> None:
         tp, ts = (len(spec) / statistics.median(times[w]) for w in ("plain", "speculative"))
         rows.append((name, ids.shape[1], len(spec), same, tp, ts, ts / tp, stats.acceptance, len(spec) / max(1, stats.steps)))
         print(rows[-1], flush=True)
+        write(run, args, rows, done=len(rows) == len(args.prompts.split(",")))   # a partial table survives a timeout
+
+
+def write(run, args, rows, done: bool) -> None:
     lines = ["# Speculative decoding (prompt lookup) on SmolLM2-135M-Instruct, one stream, greedy", "",
              f"{args.dtype}, k = {args.k} drafted tokens per verification forward, {args.new_tokens} new tokens, "
-             f"{args.rounds} rounds alternating plain and speculative; medians.", "",
+             f"{args.rounds} rounds alternating plain and speculative; medians." + ("" if done else " (Partial: run interrupted.)"), "",
              "| prompt | prompt tokens | new tokens | identical tokens | plain tok/s | speculative tok/s | speed-up | "
              "acceptance | tokens per forward |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for name, p, n, same, tp, ts, x, acc, per in rows:
@@ -89,9 +93,11 @@ def main() -> None:
     lines += ["", f"Identical tokens on {sum(r[3] for r in rows)} of {len(rows)} prompts; >= 1.5x with identical "
                   f"tokens on {len(good)} ({', '.join(r[0] for r in good) or 'none'}). Median speed-up over all prompts "
                   f"{statistics.median(r[6] for r in rows):.2f}x."]
-    run.finish()
-    print(run.write(results_dir("serving") / "speculative.md", "\n".join(lines)).read_text())
-
+    if done:
+        run.finish()
+    text = run.write(results_dir("serving") / "speculative.md", "\n".join(lines)).read_text()
+    if done:
+        print(text)
 
 if __name__ == "__main__":
     main()
