@@ -7,6 +7,9 @@ code edit, repeat-with-a-change: where prompt lookup drafts well), a summary, an
 (where it drafts little). Per prompt: whether the tokens are identical (they must be), tokens/s of
 each, the speed-up, the acceptance rate and tokens per verification forward.
 
+In bf16 a forward over k+1 tokens rounds differently from a one-token step, so a near-tie can flip
+the greedy token (the table says where); fp32 (``--dtype fp32 --name speculative-fp32``) is exact.
+
 Criterion (the issue's, set before the run): >= 1.5x single-stream greedy decode speed with identical
 tokens on at least 5 prompts.
 
@@ -49,6 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="bf16", help="default: what serve_precision.py chose for serving here")
     ap.add_argument("--prompts", default=",".join(PROMPTS))
+    ap.add_argument("--name", default="speculative", help="results file stem (default: speculative)")
     args = ap.parse_args()
     run = Run()
     from tformer import generate
@@ -95,7 +99,7 @@ def write(run, args, rows, done: bool) -> None:
                   f"{statistics.median(r[6] for r in rows):.2f}x."]
     if done:
         run.finish()
-    text = run.write(results_dir("serving") / "speculative.md", "\n".join(lines)).read_text()
+    text = run.write(results_dir("serving") / f"{args.name}.md", "\n".join(lines)).read_text()
     if done:
         print(text)
 
