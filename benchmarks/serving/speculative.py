@@ -80,7 +80,7 @@ def main() -> None:
         spec, stats = out["speculative"]
         same = spec == out["plain"][:len(spec)] and len(spec) == len(out["plain"])
         tp, ts = (len(spec) / statistics.median(times[w]) for w in ("plain", "speculative"))
-        rows.append((name, ids.shape[1], len(spec), same, tp, ts, ts / tp, stats.acceptance, len(spec) / max(1, stats.steps)))
+        rows.append((name, ids.shape[1], len(spec), same, tp, ts, ts / tp, stats.acceptance, (len(spec) - 1) / max(1, stats.forwards)))
         print(rows[-1], flush=True)
         write(run, args, rows, done=len(rows) == len(args.prompts.split(",")))   # a partial table survives a timeout
 
@@ -90,7 +90,7 @@ def write(run, args, rows, done: bool) -> None:
              f"{args.dtype}, k = {args.k} drafted tokens per verification forward, {args.new_tokens} new tokens, "
              f"{args.rounds} rounds alternating plain and speculative; medians." + ("" if done else " (Partial: run interrupted.)"), "",
              "| prompt | prompt tokens | new tokens | identical tokens | plain tok/s | speculative tok/s | speed-up | "
-             "acceptance | tokens per forward |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "acceptance | tokens per decode forward |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for name, p, n, same, tp, ts, x, acc, per in rows:
         lines.append(f"| {name} | {p} | {n} | {same} | {tp:.1f} | {ts:.1f} | {x:.2f}x | {acc:.2f} | {per:.2f} |")
     good = [r for r in rows if r[3] and r[6] >= 1.5]

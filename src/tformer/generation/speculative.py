@@ -124,11 +124,13 @@ def accept(logits: Tensor, draft: list[int], temperature: float = 0.0, top_k: in
 
 @dataclass
 class SpeculativeStats:
-    """What a speculative generation did: verification forwards, drafted and accepted tokens."""
+    """What a speculative generation did: forwards after the prefill (``forwards``), those that
+    verified drafts (``steps``), drafted and accepted tokens."""
 
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    forwards: int = 0
 
     @property
     def acceptance(self) -> float:
@@ -183,6 +185,7 @@ def generate_speculative(model, ids: Tensor, max_new_tokens: int, *, k: int = 4,
         new = accept(logits, draft, temperature, top_k, top_p, generator, draft_probs) if draft else \
             [_pick(logits[-1:], temperature, top_k, top_p, generator)]
         state.truncate(n + len(new))                                         # last + the accepted drafts
+        stats.forwards += 1
         if draft:
             stats.add(len(draft), len(new))
         for t in new:
