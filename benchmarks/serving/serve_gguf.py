@@ -142,7 +142,7 @@ def servers(args, gguf: str) -> dict:
         elif name == "llama":
             out[name] = ([py, str(Path(__file__).resolve().parents[1] / "common" / "llama_server.py"), "--model", gguf, "--port", str(args.port + len(out)),
                           "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
-                          "--n_ctx", "4096"], gguf)
+                          "--n_ctx", "4096", "--interrupt_requests", "False"], gguf)   # queue, don't cut, concurrent streams
     return out
 
 
