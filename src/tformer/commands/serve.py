@@ -40,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds running requests may take to finish before they are "
                         "ended with an error (default: 30)")
+    p.add_argument("--prefix-cache-mb", type=float, default=256.0, metavar="MIB",
+                   help="MiB of KV blocks kept to reuse shared prompt prefixes (default: 256; 0: off)")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="prompt-lookup draft tokens verified per step when one sequence runs alone (default: 0, off)")
     p.set_defaults(func=run)
 
 
@@ -71,7 +75,7 @@ def embedder_factory(folder: str | None):
 
 def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout: float = 300.0,
                  embeddings: str | None = None, dtype: str = "fp32", model: str | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, prefix_cache_mb: float = 256.0, speculative: int = 0):
     """Load the checkpoint (or ``model``: a built-in name or a .gguf file, converted once and cached) and
     start its scheduler: a :class:`tformer.serve.server.Server`."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
@@ -84,6 +88,9 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     if slots < 1 or max_queue < 1 or not 0 < timeout < float("inf"):
         raise ConfigError(f"--slots {slots}, --max-queue {max_queue}, --timeout {timeout}: use slots >= 1, "
                           f"max-queue >= 1 (a request waits there before its slot) and a finite timeout > 0.")
+    if not (0 <= prefix_cache_mb < float("inf") and 0 <= speculative <= 64):
+        raise ConfigError(f"--prefix-cache-mb {prefix_cache_mb}, --speculative {speculative}: use a size >= 0 MiB "
+                          f"(0 turns the prefix cache off) and 0..64 draft tokens (0 turns speculation off).")
     embedder = embedder_factory(embeddings)
     if model is not None and ckpt is not None:
         raise ConfigError("pass --ckpt or --model, not both.")
@@ -115,7 +122,8 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     eos = sorted(set(eos) | set(end_of_turn_ids(template, tokenizer)))
     server = Server(model, tokenizer, name, eos=eos, embedder=embedder,
                     limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout,
-                                  max_model_len=max_model_len))
+                                  max_model_len=max_model_len, prefix_cache_mb=prefix_cache_mb,
+                                  speculative=speculative))
     server.chat_template = template
     return server
 
@@ -155,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)                    # before loading: a taken port fails at once
     try:
         server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype,
-                              args.model, args.max_model_len)
+                              args.model, args.max_model_len, prefix_cache_mb=args.prefix_cache_mb,
+                              speculative=args.speculative)
     except BaseException:
         sock.close()
         raise

@@ -3,6 +3,7 @@
     state  = model.new_state(B, max_len)             # or static=True: fixed shapes for torch.compile
     logits = prefill(model, ids, state)               # (B, T) prompt -> (B, vocab), state holds T tokens
     logits = decode_step(model, tokens, state)        # (B, 1) newest tokens -> (B, vocab), one more held
+    logits = extend(model, tokens, state)             # (B, T) tokens -> (B, T, vocab): speculative checks
 
 (gpt-fast's ``prefill()`` / ``decode_one_token()``.) :func:`tformer.generation.generate.generate`
 (eager, static and compiled), beam search over an encoder-decoder, the server's pool and the
@@ -98,6 +99,26 @@ def decode_step(model, tokens: Tensor, state, *, attention_mask: Tensor | None =
     logits = (compiled_decode() if compiled else decode_logits)(model, tokens, state, positions, attention_mask)
     _count_static_token(state, 1)
     return logits
+
+
+def extend(model, ids: Tensor, state) -> Tensor:
+    """Feed ``T`` tokens per row after what ``state`` holds and return the logits after EVERY one of
+    them: ``(B, T)`` -> ``(B, T, vocab)``, row ``b``'s ``[:, t]`` predicting the token after
+    ``ids[b, t]``. The verification forward of speculative decoding (``k`` draft tokens and the
+    token before them checked in one call); the state then holds ``T`` more tokens, and the caller
+    forgets the rejected ones with ``state.truncate``. Works on an eager state, or on a static
+    state's row view with ``length`` set to what it holds (``T >= 2`` there: one token is the static
+    step). Every row must hold the same number of real tokens without padding (a batch-1 view).
+
+    Raises:
+        InputError: for ids that are not ``(B, T)`` or a state that cannot take ``T`` more tokens.
+    """
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise InputError(f"ids must be a non-empty (batch, seq_len) tensor, got shape {tuple(ids.shape)}.")
+    if getattr(state, "static", False) and ids.shape[1] == 1:
+        raise InputError("extend on a static state needs at least 2 tokens (one token is decode_step).")
+    logits, _ = model(ids, state=state)
+    return logits                                                               # (B, T, vocab)
 
 
 def decode_logits(model, tokens: Tensor, state, positions: Tensor | None = None,

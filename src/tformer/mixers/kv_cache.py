@@ -21,7 +21,7 @@ Attention hands each step's new keys and values to :meth:`KVCache.store` and att
   preallocated buffer with the query's index per row, so no shape and no Python value changes from
   step to step and ``torch.compile`` captures the step once. Its prefill is the eager write.
 - :class:`RowWriter` (``cache.rows(slots)``): a batched prefill into some rows of a larger cache
-  (the server's pool), from position 0.
+  (the server's pool), from position 0 or after a prefix the rows already hold.
 
 Size: ``2 · n_layers · max_len · n_kv_heads · head_dim · bytes_per_element`` per sequence
 (:func:`tformer.accounting.kv_cache_bytes`).
@@ -120,7 +120,8 @@ class KVCache:
         return KeyView(*self.update(step.start_pos, k, v), step.mask)
 
     def rows(self, slots: Tensor) -> "RowWriter":
-        """A writer that prefills rows ``slots (b,)`` of this cache from position 0."""
+        """A writer that prefills rows ``slots (b,)`` of this cache (from position 0, or after the
+        prefix they hold: the writer state's ``length``)."""
         return RowWriter(self, slots)
 
     @property
@@ -145,21 +146,25 @@ class StaticKVCache(KVCache):
 
 
 class RowWriter:
-    """Stands in for a cache during a batched prefill from empty rows: writes the new keys and values
-    ``(b, nkv, T, hs)`` into rows ``slots (b,)`` of ``cache`` at ``0 .. T-1`` and hands them back
-    unchanged (they are everything those rows hold)."""
+    """Stands in for a cache during a batched prefill of rows ``slots (b,)`` of ``cache``: writes the
+    new keys and values ``(b, nkv, T, hs)`` at ``start_pos .. start_pos + T - 1`` of those rows and
+    returns every key they then hold, ``(b, nkv, start_pos + T, hs)``. From position 0 that is the
+    new keys themselves; after ``start_pos`` held ones (a prefix copied in from the server's prefix
+    cache) it is a gather of the rows' first ``start_pos + T`` positions."""
 
     def __init__(self, cache: KVCache, slots: Tensor):
         self.cache, self.slots = cache, slots
 
     def store(self, k: Tensor, v: Tensor, step) -> KeyView:
-        if step.start_pos != 0:
-            raise InputError("a row writer prefills rows from position 0; it cannot continue them "
-                             "(decode through the cache itself).")
-        T = k.shape[2]
-        self.cache.k[self.slots, :, :T] = k                                    # (b, nkv, T, hs) scattered
-        self.cache.v[self.slots, :, :T] = v
-        return KeyView(k, v, step.mask)
+        start, T = step.start_pos, k.shape[2]
+        if start + T > self.cache.max_len:
+            raise InputError(f"a row writer cannot write {T} tokens after {start} into rows of "
+                             f"{self.cache.max_len} positions; make the pool with a larger max_len.")
+        self.cache.k[self.slots, :, start:start + T] = k                       # (b, nkv, T, hs) scattered
+        self.cache.v[self.slots, :, start:start + T] = v
+        if start == 0:
+            return KeyView(k, v, step.mask)
+        return KeyView(self.cache.k[self.slots, :, :start + T], self.cache.v[self.slots, :, :start + T], step.mask)
 
     @property
     def nbytes(self) -> int:

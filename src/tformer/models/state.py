@@ -16,7 +16,8 @@ of it, so one model object serves any number of interleaved generations.
 Rows of a state are rearranged (beam search repeats and reorders them) through :meth:`InferenceState.map`;
 :meth:`InferenceState.rows` is a view of some rows and leading positions (the server decodes the
 rows in use over the positions in use), :meth:`InferenceState.writer` a scratch state that prefills
-some rows from position 0 in one batched forward. Every tensor attribute of a layer state holds
+some rows in one batched forward (from position 0 or after a prefix they hold), and
+:meth:`InferenceState.truncate` forgets positions past a length (speculative decoding's rollback). Every tensor attribute of a layer state holds
 one row per sequence along dimension 0, unless the state's class names another dimension in
 ``BATCH_DIMS = {"attribute": dim}``; ``POSITION_DIMS`` names the tensors with a position axis.
 """
@@ -123,21 +124,40 @@ class InferenceState:
                 layer.max_len = keys
         return self._assemble(view.layers, view.valid[:, :keys], view.index, keys, 0)
 
-    def writer(self, rows: Tensor) -> "InferenceState":
-        """A scratch state for an eager prefill of ``len(rows)`` sequences from position 0, written
-        straight into rows ``rows (b,)`` of this state by every layer state's ``rows(rows)`` (a KV
-        cache's :class:`~tformer.mixers.kv_cache.RowWriter`). Afterwards call :meth:`hold` to mark
-        what the rows now contain.
+    def writer(self, rows: Tensor, start: int = 0) -> "InferenceState":
+        """A scratch state for an eager prefill of ``len(rows)`` sequences, written straight into rows
+        ``rows (b,)`` of this state by every layer state's ``rows(rows)`` (a KV cache's
+        :class:`~tformer.mixers.kv_cache.RowWriter`). With ``start > 0`` the rows already hold
+        ``start`` real tokens at positions ``0 .. start-1`` (a prefix copied in) and the prefill
+        continues after them (positions ``start ..``, attending to the prefix). Afterwards call
+        :meth:`hold` to mark what the rows now contain.
 
         Raises:
             InputError: if a layer's state cannot write rows this way (a recurrent or ring state,
-                which would absorb the padding of a batched prefill).
+                which would absorb the padding of a batched prefill), or ``start`` is out of range.
         """
         if not all(hasattr(s, "rows") for s in self.layers):
             raise InputError("this state has a layer that cannot prefill rows in a batch (only KV caches can); "
                              "prefill one sequence at a time through rows(r, r + 1).")
+        if not 0 <= start < self.max_len:
+            raise InputError(f"a writer cannot start at position {start} of a state of {self.max_len} positions.")
         b = rows.shape[0]
-        return InferenceState([s.rows(rows) for s in self.layers], b, self.max_len, self.valid.device)
+        scratch = InferenceState([s.rows(rows) for s in self.layers], b, self.max_len, self.valid.device)
+        scratch.length = start
+        scratch.valid[:, :start] = True                                        # the held prefix is real
+        return scratch
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` positions of every row (a speculative step rolls back the
+        draft tokens it rejected): later entries are marked not real and are overwritten next, and
+        a static state writes its next token at ``length``. Every row must hold at least
+        ``length`` real tokens at ``0 .. length-1`` (no padding)."""
+        if not 0 <= length <= self.max_len:
+            raise InputError(f"cannot keep {length} positions of a state of {self.max_len}.")
+        self.valid[:, length:] = False
+        self.length = length
+        if self.index is not None:
+            self.index.fill_(length)
 
     def hold(self, rows: Tensor, lengths: Tensor) -> None:
         """Rows ``rows (b,)`` now hold ``lengths (b,)`` real tokens at positions ``0 .. n-1`` (and a

@@ -2,6 +2,7 @@
 
     schemas.py     request validation, response objects, error bodies (OpenAI's wire format)
     pool.py        the preallocated pool of per-sequence inference states; batched prefill and decode calls
+    prefix_cache.py  KV blocks of shared prompt prefixes (system prompts, chat history), reused at admission
     scheduler.py   the thread that owns the model: admission, batched prefill and decode, finishing
     sampling.py    each row's token choice (greedy, sampled, logprobs) for a whole batch at once
     grammar.py     structured output: a JSON-schema constraint per sequence, masking its logits row

@@ -28,17 +28,31 @@ reads lengths from ``valid`` and keeps no count of its own.
   rows, and stopping at ``hi`` avoids computing rows past the last one in use. The step reads the
   first multiple of 64 positions that covers the longest row, not all ``max_len``, so short
   sequences do not pay for attention over the whole context; shapes change only every 64 tokens.
+
+**Prefix caching** (``prefix_cache_mb > 0``, KV-cache models): before a prefill each prompt looks up
+the cached blocks it begins with (:class:`tformer.serve.prefix_cache.PrefixCache`, at most the blocks
+before its last token, which must be computed for its logits), their keys and values are copied into
+its row at positions ``0 .. c-1``, and only the suffix is prefilled, at positions ``c ..`` through
+``state.writer(rows, start=c)``, one batched forward per distinct ``c``. Afterwards the prompt's full
+blocks, and when a sequence ends the full blocks of everything its row holds (:meth:`KVPool.release`
+with its tokens: a multi-turn chat's next request resends them), go into the store.
+
+**Speculative steps** (:meth:`KVPool.verify`): one row feeds its last token and ``k`` drafts at
+positions ``n .. n+k`` through :func:`tformer.generation.step.extend` on the row's view, and
+:meth:`KVPool.keep` forgets the rejected drafts.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tformer.generation.step import decode_step, prefill
+from tformer.generation.step import decode_step, extend, prefill
 from tformer.models.state import InferenceState
+from tformer.serve.prefix_cache import PrefixCache
 
 Tensor = torch.Tensor
 KEY_BUCKET = 64     # decode reads the first multiple of 64 positions that holds every row's keys
+PREFIX_BLOCK = 16   # tokens per prefix-cache block
 
 
 class KVPool:
@@ -48,19 +62,33 @@ class KVPool:
         model: the language model (it holds no state; the pool does).
         n_slots: the most sequences held at once.
         max_len: positions per slot (at most what the model's positions allow).
+        prefix_cache_mb: MiB of KV blocks kept for prefix reuse (0: none; ignored for a model whose
+            layers are not all KV caches).
+        metrics: where the prefix cache counts hits and misses (a serve ``Metrics``), or None.
     """
 
-    def __init__(self, model, n_slots: int, max_len: int):
+    def __init__(self, model, n_slots: int, max_len: int, prefix_cache_mb: float = 0, metrics=None):
         self.model, self.n_slots, self.max_len = model, n_slots, max_len
         self.state = model.new_state(n_slots, max_len, static=True)              # every row decodes statically
         self.device = self.state.valid.device
         self.active = torch.zeros(n_slots, dtype=torch.bool, device=self.device)   # rows held by a sequence
         self.batched_prefill = bool(model.config.causal) and all(hasattr(s, "rows") for s in self.state.layers)
         self._views: dict[tuple[int, int, int], InferenceState] = {}
+        self.prefix = (PrefixCache(PREFIX_BLOCK, int(prefix_cache_mb * 2**20), metrics)
+                       if prefix_cache_mb > 0 and self.batched_prefill and
+                       all(hasattr(s, "k") and hasattr(s, "v") for s in self.state.layers) else None)
 
     @property
     def nbytes(self) -> int:
         return self.state.nbytes
+
+    def report(self, metrics) -> None:
+        """The prefix cache's gauges (blocks held, their bytes, blocks pinned by an admission)."""
+        if self.prefix is not None:
+            metrics.set("tformer_prefix_cache_blocks", len(self.prefix), help="KV blocks held by the prefix cache")
+            metrics.set("tformer_prefix_cache_bytes", self.prefix.nbytes, help="bytes of KV blocks in the prefix cache")
+            metrics.set("tformer_prefix_cache_blocks_pinned", self.prefix.pinned,
+                        help="prefix-cache blocks an admission is copying (0 between steps)")
 
     def lengths(self, stop: int | None = None) -> Tensor:
         """Tokens held by rows ``0 .. stop-1``, ``(stop,)``, read from ``valid`` (0 for idle rows)."""
@@ -74,8 +102,13 @@ class KVPool:
             self._views[key] = self.state.rows(start, stop, keys)
         return self._views[key]
 
-    def release(self, slot: int) -> None:
-        """``slot``'s sequence left: the row idles (and is overwritten at its next admission)."""
+    def release(self, slot: int, tokens: list[int] | None = None) -> None:
+        """``slot``'s sequence left: the row idles (and is overwritten at its next admission). With
+        ``tokens`` (what the row holds, in order) its full blocks go into the prefix cache first."""
+        if self.prefix is not None and tokens:
+            n = min(len(tokens), int(self.lengths(self.n_slots)[slot]))
+            with torch.inference_mode():
+                self.prefix.insert(tokens, n // self.prefix.block, lambda a, b: self._read_row(slot, a, b))
         self.active[slot] = False
 
     @torch.inference_mode()
@@ -84,16 +117,71 @@ class KVPool:
         next-token logits, ``(len(slots), vocab)``."""
         if not self.batched_prefill:
             return torch.cat([self._prefill_one(s, p) for s, p in zip(slots, prompts)])
-        b, T = len(prompts), max(len(p) for p in prompts)
+        if self.prefix is None:
+            return self._prefill_rows(slots, prompts, 0)
+        block = self.prefix.block
+        found = [self.prefix.match(p, (len(p) - 1) // block) for p in prompts]     # never the last token
+        try:
+            starts = []
+            for slot, blocks in zip(slots, found):
+                self._copy_in(slot, blocks)
+                starts.append(len(blocks) * block)
+            order, parts = [], []
+            for start in sorted(set(starts)):                               # one forward per cached length
+                group = [i for i, s in enumerate(starts) if s == start]
+                parts.append(self._prefill_rows([slots[i] for i in group], [prompts[i] for i in group], start))
+                order += group
+            logits = torch.cat(parts)[torch.argsort(torch.tensor(order))]   # (b, vocab) in the callers' order
+            for slot, p in zip(slots, prompts):
+                self.prefix.insert(p, len(p) // block, lambda a, b, slot=slot: self._read_row(slot, a, b))
+        finally:
+            for blocks in found:
+                self.prefix.unpin(blocks)
+        return logits
+
+    def _prefill_rows(self, slots: list[int], prompts: list[list[int]], start: int) -> Tensor:
+        """One batched forward of the prompts' tokens after ``start`` (which rows ``slots`` already
+        hold), right-padded; rows then hold their whole prompts. Returns ``(b, vocab)``."""
+        b, T = len(prompts), max(len(p) for p in prompts) - start
         ids = torch.zeros(b, T, dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p)                                   # right padding with token 0
+            ids[i, :len(p) - start] = torch.tensor(p[start:])                  # right padding with token 0
         n = torch.tensor([len(p) for p in prompts], device=self.device)         # (b,) real tokens per row
         rows = torch.tensor(slots, device=self.device)
-        logits = prefill(self.model, ids.to(self.device), self.state.writer(rows), last_index=n - 1)   # (b, vocab)
+        logits = prefill(self.model, ids.to(self.device), self.state.writer(rows, start),
+                         last_index=n - 1 - start)                              # (b, vocab)
         self.state.hold(rows, n)                                                # the rows hold their prompts only
         self.active[rows] = True
         return logits
+
+    def _copy_in(self, slot: int, blocks: list) -> None:
+        """Copy cached ``blocks`` (a chain from position 0) into row ``slot``'s keys and values."""
+        if not blocks:
+            return
+        data = torch.cat([b.data for b in blocks], dim=3)                      # (L, 2, nkv, c, hs)
+        c = data.shape[3]
+        for layer, kv in zip(self.state.layers, data):
+            layer.k[slot, :, :c] = kv[0]
+            layer.v[slot, :, :c] = kv[1]
+
+    def _read_row(self, slot: int, a: int, b: int) -> Tensor:
+        """Row ``slot``'s keys and values at positions ``a .. b-1``: ``(L, 2, nkv, b - a, hs)``."""
+        return torch.stack([torch.stack([layer.k[slot, :, a:b], layer.v[slot, :, a:b]]) for layer in self.state.layers])
+
+    @torch.inference_mode()
+    def verify(self, slot: int, tokens: list[int]) -> Tensor:
+        """Feed ``tokens`` (the row's last token and ``k >= 1`` drafts) at positions ``n .. n+k`` of
+        row ``slot`` (``n`` the tokens it holds) in one forward; return the logits after each,
+        ``(k+1, vocab)``. The row then holds them all: call :meth:`keep` to drop rejected ones."""
+        n = int(self.lengths(self.n_slots)[slot])
+        row = self.view(slot, slot + 1)
+        row.length = n                                                          # an eager call writes at n
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        return extend(self.model, ids, row)[0]                                  # (k+1, vocab)
+
+    def keep(self, slot: int, n: int) -> None:
+        """Row ``slot`` keeps its first ``n`` tokens (a speculative step's accepted ones)."""
+        self.view(slot, slot + 1).truncate(n)
 
     def _prefill_one(self, slot: int, prompt: list[int]) -> Tensor:
         """One prompt through the eager path on a batch-1 row view (any mixer's state)."""

@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from tformer.generation.speculative import accept, lookup_draft
 from tformer.generation.text import TextTracker
 from tformer.serve.metrics import BATCH_BUCKETS, Metrics
 from tformer.serve.pool import KVPool
@@ -126,15 +127,20 @@ class Scheduler:
         max_queue: waiting sequences at most; :meth:`submit` raises :class:`QueueFull` beyond.
         prefill_per_step: prompts prefilled (in one forward) between two decode steps at most.
         metrics: where counts and latencies go.
+        prefix_cache_mb: MiB of KV blocks kept to reuse shared prompt prefixes (0: no prefix cache).
+        speculative: draft tokens per step for a sequence decoded alone (prompt lookup,
+            :mod:`tformer.generation.speculative`; 0: never speculate).
     """
 
     def __init__(self, model, n_slots: int = 16, max_len: int | None = None, max_queue: int = 64,
-                 prefill_per_step: int = 8, metrics: Metrics | None = None):
+                 prefill_per_step: int = 8, metrics: Metrics | None = None, prefix_cache_mb: float = 0,
+                 speculative: int = 0):
         self.model = model
         self.max_len = max_len or model.config.context_length
-        self.pool = KVPool(model, n_slots, self.max_len)
-        self.max_queue, self.prefill_per_step = max_queue, prefill_per_step
         self.metrics = metrics or Metrics()
+        self.pool = KVPool(model, n_slots, self.max_len, prefix_cache_mb, self.metrics)
+        self.speculative = speculative
+        self.max_queue, self.prefill_per_step = max_queue, prefill_per_step
         self.free = list(range(n_slots))                    # a heap: lowest slots first keep rows contiguous
         self.running: dict[int, Sequence] = {}              # slot -> sequence
         self.waiting: deque[Sequence] = deque()
@@ -281,6 +287,8 @@ class Scheduler:
             self._fail([s for s in seqs if self.running.get(s.slot) is s], e, 400 if isinstance(e, ValueError) else 500)
 
     def _decode(self) -> None:
+        if self.speculative and len(self.running) == 1 and self._decode_speculative(next(iter(self.running.values()))):
+            return
         hi = max(self.running) + 1
         tokens = [0] * hi                                       # idle rows feed token 0 (thrown away)
         for slot, seq in self.running.items():
@@ -345,9 +353,10 @@ class Scheduler:
         return [seqs[i] for i in keep], logits[keep]
 
     def _finish(self, seq: Sequence, reason: str | None, label: str = "disconnect") -> None:
-        """Free ``seq``'s slot; tell the client why it ended (``None``: the client is gone)."""
+        """Free ``seq``'s slot (its row's tokens go to the prefix cache unless a step failed); tell the
+        client why it ended (``None``: the client is gone)."""
         self.running.pop(seq.slot, None)
-        self.pool.release(seq.slot)
+        self.pool.release(seq.slot, None if label == "error" else seq.prompt + seq.generated)
         heapq.heappush(self.free, seq.slot)
         self._gauges()
         if reason is not None:
@@ -366,3 +375,48 @@ class Scheduler:
         m.set("tformer_running_sequences", len(self.running), help="sequences in the decode batch")
         m.set("tformer_pool_slots_in_use", self.pool.n_slots - len(self.free), help="KV pool slots held")
         m.set("tformer_pool_slots_total", self.pool.n_slots, help="KV pool slots")
+        self.pool.report(m)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _decode_speculative(self, seq: Sequence) -> bool:
+        """One speculative step for ``seq`` decoded alone: draft by prompt lookup, verify the drafts in
+        one forward of its row, keep the accepted ones (:mod:`tformer.generation.speculative`).
+        False (nothing done: decode normally) when no draft is found or the sequence needs what a
+        step over several tokens does not give: log-probabilities, or a per-token logit constraint."""
+        p = seq.params
+        if p.logprobs is not None or getattr(seq, "constraint", None) is not None:
+            return False
+        k = min(self.speculative, p.max_tokens - len(seq.generated) - 1, self.max_len - seq.positions - 1)
+        history = seq.prompt + seq.generated                   # the row holds all but the newest token
+        draft = lookup_draft(history, k) if k >= 1 else []
+        if not draft:
+            return False
+        start = time.perf_counter()
+        logits = self.pool.verify(seq.slot, [seq.last] + draft)                 # (k+1, vocab)
+        new = accept(logits, draft, p.temperature, p.top_k, p.top_p if p.top_p < 1 else None, seq.generator)
+        self.pool.keep(seq.slot, len(history) - 1 + len(new))                  # last + the accepted drafts
+        m = self.metrics
+        m.observe("tformer_decode_step_seconds", time.perf_counter() - start, help="time of one batched decode step")
+        m.inc("tformer_speculative_steps_total", help="speculative verification forwards")
+        m.inc("tformer_speculative_drafted_tokens_total", len(draft), help="tokens drafted by prompt lookup")
+        m.inc("tformer_speculative_accepted_tokens_total", len(new) - 1, help="drafted tokens the model accepted")
+        self._take_tokens(seq, new)
+        return True
+
+    def _take_tokens(self, seq: Sequence, tokens: list[int]) -> None:
+        """Send ``tokens`` (already chosen) one by one as :meth:`_take` does, until ``seq`` finishes."""
+        for tok in tokens:
+            self.metrics.inc("tformer_generated_tokens_total", help="tokens generated")
+            if tok in seq.stop_ids:
+                self._finish(seq, "stop")
+                return
+            seq.generated.append(tok)
+            seq.last = tok
+            seq.tracker.add(tok)
+            seq.emit(Token(tok, seq.tracker.take()))
+            if seq.tracker.done:
+                self._finish(seq, "stop")
+                return
+            if len(seq.generated) >= seq.params.max_tokens or seq.positions >= self.max_len:
+                self._finish(seq, "length")
+                return

@@ -28,6 +28,8 @@ class Limits:
     request_timeout: float = 300.0
     max_embedding_inputs: int = 256
     max_model_len: int | None = None      # positions per sequence (prompt + completion); None: the model's context
+    prefix_cache_mb: float = 256.0        # KV blocks kept for shared prompt prefixes (0: none)
+    speculative: int = 0                  # prompt-lookup draft tokens per step for a lone sequence (0: off)
 
 
 class Server:
@@ -46,7 +48,8 @@ class Server:
         self.limits = limits or Limits()
         self.metrics = Metrics()
         self.scheduler = Scheduler(model, n_slots=self.limits.n_slots, max_len=self.limits.max_model_len,
-                                   max_queue=self.limits.max_queue, metrics=self.metrics)
+                                   max_queue=self.limits.max_queue, metrics=self.metrics,
+                                   prefix_cache_mb=self.limits.prefix_cache_mb, speculative=self.limits.speculative)
         self.max_len = self.scheduler.max_len
         self.embedder_factory, self.embedder, self.embed_lock = embedder, None, asyncio.Lock()
         self.started = time.time()

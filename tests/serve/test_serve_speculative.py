@@ -1,0 +1,85 @@
+"""The scheduler's speculative steps (a lone sequence, prompt-lookup drafts verified in one forward of
+its pool row) and its prefix cache give the tokens the plain scheduler gives; after a load of 40
+concurrent clients sharing a system prompt no slot and no prefix block is held by a request."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+
+import httpx
+import pytest
+import torch
+
+from serve_util import Running, tiny_checkpoint
+from tformer.commands.serve import build_server
+from tformer.serve.app import build_app
+from tformer.serve.scheduler import Params, Scheduler, Sequence, Token
+
+
+def run_alone(scheduler, tokenizer, prompt, max_tokens, **params) -> list[int]:
+    out, done = [], threading.Event()
+
+    def emit(event):
+        if isinstance(event, Token):
+            if event.id >= 0:
+                out.append(event.id)
+        else:
+            done.set()
+    scheduler.submit(Sequence(prompt, Params(max_tokens, **params), emit, tokenizer))
+    assert done.wait(timeout=60)
+    return out
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_speculative_steps_give_plain_greedy_tokens(tmp_path, one_thread, positions):
+    model, tok = tiny_checkpoint(tmp_path, context=128, positions=positions)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)                                    # sharper: no greedy near-ties
+    g = torch.Generator().manual_seed(4)
+    base = [torch.randint(0, tok.vocab_size, (8,), generator=g).tolist() for _ in range(5)]
+    prompts = [b * 3 for b in base]                                     # repeats: lookup drafts often
+    plain = Scheduler(copy.deepcopy(model), n_slots=2)
+    spec = Scheduler(model, n_slots=2, speculative=4, prefix_cache_mb=1)
+    try:
+        for p in prompts:
+            assert run_alone(spec, tok, p, 40, temperature=0.0) == run_alone(plain, tok, p, 40, temperature=0.0)
+        m = spec.metrics
+        assert m.value("tformer_speculative_accepted_tokens_total") > 0
+        assert m.value("tformer_speculative_steps_total") < 5 * 39      # fewer forwards than tokens
+        sampled = run_alone(spec, tok, prompts[0], 30, temperature=1.0, seed=3)
+        assert len(sampled) == 30 and all(0 <= t < tok.vocab_size for t in sampled)
+        assert m.value("tformer_pool_slots_in_use") == 0
+    finally:
+        plain.close()
+        spec.close()
+
+
+def test_load_with_a_shared_prefix_leaks_no_slot_or_block(tmp_path, one_thread):
+    tiny_checkpoint(tmp_path, context=256)
+    server = build_server(str(tmp_path), slots=8, max_queue=64)
+    running = Running(build_app(server))
+    system = "You are a careful assistant. Answer in one short line. " * 2
+
+    async def client(c, i):
+        r = await c.post(running.url + "/v1/completions", json={"model": server.name,
+            "prompt": system + f"Question {i}: what is {i} and {i}.", "max_tokens": 8 + i % 5, "temperature": 0})
+        return r.status_code if r.status_code == 200 else r.text
+
+    async def load():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[client(c, i) for i in range(40)])
+    try:
+        codes = asyncio.run(load())
+        metrics = httpx.get(running.url + "/metrics", timeout=10).text
+    finally:
+        running.stop()
+    assert codes == [200] * 40
+    m = server.metrics
+    assert m.value("tformer_pool_slots_in_use") == 0
+    assert m.value("tformer_prefix_cache_blocks_pinned") == 0
+    assert m.value("tformer_prefix_cache_blocks") > 0
+    assert m.value("tformer_prefix_cache_hit_blocks_total") >= 30 * (len(system) // 16 - 1)   # the system prompt reused
+    assert "tformer_prefix_cache_hit_blocks_total" in metrics
+    server.close()
