@@ -9,12 +9,13 @@ batch is :meth:`FinetuneTask.batch` (s), right-padded, targets ``-100`` on the p
 positions only, its LoRA layer, its optimizer); transformers + PEFT runs the loop its documentation
 shows: ``model(input_ids).logits``, cross-entropy with ``ignore_index=-100``, backward, clip, step.
 
-Each (implementation, method) runs in its own process, alternated (ABAB, then BABA) over
-``--rounds``, so the peak memory (the child's max RSS from ``os.wait4``) is its own and a slow phase
-of the machine hits both. A worker loads the HF folder (tformer through ``load_hf``), takes
-``--warmup`` untimed steps, then ``--steps`` timed ones, and reports tokens/s (padded tokens
-``B · T`` of the batches per second, the same batches on both sides) and the loss of its first and
-last step. The table gives medians over rounds and their ratio.
+Speed: one process per method holds both models and alternates their steps (tformer, PEFT, then PEFT,
+tformer, ...), each on step i's batch, so a change in the machine's load (it is shared) hits both
+alike; tokens/s is the padded tokens ``B · T`` of a step over its time, the median over ``--steps``
+steps after ``--warmup`` untimed ones, and the ratio is the median of the per-step-pair ratios. Memory
+and losses: each (implementation, method) then runs alone in its own process (``--warmup`` + ``--steps``
+steps) for its peak memory (the child's max RSS from ``os.wait4``) and the loss of its first and last step
+(the first agrees on both sides: the same model, the same tokens).
 
     PYTHONPATH=src python benchmarks/training/finetune_peft.py --model HF_DIR [--dtype fp32|bf16] [--methods lora,full]
 """
@@ -94,24 +95,37 @@ def peft_steps(a, s, task):
     return step, params
 
 
-def worker(a) -> dict:
-    torch.set_num_threads(a.threads)
+def build(a, impl: str):
     s, model, task = task_and_base(a)
-    if a.impl == "tformer":
-        step, params = tformer_steps(a, s, model, task)
-    else:
-        del model
-        step, params = peft_steps(a, s, task)
-    losses, t0 = [], 0.0
-    tokens = sum(task.batch(i)["ids"].numel() for i in range(a.warmup, a.warmup + a.steps))
-    labelled = sum(int((task.batch(i)["targets"] != -100).sum()) for i in range(a.warmup, a.warmup + a.steps))
+    if impl == "tformer":
+        return tformer_steps(a, s, model, task), task
+    del model
+    return peft_steps(a, s, task), task
+
+
+def worker(a) -> dict:
+    """One implementation alone: its losses and (read by the parent) its peak memory."""
+    torch.set_num_threads(a.threads)
+    (step, params), task = build(a, a.impl)
+    losses = [step(i) for i in range(a.warmup + a.steps)]
+    return {"first_loss": losses[0], "last_loss": losses[-1], "trainable": sum(p.numel() for p in params)}
+
+
+def pair(a) -> dict:
+    """Both implementations in one process, their steps alternated: per-step times."""
+    torch.set_num_threads(a.threads)
+    (t_step, _), task = build(a, "tformer")
+    (p_step, _), _ = build(a, "peft")
+    times = {"tformer": [], "peft": []}
     for i in range(a.warmup + a.steps):
-        if i == a.warmup:
+        for impl in (("tformer", "peft") if i % 2 == 0 else ("peft", "tformer")):
             t0 = time.perf_counter()
-        losses.append(step(i))
-    dt = time.perf_counter() - t0
-    return {"tokens_per_s": tokens / dt, "s_per_step": dt / a.steps, "labelled_share": labelled / tokens,
-            "first_loss": losses[0], "last_loss": losses[-1], "trainable": sum(p.numel() for p in params)}
+            (t_step if impl == "tformer" else p_step)(i)
+            if i >= a.warmup:
+                times[impl].append(time.perf_counter() - t0)
+    tokens = [task.batch(i)["ids"].numel() for i in range(a.warmup, a.warmup + a.steps)]
+    labelled = sum(int((task.batch(i)["targets"] != -100).sum()) for i in range(a.warmup, a.warmup + a.steps))
+    return {"times": times, "tokens": tokens, "labelled_share": labelled / sum(tokens)}
 
 
 def main() -> None:
@@ -119,7 +133,6 @@ def main() -> None:
     p.add_argument("--model", required=True, help="a HuggingFace Llama-family folder")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--n-train", type=int, default=200, help="examples of the built-in task to draw batches from")
     p.add_argument("--rank", type=int, default=16)
@@ -131,7 +144,7 @@ def main() -> None:
     a = p.parse_args()
     if a.worker:
         a.impl, a.method = a.worker
-        print(json.dumps(worker(a)))
+        print(json.dumps(pair(a) if a.impl == "pair" else worker(a)))
         return
     from tformer.machine import bf16_supported, cpu_info
     name = f"finetune_peft-{a.dtype}" + (f"-{a.tag}" if a.tag else "")
@@ -142,44 +155,52 @@ def main() -> None:
                   f"# Fine-tuning steps (bf16)\n\nSkipped: {cpu_info()} has no native bf16 (AVX-512-BF16 or AMX); "
                   f"bf16 autocast would be emulated and say nothing about either implementation.")
         return
-    rows = []
+    rows, pairs = [], {}
+
+    def child(impl: str, method: str) -> tuple[dict, float]:
+        argv = [sys.executable, __file__, "--worker", impl, method] + \
+               [x for k in ("model", "steps", "warmup", "batch", "n_train", "rank", "threads", "dtype")
+                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env={**os.environ})
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        if status != 0:
+            raise SystemExit(f"the {impl} {method} worker failed (status {status})")
+        return json.loads(out.decode().splitlines()[-1]), usage.ru_maxrss / 1024
+
     for method in a.methods.split(","):
-        for r in range(a.rounds):
-            for impl in (("tformer", "peft") if r % 2 == 0 else ("peft", "tformer")):
-                argv = [sys.executable, __file__, "--worker", impl, method] + \
-                       [x for k in ("model", "steps", "warmup", "batch", "n_train", "rank", "threads", "dtype")
-                        for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
-                proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env={**os.environ})
-                out = proc.stdout.read()
-                _, status, usage = os.wait4(proc.pid, 0)
-                if status != 0:
-                    raise SystemExit(f"the {impl} {method} worker failed (status {status})")
-                rows.append({"method": method, "impl": impl, "round": r, **json.loads(out.decode().splitlines()[-1]),
-                             "peak_rss_mb": usage.ru_maxrss / 1024})
-                print(rows[-1], flush=True)
+        pairs[method], _ = child("pair", method)
+        print(method, pairs[method], flush=True)
+        for impl in ("tformer", "peft"):
+            res, rss = child(impl, method)
+            rows.append({"method": method, "impl": impl, **res, "peak_rss_mb": rss})
+            print(rows[-1], flush=True)
     run.finish()
+    share = next(iter(pairs.values()))["labelled_share"]
     lines = [f"# Fine-tuning steps: tformer vs transformers + PEFT ({a.dtype})", "",
              f"{a.model}; the built-in chat numbers task, batches of {a.batch} examples right-padded "
-             f"({rows[0]['labelled_share']:.0%} of the tokens labelled); LoRA r={a.rank} alpha={2 * a.rank} on "
-             f"q_proj, v_proj; fused AdamW lr {LR:g}, clip 1.0; {a.warmup} untimed + {a.steps} timed steps per "
-             f"process, {a.rounds} alternated rounds; medians over rounds.", "",
-             "| method | implementation | tokens/s (median) | s/step | peak RSS MB (max) | first loss | last loss | trained |",
-             "|---|---|---|---|---|---|---|---|"]
-    summary = {}
+             f"({share:.0%} of the tokens labelled); LoRA r={a.rank} alpha={2 * a.rank} on q_proj, v_proj; "
+             f"fused AdamW lr {LR:g}, clip 1.0; {a.threads} threads. Speed: both in one process, steps alternated, "
+             f"{a.warmup} untimed + {a.steps} timed steps each, medians; memory and losses: each alone in its own "
+             f"process ({a.warmup + a.steps} steps).", "",
+             "| method | implementation | tokens/s (median) | s/step (median) | s/step (best) | peak RSS MB | first loss | last loss | trained |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for method in a.methods.split(","):
+        pr = pairs[method]
         for impl in ("tformer", "peft"):
-            rs = [x for x in rows if x["method"] == method and x["impl"] == impl]
-            med = statistics.median(x["tokens_per_s"] for x in rs)
-            summary[(method, impl)] = (med, max(x["peak_rss_mb"] for x in rs))
+            r = next(x for x in rows if x["method"] == method and x["impl"] == impl)
+            tps = statistics.median(n / t for n, t in zip(pr["tokens"], pr["times"][impl]))
             label = impl if impl == "tformer" else "transformers + PEFT" if method == "lora" else "transformers"
-            lines.append(f"| {method} | {label} | {med:,.0f} | {statistics.median(x['s_per_step'] for x in rs):.2f} "
-                         f"| {summary[(method, impl)][1]:,.0f} | {rs[0]['first_loss']:.4f} | {rs[0]['last_loss']:.4f} "
-                         f"| {rs[0]['trainable']:,} |")
-        (t, mt), (h, mh) = summary[(method, "tformer")], summary[(method, "peft")]
-        lines.append(f"| {method} | **ratio tformer / reference** | **{t / h:.2f}×** | | **{mt / mh:.2f}×** | | | |")
+            lines.append(f"| {method} | {label} | {tps:,.0f} | {statistics.median(pr['times'][impl]):.2f} "
+                         f"| {min(pr['times'][impl]):.2f} | {r['peak_rss_mb']:,.0f} | {r['first_loss']:.4f} | {r['last_loss']:.4f} | {r['trainable']:,} |")
+        ratio = statistics.median(p / t for t, p in zip(pr["times"]["tformer"], pr["times"]["peft"]))
+        mem = [next(x for x in rows if x["method"] == method and x["impl"] == i)["peak_rss_mb"] for i in ("tformer", "peft")]
+        best = min(pr["times"]["peft"]) / min(pr["times"]["tformer"])
+        lines.append(f"| {method} | **speed ratio tformer / reference** | **{ratio:.2f}×** (median of per-step pairs) | "
+                     f"| **{best:.2f}×** (best steps) | **{mem[0] / mem[1]:.2f}×** (memory) | | | |")
     out = results_dir("training")
     run.write(out / f"{name}.md", "\n".join(lines))
-    run.write_json(out / f"{name}.json", {"rows": rows, "settings": vars(a)})
+    run.write_json(out / f"{name}.json", {"rows": rows, "pairs": pairs, "settings": vars(a)})
     print("\n".join(lines))
 
 
