@@ -122,9 +122,11 @@ def adapter_and_optimizer(run: Path) -> tuple[dict, dict]:
     return weights, torch.load(ckpt / "optimizer.pt", weights_only=True)["optimizer"]
 
 
-def test_resume_after_kill_9_is_exact(base, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])     # bf16: the frozen base's cached casts (frozen_cast.py)
+def test_resume_after_kill_9_is_exact(base, tmp_path, precision):
     run = tmp_path / "killed"
-    common = ["--model", str(base), "--set", "eval_interval=3", "--set", "decay_steps=60", "--set", "lora_dropout=0.1"]
+    common = ["--model", str(base), "--set", "eval_interval=3", "--set", "decay_steps=60", "--set", "lora_dropout=0.1",
+              "--set", f"precision={precision}"]
     env = {**os.environ, "PYTHONPATH": SRC}
     proc = subprocess.Popen([sys.executable, "-m", "tformer", "finetune", "--out", str(run), *common, *QUICK,
                              "--set", "max_steps=100000"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

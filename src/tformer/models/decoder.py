@@ -51,6 +51,7 @@ class DecoderLM(TransformerStack):
         state: InferenceState | None = None,
         last_only: bool = False,
         last_index: Tensor | None = None,
+        labelled_only: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Next-token logits, and the mean cross-entropy if ``targets`` are given.
 
@@ -70,6 +71,9 @@ class DecoderLM(TransformerStack):
                 skips the LM head over the rest of the prompt).
             last_index: ``(B,)`` compute logits at position ``last_index[b]`` of row ``b`` only,
                 ``(B, 1, vocab)`` (right-padded prompts, each ending at its own length).
+            labelled_only: with ``targets``, run the final norm and LM head only at the positions
+                whose target is not ``-100``: logits ``(1, N, vocab)`` for those ``N`` positions, the
+                same mean loss (fine-tuning on answers: the head is most of the FLOPs it skips).
         Returns:
             ``(logits (B, T, vocab), loss or None)``.
         Raises:
@@ -84,6 +88,9 @@ class DecoderLM(TransformerStack):
             x = x[torch.arange(ids.shape[0], device=x.device), last_index][:, None]   # (B, 1, C)
         elif last_only:
             x = x[:, -1:]
+        elif labelled_only and targets is not None:
+            keep = targets != -100                                              # (B, T)
+            x, targets = x[keep][None], targets[keep][None]                     # (1, N, C), (1, N)
         x = self.final_norm(x)
         if self.hooks is not None:
             x = self.hooks("ln_final.hook_out", x)

@@ -28,6 +28,7 @@ from tformer.errors import CheckpointError, ConfigError, InputError
 from tformer.interop.hf import load_hf
 from tformer.io import atomic_write
 from tformer.models import build_model
+from tformer.models.decoder import DecoderLM
 from tformer.tokenizers import load_tokenizer
 from tformer.training import distributed
 from tformer.training.chat_data import ChatTemplate, chat_example, encode, number_task, read_chat, text_examples, truncate
@@ -269,7 +270,7 @@ def _new(out: Path, s: FinetuneSettings, log) -> FinetuneLoop:
 def _loop(model, tokenizer, template, stops, s, out, log) -> FinetuneLoop:
     train, val, questions = load_examples(s, tokenizer, template, stops)
     pad = stops[0] if stops else 0
-    task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops)
+    task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops, labelled_only=isinstance(model, DecoderLM))
     base_state = task.state
 
     def state() -> dict:      # what resume needs beyond the weights

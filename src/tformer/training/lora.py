@@ -9,7 +9,8 @@ so at initialisation the model is exactly the base model. tformer fuses q, k and
 ``qkv_proj`` (rows ``[0, q) [q, q+kv) [q+kv, q+2kv)``), so "LoRA on q and v" is one adapter per
 slice of the fused output: each slice's ``A`` and ``B`` are the ``lora_A`` / ``lora_B`` of PEFT's
 separate ``q_proj`` / ``v_proj`` and map onto them one to one (:mod:`tformer.training.peft_adapter`).
-The slices' ``A`` matrices are stacked into one matmul; each slice then has its own ``B``.
+The slices' ``A`` matrices are stacked into one matmul and their ``B`` into one block matrix
+(:meth:`LoRALinear.b_full`), so the update is two small matmuls and one add.
 
 :func:`merge_lora` folds ``(alpha / r) · B · A`` into ``W[s:e]`` and gives back plain ``nn.Linear``.
 Targets are named as HuggingFace's Llama modules (``q_proj k_proj v_proj o_proj gate_proj up_proj
@@ -27,6 +28,7 @@ from torch import nn
 
 from tformer.errors import ConfigError
 from tformer.interop.llama import LAYER, QKV
+from tformer.training.frozen_cast import cache_frozen_casts, cast_weight
 
 # The HF Llama projections LoRA can adapt (``all`` = every one).
 TARGETS = QKV + tuple(h.split(".")[-2] for _, h in LAYER if h.endswith("proj.weight"))
@@ -91,19 +93,29 @@ class LoRALinear(nn.Module):
         return self.scale * (self.lora_B[name] @ self.lora_A[name])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)                                    # (..., out)
+        """``x W^T + b + z B_full^T`` with ``z = dropout(x) [A_1; ...; A_k]^T`` ``(..., r·k)``: one matmul
+        for every slice's ``A``, one for every slice's ``B`` and one add. ``B_full`` (:meth:`b_full`)
+        puts ``scale · B_i`` in slice i's rows and columns and zeros elsewhere, so no output is sliced
+        and concatenated (whose backward fills a zero gradient of the whole output per slice)."""
+        y = F.linear(x, cast_weight(self, self.weight, x.device.type), self.bias)   # (..., out)
         names = list(self.slices)
-        z = F.linear(self.dropout(x), torch.cat([self.lora_A[n] for n in names]))  # (..., r · len(names))
-        parts, pos = [], 0
-        for i, n in enumerate(names):
-            s, e = self.slices[n]
+        a = self.lora_A[names[0]] if len(names) == 1 else torch.cat([self.lora_A[n] for n in names])
+        z = F.linear(self.dropout(x), a)                                           # (..., r · k)
+        return y + F.linear(z, self.b_full())
+
+    def b_full(self) -> torch.Tensor:
+        """``(out, r · k)``: rows ``[s_i, e_i)``, columns ``[i·r, (i+1)·r)`` hold ``scale · B_i``; zero elsewhere."""
+        k, r = len(self.slices), self.r
+        rows, pos = [], 0
+        for i, (n, (s, e)) in enumerate(self.slices.items()):
+            b = self.lora_B[n]                                                     # (e - s, r)
             if s > pos:
-                parts.append(y[..., pos:s])
-            parts.append(y[..., s:e] + self.scale * F.linear(z[..., i * self.r:(i + 1) * self.r], self.lora_B[n]))
+                rows.append(b.new_zeros(s - pos, k * r))
+            rows.append(F.pad(self.scale * b, (i * r, (k - 1 - i) * r)))
             pos = e
         if pos < self.out_features:
-            parts.append(y[..., pos:])
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+            rows.append(rows[-1].new_zeros(self.out_features - pos, k * r))
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def merged(self) -> nn.Linear:
         """A plain ``nn.Linear`` whose weight is ``W`` plus every slice's update."""
@@ -162,6 +174,7 @@ def add_lora(model: nn.Module, spec: LoRASpec, sites: dict[str, dict[str, tuple[
         if isinstance(base, LoRALinear):
             raise ConfigError(f"{path} has LoRA adapters already; merge them (merge_lora) before adding new ones.")
         setattr(holder, leaf, LoRALinear(base, {hf.rsplit(".", 1)[-1]: rows for hf, rows in slices.items()}, spec))
+    cache_frozen_casts(model)                 # the frozen base's bf16 casts, made once (frozen_cast.py)
     model.lora_spec = spec
     return model
 

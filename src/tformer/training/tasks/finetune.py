@@ -5,6 +5,10 @@ reference answer) the held-out exact match of greedy answers.
 Step s's batch is ``batch_size`` training examples drawn with the generator of ``(seed, s)``, right-
 padded to the longest: inputs ``ids[:-1]`` (padding = ``pad_id``), targets ``labels[1:]`` (padding =
 -100). A causal model's real tokens never attend to the padding after them, so no mask is needed.
+
+The loss is the mean cross-entropy over the labelled targets only, so a decoder runs its final norm
+and LM head (``d_model x vocab``, 49,152 words for SmolLM2: a fifth of its forward FLOPs) only at
+those positions (``labelled_only``); the chat numbers task labels about a fifth of its tokens.
 """
 
 from __future__ import annotations
@@ -37,14 +41,17 @@ class FinetuneTask(Task):
             (``exact_match``) at each evaluation; empty = none.
         stop_ids: tokens that end an answer (the template's end-of-turn, EOS).
         decode: ids -> text.
+        labelled_only: the model's forward takes ``labelled_only`` (a
+            :class:`~tformer.models.decoder.DecoderLM`): the head runs at labelled positions only.
     """
 
     eval_at_start = True
 
     def __init__(self, train: list, val: list, cfg, tokenizer, pad_id: int, questions: list | None = None,
-                 stop_ids: tuple[int, ...] = (), decode=None):
+                 stop_ids: tuple[int, ...] = (), decode=None, labelled_only: bool = False):
         self.train, self.val, self.cfg, self.tokenizer, self.pad_id = train, val, cfg, tokenizer, pad_id
         self.questions, self.stop_ids, self.decode = questions or [], tuple(stop_ids), decode or tokenizer.decode
+        self.labelled_only = labelled_only
         mean = sum(len(x) - 1 for x, _ in train) / len(train)
         self.tokens_per_step = round(cfg.batch_size * mean)       # the mean: batches differ in length
         # greedy answers stop after the longest reference answer's tokens and a few more (a longer one is wrong)
@@ -56,6 +63,8 @@ class FinetuneTask(Task):
         return pad_batch([self.train[i] for i in idx.tolist()], self.pad_id)
 
     def loss(self, forward, batch) -> torch.Tensor:
+        if self.labelled_only:
+            return forward(batch["ids"], batch["targets"], labelled_only=True)[1]
         return forward(batch["ids"], batch["targets"])[1]
 
     def evaluate(self, loop) -> dict[str, float]:
