@@ -17,6 +17,7 @@ from tformer.errors import ConfigError, InputError
 from tformer.models.state import InferenceState
 from tformer.models.loss import token_loss
 from tformer.models.stack import TransformerStack
+from tformer.nn.softcap import softcap
 
 Tensor = torch.Tensor
 
@@ -85,6 +86,7 @@ class DecoderLM(TransformerStack):
         elif last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.final_norm(x))                               # (B, T, vocab)
+        logits = softcap(logits, self.config.logit_softcap)                    # identity when 0
         loss = None
         if targets is not None:
             loss = token_loss(logits, targets)

@@ -1,0 +1,53 @@
+"""Named training recipes: defaults for a new ``tformer train`` run that the user did not set.
+
+- ``classic``: nanoGPT's (GPT-2's architecture; AdamW, linear warm-up and cosine decay), the
+  plain values of :class:`~tformer.training.config.TrainConfig` and the preset.
+- ``fast``: what the modded-nanogpt speedrun learned since, chosen by time to nanoGPT's own
+  validation loss on tinyshakespeare (benchmarks/training/train_shakespeare_char.py):
+  ``torch.optim.Muon`` on the hidden matrices, a warm-up/stable/decay schedule ending at 0,
+  QK-norm, ReLU², zero-initialised residual projections and a soft-capped head.
+- ``auto`` (the default): ``fast`` for tformer's own training shapes (the presets ``tiny`` and
+  ``shakespeare-char``) with attention in every layer, where it was measured; ``classic`` for other
+  mixers (untested there) and for the presets that mirror a published model (GPT-2, Llama, Mamba,
+  BERT shapes), whose architecture a user picks them for.
+
+A recipe only fills in: a setting given with ``--set`` (or the TOML file), or fixed by the preset,
+keeps its value. The chosen recipe's name is saved with the run; a resumed run keeps its settings.
+Precision stays per machine (``precision=auto``: bf16 only where the CPU has native bf16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tformer.config import PRESETS
+from tformer.errors import ConfigError
+
+RECIPE_NAMES = ("auto", "classic", "fast")
+FAST_PRESETS = ("tiny", "shakespeare-char")
+
+# The fast recipe: the model's switches and the run's settings.
+FAST_MODEL: dict[str, Any] = dict(qk_norm=True, activation="relu2", zero_init_residual=True, logit_softcap=15.0)
+FAST_TRAIN: dict[str, Any] = dict(optimizer="muon", schedule="wsd", min_lr=0.0)
+
+
+def resolve_recipe(recipe: str, preset: str, mixer: Any = "attention") -> str:
+    """``classic`` or ``fast``: ``recipe`` itself, or for ``auto`` the one for ``preset`` and ``mixer``."""
+    if recipe not in RECIPE_NAMES:
+        raise ConfigError(f"recipe={recipe!r} is not known; choose one of {', '.join(RECIPE_NAMES)}.")
+    if recipe != "auto":
+        return recipe
+    return "fast" if preset in FAST_PRESETS and mixer == "attention" else "classic"
+
+
+def apply_recipe(recipe: str, preset: str, model_kw: dict[str, Any], train_kw: dict[str, Any]
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(model settings, run settings)`` with the recipe's values where neither the user's settings
+    nor the preset set the field; the run settings name the resolved recipe."""
+    name = resolve_recipe(recipe, preset, model_kw.get("mixer", PRESETS.get(preset, {}).get("mixer", "attention")))
+    model, train = dict(model_kw), {**train_kw, "recipe": name}
+    if name == "fast":
+        fixed = PRESETS.get(preset, {})
+        model.update({k: v for k, v in FAST_MODEL.items() if k not in model and k not in fixed})
+        train.update({k: v for k, v in FAST_TRAIN.items() if k not in train})
+    return model, train
