@@ -22,7 +22,9 @@ exclusive hold, one (round, system, seed) per invocation, merged into the result
   is its default (the ``fast`` recipe, :mod:`tformer.training.recipes`), with ``max_steps=DEFAULT_STEPS``
   and ``target_loss=1.8857`` (it stops at the first evaluation at or below it). Seeds 1337, 1, 2, so
   reaching the loss is not one lucky seed.
-- ``default-fp32``: the same with ``precision=fp32``: what a CPU without native bf16 (the AVX2 EPYC) runs.
+- ``default-fp32``: the same with ``precision=fp32`` and oneDNN and ATen held to AVX2
+  (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``): what a CPU without AVX-512 and native bf16 (the
+  AVX2 EPYC) runs, emulated on this one (its Muon runs Newton-Schulz in float32).
 
 Every evaluation line is timestamped as it is printed (unbuffered), so the time to the target is
 seconds from the command's start to the line that first shows val <= 1.8857. Both use all the
@@ -132,11 +134,16 @@ SYSTEMS = ("nanoGPT", "same", "default", "default-fp32")
 DEFAULT_STEPS = 750
 
 
-def stream_timed(cmd: list[str], cwd: str) -> tuple[float, str, list[tuple[int, float, float]]]:
+# What the AVX2-only EPYC's software sees, emulated here: oneDNN and ATen's kernels held to AVX2, so bf16 is not
+# native (tformer.machine.bf16_supported() says False, Muon runs its Newton-Schulz in float32) and fp32 runs AVX2 code.
+AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def stream_timed(cmd: list[str], cwd: str, env: dict | None = None) -> tuple[float, str, list[tuple[int, float, float]]]:
     """Wall seconds of one whole command, its stdout, and each ``step N: ... val loss B`` line it printed
     as ``(N, B, seconds since the start)`` (unbuffered output, read as it comes)."""
     t = time.perf_counter()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines, evals = [], []
     try:
@@ -173,7 +180,7 @@ def system_cmd(system: str, seed: int, data: str, tmp: str, nano_dir: Path | Non
                     threads=int(os.environ["OMP_NUM_THREADS"]), cache_dir=f"{tmp}/cache")
     settings["eval_interval"] = min(settings["max_steps"], settings["eval_interval"])
     if system == "default-fp32":
-        settings["precision"] = "fp32"
+        settings["precision"] = "fp32"      # and AVX2_ENV (stream_timed), as a CPU without AVX-512 and bf16
     cmd = [sys.executable, "-m", "tformer", "train", "--data", data, "--out", out]
     for k, v in settings.items():
         cmd += ["--set", f"{k}={str(v).lower() if isinstance(v, bool) else v}"]
@@ -226,7 +233,7 @@ def main() -> int:
         busy = busy_cores()
         print(load_note(busy), flush=True)
         cmd, cwd = system_cmd(system, args.seed, data, tmp, nano_dir, args.steps)
-        wall, out, evals = stream_timed(cmd, cwd)
+        wall, out, evals = stream_timed(cmd, cwd, AVX2_ENV if system == "default-fp32" else None)
         reached = next(((s, v, t) for s, v, t in evals if v <= TARGET + 5e-5), None)   # printed to 4 places
         rec = {"system": system, "round": args.round, "seed": None if system == "nanoGPT" else args.seed,
                "steps": args.steps, "threads": args.threads, "wall": wall, "evals": evals,
@@ -327,8 +334,8 @@ def write_report(state: dict, nano_cmd: str) -> None:
     cpu = cpu_info()
     lines = ["# Training benchmark: tinyshakespeare, character level, tformer and nanoGPT in the same run", "",
              f"CPU: {cpu.model} ({', '.join(cpu.instruction_sets)}), {os.cpu_count()} cores. The issue's AVX2-only "
-             "AMD EPYC was not at hand: its path (fp32, no native bf16) is measured here as `default-fp32`, "
-             "precision forced. Goals (issue 26), stated before the runs: tformer's default reaches val <= "
+             "AMD EPYC was not at hand: its path (fp32, no native bf16, AVX2 kernels) is emulated here as `default-fp32` "
+             "(precision forced, oneDNN and ATen held to AVX2); an AMD core's speed is not. Goals (issue 26), stated before the runs: tformer's default reaches val <= "
              f"{TARGET} in <= 0.5x nanoGPT's whole-command wall (median of 3 alternated rounds, 3 seeds each); "
              "nanoGPT's recipe in tformer (`same`) <= 0.7x nanoGPT's wall; 6L/384 fp32 >= 1.3x nanoGPT's step speed.", ""]
     if runs:
@@ -340,7 +347,8 @@ def write_report(state: dict, nano_cmd: str) -> None:
                   f"`tformer train` with only the shape, batch and evaluation settings (everything else its defaults: "
                   f"the `fast` recipe), `max_steps={DEFAULT_STEPS} target_loss={TARGET}` (it stops at the first evaluation "
                   "at or below the target; evaluations every 250 steps on 20 batches, as nanoGPT's); `default-fp32` the "
-                  "same with `precision=fp32`. Every run is one whole command in its own exclusive hold, alternated "
+                  "same with `precision=fp32` and oneDNN/ATen held to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`: the "
+                  "EPYC's software path, bf16 not native, Muon's Newton-Schulz in float32). Every run is one whole command in its own exclusive hold, alternated "
                   "by round; the wall includes start-up, evaluations and checkpoints. Time to target: seconds from the "
                   "command's start to the evaluation line that first shows val <= target.", "",
                   "| round | system | seed | precision | busy cores before / after | whole wall (s) | final val | target at step | time to target (s) |",

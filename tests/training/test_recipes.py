@@ -152,3 +152,50 @@ def test_resume_is_exact_under_muon(tmp_path):
     b = [r["loss"] for r in resumed["history"] if "loss" in r]
     assert len(b) == 10 and np.allclose(a[10:], b, rtol=0, atol=1e-6), (a[10:], b)
     assert TINY["precision"] == "fp32"
+
+
+def test_float32_muon_matches_float64_over_steps_and_torchs_muon():
+    """Three steps with momentum, from random gradients: Float32Muon equals the float64 formulas
+    (B ← μB + (1-μ)g, u = (1-μ)g + μB, W ← W(1 - lr·wd) - lr·sqrt(max(1, r/c))·NS(u)) to 1e-4 of the
+    weights' change, and torch's bf16 Muon to its rounding (4%, as above)."""
+    from tformer.training.optim import Float32Muon
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(48, 16, generator=gen)
+    grads = [torch.randn(48, 16, generator=gen) for _ in range(3)]
+    lr, wd, mu = 0.05, 0.01, 0.95
+    results = {}
+    for kind in (Float32Muon, torch.optim.Muon):
+        w = torch.nn.Parameter(w0.clone())
+        opt = kind([w], lr=lr, weight_decay=wd, momentum=mu, nesterov=True)
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        results[kind] = w.detach().double()
+    ref, buf = w0.double().numpy(), np.zeros((48, 16))
+    for g in grads:
+        g = g.double().numpy()
+        buf = mu * buf + (1 - mu) * g
+        u = (1 - mu) * g + mu * buf
+        ref = ref * (1 - lr * wd) - lr * math.sqrt(3.0) * _newton_schulz64(u)
+    change = np.linalg.norm(ref - w0.double().numpy())
+    assert np.linalg.norm(results[Float32Muon].numpy() - ref) / change < 1e-4
+    assert np.linalg.norm(results[torch.optim.Muon].numpy() - ref) / change < 0.04
+    # the same state layout: torch's Muon state loads into Float32Muon
+    w = torch.nn.Parameter(w0.clone())
+    theirs = torch.optim.Muon([w], lr=lr)
+    w.grad = grads[0].clone()
+    theirs.step()
+    ours = Float32Muon([w], lr=lr)
+    ours.load_state_dict(theirs.state_dict())
+    assert torch.equal(ours.state[w]["momentum_buffer"], theirs.state[w]["momentum_buffer"])
+
+
+def test_muon_runs_newton_schulz_in_float32_without_native_bf16(monkeypatch):
+    from tformer.training import optim
+    from tformer.training.optim import Float32Muon
+    cfg = TrainConfig(optimizer="muon")
+    assert type(build_optimizer(_model(), cfg).muon) is (Float32Muon if not optim.bf16_supported() else torch.optim.Muon)
+    monkeypatch.setattr(optim, "bf16_supported", lambda device="cpu": False)
+    assert type(build_optimizer(_model(), cfg).muon) is Float32Muon
+    monkeypatch.setattr(optim, "bf16_supported", lambda device="cpu": True)
+    assert type(build_optimizer(_model(), cfg).muon) is torch.optim.Muon
