@@ -12,6 +12,7 @@ from tformer.interop.loader import TensorSource, refuse, require
 MODEL_TYPES = ("gpt2",)
 PREFIX = "transformer."
 
+HAS_RELU2 = True          # transformers' ACT2FN["relu2"] is ReLU(x)², tformer's activation="relu2"
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                "relu": "relu", "silu": "silu", "swish": "silu", "relu2": "relu2"}
 
