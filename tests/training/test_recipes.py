@@ -114,15 +114,16 @@ def test_wsd_closed_form():
 def test_recipes_fill_only_what_is_unset():
     assert resolve_recipe("auto", "tiny") == "fast" and resolve_recipe("auto", "gpt2-124m") == "classic"
     assert resolve_recipe("auto", "tiny", "mamba") == "classic"
-    model, train = apply_recipe("auto", "tiny", {"activation": "gelu"}, {"optimizer": "adamw"})
-    assert model["activation"] == "gelu" and model["zero_init_residual"] is True and train["optimizer"] == "adamw"
-    assert train["schedule"] == "wsd" and train["recipe"] == "fast"
+    model, train = apply_recipe("auto", "tiny", {"activation": "gelu"}, {"optimizer": "muon"})
+    assert model["activation"] == "gelu" and model["zero_init_residual"] is True and train["optimizer"] == "muon"
+    assert train["schedule"] == "wsd" and train["recipe"] == "fast" and train["lr"] == pytest.approx(4e-3)
+    assert apply_recipe("auto", "shakespeare-char", {}, {})[1]["lr"] == pytest.approx(4e-3 / 3)   # d = 384
+    assert apply_recipe("auto", "tiny", {"d_model": 256}, {"lr": 1e-3})[1]["lr"] == 1e-3
+    assert apply_recipe("auto", "tiny", {"d_model": 32}, {})[1]["lr"] == pytest.approx(4e-3)   # never above
     model, train = apply_recipe("classic", "tiny", {}, {})
     assert model == {} and train == {"recipe": "classic"}
     model, _ = apply_recipe("fast", "gpt2-124m", {}, {})
     assert "activation" not in model                                       # the preset fixes gelu_tanh
-    _, train = apply_recipe("auto", "tiny", {}, {"strategy": "fsdp"})
-    assert train["optimizer"] == "adamw"                                   # FSDP shards what Muon needs whole
     with pytest.raises(ConfigError):
         resolve_recipe("speedrun", "tiny")
 
@@ -137,7 +138,7 @@ def test_recipe_settings_are_validated(bad):
 
 def test_default_run_uses_the_fast_recipe_and_stops_at_the_target(tmp_path):
     tr = _trainer(tmp_path, max_steps=40, eval_interval=10, target_loss=50.0)
-    assert tr.cfg.recipe == "fast" and tr.cfg.optimizer == "muon" and tr.model.config.activation == "relu2"
+    assert tr.cfg.recipe == "fast" and tr.cfg.schedule == "wsd" and tr.model.config.activation == "relu2"
     result = tr.fit()
     assert result["stopped"] == "done" and result["step"] == 10       # the first evaluation after step 0
 
