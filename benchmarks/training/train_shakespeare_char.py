@@ -24,7 +24,7 @@ exclusive hold, one (round, system, seed) per invocation, merged into the result
   reaching the loss is not one lucky seed.
 - ``default-fp32``: the same with ``precision=fp32`` and oneDNN and ATen held to AVX2
   (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``): what a CPU without AVX-512 and native bf16 (the
-  AVX2 EPYC) runs, emulated on this one (its Muon runs Newton-Schulz in float32).
+  AVX2 EPYC) runs, emulated on this one.
 
 Every evaluation line is timestamped as it is printed (unbuffered), so the time to the target is
 seconds from the command's start to the line that first shows val <= 1.8857. Both use all the
@@ -348,7 +348,7 @@ def write_report(state: dict, nano_cmd: str) -> None:
                   f"the `fast` recipe), `max_steps={DEFAULT_STEPS} target_loss={TARGET}` (it stops at the first evaluation "
                   "at or below the target; evaluations every 250 steps on 20 batches, as nanoGPT's); `default-fp32` the "
                   "same with `precision=fp32` and oneDNN/ATen held to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`: the "
-                  "EPYC's software path, bf16 not native, Muon's Newton-Schulz in float32). Every run is one whole command in its own exclusive hold, alternated "
+                  "EPYC's software path: bf16 not native, fp32 kernels at AVX2; nanoGPT was not run so). Every run is one whole command in its own exclusive hold, alternated "
                   "by round; the wall includes start-up, evaluations and checkpoints. Time to target: seconds from the "
                   "command's start to the evaluation line that first shows val <= target.", "",
                   "| round | system | seed | precision | busy cores before / after | whole wall (s) | final val | target at step | time to target (s) |",
@@ -374,6 +374,7 @@ def write_report(state: dict, nano_cmd: str) -> None:
                          f"{'-' if hit is None else f'{hit:.1f}'} | {ratio} |")
         lines += ["", "The ratio is the default's median time to the target, or (nanoGPT, same) the median whole wall, "
                       "over nanoGPT's median whole wall; below 1 = tformer faster."]
+        lines += [f"\nLeft out: {why}" for why in state.get("excluded", [])]
     for big in state.get("large", []):
         sps = big["s_per_step"]
         ref = sps.get("nanoGPT fp32")
