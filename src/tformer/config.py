@@ -18,7 +18,7 @@ POSITIONS = ("none", "learned", "sinusoidal", "rope", "alibi")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 FFN_KINDS = ("mlp", "swiglu", "none")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "relu2")
 BACKENDS = ("auto", "math", "torch", "flash")
 
 
@@ -50,7 +50,8 @@ class TransformerConfig:
         norm_placement: ``pre`` (x + f(norm(x)), GPT-2/Llama) or ``post`` (norm(x + f(x)), Vaswani/BERT).
         ffn: ``mlp`` (Linear, activation, Linear), ``swiglu`` (gated, Llama) or ``none`` (no
             feed-forward sub-layer: the mixer is the whole layer, as in Mamba).
-        activation: non-linearity of the ``mlp`` (``gelu`` is the exact erf form).
+        activation: non-linearity of the ``mlp`` (``gelu`` is the exact erf form; ``relu2`` is
+            ReLU(x)², So et al. 2021, the modded-nanogpt speedrun's).
         bias: biases on every Linear and norm.
         qkv_bias: biases on the q/k/v projections only (Qwen2); defaults to ``bias``.
         dropout: dropout on residual branches and embeddings; ``attn_dropout`` on attention weights.
@@ -76,6 +77,11 @@ class TransformerConfig:
             the decoder's); defaults to ``d_ff`` (HF's ``encoder_ffn_dim`` / ``decoder_ffn_dim``).
         embedding_scale: multiply token embeddings by sqrt(d_model) before adding positions
             (Vaswani et al. §3.4, Marian).
+        qk_norm: RMS-normalise each head's q and k (no gain) before RoPE, so a score is at most
+            ``head_dim · scale`` and the logits cannot grow without bound (Dehghani et al. 2023).
+        zero_init_residual: initialise every projection that writes into the residual stream (attention's
+            ``out_proj``, the feed-forward's ``down``) to zero, so each block starts as the identity.
+        logit_softcap: ``cap · tanh(z / cap)`` on the LM head's logits (Gemma 2); 0 = off.
         hf_model_type: the HuggingFace ``model_type`` this config came from or exports to
             (``gpt2``, ``llama``, ...); ``name`` is the tformer preset, a separate thing.
     """
@@ -113,6 +119,9 @@ class TransformerConfig:
     encoder_layers: int | None = None
     encoder_d_ff: int | None = None
     embedding_scale: bool = False
+    qk_norm: bool = False
+    zero_init_residual: bool = False
+    logit_softcap: float = 0.0
     hf_model_type: str | None = None
     name: str = field(default="custom", compare=False)
 
@@ -184,6 +193,12 @@ class TransformerConfig:
         if self.encoder_d_ff is not None and (not isinstance(self.encoder_d_ff, int)
                                               or isinstance(self.encoder_d_ff, bool) or self.encoder_d_ff < 1):
             raise ConfigError(f"encoder_d_ff={self.encoder_d_ff!r} must be a positive integer or None (= d_ff).")
+        cap = self.logit_softcap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+            raise ConfigError(f"logit_softcap={cap!r} must be a finite number >= 0 (0 = no soft-cap; e.g. 15).")
+        for f in ("qk_norm", "zero_init_residual"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"{f}={getattr(self, f)!r} must be true or false.")
         if self.model is None:
             self.model = "decoder" if self.causal else "encoder"
         self._check_mixers()

@@ -12,8 +12,9 @@ from tformer.interop.loader import TensorSource, refuse, require
 MODEL_TYPES = ("gpt2",)
 PREFIX = "transformer."
 
+HAS_RELU2 = True          # transformers' ACT2FN["relu2"] is ReLU(x)², tformer's activation="relu2"
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-               "relu": "relu", "silu": "silu", "swish": "silu"}
+               "relu": "relu", "silu": "silu", "swish": "silu", "relu2": "relu2"}
 
 # tformer name (under blocks.{i}.) -> GPT-2 name (under h.{i}.), and whether it is a Conv1D weight.
 LAYER = [
@@ -60,7 +61,7 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
 
 
 def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
-    act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}[c.activation]
+    act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu", "relu2": "relu2"}[c.activation]
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
         "n_positions": c.context_length, "n_embd": c.d_model, "n_layer": c.n_layers, "n_head": c.n_heads,

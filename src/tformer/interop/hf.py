@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, ConfigError
-from tformer.interop.loader import TensorSource, read_config, read_tensors, write_folder
+from tformer.interop.loader import TensorSource, read_config, read_tensors, require, write_folder
 from tformer.models import model_class
 
 # The family modules of tformer.interop: a new family is one module plus its name here.
@@ -120,6 +120,15 @@ def infer_model_type(config: TransformerConfig) -> str:
                       f"positions={config.positions!r}; pass model_type explicitly (one of {', '.join(FAMILIES)}).")
 
 
+def check_plain(c, model_type: str, module) -> None:
+    """Refuse what no exported family expresses: tformer's training switches that change the forward
+    (QK-norm, logit soft-capping), and ReLU² in a family whose module does not declare ``HAS_RELU2``."""
+    require(c, model_type, qk_norm=False, logit_softcap=0.0)
+    if c.activation == "relu2" and c.ffn == "mlp" and not getattr(module, "HAS_RELU2", False):
+        raise ConfigError(f"cannot export as {model_type}: it needs an activation other than activation='relu2', "
+                          f"which that family has no name for.")
+
+
 def save_hf(model: nn.Module, folder: str | Path, model_type: str | None = None,
             max_shard_bytes: int | None = None) -> Path:
     """Write ``model`` as a HuggingFace folder (config.json + safetensors) for ``from_pretrained``.
@@ -137,6 +146,7 @@ def save_hf(model: nn.Module, folder: str | Path, model_type: str | None = None,
     c = model.config
     module = family(model_type, "model_type") if model_type else family(infer_model_type(c))
     model_type = model_type or infer_model_type(c)
+    check_plain(c, model_type, module)
     module.check_exportable(c, model_type)
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     options = module.export_options(state) if hasattr(module, "export_options") else {}

@@ -38,6 +38,12 @@ def merge_heads(t: Tensor) -> Tensor:
     return t.transpose(1, 2).reshape(B, T, nh * hs)
 
 
+def qk_rms_norm(t: Tensor, eps: float = 1e-6) -> Tensor:
+    """QK-norm (Dehghani et al., 2023): each head's vector ``t (..., hs)`` divided by its RMS,
+    ``t / sqrt(mean(t²) + eps)``, no gain; applied to q and k before RoPE (a rotation keeps the norm)."""
+    return torch.nn.functional.rms_norm(t, (t.shape[-1],), eps=eps)
+
+
 def projection_parameters(config: TransformerConfig) -> int:
     """W_Q, W_K, W_V (+ biases, ``qkv_bias``) and W_O (+ bias, ``bias``) of one layer:
     ``(C + b_qkv)·(nh + 2·nkv)·hs + nh·hs·C + b·C``. The same for self- and cross-attention."""
@@ -79,6 +85,7 @@ class ProjectedAttention(nn.Module):
         if rope is None and shared is not None:
             rope = shared.rope
         self.rope = rope if c.positions == "rope" else None
+        self.qk_norm = c.qk_norm
 
     def option(self, key: str, default=None):
         """``config.mixer_options[self.name][key]``; a list there gives one value per layer (cycled)."""
@@ -99,6 +106,8 @@ class ProjectedAttention(nn.Module):
         # layer per decoded token, where every Python call counts at small widths).
         qkv = (proj or self.qkv_proj)(x).view(B, T, nh + 2 * nkv, hs).transpose(1, 2)   # (B, nh+2nkv, T, hs)
         q, k, v = qkv.split([nh, nkv, nkv], dim=1)                          # (B, nh|nkv, T, hs)
+        if self.qk_norm:
+            q, k = qk_rms_norm(q), qk_rms_norm(k)
         if self.rope is not None:  # rotate the new q and k (a cache holds keys rotated when written)
             q, k = self.rope(q, step.positions), self.rope(k, step.positions)
         return q, k, v

@@ -17,6 +17,7 @@ from tformer.errors import ConfigError, InputError
 from tformer.models.state import InferenceState
 from tformer.models.loss import token_loss
 from tformer.models.stack import TransformerStack
+from tformer.nn.softcap import softcap
 
 Tensor = torch.Tensor
 
@@ -95,6 +96,7 @@ class DecoderLM(TransformerStack):
         if self.hooks is not None:
             x = self.hooks("ln_final.hook_out", x)
         logits = self.lm_head(x)                                                # (B, T, vocab)
+        logits = softcap(logits, self.config.logit_softcap)                    # identity when 0
         loss = None
         if targets is not None:
             loss = token_loss(logits, targets)

@@ -78,6 +78,10 @@ class TransformerStack(nn.Module):
         for m in self.modules() if scale_residual else ():
             if writes_residual(m):
                 nn.init.normal_(m.weight, mean=0.0, std=c.init_std / math.sqrt(2 * c.n_layers))
+        if c.zero_init_residual:                   # each block starts as the identity (modded-nanogpt)
+            for m in self.modules():
+                if writes_residual(m):
+                    nn.init.zeros_(m.weight)
 
     # ------------------------------------------------------------------ state
     def new_state(self, batch_size: int, max_len: int, dtype: torch.dtype | None = None, *,

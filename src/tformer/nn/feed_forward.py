@@ -17,11 +17,18 @@ from tformer.nn.markers import mark_residual
 Tensor = torch.Tensor
 
 
+def relu_squared(x: Tensor) -> Tensor:
+    """ReLU(x)² (So et al., 2021, "Primer"): zero for x < 0, x² above; its derivative 2·ReLU(x) is
+    continuous, unlike ReLU's step, and it is sparse like ReLU."""
+    return F.relu(x).square()
+
+
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),                      # exact erf form (BERT, Vaswani-era GELU)
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's approximation
     "relu": F.relu,
     "silu": F.silu,
+    "relu2": lambda x: relu_squared(x),
 }
 
 

@@ -15,8 +15,11 @@ import torch
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.tokenizers import KINDS
+from tformer.training.recipes import RECIPE_NAMES
 
 PRECISIONS = ("auto", "bf16", "fp32")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
 STRATEGIES = ("ddp", "fsdp")                 # how a run under torchrun spreads over its ranks
 # On CPU, bf16 autocast pays for its casts only when the matmuls are wide enough. Measured on a 2-core
 # Xeon with AMX (benchmarks/training/train_shakespeare_char.py, docs/training.md): once the fused attention
@@ -39,6 +42,13 @@ class TrainConfig:
         max_steps: optimizer steps of the run. decay_steps: end of the cosine (0 = max_steps).
         lr, min_lr, warmup_steps: peak and final learning rate, linear-warmup length.
         weight_decay, beta1, beta2, grad_clip: AdamW and clipping (0 = no clipping).
+        optimizer: ``adamw``, or ``muon`` (``torch.optim.Muon`` on the hidden matrices at peak rate
+            ``muon_lr`` with momentum ``muon_momentum``, AdamW at ``lr`` on embeddings, head, gains, biases).
+        schedule: ``cosine`` (warm-up, cosine to ``min_lr``) or ``wsd`` (warm-up, stable, linear decay to
+            ``min_lr`` over the last ``cooldown_fraction`` of the steps); see :mod:`tformer.training.schedule`.
+        recipe: ``auto``, ``classic`` or ``fast``: the defaults a new run takes for what is not set
+            (see :mod:`tformer.training.recipes`); a run saves the one it resolved to.
+        target_loss: stop at the first evaluation whose val loss is at most this; 0 = never.
         precision: ``auto`` (bf16 autocast where the hardware has bf16 — on CPU, AVX-512-BF16/AMX — and,
             on CPU, d_model >= 128, where it measured faster; else fp32), ``bf16``, ``fp32``.
         compile: wrap the model in ``torch.compile``. threads: torch threads (0 = :func:`auto_threads`).
@@ -72,6 +82,13 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    schedule: str = "cosine"
+    cooldown_fraction: float = 0.5
+    target_loss: float = 0.0
+    recipe: str = "auto"
     precision: str = "auto"
     compile: bool = False
     threads: int = 0
@@ -109,7 +126,9 @@ TRAIN_RANGES = {
     "lr": (0.0, None, False, True), "min_lr": (0.0, None, True, True), "weight_decay": (0.0, None, True, True),
     "beta1": (0.0, 1.0, True, False), "beta2": (0.0, 1.0, True, False), "grad_clip": (0.0, None, True, True),
     "time_limit": (0.0, None, True, True), "seed": (0, 2**63 - 1, True, True), "threads": (0, None, True, True),
-    "dist_timeout": (0.0, None, False, True),
+    "dist_timeout": (0.0, None, False, True), "muon_lr": (0.0, None, False, True),
+    "muon_momentum": (0.0, 1.0, True, False), "cooldown_fraction": (0.0, 1.0, False, True),
+    "target_loss": (0.0, None, True, True),
 }
 
 
@@ -150,6 +169,15 @@ def check_train_settings(cfg: "TrainConfig") -> None:
         raise ConfigError(f"tokenizer={cfg.tokenizer!r} is not known; choose one of {', '.join(KINDS)}.")
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision={cfg.precision!r} is not known; choose one of {', '.join(PRECISIONS)}.")
+    if cfg.recipe not in RECIPE_NAMES:
+        raise ConfigError(f"recipe={cfg.recipe!r} is not known; choose one of {', '.join(RECIPE_NAMES)}.")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"optimizer={cfg.optimizer!r} is not known; choose one of {', '.join(OPTIMIZERS)}.")
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={cfg.schedule!r} is not known; choose one of {', '.join(SCHEDULES)}.")
+    if cfg.optimizer == "muon" and cfg.strategy == "fsdp":
+        raise ConfigError("optimizer='muon' does not run on FSDP shards (Newton–Schulz needs whole matrices); "
+                          "use strategy=ddp or optimizer=adamw.")
     if cfg.strategy not in STRATEGIES:
         raise ConfigError(f"strategy={cfg.strategy!r} is not known; choose one of {', '.join(STRATEGIES)}.")
     if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):

@@ -35,7 +35,8 @@ from tformer.errors import ConfigError
 from tformer.machine import bf16_supported
 from tformer.training import dist_checkpoint, distributed
 from tformer.training.config import AUTO_BF16_MIN_WIDTH, TrainConfig
-from tformer.training.optim import lr_at, make_optimizer
+from tformer.training.optim import build_optimizer
+from tformer.training.schedule import schedule_at
 from tformer.training.runlock import RunLock
 from tformer.training.tasks.base import Task, to_device
 
@@ -109,7 +110,6 @@ class Loop:
                 step; the last checkpoint is kept).
         """
         cfg, task = self.cfg, self.task
-        decay = cfg.decay_steps or cfg.max_steps
         metrics = None
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +127,7 @@ class Loop:
             while self.step < cfg.max_steps:
                 if self.dist.agree(stop["why"]):   # any rank's stop request stops every rank here
                     raise Stop
-                lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, decay_steps=decay)
+                lr = schedule_at(cfg, self.step)
                 loss = self._train_step(lr)
                 if not math.isfinite(loss):
                     self._nonfinite(loss, stop)
@@ -176,7 +176,7 @@ class Loop:
         loss leaves the model and optimizer as they were (no update)."""
         cfg = self.cfg
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)      # Muon's groups run at muon_lr / lr of it
         total = torch.zeros((), device=self.device)
         for last, batch, share in self.task.pieces(self.step, self.dist):   # this rank's rows (see distributed.py)
             batch = to_device(batch, self.device)
@@ -219,7 +219,7 @@ class Loop:
     # ------------------------------------------------------------------ helpers
     def _new_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         cfg = self.cfg
-        return make_optimizer(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay, self.device)
+        return build_optimizer(model, cfg, self.device)
 
     def _nonfinite(self, loss: float, stop: dict) -> None:
         if self.on_nonfinite == "stop":

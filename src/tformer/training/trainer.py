@@ -28,6 +28,7 @@ from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS
                                      TrainConfig, cast_value, check_language_model, check_model_settings)
 from tformer.training.data import Corpus, corpus_fingerprint, default_cache_dir, load_corpus, resolve_corpus
 from tformer.training.loop import Loop, Stop  # noqa: F401
+from tformer.training.recipes import apply_recipe
 from tformer.training.runlock import RunLock
 from tformer.training.runs import load_training_state
 from tformer.training.runstate import check_more_steps, check_state, start_metrics
@@ -96,6 +97,7 @@ class Trainer(Loop):
             step = pointer["step"]
             raise InputError(f"{out_dir} already holds a checkpoint (step {step}); pass --resume to continue it, "
                              f"or choose another --out to start a new run.")
+        model_kw, train_kw = apply_recipe(train_kw.get("recipe", "auto"), preset or "tiny", model_kw, train_kw)
         cfg = TrainConfig(**{**train_kw, "out_dir": str(out_dir)})
         check_language_model(TransformerConfig.from_name(preset or "tiny", **model_kw, vocab_size=256))  # before the corpus
         with distributed.setup().main_first():      # rank 0 tokenises into the cache, the others then read it

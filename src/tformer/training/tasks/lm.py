@@ -76,5 +76,9 @@ class LanguageModelling(Task):
             lines.append("  | " + "\n  | ".join(text.splitlines()[:8]))
         return lines
 
+    def should_stop(self, metrics: dict[str, float]) -> bool:
+        """``target_loss`` reached: the val loss is at most it (never when it is 0)."""
+        return self.cfg.target_loss > 0 and metrics.get("val_loss", float("inf")) <= self.cfg.target_loss
+
     def state(self) -> dict:
         return {"preset": self.preset, "corpus_fingerprint": self.corpus.fingerprint}

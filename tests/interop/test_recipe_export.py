@@ -1,0 +1,49 @@
+"""The fast recipe's model exports to HuggingFace GPT-2 (ReLU² is its ``relu2``), and the switches no
+HF family expresses (QK-norm, logit soft-cap) are refused by name, not silently dropped."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+transformers = pytest.importorskip("transformers", reason="the optional extra 'hf' (transformers) is not installed")
+
+from tformer import DecoderLM, TransformerConfig  # noqa: E402
+from tformer.errors import ConfigError  # noqa: E402
+from tformer.interop.hf import save_hf  # noqa: E402
+
+BASE = dict(vocab_size=50, context_length=16, n_layers=2, d_model=32, n_heads=4)
+
+
+def test_relu_squared_gpt2_exports_with_the_same_logits(tmp_path):
+    """transformers' GPT-2 with activation_function=relu2 gives tformer's logits to 1e-5 (fp32)."""
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerConfig(**BASE, activation="relu2", zero_init_residual=True)).eval()
+    with torch.no_grad():                                           # move off the zero init
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_hf(model, tmp_path / "hf", model_type="gpt2")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.activation_function == "relu2"
+    ids = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, model(ids)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("switch", [dict(qk_norm=True), dict(logit_softcap=15.0)])
+def test_switches_no_family_expresses_are_refused(tmp_path, switch):
+    model = DecoderLM(TransformerConfig(**BASE, **switch))
+    with pytest.raises(ConfigError, match=next(iter(switch))):
+        save_hf(model, tmp_path / "hf", model_type="gpt2")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_relu_squared_is_refused_outside_gpt2(tmp_path):
+    model = DecoderLM(TransformerConfig(**BASE, activation="relu2", positions="rope", norm="rmsnorm", bias=False,
+                                        tie_embeddings=False))
+    with pytest.raises(ConfigError, match="relu2"):
+        save_hf(model, tmp_path / "hf", model_type="llama")
