@@ -24,9 +24,10 @@ def test_hooked_forward_equals_plain(family):
     assert model.hooks is None
 
 
-def test_alibi_window_and_post_norm_hooked_equal_plain():
+def test_alibi_window_post_norm_and_recipe_switches_hooked_equal_plain():
     torch.manual_seed(0)
-    for kw in (dict(positions="alibi", sliding_window=3), dict(norm_placement="post")):
+    for kw in (dict(positions="alibi", sliding_window=3), dict(norm_placement="post"),
+               dict(qk_norm=True, activation="relu2", logit_softcap=15.0)):     # the training recipes' switches
         model = DecoderLM(TransformerConfig(vocab_size=50, n_layers=2, n_heads=2, d_model=32, context_length=16,
                                             **kw)).eval()
         x = torch.randint(0, 50, (1, 10))
