@@ -208,3 +208,38 @@ def test_a_stopped_run_resumes_from_its_finished_parts(tmp_path):
     assert entry["measured"] == {"a": {"x": [1, 2]}, "b": 3} and entry["verdict"] == "reproduced"
     assert not list(tmp_path.glob("*.parts.json")) and len(list(tmp_path.glob("two-parts-quick-*.json"))) == 1
     assert part(lambda it, d: it, "c", lambda: 5) == 5                  # no store: just computes
+
+
+def test_a_scratch_folder_outlives_a_stopped_run_and_goes_with_the_finished_one(tmp_path):
+    """What a part writes into its scratch folder is there for the resumed run; the finished claim removes it.
+    Without a cache the folder is a temporary one, gone after the ``with``."""
+    from unittest import mock
+
+    from tformer.claims.resume import scratch_folder
+    from tformer.claims.runner import run_claim
+
+    runs = []
+
+    def experiment(config, progress):
+        with scratch_folder(progress, "sweep") as folder:
+            done = sorted(p.name for p in folder.iterdir())
+            runs.append(done)
+            (folder / f"run{len(done)}").write_text("x")
+            if len(done) < 2:
+                raise RuntimeError("stopped")
+            return {"runs": len(done) + 1}
+
+    claim = Claim(name="scratch", order=0, title="t", sentence="s", source="x", published=[("a", "b")],
+                  sizes={"quick": {}, "full": {}}, run=experiment, checks=lambda m: [Check("ok", m["runs"] == 3)],
+                  rows=lambda m: [], plot=lambda m: None)
+    with mock.patch("tformer.claims.runner.figure_png", lambda fig: b""):
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="stopped"):
+                run_claim(claim, "quick", tmp_path)
+        assert len(list(tmp_path.glob("scratch-quick-*.scratch/sweep/run*"))) == 2
+        entry = run_claim(claim, "quick", tmp_path)
+    assert runs == [[], ["run0"], ["run0", "run1"]] and entry["verdict"] == "reproduced"
+    assert not list(tmp_path.glob("*.scratch")) and len(list(tmp_path.glob("scratch-quick-*.json"))) == 1
+    with scratch_folder(lambda it, d: it, "x") as folder:                 # no store: a temporary folder
+        assert folder.is_dir() and not list(folder.iterdir())
+    assert not folder.exists()

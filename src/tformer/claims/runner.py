@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 import traceback
@@ -25,7 +26,7 @@ from tformer.io import atomic_write, atomic_write_json
 from tformer.claims.base import Claim, verdict_of
 from tformer.claims.common import figure_png
 from tformer.claims.real import Unavailable
-from tformer.claims.resume import Parts
+from tformer.claims.resume import Parts, scratch_root
 from tformer.claims.registry import module_file
 from tformer.machine import busy_cores, cpu_info
 
@@ -111,6 +112,8 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
             atomic_write_json(path, stored)
             if parts is not None and parts.path.exists():
                 parts.path.unlink()
+            if parts is not None and scratch_root(parts.path).exists():
+                shutil.rmtree(scratch_root(parts.path))
     measured = stored["measured"]
     checks = claim.checks(measured)
     return {
