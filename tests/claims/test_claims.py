@@ -243,3 +243,26 @@ def test_a_scratch_folder_outlives_a_stopped_run_and_goes_with_the_finished_one(
     with scratch_folder(lambda it, d: it, "x") as folder:                 # no store: a temporary folder
         assert folder.is_dir() and not list(folder.iterdir())
     assert not folder.exists()
+
+
+def test_a_cached_result_reads_its_numeric_keys_in_numeric_order(tmp_path):
+    """The cache stores JSON with sorted keys ("1024" before "256"); the rows a cached claim gives list its
+    lengths as the run measured them, smallest first, and other keys stay as stored."""
+    from unittest import mock
+
+    from tformer.claims.runner import numeric_order, run_claim
+
+    def experiment(config, progress):
+        return {"by_length": {"64": 1.0, "256": 2.0, "1024": 3.0}, "names": {"b": 1, "a": 2}}
+
+    claim = Claim(name="order", order=0, title="t", sentence="s", source="x", published=[("a", "b")],
+                  sizes={"quick": {}, "full": {}}, run=experiment, checks=lambda m: [Check("ok", True)],
+                  rows=lambda m: [("n", "", " / ".join(m["by_length"]))], plot=lambda m: None)
+    with mock.patch("tformer.claims.runner.figure_png", lambda fig: b""):
+        fresh = run_claim(claim, "quick", tmp_path)
+        cached = run_claim(claim, "quick", tmp_path)
+    stored = json.loads(next(tmp_path.glob("order-quick-*.json")).read_text())
+    assert list(stored["measured"]["by_length"]) == ["1024", "256", "64"]          # as the cache keeps it
+    assert cached["cached"] and fresh["rows"] == cached["rows"] == [["n", "", "64 / 256 / 1024"]]
+    assert list(numeric_order({"b": 1, "a": 2})) == ["b", "a"]
+    assert numeric_order([{"10": 0, "9": 1}]) == [{"9": 1, "10": 0}] and list(numeric_order([{"10": 0, "9": 1}])[0]) == ["9", "10"]

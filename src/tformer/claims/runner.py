@@ -114,7 +114,7 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
                 parts.path.unlink()
             if parts is not None and scratch_root(parts.path).exists():
                 shutil.rmtree(scratch_root(parts.path))
-    measured = stored["measured"]
+    measured = numeric_order(stored["measured"])
     checks = claim.checks(measured)
     return {
         "name": claim.name, "title": claim.title, "sentence": claim.sentence, "source": claim.source,
@@ -129,6 +129,20 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
         "measured": measured,
         "png": figure_png(claim.plot(measured)),
     }
+
+
+def numeric_order(obj):
+    """``obj`` with every dict whose keys are all integers written as strings (sequence lengths, positions)
+    in numeric order. The cache and the parts file store JSON with sorted keys, so "1024" would come before
+    "256" and a claim's rows and plot, which read its dicts in order, would list and draw them that way."""
+    if isinstance(obj, dict):
+        items = [(k, numeric_order(v)) for k, v in obj.items()]
+        if items and all(isinstance(k, str) and k.lstrip("-").isdigit() for k, _ in items):
+            items.sort(key=lambda kv: int(kv[0]))
+        return dict(items)
+    if isinstance(obj, list):
+        return [numeric_order(v) for v in obj]
+    return obj
 
 
 def cached_path(claim: Claim, size: str, cache_dir: Path) -> Path:
