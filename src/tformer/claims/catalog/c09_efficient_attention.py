@@ -180,7 +180,7 @@ def rows(m: dict) -> list[tuple[str, str, str]]:
              fmt(m["favor_error"])),
             ("ListOps accuracy % (attention, Longformer, BigBird, Performer, Linformer)",
              " / ".join(f"{LRA[x]:.1f}" for x in LRA) + " (LRA Table 1, full size)",
-             " / ".join(f"{acc[x]:.1f}" for x in acc) + f" (majority {m['majority']:.1f})")]
+             " / ".join(f"{acc[x]:.1f}" for x in LRA) + f" (majority {m['majority']:.1f})")]
 
 
 def plot(m: dict):
