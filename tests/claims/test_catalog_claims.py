@@ -157,9 +157,33 @@ def test_pre_post_ln_measures_the_decoder_of_an_encoder_decoder():
     assert (cfg.model, cfg.encoder_layers, cfg.n_layers, cfg.activation) == ("encoder-decoder", 2, 2, "relu")
     train, _ = byte_corpus(20_000)
     sides = c05.init_gradients("post", config, train, 2, "seq2seq")
-    assert set(sides) == {"encoder", "decoder"} and len(sides["encoder"]) == len(sides["decoder"]) == 2
+    assert set(sides) == {"encoder", "decoder", "decoder_rms"} and len(sides["encoder"]) == len(sides["decoder"]) == 2
     assert all(x > 0 for x in sides["encoder"] + sides["decoder"])
-    assert list(c05.init_gradients("pre", config, train, 3)) == ["decoder"]
+    # a Post-LN block's output is a LayerNorm's (weight 1, bias 0 at init): RMS 1 per token, up to eps
+    assert sides["decoder_rms"] == pytest.approx([1.0, 1.0], abs=1e-3)
+    assert list(c05.init_gradients("pre", config, train, 3)) == ["decoder", "decoder_rms"]
+    # Pre-LN's stream only adds: each sublayer's output is summed onto it, so its RMS grows layer by layer
+    pre = c05.init_gradients("pre", config, train, 3, "seq2seq")["decoder_rms"]
+    assert pre[0] < pre[1] < pre[2]
+
+
+def test_pre_post_ln_shared_embedding_is_vaswanis_scaled_matrix():
+    """The encoder-decoder's one matrix (source, target, output head) after the claim's init: std d^-1/2, so the
+    √d-scaled input is unit-variance and the tied head's logits stay O(1) (not the head's Xavier init, which
+    left the input 1/d of unit variance)."""
+    from tformer.claims.catalog import c05_pre_post_ln as c05
+    from tformer.models import build_model
+
+    config = {**c05.CLAIM.sizes["quick"], "grad": {**c05.CLAIM.sizes["quick"]["grad"], "d_model": 256}}
+    torch.manual_seed(0)
+    model = build_model(c05._seq2seq_config("pre", config, 2))
+    c05._xavier(model)
+    assert model.lm_head.weight is model.encoder.tok_emb.weight
+    assert model.encoder.tok_emb.weight.std().item() == pytest.approx(256 ** -0.5, rel=0.02)
+    ids = torch.randint(0, 256, (4, 32))
+    assert model.decoder.tok_emb(ids).std().item() == pytest.approx(1.0, rel=0.05)    # ×√d on the way in
+    logits, _ = model(ids, ids)
+    assert 0.5 < logits.std().item() < 2.0
 
 
 def test_real_model_claims_checks_fail_on_contradicting_measurements():

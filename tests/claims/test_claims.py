@@ -208,3 +208,61 @@ def test_a_stopped_run_resumes_from_its_finished_parts(tmp_path):
     assert entry["measured"] == {"a": {"x": [1, 2]}, "b": 3} and entry["verdict"] == "reproduced"
     assert not list(tmp_path.glob("*.parts.json")) and len(list(tmp_path.glob("two-parts-quick-*.json"))) == 1
     assert part(lambda it, d: it, "c", lambda: 5) == 5                  # no store: just computes
+
+
+def test_a_scratch_folder_outlives_a_stopped_run_and_goes_with_the_finished_one(tmp_path):
+    """What a part writes into its scratch folder is there for the resumed run; the finished claim removes it.
+    Without a cache the folder is a temporary one, gone after the ``with``."""
+    from unittest import mock
+
+    from tformer.claims.resume import scratch_folder
+    from tformer.claims.runner import run_claim
+
+    runs = []
+
+    def experiment(config, progress):
+        with scratch_folder(progress, "sweep") as folder:
+            done = sorted(p.name for p in folder.iterdir())
+            runs.append(done)
+            (folder / f"run{len(done)}").write_text("x")
+            if len(done) < 2:
+                raise RuntimeError("stopped")
+            return {"runs": len(done) + 1}
+
+    claim = Claim(name="scratch", order=0, title="t", sentence="s", source="x", published=[("a", "b")],
+                  sizes={"quick": {}, "full": {}}, run=experiment, checks=lambda m: [Check("ok", m["runs"] == 3)],
+                  rows=lambda m: [], plot=lambda m: None)
+    with mock.patch("tformer.claims.runner.figure_png", lambda fig: b""):
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="stopped"):
+                run_claim(claim, "quick", tmp_path)
+        assert len(list(tmp_path.glob("scratch-quick-*.scratch/sweep/run*"))) == 2
+        entry = run_claim(claim, "quick", tmp_path)
+    assert runs == [[], ["run0"], ["run0", "run1"]] and entry["verdict"] == "reproduced"
+    assert not list(tmp_path.glob("*.scratch")) and len(list(tmp_path.glob("scratch-quick-*.json"))) == 1
+    with scratch_folder(lambda it, d: it, "x") as folder:                 # no store: a temporary folder
+        assert folder.is_dir() and not list(folder.iterdir())
+    assert not folder.exists()
+
+
+def test_a_cached_result_reads_its_numeric_keys_in_numeric_order(tmp_path):
+    """The cache stores JSON with sorted keys ("1024" before "256"); the rows a cached claim gives list its
+    lengths as the run measured them, smallest first, and other keys stay as stored."""
+    from unittest import mock
+
+    from tformer.claims.runner import numeric_order, run_claim
+
+    def experiment(config, progress):
+        return {"by_length": {"64": 1.0, "256": 2.0, "1024": 3.0}, "names": {"b": 1, "a": 2}}
+
+    claim = Claim(name="order", order=0, title="t", sentence="s", source="x", published=[("a", "b")],
+                  sizes={"quick": {}, "full": {}}, run=experiment, checks=lambda m: [Check("ok", True)],
+                  rows=lambda m: [("n", "", " / ".join(m["by_length"]))], plot=lambda m: None)
+    with mock.patch("tformer.claims.runner.figure_png", lambda fig: b""):
+        fresh = run_claim(claim, "quick", tmp_path)
+        cached = run_claim(claim, "quick", tmp_path)
+    stored = json.loads(next(tmp_path.glob("order-quick-*.json")).read_text())
+    assert list(stored["measured"]["by_length"]) == ["1024", "256", "64"]          # as the cache keeps it
+    assert cached["cached"] and fresh["rows"] == cached["rows"] == [["n", "", "64 / 256 / 1024"]]
+    assert list(numeric_order({"b": 1, "a": 2})) == ["b", "a"]
+    assert numeric_order([{"10": 0, "9": 1}]) == [{"9": 1, "10": 0}] and list(numeric_order([{"10": 0, "9": 1}])[0]) == ["9", "10"]

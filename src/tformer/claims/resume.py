@@ -6,12 +6,18 @@ A claim wraps each self-contained part of its experiment (one model trained, one
 machine's lock held for minutes only) and started again with the same code and config recomputes only
 the parts not yet stored. The file goes when the whole result is cached. Without a cache (tests,
 ``use_cache=False``) :func:`part` just computes.
+
+A part that resumes by itself from files (an IsoFLOP sweep's ``runs.json`` and checkpoints) takes
+:func:`scratch_folder` instead: beside the parts file while the claim is unfinished (the runner
+removes it with the parts file), a temporary folder without a cache.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,3 +54,21 @@ def part(progress, key: str, compute: Callable[[], Any]) -> Any:
     ``progress`` is the callable the runner passed to the claim's ``run`` (it carries the store)."""
     parts = getattr(progress, "parts", None)
     return parts.get(key, compute) if parts is not None else compute()
+
+
+def scratch_root(parts_path: Path) -> Path:
+    """``<claim>-<size>-<hash>.scratch`` beside ``<claim>-<size>-<hash>.parts.json``."""
+    return parts_path.with_name(parts_path.name.removesuffix(".parts.json") + ".scratch")
+
+
+@contextmanager
+def scratch_folder(progress, name: str):
+    """A folder for a part's own resumable files that outlives a stopped run (see the module docstring)."""
+    parts = getattr(progress, "parts", None)
+    if parts is None:
+        with tempfile.TemporaryDirectory(prefix=f"tformer-claim-{name}-") as tmp:
+            yield Path(tmp)
+        return
+    folder = scratch_root(parts.path) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    yield folder

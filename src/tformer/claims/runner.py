@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 import traceback
@@ -25,7 +26,7 @@ from tformer.io import atomic_write, atomic_write_json
 from tformer.claims.base import Claim, verdict_of
 from tformer.claims.common import figure_png
 from tformer.claims.real import Unavailable
-from tformer.claims.resume import Parts
+from tformer.claims.resume import Parts, scratch_root
 from tformer.claims.registry import module_file
 from tformer.machine import busy_cores, cpu_info
 
@@ -111,7 +112,9 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
             atomic_write_json(path, stored)
             if parts is not None and parts.path.exists():
                 parts.path.unlink()
-    measured = stored["measured"]
+            if parts is not None and scratch_root(parts.path).exists():
+                shutil.rmtree(scratch_root(parts.path))
+    measured = numeric_order(stored["measured"])
     checks = claim.checks(measured)
     return {
         "name": claim.name, "title": claim.title, "sentence": claim.sentence, "source": claim.source,
@@ -126,6 +129,20 @@ def run_claim(claim: Claim, size: str, cache_dir: Path | None, fresh: bool = Fal
         "measured": measured,
         "png": figure_png(claim.plot(measured)),
     }
+
+
+def numeric_order(obj):
+    """``obj`` with every dict whose keys are all integers written as strings (sequence lengths, positions)
+    in numeric order. The cache and the parts file store JSON with sorted keys, so "1024" would come before
+    "256" and a claim's rows and plot, which read its dicts in order, would list and draw them that way."""
+    if isinstance(obj, dict):
+        items = [(k, numeric_order(v)) for k, v in obj.items()]
+        if items and all(isinstance(k, str) and k.lstrip("-").isdigit() for k, _ in items):
+            items.sort(key=lambda kv: int(kv[0]))
+        return dict(items)
+    if isinstance(obj, list):
+        return [numeric_order(v) for v in obj]
+    return obj
 
 
 def cached_path(claim: Claim, size: str, cache_dir: Path) -> Path:

@@ -5,10 +5,11 @@ Gopher) were undertrained (Hoffmann et al. 2022, "Chinchilla").
 L(N, D) = E + A/N^α + B/D^β with Besiroglu et al.'s refit of Chinchilla's data, minimised under
 C = 6ND, gives D_opt/N_opt at Chinchilla's budget; Kaplan et al.'s allocation at the same budget;
 Gopher's (N, D) against Chinchilla's under the law.
-(b) An IsoFLOP sweep on this machine (``tformer sweep``, :func:`tformer.scaling.sweep.run_sweep`, in a
-temporary folder): for each budget, several sizes trained to exactly that budget with their own
+(b) An IsoFLOP sweep on this machine (``tformer sweep``, :func:`tformer.scaling.sweep.run_sweep`, in its
+own folder): for each budget, several sizes trained to exactly that budget with their own
 cosine schedule; the parabola minimum in ln N per budget and N_opt ∝ C^a through them
-(Hoffmann's Approach 2), with a bootstrap interval.
+(Hoffmann's Approach 2), with a bootstrap interval. With a cache the sweep's folder is kept until the
+claim finishes, so a run stopped by a time limit resumes the sweep where it stopped.
 
 This claim was benchmarks/scaling/scaling_sweep.py; its last results stay in
 benchmarks/results/scaling/ as this claim's earlier record.
@@ -16,10 +17,9 @@ benchmarks/results/scaling/ as this claim's earlier record.
 
 from __future__ import annotations
 
-import tempfile
-
 from tformer.claims.base import Check, Claim
 from tformer.claims.common import fmt, new_figure
+from tformer.claims.resume import scratch_folder
 from tformer.scaling.laws import BESIROGLU, HOFFMANN, KAPLAN
 from tformer.errors import InputError
 from tformer.scaling.fit import fit_isoflop
@@ -32,9 +32,9 @@ GPT3 = (175e9, 300e9)
 
 def run(config: dict, progress) -> dict:
     spec = SweepSpec(**config["sweep"])
-    with tempfile.TemporaryDirectory(prefix="tformer-claim-sweep-") as tmp:
-        run_sweep(spec, tmp, progress=False, log=lambda message: None)
-        runs = load_runs(tmp)
+    with scratch_folder(progress, "sweep") as folder:    # kept while unfinished: a stopped sweep resumes there
+        run_sweep(spec, folder, progress=False, log=lambda message: None)
+        runs = load_runs(folder)
     try:
         iso = fit_isoflop([r["budget"] for r in runs], [r["params"] for r in runs], [r["val_loss"] for r in runs],
                           bootstrap=config["bootstrap"], seed=0)

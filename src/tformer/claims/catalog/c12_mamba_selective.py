@@ -23,8 +23,8 @@ benchmarks/mamba/mamba_selective_copying.py, mamba_induction.py, mamba_decode.py
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -33,7 +33,8 @@ import torch
 
 from tformer.claims.base import Check, Claim
 from tformer.claims.common import fmt, new_figure
-from tformer.claims.resume import part
+from tformer.claims.resume import part, scratch_folder
+from tformer.checkpoint import read_pointer
 from tformer.config import TransformerConfig
 from tformer.models import build_model
 from tformer.training.tasks.mamba import accuracy, attention_config, induction_heads, mamba_config, selective_copying, train
@@ -116,7 +117,9 @@ def decode_costs(c: dict, progress) -> dict:
 
 def equal_wall_time(c: dict, progress) -> dict:
     """Each model trained for ``c['seconds']`` of wall time in turns of ``c['slice']`` (each turn resumes its
-    checkpoint): parameters, steps, median tokens/s and the validation losses."""
+    checkpoint): parameters, steps, median tokens/s and the validation losses. Each turn (both models) is one
+    stored part, the checkpoints live in a scratch folder kept until the claim finishes, and the history is
+    read back from each run's metrics.jsonl, so a run stopped mid-way resumes at the turn it was in."""
     from tformer.training.trainer import Trainer
 
     common = dict(context_length=c["context"], d_model=c["d"], batch_size=8, lr=2e-3, min_lr=2e-4, warmup_steps=20,
@@ -124,16 +127,25 @@ def equal_wall_time(c: dict, progress) -> dict:
                   sample_tokens=0,
                   progress=False, precision="fp32", log_interval=5, bias=False, norm="rmsnorm",
                   threads=torch.get_num_threads())
-    history = {name: [] for name in ("mamba", "transformer")}
     params = {}
-    with tempfile.TemporaryDirectory(prefix="tformer-claim-mamba-") as tmp:
+    with scratch_folder(progress, "equal-wall-time") as tmp:
         for turn in progress(range(int(c["seconds"] // c["slice"])), "equal wall time"):
-            for name, arch in pair_configs(c["d"], c["context"]).items():
-                arch = {k: v for k, v in arch.items() if k != "attention_backend"}
-                settings = {**common, **arch, "out_dir": str(Path(tmp) / name), "time_limit": c["slice"] * (turn + 1)}
-                trainer = Trainer.create(settings, resume=turn > 0, log=lambda message: None)
-                params[name] = trainer.model.num_parameters()
-                history[name] += trainer.fit()["history"]
+            def one(turn=turn) -> dict:
+                sizes = {}
+                for name, arch in pair_configs(c["d"], c["context"]).items():
+                    arch = {k: v for k, v in arch.items() if k != "attention_backend"}
+                    folder = Path(tmp) / name
+                    saved = read_pointer(folder, missing_ok=True) is not None
+                    if folder.exists() and not saved:       # stopped before its first checkpoint: start it over
+                        shutil.rmtree(folder)
+                    settings = {**common, **arch, "out_dir": str(folder), "time_limit": c["slice"] * (turn + 1)}
+                    trainer = Trainer.create(settings, resume=saved, log=lambda message: None)
+                    sizes[name] = trainer.model.num_parameters()
+                    if trainer.fit()["stopped"] == "term":     # stopped from outside: store nothing of this turn
+                        raise RuntimeError("terminated (SIGTERM) during the equal-wall-time training")
+                return sizes
+            params = part(progress, f"train-turn-{turn}", one)
+        history = {name: _metrics(Path(tmp) / name / "metrics.jsonl") for name in params}
     out = {}
     for name, hist in history.items():
         evals = [r for r in hist if "val_loss" in r]
@@ -145,12 +157,24 @@ def equal_wall_time(c: dict, progress) -> dict:
     return out
 
 
+def _metrics(path: Path) -> list[dict]:
+    """A run's metrics.jsonl in step order; a step logged twice (records written after the last checkpoint
+    of a stopped run, then again by the resumed one) keeps its last record of each kind."""
+    import json
+
+    last = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        r = json.loads(line)
+        last[(r["step"], "val_loss" in r)] = r
+    return [last[k] for k in sorted(last)]
+
+
 def run(config: dict, progress) -> dict:
     return {"copying": selective_copy(config["copying"], progress), "induction": induction(config["induction"], progress),
             "train_len": config["induction"]["train_len"],
             "forward": part(progress, "forward", lambda: forward_times(config["scan"])),
             "decode": part(progress, "decode", lambda: decode_costs(config["decode"], progress)),
-            "train": part(progress, "train", lambda: equal_wall_time(config["train"], progress))}
+            "train": equal_wall_time(config["train"], progress)}
 
 
 def decode_growth(m: dict) -> dict[str, float]:
