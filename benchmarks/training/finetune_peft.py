@@ -127,10 +127,10 @@ def pair(a) -> dict:
                 times[impl].append(time.perf_counter() - t0)
     tokens = [task.batch(i)["ids"].numel() for i in range(a.warmup, a.warmup + a.steps)]
     labelled = sum(int((task.batch(i)["targets"] != -100).sum()) for i in range(a.warmup, a.warmup + a.steps))
-    from tformer.training.shared_prefix import shared_prefix_length
+    from tformer.training.shared_prefix import positions_run, shared_prefix_length
     prefixes = [shared_prefix_length(task.batch(i)["ids"], task.batch(i)["targets"]) if task.share_prefix else 0
                 for i in range(a.warmup, a.warmup + a.steps)]
-    run_positions = sum(P + a.batch * (n // a.batch - P) for P, n in zip(prefixes, tokens))   # with the prefix once
+    run_positions = sum(positions_run(a.batch, n // a.batch, P) for P, n in zip(prefixes, tokens))
     return {"times": times, "tokens": tokens, "labelled_share": labelled / sum(tokens),
             "shared_prefix": prefixes, "positions_run_share": run_positions / sum(tokens)}
 

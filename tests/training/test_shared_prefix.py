@@ -14,6 +14,7 @@ from tformer.config import TransformerConfig
 from tformer.models import build_model
 from tformer.training.chat_data import IGNORE
 from tformer.training.lora import LoRASpec, add_lora
+from tformer.training import shared_prefix
 from tformer.training.shared_prefix import can_share, prefix_shared_loss, shared_prefix_length
 
 
@@ -40,6 +41,15 @@ def chat_batch(B: int = 4, P: int = 11, T: int = 24, seed: int = 1):
     return ids, targets
 
 
+@pytest.fixture
+def layers_shared(monkeypatch):
+    """Counts the layers that read the shared prefix (so a test cannot pass on the plain fallback)."""
+    calls = []
+    store = shared_prefix._SharedPrefix.store
+    monkeypatch.setattr(shared_prefix._SharedPrefix, "store", lambda self, *a: calls.append(1) or store(self, *a))
+    return calls
+
+
 def loss_and_grads(model, fn):
     loss = fn()
     loss.backward()
@@ -59,7 +69,7 @@ def test_prefix_length_stops_at_the_first_difference_and_the_first_target():
 
 @pytest.mark.parametrize("dtype,loss_rtol,grad_rtol", [(torch.float64, 1e-12, 1e-7), (torch.float32, 1e-6, 1e-5)])
 @pytest.mark.parametrize("lora", [False, True])
-def test_shared_prefix_gives_the_plain_loss_and_gradients(lora, dtype, loss_rtol, grad_rtol):
+def test_shared_prefix_gives_the_plain_loss_and_gradients(lora, dtype, loss_rtol, grad_rtol, layers_shared):
     model = tiny().to(dtype)
     if lora:
         add_lora(model, LoRASpec(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")))
@@ -70,6 +80,7 @@ def test_shared_prefix_gives_the_plain_loss_and_gradients(lora, dtype, loss_rtol
     assert shared_prefix_length(ids, targets) == 11 and can_share(model)
     plain, g_plain = loss_and_grads(model, lambda: model(ids, targets, labelled_only=True)[1])
     shared, g_shared = loss_and_grads(model, lambda: prefix_shared_loss(model, ids, targets))
+    assert len(layers_shared) == 3                                      # every layer read the one prefix
     assert torch.allclose(shared, plain, rtol=loss_rtol, atol=0)
     assert g_plain.keys() == g_shared.keys() and len(g_plain) >= 3
     for k in g_plain:
@@ -78,11 +89,22 @@ def test_shared_prefix_gives_the_plain_loss_and_gradients(lora, dtype, loss_rtol
         assert (g_shared[k] - g_plain[k]).abs().max() <= grad_rtol * scale, k
 
 
-def test_a_sliding_window_model_gives_the_plain_loss():
-    model = tiny(sliding_window=6).double()
+@pytest.mark.parametrize("kw", [dict(sliding_window=6), dict(positions="alibi"), dict(positions="learned")])
+def test_window_alibi_and_learned_positions_give_the_plain_loss(kw, layers_shared):
+    model = tiny(**kw).double()
     ids, targets = chat_batch()
     plain = model(ids, targets, labelled_only=True)[1]
     assert torch.allclose(prefix_shared_loss(model, ids, targets), plain, rtol=1e-12, atol=0)
+    assert len(layers_shared) == 3
+
+
+def test_a_prefix_longer_than_the_rest_several_times_over_is_run_plainly(layers_shared):
+    model = tiny().double()
+    ids, targets = chat_batch(B=2, P=20, T=24)                          # (B+1)·20 positions > 0.9·B·24
+    targets[0, 21] = 5                                                  # one labelled token after the prefix
+    assert shared_prefix_length(ids, targets) == 20
+    plain = model(ids, targets, labelled_only=True)[1]
+    assert torch.equal(prefix_shared_loss(model, ids, targets), plain) and not layers_shared
 
 
 def test_refused_where_not_exact():

@@ -68,7 +68,7 @@ class FinetuneTask(Task):
 
     def loss(self, forward, batch) -> torch.Tensor:
         if self.share_prefix and can_share(forward):       # the plain model (not DDP / compiled)
-            return prefix_shared_loss(forward, batch["ids"], batch["targets"])
+            return prefix_shared_loss(forward, batch["ids"], batch["targets"], self.pad_id)
         if self.labelled_only:
             return forward(batch["ids"], batch["targets"], labelled_only=True)[1]
         return forward(batch["ids"], batch["targets"])[1]
