@@ -19,8 +19,8 @@ sums the B rows' gradients flowing into the one prefix, which is what the B iden
 received, summed in the weights. Cost: ``(B + 1) · L`` positions through every linear instead of
 ``B · T`` (the built-in task's batches of 8: 0.60), in one call, so each weight is read once per pass
 (a separate ``(1, P)`` prefix call made its matmuls memory-bound: measured, it cost about twice its
-share of the FLOPs). The masked attention is ``(B+1) · L · (P + L)`` query-key pairs, about the
-plain ``B · T²``.
+share of the FLOPs). The masked attention is ``(B+1) · L · (P + L)`` query-key pairs (the
+built-in task: 15 k), fewer than the plain ``B · T²`` (25 k).
 
 Used only where it is exact: a decoder whose every layer is attention (a recurrent or ring state
 has no keys to share), no target inside the prefix (the prefix needs no logits; ``P`` is cut at the
