@@ -44,7 +44,8 @@ def settings(a):
     from tformer.training.finetune import FinetuneSettings
     return FinetuneSettings(model=a.model, out_dir=None, method=a.method, lora_r=a.rank, lora_alpha=2 * a.rank,
                             batch_size=a.batch, n_train=a.n_train, n_test=8, eval_exact=0, lr=LR, warmup_steps=0,
-                            weight_decay=0.0, grad_clip=1.0, precision=a.dtype, threads=a.threads, progress=False)
+                            weight_decay=0.0, grad_clip=1.0, precision=a.dtype, threads=a.threads, progress=False,
+                            share_prefix=not a.no_share_prefix)
 
 
 def task_and_base(a):
@@ -54,7 +55,8 @@ def task_and_base(a):
     s = settings(a)
     model, tok, template, stops = load_base(a.model)
     train, val, _ = load_examples(s, tok, template, stops)
-    return s, model, FinetuneTask(train, [], s, tok, stops[0], labelled_only=isinstance(model, DecoderLM))
+    return s, model, FinetuneTask(train, [], s, tok, stops[0], labelled_only=isinstance(model, DecoderLM),
+                                  share_prefix=s.share_prefix)
 
 
 def tformer_steps(a, s, model, task):
@@ -125,7 +127,12 @@ def pair(a) -> dict:
                 times[impl].append(time.perf_counter() - t0)
     tokens = [task.batch(i)["ids"].numel() for i in range(a.warmup, a.warmup + a.steps)]
     labelled = sum(int((task.batch(i)["targets"] != -100).sum()) for i in range(a.warmup, a.warmup + a.steps))
-    return {"times": times, "tokens": tokens, "labelled_share": labelled / sum(tokens)}
+    from tformer.training.shared_prefix import positions_run, shared_prefix_length
+    prefixes = [shared_prefix_length(task.batch(i)["ids"], task.batch(i)["targets"]) if task.share_prefix else 0
+                for i in range(a.warmup, a.warmup + a.steps)]
+    run_positions = sum(positions_run(a.batch, n // a.batch, P) for P, n in zip(prefixes, tokens))
+    return {"times": times, "tokens": tokens, "labelled_share": labelled / sum(tokens),
+            "shared_prefix": prefixes, "positions_run_share": run_positions / sum(tokens)}
 
 
 def main() -> None:
@@ -139,6 +146,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--methods", default="lora,full")
+    p.add_argument("--no-share-prefix", action="store_true",
+                   help="tformer runs every row's full length (no shared-prefix pass), as the reference does")
     p.add_argument("--tag", default="")
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "METHOD"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -160,7 +169,7 @@ def main() -> None:
     def child(impl: str, method: str) -> tuple[dict, float]:
         argv = [sys.executable, __file__, "--worker", impl, method] + \
                [x for k in ("model", "steps", "warmup", "batch", "n_train", "rank", "threads", "dtype")
-                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
+                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ["--no-share-prefix"] * a.no_share_prefix
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env={**os.environ})
         out = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
@@ -183,6 +192,11 @@ def main() -> None:
              f"fused AdamW lr {LR:g}, clip 1.0; {a.threads} threads. Speed: both in one process, steps alternated, "
              f"{a.warmup} untimed + {a.steps} timed steps each, medians; memory and losses: each alone in its own "
              f"process ({a.warmup + a.steps} steps).", "",
+             (f"tformer runs the tokens all rows of a batch begin with once (`share_prefix`, "
+              f"{statistics.median(next(iter(pairs.values()))['shared_prefix']):.0f} tokens, the median over the timed "
+              f"batches): {next(iter(pairs.values()))['positions_run_share']:.0%} of the B·T positions the reference runs; "
+              f"tokens/s counts B·T for both." if not a.no_share_prefix else
+              "tformer runs every row's full length, as the reference does (`--no-share-prefix`)."), "",
              "| method | implementation | tokens/s (median) | s/step (median) | s/step (best) | peak RSS MB | first loss | last loss | trained |",
              "|---|---|---|---|---|---|---|---|---|"]
     for method in a.methods.split(","):

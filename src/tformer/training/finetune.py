@@ -43,7 +43,8 @@ from tformer.training.tasks.finetune import FinetuneTask, answers
 
 METHODS = ("lora", "full")
 UNUSED = ("tokenizer", "bpe_vocab_size", "cache_dir", "sample_tokens", "sample_prompt", "strategy")
-RESUME_KEEPS = ("model", "data", "encoding", "method", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+RESUME_KEEPS = ("model", "data", "encoding", "method", "share_prefix", "lora_r", "lora_alpha", "lora_dropout",
+                "lora_targets",
                 "max_length", "val_fraction", "n_train", "n_test", "max_number", "seed")
 
 
@@ -64,6 +65,8 @@ class FinetuneSettings(TrainConfig):
         eval_exact: held-out questions answered greedily for ``exact_match`` at each evaluation
             (the built-in task; 0 = none).
         merge: also write ``merged/``, the model with the adapters folded in.
+        share_prefix: run the tokens every row of a batch begins with (a default system prompt) once
+            per batch (:mod:`tformer.training.shared_prefix`: the same loss and gradients up to rounding).
     """
 
     model: str | None = None
@@ -80,6 +83,7 @@ class FinetuneSettings(TrainConfig):
     max_number: int = 9999
     eval_exact: int = 100
     merge: bool = False
+    share_prefix: bool = True
     batch_size: int = 8
     max_steps: int = 200
     warmup_steps: int = 10
@@ -270,7 +274,8 @@ def _new(out: Path, s: FinetuneSettings, log) -> FinetuneLoop:
 def _loop(model, tokenizer, template, stops, s, out, log) -> FinetuneLoop:
     train, val, questions = load_examples(s, tokenizer, template, stops)
     pad = stops[0] if stops else 0
-    task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops, labelled_only=isinstance(model, DecoderLM))
+    task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops, labelled_only=isinstance(model, DecoderLM),
+                        share_prefix=s.share_prefix)
     base_state = task.state
 
     def state() -> dict:      # what resume needs beyond the weights

@@ -20,6 +20,7 @@ import torch
 
 from tformer.generation.generate import generate
 from tformer.training.chat_data import IGNORE, encode
+from tformer.training.shared_prefix import can_share, prefix_shared_loss
 from tformer.training.tasks.base import Task, step_generator
 
 
@@ -43,15 +44,18 @@ class FinetuneTask(Task):
         decode: ids -> text.
         labelled_only: the model's forward takes ``labelled_only`` (a
             :class:`~tformer.models.decoder.DecoderLM`): the head runs at labelled positions only.
+        share_prefix: with ``labelled_only``, run the tokens every row of a batch begins with once
+            (:mod:`tformer.training.shared_prefix`; used only where the model allows it exactly).
     """
 
     eval_at_start = True
 
     def __init__(self, train: list, val: list, cfg, tokenizer, pad_id: int, questions: list | None = None,
-                 stop_ids: tuple[int, ...] = (), decode=None, labelled_only: bool = False):
+                 stop_ids: tuple[int, ...] = (), decode=None, labelled_only: bool = False,
+                 share_prefix: bool = False):
         self.train, self.val, self.cfg, self.tokenizer, self.pad_id = train, val, cfg, tokenizer, pad_id
         self.questions, self.stop_ids, self.decode = questions or [], tuple(stop_ids), decode or tokenizer.decode
-        self.labelled_only = labelled_only
+        self.labelled_only, self.share_prefix = labelled_only, share_prefix and labelled_only
         mean = sum(len(x) - 1 for x, _ in train) / len(train)
         self.tokens_per_step = round(cfg.batch_size * mean)       # the mean: batches differ in length
         # greedy answers stop after the longest reference answer's tokens and a few more (a longer one is wrong)
@@ -63,6 +67,8 @@ class FinetuneTask(Task):
         return pad_batch([self.train[i] for i in idx.tolist()], self.pad_id)
 
     def loss(self, forward, batch) -> torch.Tensor:
+        if self.share_prefix and can_share(forward):       # the plain model (not DDP / compiled)
+            return prefix_shared_loss(forward, batch["ids"], batch["targets"], self.pad_id)
         if self.labelled_only:
             return forward(batch["ids"], batch["targets"], labelled_only=True)[1]
         return forward(batch["ids"], batch["targets"])[1]
