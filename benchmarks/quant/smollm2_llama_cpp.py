@@ -184,7 +184,7 @@ def main() -> None:
         xr = med([a[1] / b[1] for a, b in zip(r["tformer"], r["llama_repack"])])
         gbs = decode_bytes(paths[f]) * td / 1e9
         lines.append(f"| {f} | {tp:.0f} | {lp:.0f} | {xp:.2f} | {td:.1f} | {ld:.1f} | {xd:.2f} | {rd:.1f} | {xr:.2f} | "
-                     f"{gbs:.1f} ({gbs / bw:.0%}) | {acc[f]['greedy_equal']:.0%} | {acc[f]['max_logit_error']:.2f} |")
+                     f"{md:.1f} | {xm:.2f} | {gbs:.1f} ({gbs / bw:.0%}) | {acc[f]['greedy_equal']:.0%} | {acc[f]['max_logit_error']:.2f} |")
         out["formats"][f] = {"rounds": r, "accuracy": acc[f], "file": str(paths[f])}
     text = "\n".join(lines) + "\n"
     print(text)
