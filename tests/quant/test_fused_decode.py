@@ -61,19 +61,48 @@ def test_fused_equals_module_path(fmt, path, monkeypatch):
 
 
 @needs_tiles
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_fused_static_rows_equal_module_path(fmt):
+    """The server's pool: a static state, row 0 left-padded (2 fewer real tokens), decoded through a
+    view of both rows and the first 24 keys, with explicit per-row positions, as KVPool.decode does."""
+    model = set_precision(tiny(), fmt)
+    ids = torch.tensor([[0, 0, 3, 17, 5, 42, 8], [9, 1, 30, 7, 7, 60, 4]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    fused, plain = (model.new_state(2, 40, static=True) for _ in range(2))
+    tok = torch.tensor([[5], [6]])
+    with torch.inference_mode():
+        for s in (fused, plain):
+            prefill(model, ids, s, attention_mask=mask)
+        for _ in range(10):
+            at = fused.valid.sum(-1)                          # (2,) real tokens held: the positions
+            assert torch.equal(at, plain.valid.sum(-1))
+            a = fused_decode.decode(model, tok, fused.rows(0, 2, keys=24), positions=at[:, None])
+            b = decode_logits(model, tok, plain.rows(0, 2, keys=24), positions=at[:, None])
+            assert a is not None
+            assert (a - b).abs().max() <= 2e-3 * b.abs().max(), float((a - b).abs().max())
+            assert torch.equal(fused.index, plain.index) and torch.equal(fused.valid, plain.valid)
+            tok = b.argmax(-1, keepdim=True)
+    for s, t in zip(fused.layers, plain.layers):
+        assert (s.k - t.k).abs().max() <= 1e-4 * t.k.abs().max()
+
+
+@needs_tiles
 def test_decode_step_takes_the_fused_path_and_falls_back(monkeypatch):
     model, (state, _) = pair("q4_1")
     calls = []
     real = torch.ops.tformer_qgemv.decode_layer
-    monkeypatch.setattr(fused_decode, "decode", lambda *a, _d=fused_decode.decode: calls.append(1) or _d(*a))
+    monkeypatch.setattr(fused_decode, "decode", lambda *a, _d=fused_decode.decode, **kw: calls.append(1) or _d(*a, **kw))
     with torch.inference_mode():
         decode_step(model, torch.tensor([[1], [2]]), state)
         assert calls and state.length == 8
-        # an attention mask, explicit positions or a static state go to the module path
-        decode_step(model, torch.tensor([[1], [2]]), state, attention_mask=torch.ones(2, 1))
+        # on an eager state an attention mask or explicit positions go to the module path
+        assert fused_decode.decode(model, torch.tensor([[1], [2]]), state, attention_mask=torch.ones(2, 1)) is None
+        assert fused_decode.decode(model, torch.tensor([[1], [2]]), state, positions=torch.tensor([[8], [8]])) is None
         static = model.new_state(2, 40, static=True)
         prefill(model, torch.tensor([[1, 2], [3, 4]]), static)
-        assert fused_decode.decode(model, torch.tensor([[1], [2]]), static) is None
+        n = len(calls)
+        decode_step(model, torch.tensor([[1], [2]]), static)          # a static step: fused, length kept
+        assert len(calls) == n + 1 and static.length == 3 and static.index.tolist() == [3, 3]
         monkeypatch.setenv(fused_decode.SWITCH, "0")
         assert fused_decode.decode(model, torch.tensor([[1], [2]]), state) is None
     assert real is torch.ops.tformer_qgemv.decode_layer

@@ -17,9 +17,10 @@ It applies when everything it does not implement is absent (:func:`plan` says wh
 the module path runs unchanged): a pre-norm RMSNorm + SwiGLU + RoPE (rotate-half) stack of
 :class:`~tformer.mixers.attention.MultiHeadAttention` layers without biases, QK-norm, sliding
 window, ALiBi, logit soft-cap or hooks, every product a :class:`BlockLinear` on a SIMD tile path,
-float32; and a call it can serve: one token per row, an eager float32 :class:`KVCache` per layer
-(contiguous), every row holding the same ``state.length`` tokens without padding, no explicit
-positions or attention mask (what ``generate`` and the benchmark pass at batch 1).
+float32; and a call it can serve (:func:`decode`): one token per row over float32 caches, either an
+eager :class:`KVCache` per layer with every row holding the same ``state.length`` tokens without
+padding (what ``generate`` and the benchmark pass), or a static state (the server's pool: per-row
+write index, position and real keys).
 ``TFORMER_FUSED_DECODE=0`` turns it off (A/B runs, tests of the module path).
 """
 
@@ -102,7 +103,9 @@ def plan(model) -> Plan | None:
     (cached on the model; the reason is in ``model._fused_why``)."""
     path = qgemv.path()
     cached = getattr(model, "_fused_plan", None)
-    key = (path, model.training, id(model.blocks[0].attn.qkv_proj) if hasattr(model, "blocks") else None)
+    # re-planned when the path, the mode or the layers' products change (set_precision swaps them)
+    first = getattr(model.blocks[0].attn, "qkv_proj", None) if len(getattr(model, "blocks", ())) else None
+    key = (path, model.training, id(first))
     if cached is not None and cached[0] == key:
         return cached[1]
     why = _why_not(model) if qgemv.load() is not None else "the kernels are not built"
@@ -112,42 +115,64 @@ def plan(model) -> Plan | None:
     return p
 
 
-def applies(state, tokens: Tensor, positions, attention_mask) -> bool:
-    """Whether the call is one :func:`decode` serves (see the module docstring)."""
+def _caches_fit(state, B: int, static: bool) -> bool:
     from tformer.mixers.kv_cache import KVCache, StaticKVCache
 
-    if positions is not None or attention_mask is not None or state is None or getattr(state, "static", False):
-        return False
-    if tokens.dim() != 2 or tokens.shape[1] != 1 or state.length >= state.max_len or state.length == 0:
-        return False
     for s in state.layers:
-        if type(s) is not KVCache or isinstance(s, StaticKVCache) or s.k.dtype != torch.float32 \
-                or not s.k.is_contiguous() or not s.v.is_contiguous() or s.k.shape[0] != tokens.shape[0]:
+        if (type(s) is not (StaticKVCache if static else KVCache) or s.k.dtype != torch.float32
+                or s.k.shape[0] != B or s.k.stride(3) != 1 or s.k.stride() != s.v.stride()):
             return False
-    # no padding held: every row's first ``length`` positions are real
-    return bool(state.valid[:, :state.length].all())
+    return True
 
 
 def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
-def decode(model, tokens: Tensor, state) -> Tensor | None:
-    """The fused decode step: ``tokens (B, 1)`` -> logits ``(B, vocab)``, writing every layer's cache at
-    ``state.length`` and advancing the state; ``None`` (nothing touched) when it does not apply."""
-    if not enabled():
+def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
+           attention_mask: Tensor | None = None) -> Tensor | None:
+    """The fused decode step: ``tokens (B, 1)`` -> logits ``(B, vocab)``, writing every layer's cache
+    and advancing the state as the module path does; ``None`` (nothing touched) when it does not apply.
+
+    Eager state: no ``positions`` or ``attention_mask``, every row holding ``state.length`` real
+    tokens; each row writes and is rotated at ``state.length``. Static state (the server's pool):
+    row ``b`` writes at ``state.index[b]``, is rotated at ``positions[b]`` (default: its count of
+    real tokens held) and attends over the keys ``state.valid`` marks real up to that index (its
+    own token real unless ``attention_mask`` says padding); ``state.index`` then advances by one.
+    """
+    if not enabled() or state is None or tokens.dim() != 2 or tokens.shape[1] != 1:
         return None
     p = plan(model)
-    if p is None or not applies(state, tokens, None, None):
+    B = tokens.shape[0]
+    static = bool(getattr(state, "static", False))
+    if p is None or not state.layers or not _caches_fit(state, B, static):
         return None
-    pos = state.length
-    p.rope.ensure(pos + 1)
-    cos, sin = p.rope.cos[pos].contiguous(), p.rope.sin[pos].contiguous()           # (hs,)
-    x = model.tok_emb(tokens).reshape(tokens.shape[0], -1).float().contiguous()     # (B, C)
+    L = state.layers[0].k.shape[2]
+    if static:
+        index = state.index                                                         # (B,)
+        if int(index.max()) >= L:
+            return None                                  # the module path says what is wrong
+        at = positions[:, -1] if positions is not None else state.valid.sum(-1)    # (B,) before this token
+        real = attention_mask[:, -1].bool() if attention_mask is not None else True
+        state.valid[torch.arange(B), index] = real
+        write, at, valid = index.contiguous(), at.long().contiguous(), state.valid
+    else:
+        pos = state.length
+        if positions is not None or attention_mask is not None or pos >= state.max_len or pos == 0 \
+                or not bool(state.valid[:, :pos].all()):
+            return None
+        write = at = torch.full((B,), pos, dtype=torch.long)
+        valid = None
+    p.rope.ensure(max(L, state.max_len))
+    x = model.tok_emb(tokens).reshape(B, -1).float().contiguous()                  # (B, C)
     op = torch.ops.tformer_qgemv.decode_layer
     for (g1, (wqkv, wo, wg, wu, wd), g2, fmts), s in zip(p.layers, state.layers):
-        op(x, g1, p.eps, wqkv, wo, g2, wg, wu, wd, fmts, p.dims, s.k, s.v, pos, cos, sin, p.path_id)
-    state.valid[:, pos] = True
-    state.advance(pos + 1)
+        op(x, g1, p.eps, wqkv, wo, g2, wg, wu, wd, fmts, p.dims, s.k, s.v, write, at, valid,
+           p.rope.cos, p.rope.sin, p.path_id)
+    if static:
+        state.index.add_(1)
+    else:
+        state.valid[:, pos] = True
+        state.advance(pos + 1)
     logits = model.lm_head(model.final_norm(x[:, None]))                            # (B, 1, vocab)
     return logits[:, -1]

@@ -522,13 +522,17 @@ at::Tensor qgemm_tiles(const at::Tensor& tiles, int64_t fmt, int64_t N, const at
 }
 
 // ---------------------------------------------------------------- one fused decode layer -----
-// A pre-norm Llama block (RMSNorm, GQA attention with rotate-half RoPE over an eager KV cache,
-// SwiGLU) for B rows that each hold `pos` tokens, one new token each, all in one call:
+// A pre-norm Llama block (RMSNorm, GQA attention with rotate-half RoPE over a KV cache, SwiGLU)
+// for B rows, one new token each, all in one call. Row b writes its key and value at cache index
+// w_b = write_index[b], is rotated at position p_b = positions[b] and attends over the keys
+// j <= w_b that valid[b, j] marks real (all of them without `valid`): an eager cache has
+// w_b = p_b = the length held; a static one (the server's pool) its per-row index and count.
 //   h = x / sqrt(mean(x^2) + eps) * g_attn                   (RMSNorm; sum of squares in double)
 //   [q | k | v] = h . Wqkv^T                                 (one tile product, h quantised once)
-//   q, k <- q cos_pos + rot(q) sin_pos, rot(u) = [-u_hi, u_lo]   (each head, hs/2 halves)
-//   K[pos] <- k, V[pos] <- v                                 (the cache buffers (B, nkv, L, hs))
-//   o_h = sum_j softmax_j(q_h . K_j / sqrt(hs)) V_j, j <= pos (head h reads kv head h / (nh/nkv))
+//   q, k <- q cos[p_b] + rot(q) sin[p_b], rot(u) = [-u_hi, u_lo]   (each head, hs/2 halves)
+//   K[w_b] <- k, V[w_b] <- v                                 (the cache buffers (B, nkv, L, hs))
+//   o_h = sum_j softmax_j(q_h . K_j / sqrt(hs)) V_j over the real j <= w_b (zero if there is none;
+//                                                            head h reads kv head h / (nh/nkv))
 //   x <- x + o . Wo^T
 //   h = RMSNorm(x) g_ffn;  x <- x + (silu(h Wg^T) * (h Wu^T)) . Wd^T   (h quantised once for gate, up)
 // Every product is the tile kernel of qgemm_tiles, so the arithmetic equals the module path's
@@ -554,7 +558,8 @@ void rope_head(float* u, const float* cos, const float* sin, int64_t hs) {
 void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, const at::Tensor& qkv,
                   const at::Tensor& wo, const at::Tensor& ffn_norm, const at::Tensor& gate, const at::Tensor& up,
                   const at::Tensor& down, at::IntArrayRef fmts, at::IntArrayRef dims, const at::Tensor& k_cache,
-                  const at::Tensor& v_cache, int64_t pos, const at::Tensor& cos, const at::Tensor& sin, int64_t path) {
+                  const at::Tensor& v_cache, const at::Tensor& write_index, const at::Tensor& positions,
+                  const c10::optional<at::Tensor>& valid, const at::Tensor& cos, const at::Tensor& sin, int64_t path) {
   TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "decode_layer: this CPU cannot run path ", path);
   TORCH_CHECK(fmts.size() == 5 && dims.size() == 4, "decode_layer: fmts (qkv, o, gate, up, down), dims (nh, nkv, hs, d_ff)");
   for (auto f : fmts) TORCH_CHECK(f >= 0 && f <= 2, "decode_layer: a format must be 0, 1 or 2");
@@ -564,13 +569,30 @@ void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, 
   const int64_t B = x.size(0), C = x.size(1), Q = nh * hs, KV = nkv * hs, NQKV = Q + 2 * KV;
   TORCH_CHECK(C % 32 == 0 && Q % 32 == 0 && F % 32 == 0, "decode_layer: widths must be multiples of 32");
   for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->dim() == 4 && c->scalar_type() == at::kFloat && c->is_contiguous() && c->size(0) == B &&
-                    c->size(1) == nkv && c->size(3) == hs && pos >= 0 && pos < c->size(2),
-                "decode_layer: the caches must be contiguous float32 (B, nkv, L, hs) with pos < L");
+    TORCH_CHECK(c->dim() == 4 && c->scalar_type() == at::kFloat && c->stride(3) == 1 && c->size(0) == B &&
+                    c->size(1) == nkv && c->size(3) == hs && c->strides() == k_cache.strides(),
+                "decode_layer: the caches must be float32 (B, nkv, L, hs), each head's vector contiguous");
+  // the caches may be views (a row range and a key prefix of the server's pool): strided access
+  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), s2 = k_cache.stride(2);
+  const int64_t L = k_cache.size(2);
+  for (const at::Tensor* t : {&write_index, &positions})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B,
+                "decode_layer: write_index and positions must be contiguous int64 (B,)");
+  TORCH_CHECK(!valid.has_value() || (valid->scalar_type() == at::kBool && valid->stride(1) == 1 &&
+                                     valid->dim() == 2 && valid->size(0) == B && valid->size(1) == L),
+              "decode_layer: valid must be bool (B, L), rows contiguous");
+  const int64_t vs = valid.has_value() ? valid->stride(0) : 0;
   for (const at::Tensor* t : {&attn_norm, &ffn_norm})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == C, "decode_layer: norm weights (C,) float32");
   for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == hs, "decode_layer: cos/sin rows (hs,) float32");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(1) == hs,
+                "decode_layer: cos/sin tables (P, hs) float32");
+  const int64_t* wi = write_index.data_ptr<int64_t>();
+  const int64_t* pi = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(wi[b] >= 0 && wi[b] < L && pi[b] >= 0 && pi[b] < cos.size(0),
+                "decode_layer: a write index past the cache or a position past the rotary table");
+  const bool* vp = valid.has_value() ? valid->data_ptr<bool>() : nullptr;
   const TileMatrix Wqkv = tile_matrix(qkv, fmts[0], NQKV, path, "decode_layer qkv");
   const TileMatrix Wo = tile_matrix(wo, fmts[1], C, path, "decode_layer out");
   const TileMatrix Wg = tile_matrix(gate, fmts[2], F, path, "decode_layer gate");
@@ -580,7 +602,7 @@ void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, 
               "decode_layer: the weights' widths do not match x and the head layout");
 
   float* xp = x.data_ptr<float>();
-  const int64_t L = k_cache.size(2), group = nh / nkv;
+  const int64_t group = nh / nkv;
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -594,35 +616,39 @@ void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, 
   tile_product(Wqkv, a, nullptr, proj.data());                          // (B, NQKV): q heads, k heads, v heads
   for (int64_t b = 0; b < B; ++b) {
     float* r = proj.data() + b * NQKV;
-    for (int64_t j = 0; j < nh + nkv; ++j) rope_head(r + j * hs, cp, sp, hs);   // q and k heads rotated
+    for (int64_t j = 0; j < nh + nkv; ++j) rope_head(r + j * hs, cp + pi[b] * hs, sp + pi[b] * hs, hs);   // q, k rotated
     for (int64_t j = 0; j < nkv; ++j) {
-      std::memcpy(kc + ((b * nkv + j) * L + pos) * hs, r + Q + j * hs, hs * sizeof(float));
-      std::memcpy(vc + ((b * nkv + j) * L + pos) * hs, r + Q + KV + j * hs, hs * sizeof(float));
+      std::memcpy(kc + b * s0 + j * s1 + wi[b] * s2, r + Q + j * hs, hs * sizeof(float));
+      std::memcpy(vc + b * s0 + j * s1 + wi[b] * s2, r + Q + KV + j * hs, hs * sizeof(float));
     }
   }
   const float scale = 1.0f / std::sqrt(float(hs));
-  const int64_t n = pos + 1;
   at::parallel_for(0, B * nh, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(n), o(hs);
+    std::vector<float> p(L), o(hs);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / nh, hd = i % nh, kvh = hd / group;
+      const int64_t b = i / nh, hd = i % nh, kvh = hd / group, n = wi[b] + 1;
+      const bool* real = vp ? vp + b * vs : nullptr;
       const float* q = proj.data() + b * NQKV + hd * hs;
-      const float* K = kc + (b * nkv + kvh) * L * hs;
-      const float* V = vc + (b * nkv + kvh) * L * hs;
+      const float* K = kc + b * s0 + kvh * s1;                          // key j at K + j s2
+      const float* V = vc + b * s0 + kvh * s1;
       float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
+        if (real && !real[j]) { p[j] = -INFINITY; continue; }
         float s = 0.0f;
-        for (int64_t e = 0; e < hs; ++e) s += q[e] * K[j * hs + e];
+        for (int64_t e = 0; e < hs; ++e) s += q[e] * K[j * s2 + e];
         p[j] = s * scale;
         mx = std::max(mx, p[j]);
       }
       float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - mx));
       std::fill(o.begin(), o.end(), 0.0f);
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t e = 0; e < hs; ++e) o[e] += p[j] * V[j * hs + e];
+      if (mx != -INFINITY) {                                            // at least one real key
+        for (int64_t j = 0; j < n; ++j) sum += (p[j] = real && !real[j] ? 0.0f : std::exp(p[j] - mx));
+        for (int64_t j = 0; j < n; ++j)
+          if (p[j] != 0.0f)
+            for (int64_t e = 0; e < hs; ++e) o[e] += p[j] * V[j * s2 + e];
+      }
       float* dst = att.data() + b * Q + hd * hs;
-      for (int64_t e = 0; e < hs; ++e) dst[e] = o[e] / sum;
+      for (int64_t e = 0; e < hs; ++e) dst[e] = sum > 0.0f ? o[e] / sum : 0.0f;
     }
   });
   a.quantize(att.data(), B, Q);
@@ -651,7 +677,7 @@ TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("qgemm_tiles(Tensor tiles, int fmt, int N, Tensor x, Tensor? bias, int path) -> Tensor");
   m.def("decode_layer(Tensor(a!) x, Tensor attn_norm, float eps, Tensor qkv, Tensor wo, Tensor ffn_norm, "
         "Tensor gate, Tensor up, Tensor down, int[] fmts, int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-        "int pos, Tensor cos, Tensor sin, int path) -> ()");
+        "Tensor write_index, Tensor positions, Tensor? valid, Tensor cos, Tensor sin, int path) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
