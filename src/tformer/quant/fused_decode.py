@@ -27,6 +27,7 @@ write index, position and real keys).
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -35,6 +36,9 @@ from tformer.quant.block_linear import BlockLinear
 
 Tensor = torch.Tensor
 SWITCH = "TFORMER_FUSED_DECODE"
+# model -> (key, Plan or None, reason): kept beside the model, not on it (generation leaves a model's
+# attributes as they were)
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _why_not(model) -> str | None:
@@ -53,9 +57,6 @@ def _why_not(model) -> str | None:
         return "a soft-cap, an embedding norm or scale, or a position or token-type table"
     if model.training or model.hooks is not None or not isinstance(model.final_norm, RMSNorm):
         return "training, hooks or no final RMSNorm"
-    path = qgemv.path()
-    if path not in qgemv.TILE_ROWS:
-        return f"kernel path {path} has no tiles"
     for b in model.blocks:
         a, f = b.attn, b.ffn
         if type(a) is not MultiHeadAttention or not isinstance(f, SwiGLU) or b.cross_attn is not None:
@@ -69,6 +70,12 @@ def _why_not(model) -> str | None:
         for lin in (a.qkv_proj, a.out_proj, f.gate, f.up, f.down):
             if not isinstance(lin, BlockLinear) or lin.bias is not None:
                 return "a product that is not a bias-free BlockLinear"
+    # only now the kernels (their first use builds them): a float model never pays for the build
+    if qgemv.load() is None:
+        return "the kernels are not built"
+    path = qgemv.path()
+    if path not in qgemv.TILE_ROWS:
+        return f"kernel path {path} has no tiles"
     return None
 
 
@@ -100,19 +107,24 @@ def _tiles(lin: BlockLinear, path: str) -> Tensor:
 
 def plan(model) -> Plan | None:
     """The model's fused-decode plan for the current kernel path, or ``None`` where it does not apply
-    (cached on the model; the reason is in ``model._fused_why``)."""
-    path = qgemv.path()
-    cached = getattr(model, "_fused_plan", None)
-    # re-planned when the path, the mode or the layers' products change (set_precision swaps them)
-    first = getattr(model.blocks[0].attn, "qkv_proj", None) if len(getattr(model, "blocks", ())) else None
-    key = (path, model.training, id(first))
+    (:func:`reason` says why). Made once per model; made again when the forced kernel path, the
+    mode or the layers' products change (set_precision swaps them)."""
+    blocks = getattr(model, "blocks", None)
+    first = getattr(blocks[0].attn, "qkv_proj", None) if blocks is not None and len(blocks) else None
+    key = (os.environ.get(qgemv.FORCED), model.training, id(first))
+    cached = _PLANS.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]
-    why = _why_not(model) if qgemv.load() is not None else "the kernels are not built"
-    p = Plan(model, path) if why is None else None
-    object.__setattr__(model, "_fused_plan", (key, p))
-    object.__setattr__(model, "_fused_why", why)
+    why = _why_not(model)
+    p = Plan(model, qgemv.path()) if why is None else None
+    _PLANS[model] = (key, p, why)
     return p
+
+
+def reason(model) -> str | None:
+    """Why :func:`plan` gave ``None`` for ``model`` (``None``: it has a plan, or none was asked yet)."""
+    cached = _PLANS.get(model)
+    return cached[2] if cached is not None else None
 
 
 def _caches_fit(state, B: int, static: bool) -> bool:
