@@ -8,7 +8,9 @@ exporter writes from the float32 import of that file (``save_gguf(model, path, k
 Goals (issue 24, stated before the run): decode and prefill tok/s >= 1.0x llama.cpp's for every
 format; q8_0 greedy tokens agree with the float32 import on >= 95% of 32.
 
-Per round and format: tformer prefill (128 random ids) and decode (64 greedy tokens); llama.cpp the
+Per round and format: tformer prefill (128 random ids) and decode (64 greedy tokens; the fused
+decode layer of ``tformer.quant.fused_decode``, one C++ call per layer); tformer's module path
+(``TFORMER_FUSED_DECODE=0``: every op from Python, as before the fused layer), decode only; llama.cpp the
 same with weight repacking off (``repack=False``: llama-cpp-python 0.3.36 crashes with repacking on
 batches of more than one token on this Xeon); and llama.cpp with repacking on (its default), decode
 only (the prompt fed one token at a time, not timed as prefill). Medians over rounds; ratios are
@@ -26,6 +28,7 @@ Writes benchmarks/results/quant/smollm2_llama_cpp[-TAG].md and .json.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -86,6 +89,15 @@ def tformer_speed(model, ids: list[int], n: int) -> tuple[float, float]:
     return len(ids) / (t1 - t0), n / (t2 - t1)
 
 
+def module_speed(model, ids: list[int], n: int) -> float:
+    """tformer's decode tok/s with the fused layer switched off (the module path)."""
+    os.environ["TFORMER_FUSED_DECODE"] = "0"
+    try:
+        return tformer_speed(model, ids, n)[1]
+    finally:
+        os.environ.pop("TFORMER_FUSED_DECODE")
+
+
 def llama_speed(cpp: LlamaCpp, ids: list[int], n: int, one_by_one: bool) -> tuple[float, float]:
     cpp.llm.reset()
     t0 = time.perf_counter()
@@ -142,10 +154,11 @@ def main() -> None:
         tformer_speed(models[f], ids[:16], 4)
         llama_speed(cpp[f], ids[:16], 4, False)
         llama_speed(cpp_rp[f], ids[:4], 4, True)
-    rows = {f: {"tformer": [], "llama": [], "llama_repack": []} for f in FORMATS}
+    rows = {f: {"tformer": [], "module": [], "llama": [], "llama_repack": []} for f in FORMATS}
     for _ in range(args.rounds):
         for f in FORMATS:
             rows[f]["tformer"].append(tformer_speed(models[f], ids, args.new))
+            rows[f]["module"].append(module_speed(models[f], ids, args.new))
             rows[f]["llama"].append(llama_speed(cpp[f], ids, args.new, False))
             rows[f]["llama_repack"].append(llama_speed(cpp_rp[f], ids, args.new, True))
     bw = read_bandwidth()
@@ -155,20 +168,23 @@ def main() -> None:
              f"{args.prompt}-token prefill, {args.new} decoded tokens, {args.rounds} alternated rounds; "
              f"measured read bandwidth {bw:.1f} GB/s (`read_bandwidth()`, best of 9).", "",
              "| format | tformer prefill tok/s | llama.cpp prefill | × | tformer decode tok/s | llama.cpp decode "
-             "(no repack) | × | llama.cpp decode (repack) | × | tformer GB/s (share) | greedy = fp32 (of 32) | max logit err |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(no repack) | × | llama.cpp decode (repack) | × | tformer module path decode | fused × module | "
+             "tformer GB/s (share) | greedy = fp32 (of 32) | max logit err |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     out = {"threads": args.threads, "bandwidth_gbs": bw, "formats": {}}
     for f in FORMATS:
         r = rows[f]
         tp, td = med([a[0] for a in r["tformer"]]), med([a[1] for a in r["tformer"]])
         lp, ld = med([a[0] for a in r["llama"]]), med([a[1] for a in r["llama"]])
         rd = med([a[1] for a in r["llama_repack"]])
+        md = med(r["module"])
+        xm = med([a[1] / b for a, b in zip(r["tformer"], r["module"])])
         xp = med([a[0] / b[0] for a, b in zip(r["tformer"], r["llama"])])
         xd = med([a[1] / b[1] for a, b in zip(r["tformer"], r["llama"])])
         xr = med([a[1] / b[1] for a, b in zip(r["tformer"], r["llama_repack"])])
         gbs = decode_bytes(paths[f]) * td / 1e9
         lines.append(f"| {f} | {tp:.0f} | {lp:.0f} | {xp:.2f} | {td:.1f} | {ld:.1f} | {xd:.2f} | {rd:.1f} | {xr:.2f} | "
-                     f"{gbs:.1f} ({gbs / bw:.0%}) | {acc[f]['greedy_equal']:.0%} | {acc[f]['max_logit_error']:.2f} |")
+                     f"{md:.1f} | {xm:.2f} | {gbs:.1f} ({gbs / bw:.0%}) | {acc[f]['greedy_equal']:.0%} | {acc[f]['max_logit_error']:.2f} |")
         out["formats"][f] = {"rounds": r, "accuracy": acc[f], "file": str(paths[f])}
     text = "\n".join(lines) + "\n"
     print(text)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from tformer.errors import InputError
+from tformer.quant import fused_decode
 
 Tensor = torch.Tensor
 
@@ -96,6 +97,12 @@ def decode_step(model, tokens: Tensor, state, *, attention_mask: Tensor | None =
         return model.decode_step(tokens, state)[:, -1]                         # (B, vocab)
     if compiled and not getattr(state, "static", False):
         raise InputError("compiled=True needs a static state: make it with model.new_state(B, max_len, static=True).")
+    if not compiled:
+        # a block-quantised Llama-shaped model: one C++ call per layer (None: the module path below)
+        logits = fused_decode.decode(model, tokens, state, positions, attention_mask)
+        if logits is not None:
+            _count_static_token(state, 1)
+            return logits
     logits = (compiled_decode() if compiled else decode_logits)(model, tokens, state, positions, attention_mask)
     _count_static_token(state, 1)
     return logits

@@ -436,17 +436,77 @@ T_VNNI void tile_vnni(const uint8_t* w, const XRow& x, int64_t G, float* out) {
 }
 #endif
 
+// M activation rows quantised once (codes, scales, per-block sums): what every tile product reads.
+// A fused decode layer quantises the normed row once and hands it to q/k/v (one matrix) and to
+// both gate and up.
+struct QAct {
+  int64_t M = 0, K = 0, G = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> corr, s;
+
+  void quantize(const float* x, int64_t rows, int64_t k) {
+    M = rows, K = k, G = k / 32;
+    q.resize(M * K), d.resize(M * G), ds.resize(M * G), corr.resize(M * G * 8), s.resize(M * G);
+    for (int64_t m = 0; m < M; ++m) {
+      quantize_row(Q4_0, x + m * K, K, q.data() + m * K, d.data() + m * G, corr.data() + m * G * 8, ds.data() + m * G);
+      for (int64_t g = 0; g < G; ++g) s[m * G + g] = corr[(m * G + g) * 8] / -8;
+    }
+  }
+  XRow row(int64_t m) const { return XRow{q.data() + m * K, d.data() + m * G, s.data() + m * G, ds.data() + m * G}; }
+};
+
+using TileFn = void (*)(const uint8_t*, const XRow&, int64_t, float*);
+
+TileFn tile_fn(int64_t path, int64_t fmt) {
+#ifdef TFORMER_X86
+  static const TileFn avx2[3] = {&tile_avx2<Q8_0>, &tile_avx2<Q4_0>, &tile_avx2<Q4_1>};
+  static const TileFn vnni[3] = {&tile_vnni<Q8_0>, &tile_vnni<Q4_0>, &tile_vnni<Q4_1>};
+  return path == AVX2 ? avx2[fmt] : vnni[fmt];
+#else
+  return nullptr;
+#endif
+}
+
+// A weight held as tiles: T tiles of R rows, N real rows, fmt, G blocks per row.
+struct TileMatrix {
+  const uint8_t* w;
+  int64_t T, R, N, G, row_bytes;
+  TileFn fn;
+};
+
+TileMatrix tile_matrix(const at::Tensor& tiles, int64_t fmt, int64_t N, int64_t path, const char* what) {
+  const int64_t R = path == AVX2 ? 8 : 16, tb = tile_block_bytes(fmt, R);
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.size(1) % tb == 0 && N <= tiles.size(0) * R && N > (tiles.size(0) - 1) * R,
+              what, ": tiles must be repack(blocks, fmt, ", R, ") of a weight with ", N, " rows");
+  return TileMatrix{tiles.data_ptr<uint8_t>(), tiles.size(0), R, N, tiles.size(1) / tb, tiles.size(1), tile_fn(path, fmt)};
+}
+
+// y (M, N) = act (M, K) . W^T (+ bias), tiles split between torch's threads.
+void tile_product(const TileMatrix& W, const QAct& a, const float* bias, float* y) {
+  // a task: enough tiles for ~32 KB of weight (fork/join costs more than a small matrix's work)
+  const int64_t grain = std::max<int64_t>(1, 32768 / W.row_bytes);
+  at::parallel_for(0, W.T, grain, [&](int64_t t0, int64_t t1) {
+    float tmp[16];
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m = 0; m < a.M; ++m) {
+        W.fn(W.w + t * W.row_bytes, a.row(m), W.G, tmp);
+        const int64_t n0 = t * W.R, n1 = std::min(W.N, n0 + W.R);
+        float* out = y + m * W.N;
+        for (int64_t n = n0; n < n1; ++n) out[n] = tmp[n - n0] + (bias ? bias[n] : 0.0f);
+      }
+  });
+}
+
 // The op on tiles: tiles (T, G * R * bytes) from repack(), N <= T R outputs, path avx2 (R 8) or
 // avx512vnni (R 16). x (M, K) -> y (M, N) in x's dtype.
 at::Tensor qgemm_tiles(const at::Tensor& tiles, int64_t fmt, int64_t N, const at::Tensor& x,
                        const c10::optional<at::Tensor>& bias, int64_t path) {
   TORCH_CHECK(fmt >= 0 && fmt <= 2, "qgemm_tiles: fmt must be 0, 1 or 2");
   TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "qgemm_tiles: this CPU cannot run path ", path);
-  const int64_t R = path == AVX2 ? 8 : 16, tb = tile_block_bytes(fmt, R);
-  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
-                  tiles.size(1) % tb == 0 && N <= tiles.size(0) * R && N > (tiles.size(0) - 1) * R,
-              "qgemm_tiles: tiles must be repack(blocks, fmt, ", R, ") of an (N, K) weight");
-  const int64_t T = tiles.size(0), G = tiles.size(1) / tb, K = 32 * G;
+  const TileMatrix W = tile_matrix(tiles, fmt, N, path, "qgemm_tiles");
+  const int64_t K = 32 * W.G;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qgemm_tiles: x must be (M, ", K, ")");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "qgemm_tiles: bias must be contiguous float32 (N,)");
@@ -454,40 +514,158 @@ at::Tensor qgemm_tiles(const at::Tensor& tiles, int64_t fmt, int64_t N, const at
               "qgemm_tiles: x must be float32, bfloat16 or float16");
   const int64_t M = x.size(0);
   at::Tensor xf = x.to(at::kFloat).contiguous();
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * G), ds(M * G);
-  std::vector<int32_t> corr(M * G * 8), s(M * G);
-  const float* xp = xf.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_row(Q4_0, xp + m * K, K, q.data() + m * K, d.data() + m * G, corr.data() + m * G * 8, ds.data() + m * G);
-    for (int64_t g = 0; g < G; ++g) s[m * G + g] = corr[(m * G + g) * 8] / -8;
-  }
+  QAct a;
+  a.quantize(xf.data_ptr<float>(), M, K);
   at::Tensor yf = at::empty({M, N}, xf.options());
-  float* yp = yf.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const uint8_t* wp = tiles.data_ptr<uint8_t>();
-  using TileFn = void (*)(const uint8_t*, const XRow&, int64_t, float*);
-  TileFn fn = nullptr;
-#ifdef TFORMER_X86
-  static const TileFn avx2[3] = {&tile_avx2<Q8_0>, &tile_avx2<Q4_0>, &tile_avx2<Q4_1>};
-  static const TileFn vnni[3] = {&tile_vnni<Q8_0>, &tile_vnni<Q4_0>, &tile_vnni<Q4_1>};
-  fn = path == AVX2 ? avx2[fmt] : vnni[fmt];
-#endif
-  const int64_t row_bytes = tiles.size(1);
-  // a task: enough tiles for ~32 KB of weight (fork/join costs more than a small matrix's work)
-  const int64_t grain = std::max<int64_t>(1, 32768 / row_bytes);
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    float tmp[16];
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < M; ++m) {
-        const XRow row{q.data() + m * K, d.data() + m * G, s.data() + m * G, ds.data() + m * G};
-        fn(wp + t * row_bytes, row, G, tmp);
-        const int64_t n0 = t * R, n1 = std::min(N, n0 + R);
-        float* out = yp + m * N;
-        for (int64_t n = n0; n < n1; ++n) out[n] = tmp[n - n0] + (bp ? bp[n] : 0.0f);
-      }
-  });
+  tile_product(W, a, bias.has_value() ? bias->data_ptr<float>() : nullptr, yf.data_ptr<float>());
   return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
+}
+
+// ---------------------------------------------------------------- one fused decode layer -----
+// A pre-norm Llama block (RMSNorm, GQA attention with rotate-half RoPE over a KV cache, SwiGLU)
+// for B rows, one new token each, all in one call. Row b writes its key and value at cache index
+// w_b = write_index[b], is rotated at position p_b = positions[b] and attends over the keys
+// j <= w_b that valid[b, j] marks real (all of them without `valid`): an eager cache has
+// w_b = p_b = the length held; a static one (the server's pool) its per-row index and count.
+//   h = x / sqrt(mean(x^2) + eps) * g_attn                   (RMSNorm; sum of squares in double)
+//   [q | k | v] = h . Wqkv^T                                 (one tile product, h quantised once)
+//   q, k <- q cos[p_b] + rot(q) sin[p_b], rot(u) = [-u_hi, u_lo]   (each head, hs/2 halves)
+//   K[w_b] <- k, V[w_b] <- v                                 (the cache buffers (B, nkv, L, hs))
+//   o_h = sum_j softmax_j(q_h . K_j / sqrt(hs)) V_j over the real j <= w_b (zero if there is none;
+//                                                            head h reads kv head h / (nh/nkv))
+//   x <- x + o . Wo^T
+//   h = RMSNorm(x) g_ffn;  x <- x + (silu(h Wg^T) * (h Wu^T)) . Wd^T   (h quantised once for gate, up)
+// Every product is the tile kernel of qgemm_tiles, so the arithmetic equals the module path's
+// (BlockLinear) up to the float summation order of the norm, softmax and weighted sum.
+void rms_norm_rows(const float* x, const float* g, double eps, int64_t M, int64_t C, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * C;
+    double ss = 0.0;
+    for (int64_t c = 0; c < C; ++c) ss += double(r[c]) * r[c];
+    const float inv = float(1.0 / std::sqrt(ss / double(C) + eps));
+    for (int64_t c = 0; c < C; ++c) out[m * C + c] = (r[c] * inv) * g[c];
+  }
+}
+
+void rope_head(float* u, const float* cos, const float* sin, int64_t hs) {
+  const int64_t half = hs / 2;
+  float tmp[512];
+  for (int64_t i = 0; i < hs; ++i) tmp[i] = u[i];
+  for (int64_t i = 0; i < half; ++i) u[i] = tmp[i] * cos[i] - tmp[i + half] * sin[i];
+  for (int64_t i = half; i < hs; ++i) u[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+}
+
+void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, const at::Tensor& qkv,
+                  const at::Tensor& wo, const at::Tensor& ffn_norm, const at::Tensor& gate, const at::Tensor& up,
+                  const at::Tensor& down, at::IntArrayRef fmts, at::IntArrayRef dims, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& write_index, const at::Tensor& positions,
+                  const c10::optional<at::Tensor>& valid, const at::Tensor& cos, const at::Tensor& sin, int64_t path) {
+  TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "decode_layer: this CPU cannot run path ", path);
+  TORCH_CHECK(fmts.size() == 5 && dims.size() == 4, "decode_layer: fmts (qkv, o, gate, up, down), dims (nh, nkv, hs, d_ff)");
+  for (auto f : fmts) TORCH_CHECK(f >= 0 && f <= 2, "decode_layer: a format must be 0, 1 or 2");
+  const int64_t nh = dims[0], nkv = dims[1], hs = dims[2], F = dims[3];
+  TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && hs % 2 == 0 && hs <= 512, "decode_layer: bad head layout");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decode_layer: x must be contiguous float32 (B, C)");
+  const int64_t B = x.size(0), C = x.size(1), Q = nh * hs, KV = nkv * hs, NQKV = Q + 2 * KV;
+  TORCH_CHECK(C % 32 == 0 && Q % 32 == 0 && F % 32 == 0, "decode_layer: widths must be multiples of 32");
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->dim() == 4 && c->scalar_type() == at::kFloat && c->stride(3) == 1 && c->size(0) == B &&
+                    c->size(1) == nkv && c->size(3) == hs && c->strides() == k_cache.strides(),
+                "decode_layer: the caches must be float32 (B, nkv, L, hs), each head's vector contiguous");
+  // the caches may be views (a row range and a key prefix of the server's pool): strided access
+  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), s2 = k_cache.stride(2);
+  const int64_t L = k_cache.size(2);
+  for (const at::Tensor* t : {&write_index, &positions})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B,
+                "decode_layer: write_index and positions must be contiguous int64 (B,)");
+  TORCH_CHECK(!valid.has_value() || (valid->scalar_type() == at::kBool && valid->stride(1) == 1 &&
+                                     valid->dim() == 2 && valid->size(0) == B && valid->size(1) == L),
+              "decode_layer: valid must be bool (B, L), rows contiguous");
+  const int64_t vs = valid.has_value() ? valid->stride(0) : 0;
+  for (const at::Tensor* t : {&attn_norm, &ffn_norm})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == C, "decode_layer: norm weights (C,) float32");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(1) == hs,
+                "decode_layer: cos/sin tables (P, hs) float32");
+  const int64_t* wi = write_index.data_ptr<int64_t>();
+  const int64_t* pi = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(wi[b] >= 0 && wi[b] < L && pi[b] >= 0 && pi[b] < cos.size(0),
+                "decode_layer: a write index past the cache or a position past the rotary table");
+  const bool* vp = valid.has_value() ? valid->data_ptr<bool>() : nullptr;
+  const TileMatrix Wqkv = tile_matrix(qkv, fmts[0], NQKV, path, "decode_layer qkv");
+  const TileMatrix Wo = tile_matrix(wo, fmts[1], C, path, "decode_layer out");
+  const TileMatrix Wg = tile_matrix(gate, fmts[2], F, path, "decode_layer gate");
+  const TileMatrix Wu = tile_matrix(up, fmts[3], F, path, "decode_layer up");
+  const TileMatrix Wd = tile_matrix(down, fmts[4], C, path, "decode_layer down");
+  TORCH_CHECK(Wqkv.G * 32 == C && Wo.G * 32 == Q && Wg.G * 32 == C && Wu.G * 32 == C && Wd.G * 32 == F,
+              "decode_layer: the weights' widths do not match x and the head layout");
+
+  float* xp = x.data_ptr<float>();
+  const int64_t group = nh / nkv;
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  std::vector<float> h(B * std::max(C, F)), proj(B * std::max(NQKV, 2 * F)), att(B * Q);
+  QAct a;
+
+  // attention sub-layer
+  rms_norm_rows(xp, attn_norm.data_ptr<float>(), eps, B, C, h.data());
+  a.quantize(h.data(), B, C);
+  tile_product(Wqkv, a, nullptr, proj.data());                          // (B, NQKV): q heads, k heads, v heads
+  for (int64_t b = 0; b < B; ++b) {
+    float* r = proj.data() + b * NQKV;
+    for (int64_t j = 0; j < nh + nkv; ++j) rope_head(r + j * hs, cp + pi[b] * hs, sp + pi[b] * hs, hs);   // q, k rotated
+    for (int64_t j = 0; j < nkv; ++j) {
+      std::memcpy(kc + b * s0 + j * s1 + wi[b] * s2, r + Q + j * hs, hs * sizeof(float));
+      std::memcpy(vc + b * s0 + j * s1 + wi[b] * s2, r + Q + KV + j * hs, hs * sizeof(float));
+    }
+  }
+  const float scale = 1.0f / std::sqrt(float(hs));
+  at::parallel_for(0, B * nh, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(L), o(hs);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / nh, hd = i % nh, kvh = hd / group, n = wi[b] + 1;
+      const bool* real = vp ? vp + b * vs : nullptr;
+      const float* q = proj.data() + b * NQKV + hd * hs;
+      const float* K = kc + b * s0 + kvh * s1;                          // key j at K + j s2
+      const float* V = vc + b * s0 + kvh * s1;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        if (real && !real[j]) { p[j] = -INFINITY; continue; }
+        float s = 0.0f;
+        for (int64_t e = 0; e < hs; ++e) s += q[e] * K[j * s2 + e];
+        p[j] = s * scale;
+        mx = std::max(mx, p[j]);
+      }
+      float sum = 0.0f;
+      std::fill(o.begin(), o.end(), 0.0f);
+      if (mx != -INFINITY) {                                            // at least one real key
+        for (int64_t j = 0; j < n; ++j) sum += (p[j] = real && !real[j] ? 0.0f : std::exp(p[j] - mx));
+        for (int64_t j = 0; j < n; ++j)
+          if (p[j] != 0.0f)
+            for (int64_t e = 0; e < hs; ++e) o[e] += p[j] * V[j * s2 + e];
+      }
+      float* dst = att.data() + b * Q + hd * hs;
+      for (int64_t e = 0; e < hs; ++e) dst[e] = sum > 0.0f ? o[e] / sum : 0.0f;
+    }
+  });
+  a.quantize(att.data(), B, Q);
+  tile_product(Wo, a, nullptr, h.data());                               // (B, C)
+  for (int64_t i = 0; i < B * C; ++i) xp[i] += h[i];
+
+  // feed-forward sub-layer
+  rms_norm_rows(xp, ffn_norm.data_ptr<float>(), eps, B, C, h.data());
+  a.quantize(h.data(), B, C);
+  float* g = proj.data();
+  float* u = proj.data() + B * F;
+  tile_product(Wg, a, nullptr, g);
+  tile_product(Wu, a, nullptr, u);
+  for (int64_t i = 0; i < B * F; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];   // silu(g) * u
+  a.quantize(h.data(), B, F);
+  tile_product(Wd, a, nullptr, g);                                      // (B, C)
+  for (int64_t i = 0; i < B * C; ++i) xp[i] += g[i];
 }
 
 }  // namespace
@@ -497,11 +675,15 @@ TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("paths() -> int[]");
   m.def("repack(Tensor blocks, int fmt, int R) -> Tensor");
   m.def("qgemm_tiles(Tensor tiles, int fmt, int N, Tensor x, Tensor? bias, int path) -> Tensor");
+  m.def("decode_layer(Tensor(a!) x, Tensor attn_norm, float eps, Tensor qkv, Tensor wo, Tensor ffn_norm, "
+        "Tensor gate, Tensor up, Tensor down, int[] fmts, int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor write_index, Tensor positions, Tensor? valid, Tensor cos, Tensor sin, int path) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
   m.impl("qgemm", &qgemm);
   m.impl("repack", &repack);
   m.impl("qgemm_tiles", &qgemm_tiles);
+  m.impl("decode_layer", &decode_layer);
 }
 TORCH_LIBRARY_IMPL(tformer_qgemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); }

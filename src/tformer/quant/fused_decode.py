@@ -1,0 +1,190 @@
+"""One C++ call per layer for a decode step of a block-quantised Llama-shaped model.
+
+A decode step of SmolLM2-135M is 30 layers of ~50 small torch ops each (norms, RoPE, the cache
+write, attention over the cache, SiLU, residual adds) around 5 products: at 576 wide the Python
+and dispatch cost of those ops is about as large as reading the weights. :func:`decode` runs each
+layer as one call of ``tformer_qgemv::decode_layer`` (qgemv.cpp, "one fused decode layer"):
+
+    h = RMSNorm(x) g_attn;  [q|k|v] = h Wqkvᵀ;  RoPE(q, k) at pos;  K[pos], V[pos] <- k, v
+    x += softmax(q Kᵀ / sqrt(hs)) V · Woᵀ                     (GQA: head h reads kv head h // (nh/nkv))
+    h = RMSNorm(x) g_ffn;   x += (silu(h Wgᵀ) * (h Wuᵀ)) Wdᵀ
+
+with the same tile kernels and the same activation quantisation as :class:`BlockLinear` (so the
+products are the module path's to the bit; the norm, softmax and weighted sum differ only in float
+summation order), then the final norm and the LM head as modules.
+
+It applies when everything it does not implement is absent (:func:`plan` says why not, and then
+the module path runs unchanged): a pre-norm RMSNorm + SwiGLU + RoPE (rotate-half) stack of
+:class:`~tformer.mixers.attention.MultiHeadAttention` layers without biases, QK-norm, sliding
+window, ALiBi, logit soft-cap or hooks, every product a :class:`BlockLinear` on a SIMD tile path,
+float32; and a call it can serve (:func:`decode`): one token per row over float32 caches, either an
+eager :class:`KVCache` per layer with every row holding the same ``state.length`` tokens without
+padding (what ``generate`` and the benchmark pass), or a static state (the server's pool: per-row
+write index, position and real keys).
+``TFORMER_FUSED_DECODE=0`` turns it off (A/B runs, tests of the module path).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+from tformer.quant import qgemv
+from tformer.quant.block_linear import BlockLinear
+
+Tensor = torch.Tensor
+SWITCH = "TFORMER_FUSED_DECODE"
+# model -> (key, Plan or None, reason): kept beside the model, not on it (generation leaves a model's
+# attributes as they were)
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _why_not(model) -> str | None:
+    """``None`` if the fused layer implements ``model``'s decode step, else the first reason it does not."""
+    from tformer.mixers.attention import MultiHeadAttention
+    from tformer.nn.feed_forward import SwiGLU
+    from tformer.nn.norms import RMSNorm
+
+    c = getattr(model, "config", None)
+    if c is None or not hasattr(model, "blocks") or not hasattr(model, "lm_head"):
+        return "not a decoder LM"
+    if c.norm != "rmsnorm" or c.norm_placement != "pre" or c.positions != "rope":
+        return "needs pre-norm RMSNorm and RoPE"
+    if c.logit_softcap or c.embedding_norm or c.embedding_scale or model.pos_emb is not None \
+            or getattr(model, "type_emb", None) is not None:
+        return "a soft-cap, an embedding norm or scale, or a position or token-type table"
+    if model.training or model.hooks is not None or not isinstance(model.final_norm, RMSNorm):
+        return "training, hooks or no final RMSNorm"
+    for b in model.blocks:
+        a, f = b.attn, b.ffn
+        if type(a) is not MultiHeadAttention or not isinstance(f, SwiGLU) or b.cross_attn is not None:
+            return "a layer that is not self-attention + SwiGLU"
+        if a.qk_norm or a.window is not None or a.alibi_slopes is not None or a.rope is None:
+            return "QK-norm, a window or ALiBi"
+        if not (isinstance(b.attn_norm, RMSNorm) and isinstance(b.ffn_norm, RMSNorm)):
+            return "a norm that is not RMSNorm"
+        if b.attn_norm.eps != b.ffn_norm.eps:
+            return "norms with different eps"
+        for lin in (a.qkv_proj, a.out_proj, f.gate, f.up, f.down):
+            if not isinstance(lin, BlockLinear) or lin.bias is not None:
+                return "a product that is not a bias-free BlockLinear"
+    # only now the kernels (their first use builds them): a float model never pays for the build
+    if qgemv.load() is None:
+        return "the kernels are not built"
+    path = qgemv.path()
+    if path not in qgemv.TILE_ROWS:
+        return f"kernel path {path} has no tiles"
+    return None
+
+
+class Plan:
+    """What each layer's call reads, gathered once per model and kernel path (the tiles BlockLinear
+    makes at its first call, made here if no call came yet)."""
+
+    def __init__(self, model, path: str):
+        self.path, self.path_id = path, qgemv.PATHS.index(path)
+        c = model.config
+        self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, model.blocks[0].ffn.gate.out_features]
+        self.eps = float(model.blocks[0].attn_norm.eps)
+        self.layers = []
+        for b in model.blocks:
+            lins = (b.attn.qkv_proj, b.attn.out_proj, b.ffn.gate, b.ffn.up, b.ffn.down)
+            tiles = [_tiles(lin, path) for lin in lins]
+            fmts = [qgemv.FMT[lin.fmt] for lin in lins]
+            self.layers.append((b.attn_norm.weight.detach().float().contiguous(), tiles,
+                                b.ffn_norm.weight.detach().float().contiguous(), fmts))
+        self.rope = model.blocks[0].attn.rope
+
+
+def _tiles(lin: BlockLinear, path: str) -> Tensor:
+    t = lin._tiled.get(path)
+    if t is None:
+        t = lin._tiled[path] = qgemv.tiles(lin.blocks, lin.fmt, path)
+    return t
+
+
+def plan(model) -> Plan | None:
+    """The model's fused-decode plan for the current kernel path, or ``None`` where it does not apply
+    (:func:`reason` says why). Made once per model; made again when the forced kernel path, the
+    mode or the layers' products change (set_precision swaps them)."""
+    blocks = getattr(model, "blocks", None)
+    first = getattr(blocks[0].attn, "qkv_proj", None) if blocks is not None and len(blocks) else None
+    key = (os.environ.get(qgemv.FORCED), model.training, id(first))
+    cached = _PLANS.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    why = _why_not(model)
+    p = Plan(model, qgemv.path()) if why is None else None
+    _PLANS[model] = (key, p, why)
+    return p
+
+
+def reason(model) -> str | None:
+    """Why :func:`plan` gave ``None`` for ``model`` (``None``: it has a plan, or none was asked yet)."""
+    cached = _PLANS.get(model)
+    return cached[2] if cached is not None else None
+
+
+def _caches_fit(state, B: int, static: bool) -> bool:
+    from tformer.mixers.kv_cache import KVCache, StaticKVCache
+
+    for s in state.layers:
+        if (type(s) is not (StaticKVCache if static else KVCache) or s.k.dtype != torch.float32
+                or s.k.shape[0] != B or s.k.stride(3) != 1 or s.k.stride() != s.v.stride()):
+            return False
+    return True
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
+           attention_mask: Tensor | None = None) -> Tensor | None:
+    """The fused decode step: ``tokens (B, 1)`` -> logits ``(B, vocab)``, writing every layer's cache
+    and advancing the state as the module path does; ``None`` (nothing touched) when it does not apply.
+
+    Eager state: no ``positions`` or ``attention_mask``, every row holding ``state.length`` real
+    tokens; each row writes and is rotated at ``state.length``. Static state (the server's pool):
+    row ``b`` writes at ``state.index[b]``, is rotated at ``positions[b]`` (default: its count of
+    real tokens held) and attends over the keys ``state.valid`` marks real up to that index (its
+    own token real unless ``attention_mask`` says padding); ``state.index`` then advances by one.
+    """
+    if not enabled() or state is None or tokens.dim() != 2 or tokens.shape[1] != 1:
+        return None
+    p = plan(model)
+    B = tokens.shape[0]
+    static = bool(getattr(state, "static", False))
+    if p is None or not state.layers or not _caches_fit(state, B, static):
+        return None
+    L = state.layers[0].k.shape[2]
+    if static:
+        index = state.index                                                         # (B,)
+        if int(index.max()) >= L:
+            return None                                  # the module path says what is wrong
+        at = positions[:, -1] if positions is not None else state.valid.sum(-1)    # (B,) before this token
+        real = attention_mask[:, -1].bool() if attention_mask is not None else True
+        state.valid[torch.arange(B), index] = real
+        write, at, valid = index.contiguous(), at.long().contiguous(), state.valid
+    else:
+        pos = state.length
+        if positions is not None or attention_mask is not None or pos >= state.max_len or pos == 0 \
+                or not bool(state.valid[:, :pos].all()):
+            return None
+        write = at = torch.full((B,), pos, dtype=torch.long)
+        valid = None
+    p.rope.ensure(max(L, state.max_len))
+    x = model.tok_emb(tokens).reshape(B, -1).float().contiguous()                  # (B, C)
+    op = torch.ops.tformer_qgemv.decode_layer
+    for (g1, (wqkv, wo, wg, wu, wd), g2, fmts), s in zip(p.layers, state.layers):
+        op(x, g1, p.eps, wqkv, wo, g2, wg, wu, wd, fmts, p.dims, s.k, s.v, write, at, valid,
+           p.rope.cos, p.rope.sin, p.path_id)
+    if static:
+        state.index.add_(1)
+    else:
+        state.valid[:, pos] = True
+        state.advance(pos + 1)
+    logits = model.lm_head(model.final_norm(x[:, None]))                            # (B, 1, vocab)
+    return logits[:, -1]
