@@ -125,7 +125,10 @@ class Loop:
                 self._evaluate(metrics, bar)
             window_t, window_steps, start = time.perf_counter(), 0, time.perf_counter()
             while self.step < cfg.max_steps:
-                if self.dist.agree(stop["why"]):   # any rank's stop request stops every rank here
+                # Any rank's stop request stops every rank here, and becomes this rank's own: a rank whose
+                # signal has not arrived yet must still save with the others (the save is collective).
+                stop["why"] = self.dist.agree(stop["why"])
+                if stop["why"]:
                     raise Stop
                 lr = schedule_at(cfg, self.step)
                 loss = self._train_step(lr)
