@@ -23,8 +23,6 @@ per-round spread.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -124,14 +122,6 @@ t = time.perf_counter(); generate(m, ids, 49, temperature=0, compile=True); repo
 }
 
 
-def run(checkout: Path, code: str, threads: int) -> float:
-    env = {**os.environ, "PYTHONPATH": str(checkout.resolve() / "src"), "OMP_NUM_THREADS": str(threads)}
-    out = subprocess.run([sys.executable, "-c", COMMON + code], env=env, capture_output=True, text=True, timeout=1800)
-    if out.returncode:
-        raise SystemExit(f"workload failed in {checkout}:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["value"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--a", type=Path, required=True, help="baseline checkout")
@@ -143,19 +133,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/ab/ab_compare.md")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+    from common.ab import alternate, ratio_stats, run_workload
     from common.record import Run, results_dir
 
     out = args.out or results_dir("ab") / "ab_compare.md"
     record = Run()
 
     names = [n for n in WORKLOADS if not args.only or any(s in n for s in args.only)]
-    values = {n: {"A": [], "B": []} for n in names}
-    for r in range(args.rounds):
-        order = ("A", "B") if r % 2 == 0 else ("B", "A")
-        for n in names:
-            for side in order:
-                values[n][side].append(run(args.a if side == "A" else args.b, WORKLOADS[n], args.threads))
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    values = alternate({n: COMMON + WORKLOADS[n] for n in names}, args.a, args.b, args.rounds, args.threads)
     record.finish()
     lines = [f"# A/B: {side_name(args.b)} (B) against {side_name(args.a)} (A)", "",
              f"{args.threads} threads, {args.rounds} alternated rounds.", "",
@@ -163,13 +148,12 @@ def main() -> None:
              "|---|---:|---:|---:|---|"]
     for n in names:
         a, b = values[n]["A"], values[n]["B"]
-        ratios = [y / x for x, y in zip(a, b)]
-        lines.append(f"| {n} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | "
-                     f"{statistics.median(b) / statistics.median(a):.3f} | {min(ratios):.2f}..{max(ratios):.2f} |")
+        ratio, lo, hi = ratio_stats(a, b)
+        lines.append(f"| {n} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | {ratio:.3f} | {lo:.2f}..{hi:.2f} |")
     if args.compiled:
         lines += ["", "B only (one run each):", ""]
         for n, code in COMPILED.items():
-            lines.append(f"- {n}: {run(args.b, code, args.threads):.2f}")
+            lines.append(f"- {n}: {run_workload(args.b, COMMON + code, args.threads):.2f}")
     text = "\n".join(lines) + "\n"
     print(text)
     record.write(out, text)

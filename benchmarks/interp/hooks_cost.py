@@ -17,10 +17,7 @@ Writes benchmarks/results/interp/hooks_cost.md (``--out`` elsewhere).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -56,14 +53,6 @@ report(n / (time.perf_counter() - t))
 }
 
 
-def run(checkout: Path, code: str, threads: int) -> float:
-    env = {**os.environ, "PYTHONPATH": str(checkout.resolve() / "src"), "OMP_NUM_THREADS": str(threads)}
-    out = subprocess.run([sys.executable, "-c", COMMON + code], env=env, capture_output=True, text=True, timeout=900)
-    if out.returncode:
-        raise SystemExit(f"workload failed in {checkout}:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["value"]
-
-
 def main() -> None:
     root = Path(__file__).resolve().parents[2]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -75,15 +64,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/interp/hooks_cost.md")
     args = ap.parse_args()
     sys.path.insert(0, str(root / "benchmarks"))
+    from common.ab import alternate, ratio_stats
     from common.record import Run, commit, results_dir
 
     record = Run()
-    values = {n: {"A": [], "B": []} for n in WORKLOADS}
-    for r in range(args.rounds):
-        for n in WORKLOADS:
-            for side in (("A", "B") if r % 2 == 0 else ("B", "A")):
-                values[n][side].append(run(args.a if side == "A" else args.b, WORKLOADS[n], args.threads))
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    values = alternate({n: COMMON + code for n, code in WORKLOADS.items()}, args.a, args.b, args.rounds, args.threads,
+                       timeout=900)
     record.finish()
     lines = [f"# Hook points, hooks off: this branch (B, {commit()[:7]}) against {args.a_name} (A)", "",
              f"{args.threads} threads, {args.rounds} alternated rounds, a fresh process per measurement.", "",
@@ -91,12 +77,11 @@ def main() -> None:
              "|---|---:|---:|---:|---|---|"]
     for n in WORKLOADS:
         a, b = values[n]["A"], values[n]["B"]
-        ratios = [y / x for x, y in zip(a, b)]
-        ratio = statistics.median(b) / statistics.median(a)
-        ok = min(ratios) <= ratio <= max(ratios) or 0.97 <= ratio <= 1.03
-        verdict = "no verdict: too noisy" if min(ratios) < 0.8 or max(ratios) > 1.2 else "yes" if ok else "NO"
+        ratio, lo, hi = ratio_stats(a, b)
+        ok = lo <= ratio <= hi or 0.97 <= ratio <= 1.03
+        verdict = "no verdict: too noisy" if lo < 0.8 or hi > 1.2 else "yes" if ok else "NO"
         lines.append(f"| {n} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | {ratio:.3f} | "
-                     f"{min(ratios):.2f}..{max(ratios):.2f} | {verdict} |")
+                     f"{lo:.2f}..{hi:.2f} | {verdict} |")
     lines += ["", "Per-round values (A; B):", ""]
     lines += [f"- {n}: {', '.join(f'{v:.2f}' for v in values[n]['A'])}; "
               f"{', '.join(f'{v:.2f}' for v in values[n]['B'])}" for n in WORKLOADS]

@@ -153,3 +153,24 @@ def test_resume_of_any_task_is_exact(tmp_path, one_thread):
     again.fit()
     for a, b in zip(whole.model.parameters(), again.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_another_ranks_stop_request_makes_this_rank_save_too(tmp_path, one_thread):
+    """Under torchrun the stop signal reaches the ranks at slightly different moments. When the other
+    rank's request arrives through the agreement at the top of a step, before this rank's own signal,
+    this rank must stop *and save* with it (the save is collective): the defect was that it left the
+    loop without saving, so the other rank waited for it in the checkpoint's collectives until torchrun
+    killed both. One process stands in for the pair: its agreement reports the other rank's request at
+    the top of step 3 (agree is called at the top and at the bottom of every step)."""
+    loop = Loop(_decoder(), Windows(), TrainConfig(**{**SETTINGS, "eval_interval": 100}), out_dir=tmp_path / "r",
+                log=lambda m: None)
+    calls = []
+
+    def agree(why):
+        calls.append(why)
+        return "term" if len(calls) == 7 else why           # call 7 = the top of step 3
+
+    loop.dist.agree = agree
+    summary = loop.fit()
+    assert summary["stopped"] == "term" and summary["step"] == 3
+    assert load_training_state(resolve_checkpoint(tmp_path / "r"))[0]["step"] == 3   # saved where it stopped

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -31,6 +33,7 @@ from tformer.errors import ConfigError
 from tformer.training.data import get_batch
 
 STOP_CODES = (None, "done", "time", "term", "int")   # agreed over ranks by taking the largest code
+STOP_SIGNALS = {signal.SIGTERM: "term", signal.SIGINT: "int"}
 
 
 def under_torchrun() -> bool:
@@ -162,6 +165,14 @@ class Distributed:
             yield (k, 1.0) if k < n_batches else (k % n_batches, 0.0)
 
     # ------------------------------------------------------------------ agreement between ranks
+    def pending_stop(self) -> str | None:
+        """A stop signal that reached this rank since the last call (``"term"``, ``"int"``), taken from
+        the pending set (see :func:`hold_stop_signals`); ``None`` in one process or when none came."""
+        if not self.active or threading.current_thread() is not threading.main_thread():
+            return None
+        info = signal.sigtimedwait(list(STOP_SIGNALS), 0)
+        return STOP_SIGNALS[info.si_signo] if info is not None else None
+
     def _device(self) -> str:
         return f"cuda:{self.local_rank}" if self.backend and "nccl" in self.backend else "cpu"
 
@@ -198,6 +209,22 @@ class Distributed:
 _CURRENT: Distributed | None = None
 
 
+def hold_stop_signals() -> None:
+    """Under torchrun, keep SIGTERM and SIGINT *pending* in this rank instead of delivering them; the
+    loop takes them with :meth:`Distributed.pending_stop` at a step boundary.
+
+    Why: torchrun signals every rank, and a delivered signal interrupts whatever system call a thread
+    is in. The gloo threads of the process group are in socket calls all the time, and an interrupted
+    collective left the ranks one collective apart (seen: one rank in the stop agreement, the other
+    in DDP's gradient all-reduce, until torchrun killed both unsaved). Blocked in the main thread
+    before any process-group thread starts, the signals are blocked in every thread created after
+    (threads inherit the mask), so none is interrupted. Threads started before (none in a rank
+    started by ``tformer train``) would still take them through the loop's handler.
+    """
+    if under_torchrun() and threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+
+
 def setup(device: str = "auto", timeout_s: float = 600.0) -> Distributed:
     """This process's :class:`Distributed`; joins the process group on first call under torchrun.
 
@@ -210,6 +237,7 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> Distributed:
     if not under_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         _CURRENT = Distributed()
         return _CURRENT
+    hold_stop_signals()                  # before init_process_group starts gloo's threads
     dist = torch.distributed
     cuda = device != "cpu" and torch.cuda.is_available()
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"

@@ -125,7 +125,10 @@ class Loop:
                 self._evaluate(metrics, bar)
             window_t, window_steps, start = time.perf_counter(), 0, time.perf_counter()
             while self.step < cfg.max_steps:
-                if self.dist.agree(stop["why"]):   # any rank's stop request stops every rank here
+                # Any rank's stop request stops every rank here, and becomes this rank's own: a rank whose
+                # signal has not arrived yet must still save with the others (the save is collective).
+                stop["why"] = self.dist.agree(stop["why"] or self._signalled())
+                if stop["why"]:
                     raise Stop
                 lr = schedule_at(cfg, self.step)
                 loss = self._train_step(lr)
@@ -140,7 +143,7 @@ class Loop:
                 bar.update(1)
                 if cfg.time_limit and self.elapsed + time.perf_counter() - start > cfg.time_limit:
                     stop["why"] = stop["why"] or "time"
-                stop["why"] = self.dist.agree(stop["why"])
+                stop["why"] = self.dist.agree(stop["why"] or self._signalled())
                 if self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps or stop["why"] == "time":
                     t_eval = time.perf_counter()
                     self.elapsed += t_eval - start
@@ -221,6 +224,13 @@ class Loop:
         cfg = self.cfg
         return build_optimizer(model, cfg, self.device)
 
+    def _signalled(self) -> str | None:
+        """A stop signal held pending for this rank (under torchrun; see distributed.hold_stop_signals)."""
+        why = self.dist.pending_stop()
+        if why is not None:
+            _announce(why)
+        return why
+
     def _nonfinite(self, loss: float, stop: dict) -> None:
         if self.on_nonfinite == "stop":
             stop["why"] = "nonfinite"
@@ -294,6 +304,12 @@ class _QuietBar:
         return lambda *args, **kwargs: None
 
 
+def _announce(why: str) -> None:
+    name = "SIGTERM" if why == "term" else "Ctrl-C"
+    if os.environ.get("RANK", "0") == "0":            # under torchrun every rank gets it: rank 0 says so
+        print(f"\n{name}: stopping after this step and saving a checkpoint (again to abort) ...", file=sys.stderr)
+
+
 def _install_signals(stop: dict):
     """First Ctrl-C (or SIGTERM, as ``timeout``, ``docker stop``, Slurm and the ``--nproc`` launcher
     send) asks the loop to stop at the next step boundary and save; a second one aborts."""
@@ -304,9 +320,7 @@ def _install_signals(stop: dict):
         if stop["why"] in ("int", "term"):
             raise KeyboardInterrupt
         stop["why"] = "term" if signum == signal.SIGTERM else "int"
-        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        if os.environ.get("RANK", "0") == "0":        # under torchrun every rank gets it: rank 0 says so
-            print(f"\n{name}: stopping after this step and saving a checkpoint (again to abort) ...", file=sys.stderr)
+        _announce(stop["why"])
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     return lambda: [signal.signal(s, h) for s, h in previous.items()]
