@@ -144,3 +144,20 @@ def test_smollm2_greedy_tokens_equal_module_path(monkeypatch):
         return out
 
     assert greedy(True) == greedy(False)
+
+
+@needs_tiles
+def test_hooks_set_after_the_plan_take_the_module_path():
+    """The plan is cached per model, but hooks (tformer.interp) are set per call: a model whose plan
+    was made without hooks must still visit its hook points when hooks are set later."""
+    from tformer.interp.hooks import hooks_set
+
+    model, (fused, plain) = pair("q8_0")
+    tok = torch.tensor([[5], [6]])
+    with torch.inference_mode():
+        assert fused_decode.decode(model, tok, fused) is not None           # the plan exists now
+    seen = []
+    with torch.inference_mode():
+        with hooks_set(model, [("blocks.0.hook_resid_pre", lambda t, name: seen.append(name))]):
+            decode_step(model, tok, plain)
+    assert seen == ["blocks.0.hook_resid_pre"]

@@ -154,6 +154,8 @@ def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
     """
     if not enabled() or state is None or tokens.dim() != 2 or tokens.shape[1] != 1:
         return None
+    if getattr(model, "hooks", None) is not None:        # set per call (interp), so never in the cached plan
+        return None
     p = plan(model)
     B = tokens.shape[0]
     static = bool(getattr(state, "static", False))
