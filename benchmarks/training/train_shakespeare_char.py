@@ -303,7 +303,8 @@ def run_large(data: str, tmp: str, nano_dir: Path | None, steps: int) -> dict:
             if i > 0:                                                     # step 0 is the warm-up
                 times[name].append(time.perf_counter() - t)
             losses[name].append(loss)
-    out = {"steps": steps, "threads": threads, "busy": busy_cores(), "s_per_step": {k: statistics.median(v) for k, v in times.items()},
+    out = {"steps": steps, "threads": threads, "busy": busy_cores(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "commit": commit(), "isa_env": {k: os.environ[k] for k in AVX2_ENV if k in os.environ}, "s_per_step": {k: statistics.median(v) for k, v in times.items()},
            "losses": losses}
     print("large: " + ", ".join(f"{k} {v:.2f} s/step" for k, v in out["s_per_step"].items()), flush=True)
     return out
@@ -381,7 +382,10 @@ def write_report(state: dict, nano_cmd: str) -> None:
         lines += ["", f"## nanoGPT's shakespeare_char configuration: 6L/6H/384, context 256, batch 64, dropout 0.2 "
                       f"(attention too); {big['steps']} steps each, {big.get('threads', os.cpu_count())} thread(s), alternated "
                       "in one process, same batches; "
-                      f"busy cores at the end {big['busy']:.2f}", "",
+                      f"busy cores at the end {big['busy']:.2f}"
+                      + (f"; **emulated AVX2 path** ({' '.join(f'{k}={v}' for k, v in big['isa_env'].items())}, "
+                         "both sides, set before torch starts)" if big.get("isa_env") else "")
+                      + (f"; {big['date']}, commit `{big['commit'][:12]}`" if big.get("date") else ""), "",
                   "| | s/step (median) | speed vs nanoGPT fp32 | train loss, first / last step | largest step-to-step rise |",
                   "|---|---:|---:|---:|---:|"]
         for k, v in sps.items():
@@ -395,7 +399,8 @@ def write_report(state: dict, nano_cmd: str) -> None:
     lines += ["", "Reproduce (one contender per exclusive hold; runs merge into the .json by (round, system, seed)): "
                   "`flock -w 900 /tmp/tformer-bench.lock timeout 300 env PYTHONPATH=src .venv/bin/python "
                   "benchmarks/training/train_shakespeare_char.py --round R --system S [--seed N]` for S in nanoGPT, "
-                  "same, default (seeds 1337, 1, 2), default-fp32; `--system none --large-steps 8` for the 6L/384 table; "
+                  "same, default (seeds 1, 2, 3), default-fp32; `--system none --large-steps 8` for the 6L/384 table "
+                  "(with `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2` in front and `--tag avx2` for the emulated AVX2 path); "
                   "`--report` rewrites this file from the .json."]
     RUN.write(RESULTS / f"{NAME}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -56,6 +56,34 @@ def test_equals_formula_with_the_same_mask_fp64(causal):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("n,m,rows", [(11, 11, 4), (11, 11, 64), (7, 11, 3), (11, 7, 3)])
+def test_causal_blocks_equal_formula_with_the_same_mask_fp64(n, m, rows):
+    """Causal attention in query blocks (rows s..e-1 see keys < e): the dense formula, any block size,
+    also with n != m (top-left causal) and a last block shorter than the rest."""
+    p = 0.2
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, n, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 3, m, 5, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    g = torch.randn(2, 3, n, 5, dtype=torch.float64, generator=gen)
+    torch.manual_seed(8)
+    out = dropout_attention(q, k, v, p=p, scale=1 / math.sqrt(5), causal=True, block_rows=rows)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    torch.manual_seed(8)
+    keep = keep_mask((2, 3, n, m), p)
+    ref = _reference(q, k, v, keep, p, True)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    for a, b in zip(grads, torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_drop_mask_is_not_keep_mask_from_the_same_draws():
+    from tformer.ops.dropout import drop_mask
+    torch.manual_seed(4)
+    drop = drop_mask((3, 1000), 0.3)
+    torch.manual_seed(4)
+    assert torch.equal(drop, ~keep_mask((3, 1000), 0.3)) and 0 < int(drop.sum()) < drop.numel()
+
+
 def test_unbiased_over_draws():
     """E[dropout attention] = attention without dropout: the mean of 400 draws is within 5 standard errors."""
     gen = torch.Generator().manual_seed(2)

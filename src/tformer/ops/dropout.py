@@ -42,60 +42,115 @@ def keep_probability(p: float) -> float:
 def keep_mask(shape: tuple[int, ...], p: float, device: torch.device | str = "cpu",
               generator: torch.Generator | None = None) -> Tensor:
     """Bool ``shape``, True with probability :func:`keep_probability` (p), independently per entry."""
+    return ~drop_mask(shape, p, device, generator)
+
+
+def drop_mask(shape: tuple[int, ...], p: float, device: torch.device | str = "cpu",
+              generator: torch.Generator | None = None) -> Tensor:
+    """``~keep_mask(shape, p)``, True = dropped: what the kernels use (one pass fewer than ``~keep``)."""
     numel = math.prod(shape)
     if keep_probability(p) == 0.0:                                   # the threshold 2¹⁶ fits no 16-bit word
-        return torch.zeros(shape, dtype=torch.bool, device=device)
+        return torch.ones(shape, dtype=torch.bool, device=device)
     words = torch.randint(-2**63, 2**63 - 1, ((numel + 3) // 4,), dtype=torch.int64, device=device,
                           generator=generator)                       # 64 random bits per 4 entries
     bits = words.view(torch.int16)[:numel].view(shape)               # 16 bits per entry, read as signed
-    threshold = round(p * 2**_BITS) - 2**(_BITS - 1)                 # unsigned u >= t  <=>  u - 2¹⁵ >= t - 2¹⁵
-    return bits >= threshold
+    threshold = round(p * 2**_BITS) - 2**(_BITS - 1)                 # unsigned u < t  <=>  u - 2¹⁵ < t - 2¹⁵
+    return bits < threshold
 
 
 class _DropoutAttention(torch.autograd.Function):
-    """q ``(B, H, n, d)``, k ``(B, H, m, d)``, v ``(B, H, m, d_v)``; ``blocked`` (n, m) bool or None."""
+    """q ``(B, H, n, d)``, k ``(B, H, m, d)``, v ``(B, H, m, d_v)``; ``causal`` top-left aligned.
+
+    Causal attention is computed in blocks of ``rows`` queries: rows ``s..e-1`` see keys ``0..e-1``
+    only, so each block's scores are ``(rows, e)``, not ``(rows, m)``, and only its last
+    ``(rows, rows)`` square needs the mask. Each row's softmax still sees all its keys, so this is
+    exact (no online softmax); at n = m = 256 with 64-row blocks it touches 10/16 of the dense
+    scores. The keep mask is drawn dense ``(B, H, n, m)`` in one call, as before, and each block
+    reads its slice, so a seed gives the same draws whatever the block size. The rescaling
+    ``c = 1/(1-p)`` is applied to the small ``(n, d_v)`` products instead of the ``(n, m)``
+    weights: ``out = c·(W ⊙ keep)V``, ``dV = (W ⊙ keep)ᵀ(c·dO)``, ``dW = ((c·dO)Vᵀ) ⊙ keep``.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, blocked, scale, p):
+    def forward(ctx, q, k, v, causal, scale, p, rows):
+        B, H, n, d = q.shape
+        m, dv = k.shape[-2], v.shape[-1]
         compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        scores = torch.matmul(q * scale, k.transpose(-1, -2))                  # (B, H, n, m), in q's dtype
-        if blocked is not None:
-            scores.masked_fill_(blocked, float("-inf"))
-        w = torch.softmax(scores, dim=-1, dtype=compute)                       # (B, H, n, m), fp32 (fp64)
-        drop = ~keep_mask(tuple(w.shape), p, w.device) if p > 0 else None
+        qs = torch.empty((B, H, n, d), dtype=q.dtype, device=q.device)
+        torch.mul(q, scale, out=qs)                                            # q·scale, contiguous
+        qs, k3, v3 = qs.view(B * H, n, d), k.reshape(B * H, m, d), v.reshape(B * H, m, dv)
+        drop = drop_mask((B, H, n, m), p, q.device).view(B * H, n, m) if p > 0 else None
         kept = keep_probability(p)
         c = 1.0 / kept if kept > 0 else 0.0                                    # p = 1: everything dropped
-        a = w.to(q.dtype).mul_(c) if q.dtype != w.dtype else w * c             # rescaled weights
-        if drop is not None:
-            a.masked_fill_(drop, 0.0)                                          # A = W ⊙ keep · c
-        out = torch.matmul(a, v)                                               # (B, H, n, d_v)
-        ctx.save_for_backward(q, k, v, w, drop, a)
-        ctx.scale, ctx.c = scale, c
-        return out
+        blocks = _blocks(n, m, causal, rows)
+        saved, outs = [], []
+        for s, e, keys in blocks:
+            scores = torch.bmm(qs[:, s:e], k3[:, :keys].transpose(1, 2))         # (BH, e-s, keys)
+            if causal and keys > s:                                            # the square on the diagonal
+                scores[:, :, s:keys].masked_fill_(_upper(e - s, keys - s, q.device), float("-inf"))
+            w = torch.softmax(scores, dim=-1, dtype=compute)                   # fp32 (fp64)
+            blk = drop[:, s:e, :keys] if drop is not None else None
+            if blk is None:
+                a = w.to(q.dtype)
+            elif q.dtype == w.dtype:
+                a = w.masked_fill(blk, 0.0)                                    # W ⊙ keep
+            else:
+                a = w.to(q.dtype).masked_fill_(blk, 0.0)
+            outs.append(torch.bmm(a, v3[:, :keys]))                            # (BH, e-s, d_v)
+            saved += [w, a]
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs, 1)).mul_(c)
+        ctx.save_for_backward(qs, k3, v3, drop, *saved)
+        ctx.scale, ctx.c, ctx.blocks, ctx.shape = scale, c, blocks, (B, H, n, m, d, dv)
+        return out.view(B, H, n, dv)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, w, drop, a = ctx.saved_tensors
-        dout = dout.to(q.dtype)
-        dv = torch.matmul(a.transpose(-1, -2), dout)                           # Aᵀ dO: (B, H, m, d_v)
-        dw = torch.matmul(dout, v.transpose(-1, -2)).to(w.dtype).mul_(ctx.c)  # dO Vᵀ · c: (B, H, n, m)
-        if drop is not None:
-            dw.masked_fill_(drop, 0.0)                                         # dW = dA ⊙ keep · c
-        ds = torch._softmax_backward_data(dw, w, -1, w.dtype).to(q.dtype)    # W ⊙ (dW - rowsum(W ⊙ dW))
-        dq = torch.matmul(ds, k).mul_(ctx.scale)                               # (B, H, n, d)
-        dk = torch.matmul(ds.transpose(-1, -2), q).mul_(ctx.scale)             # (B, H, m, d)
-        return dq, dk, dv, None, None, None
+        qs, k3, v3, drop, *saved = ctx.saved_tensors
+        B, H, n, m, d, dv_ = ctx.shape
+        dout = (dout.to(qs.dtype).reshape(B * H, n, dv_) * ctx.c)               # c·dO: (BH, n, d_v)
+        dk = torch.zeros_like(k3)
+        dv = torch.zeros_like(v3)
+        dqs = []
+        for i, (s, e, keys) in enumerate(ctx.blocks):
+            w, a = saved[2 * i], saved[2 * i + 1]
+            do = dout[:, s:e]
+            dv[:, :keys].baddbmm_(a.transpose(1, 2), do)                       # += (W ⊙ keep)ᵀ c·dO
+            dw = torch.bmm(do, v3[:, :keys].transpose(1, 2)).to(w.dtype)       # c·dO Vᵀ: (BH, e-s, keys)
+            if drop is not None:
+                dw.masked_fill_(drop[:, s:e, :keys], 0.0)                      # dW = dA ⊙ keep · c
+            ds = torch._softmax_backward_data(dw, w, -1, w.dtype).to(qs.dtype)  # W ⊙ (dW - rowsum(W ⊙ dW))
+            dqs.append(torch.bmm(ds, k3[:, :keys]))                             # (BH, e-s, d)
+            dk[:, :keys].baddbmm_(ds.transpose(1, 2), qs[:, s:e])               # += dSᵀ (Q·scale)
+        dq = (dqs[0] if len(dqs) == 1 else torch.cat(dqs, 1)).mul_(ctx.scale)
+        return dq.view(B, H, n, d), dk.view(B, H, m, d), dv.view(B, H, m, dv_), None, None, None, None
 
 
-def dropout_attention(q: Tensor, k: Tensor, v: Tensor, *, p: float, scale: float, causal: bool = False) -> Tensor:
+# Causal attention's query block (see _DropoutAttention): 64 rows measured fastest at (64, 6, 256, 64).
+BLOCK_ROWS = 64
+
+
+def _blocks(n: int, m: int, causal: bool, rows: int) -> list[tuple[int, int, int]]:
+    """``(first row, end row, keys seen)`` per query block: causal (top-left) rows ``s..e-1`` see
+    ``min(e, m)`` keys; without a causal mask one block of every row and key."""
+    if not causal:
+        return [(0, n, m)]
+    return [(s, min(s + rows, n), min(s + rows, n, m)) for s in range(0, n, rows)]
+
+
+def _upper(rows: int, cols: int, device) -> Tensor:
+    """``(rows, cols)`` bool, True strictly above the diagonal: the keys after each query."""
+    return torch.ones(rows, cols, dtype=torch.bool, device=device).triu_(1)
+
+
+def dropout_attention(q: Tensor, k: Tensor, v: Tensor, *, p: float, scale: float, causal: bool = False,
+                      block_rows: int = BLOCK_ROWS) -> Tensor:
     """``dropout(softmax(Q Kᵀ · scale [causal]), p) V`` with the weights dropped as described above.
 
-    Causal is top-left aligned (query i sees keys 0..i), which is what callers use with ``n == m``.
+    Causal is top-left aligned (query i sees keys 0..i), which is what callers use with ``n == m``;
+    causal attention runs in blocks of ``block_rows`` queries (the result does not depend on it).
     """
-    n, m = q.shape[-2], k.shape[-2]
-    blocked = torch.ones(n, m, dtype=torch.bool, device=q.device).triu_(1) if causal else None
-    return _DropoutAttention.apply(q, k, v, blocked, scale, p)
+    return _DropoutAttention.apply(q, k, v, causal, scale, p, block_rows)
 
 
 class _Dropout(torch.autograd.Function):
@@ -103,7 +158,7 @@ class _Dropout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, p):
-        drop = ~keep_mask(tuple(x.shape), p, x.device)
+        drop = drop_mask(tuple(x.shape), p, x.device)
         kept = keep_probability(p)
         ctx.c = 1.0 / kept if kept > 0 else 0.0
         ctx.save_for_backward(drop)
