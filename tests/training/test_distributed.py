@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -307,3 +308,37 @@ def test_stopping_the_launcher_stops_torchrun_and_the_ranks_and_they_save(tmp_pa
     step = json.loads((out / "checkpoint.json").read_text())["step"]
     assert step >= 3 and step == max(_steps(out))            # saved where the ranks stopped
     RunLock(out).release()                                   # nobody holds the folder: --resume may start
+
+
+def test_a_rank_holds_stop_signals_pending_and_releases_them(monkeypatch):
+    """Under torchrun the stop signals are held pending (so no thread's system call is interrupted by
+    one) and taken by the loop at a step boundary; shutdown drops what is still pending and restores
+    the mask, which must not leak into this process's later children (a blocked mask survives exec)."""
+    from tformer.training import distributed
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    distributed.hold_stop_signals()
+    try:
+        assert {signal.SIGTERM, signal.SIGINT} <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        rank = Distributed(rank=0, world_size=2)
+        assert rank.pending_stop() is None
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)   # held, not delivered: this process lives on
+        assert rank.pending_stop() == "term" and rank.pending_stop() is None
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)   # left pending at shutdown: dropped there
+    finally:
+        distributed.release_stop_signals()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
+def test_train_called_in_process_under_a_torchrun_environment_leaves_the_signal_mask_alone(monkeypatch, capsys):
+    """`tformer train` refusing to run (here: --nproc under torchrun) must not leave SIGTERM blocked in
+    the calling process (a test once did, and every later subprocess of the suite inherited it)."""
+    from tformer.cli import main
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    main(["train", "--task", "seq2seq", "--nproc", "2"])
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before

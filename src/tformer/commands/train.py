@@ -153,7 +153,6 @@ def run(args: argparse.Namespace) -> int:
         preset, settings = _lm_settings(args)
         launcher.check_ranks(args.nproc, settings, preset, args.resume)   # once, before any rank starts
         return launcher.launch(args.nproc, _launch_args(args))
-    distributed.hold_stop_signals()          # a rank: stop signals wait for the loop (see there)
     try:
         return _train(args)
     finally:

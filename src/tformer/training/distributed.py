@@ -207,6 +207,7 @@ class Distributed:
 
 
 _CURRENT: Distributed | None = None
+_HELD: set | None = None          # the signal mask before hold_stop_signals, while it holds
 
 
 def hold_stop_signals() -> None:
@@ -218,11 +219,26 @@ def hold_stop_signals() -> None:
     collective left the ranks one collective apart (seen: one rank in the stop agreement, the other
     in DDP's gradient all-reduce, until torchrun killed both unsaved). Blocked in the main thread
     before any process-group thread starts, the signals are blocked in every thread created after
-    (threads inherit the mask), so none is interrupted. Threads started before (none in a rank
-    started by ``tformer train``) would still take them through the loop's handler.
+    (threads inherit the mask), so none is interrupted. A thread started before (an OpenMP worker of
+    the model's construction) that takes one runs the loop's handler, as in one process.
+    Called by :func:`setup` just before it joins the process group; :func:`shutdown` releases it.
     """
-    if under_torchrun() and threading.current_thread() is threading.main_thread():
-        signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+    global _HELD
+    if under_torchrun() and threading.current_thread() is threading.main_thread() and _HELD is None:
+        _HELD = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+
+
+def release_stop_signals() -> None:
+    """Undo :func:`hold_stop_signals` (at :func:`shutdown`): the signals still pending are dropped
+    first (the loop has acted on the first; the rank is ending), then the mask is as it was, so
+    nothing this process starts later inherits it (a blocked mask survives fork and exec)."""
+    global _HELD
+    if _HELD is None or threading.current_thread() is not threading.main_thread():
+        return
+    while signal.sigtimedwait(list(STOP_SIGNALS), 0) is not None:
+        pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, _HELD)
+    _HELD = None
 
 
 def setup(device: str = "auto", timeout_s: float = 600.0) -> Distributed:
@@ -254,6 +270,7 @@ def shutdown() -> None:
     global _CURRENT
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    release_stop_signals()
     _CURRENT = None
 
 
