@@ -27,6 +27,7 @@ Each call runs some stream counts and appends them to a parts file; ``--merge`` 
     flock -w 900 /tmp/tformer-bench.lock timeout 300 env PYTHONPATH=src python benchmarks/serving/serve_gguf.py --streams 1,4
     flock -w 900 /tmp/tformer-bench.lock timeout 300 env PYTHONPATH=src python benchmarks/serving/serve_gguf.py --streams 8
     ...   --streams 16;   --ttft;   then --merge
+    ...   --streams 1 --requests 4      # one client, four chats in a row: the decode rate, not one short answer
 
 Writes benchmarks/results/serving/serve_gguf.md (and its parts under serve_gguf_parts.json).
 """
@@ -52,7 +53,8 @@ from common.record import Run, load_note, results_dir  # noqa: E402
 from tformer.machine import busy_cores  # noqa: E402
 
 RESULTS = results_dir("serving")
-PARTS = RESULTS / "serve_gguf_parts.json"
+NAME = os.environ.get("SERVE_GGUF_NAME", "serve_gguf")          # another name keeps an earlier run's files
+PARTS = RESULTS / f"{NAME}_parts.json"
 SYSTEM = ("You are Tformer Assistant, a helpful, honest and concise assistant deployed by a small software team. "
           "Follow these rules in every answer. Answer the question that was asked, and only that question. Keep "
           "answers short: one to three sentences unless the user asks for more. If you do not know something, say "
@@ -109,11 +111,16 @@ def messages(i: int, system: str = SYSTEM) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
 
 
-def round_(url: str, model: str, streams: int) -> dict:
+def round_(url: str, model: str, streams: int, requests: int = 1) -> dict:
+    """``streams`` concurrent clients, each sending ``requests`` chats one after another (client i's
+    j-th asks question i + j·streams for 64 + 37(i + j·streams) mod 193 new tokens)."""
     results: list[dict] = [{}] * streams
 
     def work(i: int) -> None:
-        results[i] = chat_one(url, model, messages(i), 64 + (37 * i) % 193)
+        done = [chat_one(url, model, messages(q), 64 + (37 * q) % 193)
+                for q in (i + j * streams for j in range(requests))]
+        results[i] = {"tokens": sum(d["tokens"] for d in done), "ttft": [d["ttft"] for d in done],
+                      "text": done[0]["text"]}
     threads = [threading.Thread(target=work, args=(i,)) for i in range(streams)]
     t = time.perf_counter()
     for th in threads:
@@ -121,7 +128,7 @@ def round_(url: str, model: str, streams: int) -> dict:
     for th in threads:
         th.join()
     wall = time.perf_counter() - t
-    return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft": [r["ttft"] for r in results],
+    return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft": [t for r in results for t in r["ttft"]],
             "texts": [r["text"] for r in results]}
 
 
@@ -168,6 +175,9 @@ def main() -> None:
                          "(--speculative K), tformer-DTYPE-specK, llama (default: tformer,llama)")
     ap.add_argument("--streams", default="", help="stream counts to time in this call, e.g. 1,4")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=1,
+                    help="chats each stream sends one after another in a round (default 1; at 1 stream one chat is "
+                         "one answer of ~8 tokens, mostly time to first token: 4 measure the decode rate too)")
     ap.add_argument("--ttft", action="store_true", help="time cold against warm prefix TTFT, one stream")
     ap.add_argument("--ttft-pairs", type=int, default=4)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -204,16 +214,16 @@ def main() -> None:
             for r in range(args.rounds):
                 k = (level + r) % len(specs)
                 for n in list(specs)[k:] + list(specs)[:k]:                 # rotate who goes first
-                    got[n].append(round_(urls[n], specs[n][1], streams))
+                    got[n].append(round_(urls[n], specs[n][1], streams, args.requests))
             for n in specs:
                 ttft = [x for g in got[n] for x in g["ttft"]]
                 tps = statistics.median(g["tokens_per_s"] for g in got[n])
-                parts["rows"].append({"streams": streams, "server": n, "tokens_per_s": tps, "ttft_p50": pct(ttft, 50),
+                parts["rows"].append({"streams": streams, "requests": args.requests, "server": n, "tokens_per_s": tps, "ttft_p50": pct(ttft, 50),
                                       "ttft_p99": pct(ttft, 99), "busy": before,
                                       "dtype": server_options(n, args.dtype)[0] if n.startswith("tformer") else "q4_1"})
                 print(f"{streams:>3} streams {n:<14} {tps:8.1f} tok/s  TTFT p50 {pct(ttft, 50):6.2f} s "
                       f"p99 {pct(ttft, 99):6.2f} s", flush=True)
-                if streams == 1 or n not in parts["texts"]:
+                if (streams == 1 and args.requests == 1) or n not in parts["texts"]:
                     parts["texts"][n] = got[n][0]["texts"]
         if args.ttft:
             for p in range(args.ttft_pairs):
@@ -250,18 +260,23 @@ def merge() -> None:
              + ", ".join(f"{b:.2f}" for b in busy) + f" of {os.cpu_count()} cores busy"
              + (" -- WARNING: busy machine, noisy figures." if max(busy, default=0) > 0.3 else "."),
              "",
-             "| streams | server | dtype | tokens/s | TTFT p50 (s) | TTFT p99 (s) |",
-             "|---:|---|---|---:|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (r["streams"], r["server"])):
-        lines.append(f"| {r['streams']} | {r['server']} | {r['dtype']} | {r['tokens_per_s']:.1f} | "
+             "| streams | chats per stream | server | dtype | tokens/s | TTFT p50 (s) | TTFT p99 (s) |",
+             "|---:|---:|---|---|---:|---:|---:|"]
+    for r in rows:
+        r.setdefault("requests", 1)                                  # parts from before --requests
+    for r in sorted(rows, key=lambda r: (r["streams"], r["requests"], r["server"])):
+        lines.append(f"| {r['streams']} | {r['requests']} | {r['server']} | {r['dtype']} | {r['tokens_per_s']:.1f} | "
                      f"{r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} |")
     by = {}
     for r in rows:
-        by.setdefault((r["streams"], r["server"]), []).append(r["tokens_per_s"])
+        by.setdefault(((r["streams"], r["requests"]), r["server"]), []).append(r["tokens_per_s"])
     tf = sorted({n for _, n in by if n.startswith("tformer")})
     lines += [""]
+
+    def label(k: tuple[int, int]) -> str:
+        return f"{k[0]} streams" + (f" x {k[1]} chats" if k[1] > 1 else "")
     for n in tf:
-        ratios = [f"{s} streams {statistics.median(by[(s, n)]) / statistics.median(by[(s, 'llama')]):.2f}x"
+        ratios = [f"{label(s)} {statistics.median(by[(s, n)]) / statistics.median(by[(s, 'llama')]):.2f}x"
                   for s in sorted({s for s, _ in by}) if (s, n) in by and (s, "llama") in by]
         lines.append(f"{n} / llama.cpp server tokens/s: " + ", ".join(ratios) + ".")
     if parts["ttft"]:
@@ -287,7 +302,7 @@ def merge() -> None:
     run = Run(measure_load=False)
     run.busy_before = busy[0] if busy else None
     run.finish(busy[-1] if busy else 0.0)
-    path = run.write(RESULTS / "serve_gguf.md", "\n".join(lines))
+    path = run.write(RESULTS / f"{NAME}.md", "\n".join(lines))
     print(path.read_text())
 
 
