@@ -12,6 +12,7 @@ import uvicorn
 
 from tformer import DecoderLM, TransformerConfig
 from tformer.checkpoint import save_model
+from tformer.serve.scheduler import Params, Sequence, Token
 from tformer.tokenizers import CharTokenizer
 
 CHARS = list(string.ascii_letters + string.digits + " .,:;\n()=_")
@@ -55,3 +56,18 @@ class Running:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def run_alone(scheduler, tokenizer, prompt, max_tokens, **params) -> list[int]:
+    """The token ids the scheduler streams for one request submitted alone (``params``: Params')."""
+    out, done = [], threading.Event()
+
+    def emit(event):
+        if isinstance(event, Token):
+            if event.id >= 0:
+                out.append(event.id)
+        else:
+            done.set()
+    scheduler.submit(Sequence(prompt, Params(max_tokens, **params), emit, tokenizer))
+    assert done.wait(timeout=60)
+    return out

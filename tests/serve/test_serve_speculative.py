@@ -6,30 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import threading
 
 import httpx
 import pytest
 import torch
 
-from serve_util import Running, tiny_checkpoint
+from serve_util import Running, run_alone, tiny_checkpoint
 from tformer.commands.serve import build_server
 from tformer.serve.app import build_app
-from tformer.serve.scheduler import Params, Scheduler, Sequence, Token
-
-
-def run_alone(scheduler, tokenizer, prompt, max_tokens, **params) -> list[int]:
-    out, done = [], threading.Event()
-
-    def emit(event):
-        if isinstance(event, Token):
-            if event.id >= 0:
-                out.append(event.id)
-        else:
-            done.set()
-    scheduler.submit(Sequence(prompt, Params(max_tokens, **params), emit, tokenizer))
-    assert done.wait(timeout=60)
-    return out
+from tformer.serve.scheduler import Scheduler
 
 
 @pytest.mark.parametrize("positions", ["rope", "learned"])

@@ -17,26 +17,12 @@ import threading
 import pytest
 import torch
 
-from serve_util import tiny_checkpoint
+from serve_util import run_alone, tiny_checkpoint
 from tformer.commands.serve import build_server
 from tformer.generation.generate import generate
 from tformer.quant.block_linear import BlockLinear
 from tformer.serve.openai_api import on_model_thread
-from tformer.serve.scheduler import Params, Scheduler, Sequence, Token
-
-
-def run_alone(scheduler, tokenizer, prompt, max_tokens) -> list[int]:
-    out, done = [], threading.Event()
-
-    def emit(event):
-        if isinstance(event, Token):
-            if event.id >= 0:
-                out.append(event.id)
-        else:
-            done.set()
-    scheduler.submit(Sequence(prompt, Params(max_tokens, temperature=0.0), emit, tokenizer))
-    assert done.wait(timeout=60)
-    return out
+from tformer.serve.scheduler import Scheduler
 
 
 def test_the_scheduler_thread_sets_its_own_torch_threads(tmp_path):
@@ -76,7 +62,7 @@ def test_block_dtypes_serve_the_tokens_generate_gives(tmp_path, one_thread, fmt)
         prompt = server.tokenizer.encode("def f(x):\n  return")
         with torch.inference_mode():
             ref = generate(model, torch.tensor([prompt]), 20, temperature=0)[0, len(prompt):].tolist()
-        assert run_alone(server.scheduler, server.tokenizer, prompt, 20) == ref
+        assert run_alone(server.scheduler, server.tokenizer, prompt, 20, temperature=0.0) == ref
         assert server.metrics.value("tformer_pool_slots_in_use") == 0
     finally:
         server.close()
@@ -90,6 +76,6 @@ def test_smollm2_q4_1_is_served_from_the_files_blocks(smollm2, one_thread):
         prompt = server.chat_template.encode(server.tokenizer, [{"role": "user", "content": "Name three colours."}])
         with torch.inference_mode():
             ref = generate(server.model, torch.tensor([prompt]), 12, temperature=0)[0, len(prompt):].tolist()
-        assert run_alone(server.scheduler, server.tokenizer, prompt, 12) == ref
+        assert run_alone(server.scheduler, server.tokenizer, prompt, 12, temperature=0.0) == ref
     finally:
         server.close()
