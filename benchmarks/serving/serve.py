@@ -44,6 +44,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.http_server import pct, start  # noqa: E402
 from common.record import Run, load_note, results_dir  # noqa: E402
 from tformer.machine import busy_cores  # noqa: E402
 
@@ -63,20 +64,6 @@ def make_weights(folder: Path, n_layers: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")          # joins words with spaces
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w50256", unk_token="w0").save_pretrained(folder)
-
-
-def start(cmd: list[str], port: int, env: dict) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{cmd[0]} did not start: {proc.stderr.read() if proc.poll() is not None else 'timeout'}")
-        time.sleep(0.5)
 
 
 def stream_one(url: str, model: str, prompt: str, max_tokens: int) -> dict:
@@ -139,11 +126,6 @@ def plain_generation(hf: Path, ckpt: Path, prompt_tokens: int, new_tokens: int, 
                 runs[n]()
                 times[n].append(time.perf_counter() - t)
     return {n: new_tokens / statistics.median(ts) for n, ts in times.items()}
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
 def main() -> None:

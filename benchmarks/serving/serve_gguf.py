@@ -38,9 +38,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -49,6 +47,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.http_server import pct, start  # noqa: E402
 from common.record import Run, load_note, results_dir  # noqa: E402
 from tformer.machine import busy_cores  # noqa: E402
 
@@ -70,22 +69,6 @@ QUESTIONS = ["What is the capital of France?", "How do I reverse a list in Pytho
              "How do I add an event to the calendar?", "What is photosynthesis?", "Explain what a CPU does.",
              "Write a haiku about the sea.", "What is the boiling point of water?", "How do I sort a dict by value?",
              "Name five fruits.", "What causes the seasons?", "How do vaccines work?", "What is an API?"]
-
-
-def start(cmd: list[str], port: int, env: dict) -> subprocess.Popen:
-    log = tempfile.NamedTemporaryFile("w+", prefix="serve-gguf-", suffix=".log", delete=False)   # a pipe would fill
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 280
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{cmd} did not start ({'exited' if proc.poll() is not None else 'timeout'}): "
-                               f"{Path(log.name).read_text()[-2000:]}")
-        time.sleep(0.5)
 
 
 def chat_one(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -130,11 +113,6 @@ def round_(url: str, model: str, streams: int, requests: int = 1) -> dict:
     wall = time.perf_counter() - t
     return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft": [t for r in results for t in r["ttft"]],
             "texts": [r["text"] for r in results]}
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
 DTYPES = ("fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1")
@@ -204,7 +182,7 @@ def main() -> None:
     procs = {}
     try:
         for name, (cmd, _) in specs.items():
-            procs[name] = start(cmd, args.port + list(specs).index(name), env)
+            procs[name] = start(cmd, args.port + list(specs).index(name), env, probe="/v1/models", timeout_s=280)
         urls = {n: f"http://127.0.0.1:{args.port + i}" for i, n in enumerate(specs)}
         for n, (_, model) in specs.items():                              # warm-up: one short chat each
             chat_one(urls[n], model, messages(0), 8)
