@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tformer.errors import InputError
 from tformer.quant import blocks
 
 Tensor = torch.Tensor
@@ -30,13 +29,8 @@ class BlockEmbedding(nn.Module):
 
     def __init__(self, packed: Tensor, fmt: str):
         super().__init__()
-        blocks.check_format(fmt)
-        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % blocks.BYTES[fmt]:
-            raise InputError(f"{fmt} embedding rows must be (V, G·{blocks.BYTES[fmt]}) uint8 blocks; got "
-                             f"{packed.dtype} {tuple(packed.shape)}.")
+        self.num_embeddings, self.embedding_dim = blocks.packed_shape(packed, fmt, "embedding rows")
         self.fmt = fmt
-        self.num_embeddings = packed.shape[0]
-        self.embedding_dim = packed.shape[1] // blocks.BYTES[fmt] * blocks.BLOCK
         self.register_buffer("blocks", packed.contiguous())
         # what callers read off an embedding's ``weight`` (its dtype and device, e.g. for a KV cache)
         self.register_buffer("probe", torch.empty(0, dtype=torch.float32, device=packed.device), persistent=False)

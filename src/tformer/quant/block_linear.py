@@ -35,13 +35,8 @@ class BlockLinear(nn.Module):
 
     def __init__(self, packed: Tensor, fmt: str, bias: Tensor | None = None):
         super().__init__()
-        blocks.check_format(fmt)
-        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % blocks.BYTES[fmt]:
-            raise InputError(f"{fmt} weights must be (N, G·{blocks.BYTES[fmt]}) uint8 blocks; got "
-                             f"{packed.dtype} {tuple(packed.shape)}.")
+        self.out_features, self.in_features = blocks.packed_shape(packed, fmt, "weights")
         self.fmt = fmt
-        self.out_features = packed.shape[0]
-        self.in_features = packed.shape[1] // blocks.BYTES[fmt] * blocks.BLOCK
         if bias is not None and bias.shape != (self.out_features,):
             raise InputError(f"the bias is {tuple(bias.shape)} but the weight has {self.out_features} outputs.")
         self.register_buffer("blocks", packed.contiguous())

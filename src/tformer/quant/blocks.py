@@ -59,6 +59,21 @@ def check_format(fmt: str) -> None:
         raise ConfigError(f"unknown block format {fmt!r}; choose one of {', '.join(FORMATS)}.")
 
 
+def packed_shape(packed: Tensor, fmt: str, what: str) -> tuple[int, int]:
+    """``(rows, columns)`` of the float matrix ``packed`` holds: ``(N, G · BYTES[fmt])`` uint8 blocks
+    are N rows of ``G · 32`` values.
+
+    Raises:
+        ConfigError: ``fmt`` is not a block format.
+        InputError: ``packed`` is not such blocks (``what`` names it in the message).
+    """
+    check_format(fmt)
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % BYTES[fmt]:
+        raise InputError(f"{fmt} {what} must be (N, G·{BYTES[fmt]}) uint8 blocks; got "
+                         f"{packed.dtype} {tuple(packed.shape)}.")
+    return packed.shape[0], packed.shape[1] // BYTES[fmt] * BLOCK
+
+
 def _round_half_away(v: Tensor) -> Tensor:
     """C's ``roundf`` (half away from zero) exactly: ``floor|v| + floor(2 (|v| - floor|v|))``, signed."""
     a = v.abs()
