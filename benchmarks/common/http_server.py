@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +35,17 @@ def start(cmd: list[str], port: int, env: dict, probe: str = "/health", timeout_
             raise RuntimeError(f"{cmd} did not start ({'exited' if proc.poll() is not None else 'timeout'}): "
                                f"{Path(log.name).read_text()[-2000:]}")
         time.sleep(0.5)
+
+
+def concurrently(work, n: int) -> float:
+    """Run ``work(i)`` for ``i < n`` on ``n`` threads at once (``n`` concurrent clients); the wall time, s."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t
 
 
 def pct(xs: list[float], q: float) -> float:

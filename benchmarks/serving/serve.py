@@ -37,14 +37,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.http_server import pct, start  # noqa: E402
+from common.http_server import concurrently, pct, start  # noqa: E402
 from common.record import Run, load_note, results_dir  # noqa: E402
 from tformer.machine import busy_cores  # noqa: E402
 
@@ -91,13 +90,7 @@ def round_(url: str, model: str, streams: int, prompt_tokens: int, max_tokens: i
 
     def work(i: int) -> None:
         results[i] = stream_one(url, model, prompts[i], max_tokens)
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(streams)]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t
+    wall = concurrently(work, streams)
     return {"tokens_per_s": sum(r["tokens"] for r in results) / wall,
             "latencies": [r["latency"] for r in results], "gaps": [g for r in results for g in r["gaps"]]}
 

@@ -39,7 +39,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -47,7 +46,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.http_server import pct, start  # noqa: E402
+from common.http_server import concurrently, pct, start  # noqa: E402
 from common.record import Run, load_note, results_dir  # noqa: E402
 from tformer.machine import busy_cores  # noqa: E402
 
@@ -104,13 +103,7 @@ def round_(url: str, model: str, streams: int, requests: int = 1) -> dict:
                 for q in (i + j * streams for j in range(requests))]
         results[i] = {"tokens": sum(d["tokens"] for d in done), "ttft": [d["ttft"] for d in done],
                       "text": done[0]["text"]}
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(streams)]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t
+    wall = concurrently(work, streams)
     return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft": [t for r in results for t in r["ttft"]],
             "texts": [r["text"] for r in results]}
 
