@@ -161,3 +161,143 @@ def test_hooks_set_after_the_plan_take_the_module_path():
         with hooks_set(model, [("blocks.0.hook_resid_pre", lambda t, name: seen.append(name))]):
             decode_step(model, tok, plain)
     assert seen == ["blocks.0.hook_resid_pre"]
+
+
+# ------------------------------------------------------------------ several new tokens per row
+# fused_decode.forward: a prompt (prefill) or a speculative check (extend) in one call per layer.
+# Same tolerances as above; the reference is the module path (TFORMER_FUSED_DECODE=0) from a state
+# the module path filled.
+
+def module_path(monkeypatch, fn):
+    monkeypatch.setenv(fused_decode.SWITCH, "0")
+    try:
+        return fn()
+    finally:
+        monkeypatch.setenv(fused_decode.SWITCH, "1")
+
+
+def close(a, b, rel=2e-3):
+    return float((a - b).abs().max()) <= rel * float(b.abs().max())
+
+
+@needs_tiles
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_extend_equals_module_path(fmt, monkeypatch):
+    """Prompt (from position 0), then three speculative-style checks of 4 tokens and a truncation,
+    two rows: logits after every new token, caches, length and valid as the module path leaves them."""
+    from tformer.generation.step import extend
+
+    model = set_precision(tiny(), fmt)
+    ids = torch.tensor([[3, 17, 5, 42, 8, 11, 2], [9, 1, 30, 7, 7, 60, 4]])
+    fused, plain = model.new_state(2, 40), model.new_state(2, 40)
+    calls = []
+    monkeypatch.setattr(fused_decode, "forward", lambda *a, _f=fused_decode.forward, **kw: calls.append(_f(*a, **kw)) or calls[-1])
+    with torch.inference_mode():
+        a = prefill(model, ids, fused)
+        b = module_path(monkeypatch, lambda: prefill(model, ids, plain))
+        assert calls[0] is not None and close(a, b), float((a - b).abs().max())
+        for step in range(3):
+            new = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]) + step
+            a = extend(model, new, fused)
+            b = module_path(monkeypatch, lambda: extend(model, new, plain))
+            assert a.shape == b.shape == (2, 4, 61) and close(a, b), float((a - b).abs().max())
+            assert fused.length == plain.length and torch.equal(fused.valid, plain.valid)
+            for s in (fused, plain):
+                s.truncate(s.length - 2)                      # two drafts rejected
+    assert sum(c is not None for c in calls) == 4 and len(calls) == 8   # every fused call applied
+    n = plain.length
+    for s, t in zip(fused.layers, plain.layers):
+        assert (s.k[:, :, :n] - t.k[:, :, :n]).abs().max() <= 1e-4 * t.k[:, :, :n].abs().max()
+        assert (s.v[:, :, :n] - t.v[:, :, :n]).abs().max() <= 1e-4 * t.v[:, :, :n].abs().max()
+
+
+@needs_tiles
+def test_pool_prefill_and_verify_equal_module_path(monkeypatch):
+    """The server's calls: a batched right-padded prefill into pool rows (twice: the second after a
+    cached prefix, through the writer's start), a speculative verify of one row, the static decode."""
+    from tformer.serve.pool import KVPool
+
+    model = set_precision(tiny(), "q4_1")
+    prompts = [[3, 17, 5, 42, 8, 11, 2, 9, 1, 30, 7, 7, 60, 4, 5, 6, 1, 2, 3], [9, 1, 30, 7], [3, 17, 5, 42, 8]]
+    later = [prompts[0] + [8, 9, 10, 11], [3, 17, 5]]                 # shares the first's 16-token block
+
+    def run():
+        pool = KVPool(model, n_slots=4, max_len=48, prefix_cache_mb=1)
+        first = pool.prefill([0, 2, 3], prompts)                     # (3, vocab)
+        pool.release(0, prompts[0])                                  # its full block into the prefix cache
+        second = pool.prefill([0, 1], later)                         # slot 0 starts after the cached block
+        checked = pool.verify(1, [5, 6, 7, 8])                       # (4, vocab)
+        pool.keep(1, len(later[1]) + 2)
+        step = pool.decode(torch.tensor([4, 5, 0, 6]), need=30)
+        return first, second, checked, step, pool
+
+    seen = []
+
+    def spy(model, ids, state, _f=fused_decode.forward, **kw):
+        out = _f(model, ids, state, **kw)
+        seen.append((type(state.layers[0]).__name__, state.length - ids.shape[1], out is not None))
+        return out
+
+    monkeypatch.setattr(fused_decode, "forward", spy)
+    with torch.inference_mode():
+        got = run()
+        fused_calls, seen[:] = list(seen), []
+        want = module_path(monkeypatch, run)
+    # fused: the first prefill, the second's two groups (after 0 and after the cached 16), the verify
+    assert fused_calls == [("RowWriter", 0, True), ("RowWriter", 0, True), ("RowWriter", 16, True),
+                           ("StaticKVCache", 3, True)], fused_calls
+    for a, b in zip(got[:4], want[:4]):
+        assert a.shape == b.shape and close(a, b), float((a - b).abs().max())
+    assert torch.equal(got[4].state.valid, want[4].state.valid)
+    for s, t in zip(got[4].state.layers, want[4].state.layers):
+        real = want[4].state.valid[:, None, :, None]
+        assert ((s.k - t.k) * real).abs().max() <= 1e-4 * t.k.abs().max()
+
+
+@needs_tiles
+def test_forward_leaves_what_it_does_not_implement_to_the_module_path():
+    model, (state, _) = pair("q8_0")
+    too_long = torch.zeros(1, fused_decode.MAX_TOKENS + 1, dtype=torch.long)
+    with torch.inference_mode():
+        assert fused_decode.forward(model, too_long, model.new_state(1, 200)) is None
+        assert fused_decode.forward(model, torch.tensor([[1, 2]]), None) is None
+        padded = model.new_state(2, 40)
+        prefill(model, torch.tensor([[0, 3, 4], [5, 6, 7]]), padded, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
+        assert fused_decode.forward(model, torch.tensor([[1, 2], [3, 4]]), padded) is None   # held padding
+        full = model.new_state(2, 8)
+        prefill(model, torch.tensor([[1] * 7, [2] * 7]), full)
+        assert fused_decode.forward(model, torch.tensor([[1, 2], [3, 4]]), full) is None     # past max_len
+        assert full.length == 7
+
+
+@needs_tiles
+def test_smollm2_speculative_tokens_equal_plain_greedy(monkeypatch):
+    """The real model: prompt-lookup speculative decoding through the fused multi-token checks gives
+    the tokens of plain greedy decoding through the module path."""
+    from tformer.errors import CheckpointError
+    from tformer.generation.speculative import generate_speculative
+    from tformer.interop.builtin import builtin_path
+    from tformer.interop.gguf_import import load_gguf
+
+    try:
+        path = builtin_path("smollm2")
+    except CheckpointError as e:
+        pytest.skip(f"SmolLM2 not available: {e}")
+    model = load_gguf(path, keep_quant=True)
+    # "The capital of France is Paris. The capital of France is" (ids of SmolLM2's tokenizer)
+    prompt = torch.tensor([[504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 4649, 314]])
+
+    def plain() -> list[int]:
+        state = model.new_state(1, 60)
+        tok = prefill(model, prompt, state).argmax(-1, keepdim=True)
+        out = [int(tok)]
+        for _ in range(19):
+            tok = decode_step(model, tok, state).argmax(-1, keepdim=True)
+            out.append(int(tok))
+        return out
+
+    with torch.inference_mode():
+        want = module_path(monkeypatch, plain)
+        got, stats = generate_speculative(model, prompt, 20, k=4)
+    assert got == want
+    assert stats.forwards < 20                               # some drafts were accepted

@@ -62,8 +62,12 @@ def prefill(model, ids: Tensor, state=None, *, attention_mask: Tensor | None = N
     for s, e in bounds:
         mask = attention_mask[:, s:e] if attention_mask is not None else None
         pos = positions[..., s:e] if positions is not None else None
-        logits, _ = model(ids[:, s:e], attention_mask=mask, positions=pos, state=state,
-                          last_only=last_index is None, last_index=last_index)
+        # a block-quantised Llama-shaped model: one C++ call per layer (None: the module path)
+        logits = fused_decode.forward(model, ids[:, s:e], state, last_index=last_index, last_only=True) \
+            if mask is None and pos is None else None
+        if logits is None:
+            logits, _ = model(ids[:, s:e], attention_mask=mask, positions=pos, state=state,
+                              last_only=last_index is None, last_index=last_index)
         _count_static_token(state, e - s)
     return logits[:, -1]                                                        # (B, vocab)
 
@@ -124,7 +128,9 @@ def extend(model, ids: Tensor, state) -> Tensor:
         raise InputError(f"ids must be a non-empty (batch, seq_len) tensor, got shape {tuple(ids.shape)}.")
     if getattr(state, "static", False) and ids.shape[1] == 1:
         raise InputError("extend on a static state needs at least 2 tokens (one token is decode_step).")
-    logits, _ = model(ids, state=state)
+    logits = fused_decode.forward(model, ids, state)       # a block-quantised model's fused layers, or None
+    if logits is None:
+        logits, _ = model(ids, state=state)
     return logits                                                               # (B, T, vocab)
 
 

@@ -36,6 +36,7 @@ from tformer.quant.block_linear import BlockLinear
 
 Tensor = torch.Tensor
 SWITCH = "TFORMER_FUSED_DECODE"
+MAX_TOKENS = 64     # new tokens per row above which forward() leaves a prompt to the module path
 # model -> (key, Plan or None, reason): kept beside the model, not on it (generation leaves a model's
 # attributes as they were)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -131,14 +132,35 @@ def _caches_fit(state, B: int, static: bool) -> bool:
     from tformer.mixers.kv_cache import KVCache, StaticKVCache
 
     for s in state.layers:
-        if (type(s) is not (StaticKVCache if static else KVCache) or s.k.dtype != torch.float32
-                or s.k.shape[0] != B or s.k.stride(3) != 1 or s.k.stride() != s.v.stride()):
+        if (type(s) is not (StaticKVCache if static else KVCache) or not _float_cache(s)
+                or s.k.shape[0] != B):
             return False
     return True
 
 
+def _float_cache(s) -> bool:
+    return s.k.dtype == torch.float32 and s.k.stride(3) == 1 and s.k.stride() == s.v.stride()
+
+
 def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
+
+
+def _usable(model) -> Plan | None:
+    if not enabled() or getattr(model, "hooks", None) is not None:   # hooks are set per call (interp), so never in the cached plan
+        return None
+    return plan(model)
+
+
+def _layers(p: Plan, x: Tensor, caches: list[tuple[Tensor, Tensor]], write: Tensor, at: Tensor,
+            valid: Tensor | None, rows: Tensor | None) -> None:
+    """Every layer's fused call on ``x (N, C)`` in place: token ``i`` of cache row ``rows[i]`` (``i``
+    without ``rows``) writes at ``write[i]``, is rotated at ``at[i]``, reads keys ``j <= write[i]``
+    (those ``valid`` marks real)."""
+    op = torch.ops.tformer_qgemv.decode_layer
+    for (g1, (wqkv, wo, wg, wu, wd), g2, fmts), (k, v) in zip(p.layers, caches):
+        op(x, g1, p.eps, wqkv, wo, g2, wg, wu, wd, fmts, p.dims, k, v, write, at, valid, rows,
+           p.rope.cos, p.rope.sin, p.path_id)
 
 
 def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
@@ -152,11 +174,9 @@ def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
     real tokens held) and attends over the keys ``state.valid`` marks real up to that index (its
     own token real unless ``attention_mask`` says padding); ``state.index`` then advances by one.
     """
-    if not enabled() or state is None or tokens.dim() != 2 or tokens.shape[1] != 1:
+    if state is None or tokens.dim() != 2 or tokens.shape[1] != 1:
         return None
-    if getattr(model, "hooks", None) is not None:        # set per call (interp), so never in the cached plan
-        return None
-    p = plan(model)
+    p = _usable(model)
     B = tokens.shape[0]
     static = bool(getattr(state, "static", False))
     if p is None or not state.layers or not _caches_fit(state, B, static):
@@ -179,10 +199,7 @@ def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
         valid = None
     p.rope.ensure(max(L, state.max_len))
     x = model.tok_emb(tokens).reshape(B, -1).float().contiguous()                  # (B, C)
-    op = torch.ops.tformer_qgemv.decode_layer
-    for (g1, (wqkv, wo, wg, wu, wd), g2, fmts), s in zip(p.layers, state.layers):
-        op(x, g1, p.eps, wqkv, wo, g2, wg, wu, wd, fmts, p.dims, s.k, s.v, write, at, valid,
-           p.rope.cos, p.rope.sin, p.path_id)
+    _layers(p, x, [(s.k, s.v) for s in state.layers], write, at, valid, None)
     if static:
         state.index.add_(1)
     else:
@@ -190,3 +207,53 @@ def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
         state.advance(pos + 1)
     logits = model.lm_head(model.final_norm(x[:, None]))                            # (B, 1, vocab)
     return logits[:, -1]
+
+
+def forward(model, ids: Tensor, state, *, last_index: Tensor | None = None, last_only: bool = False) -> Tensor | None:
+    """``T`` new tokens per row through the fused layers, after the ``state.length`` tokens every row
+    holds: ``ids (B, T)`` -> logits ``(B, T, vocab)`` (``(B, 1, vocab)`` at ``last_index[b]`` or the
+    last token), written into the caches at ``state.length + t`` and rotated there, token ``t``
+    attending causally to the held tokens and the new ones up to itself (the cache is written before
+    anyone attends; see qgemv.cpp). What :func:`tformer.generation.step.prefill` (a prompt,
+    right-padded under ``last_index``) and :func:`~tformer.generation.step.extend` (a speculative
+    check) run on a block-quantised model; ``None`` (nothing touched) where it does not apply.
+
+    It applies to an eager state (or a row view of the server's static pool with ``length`` set)
+    whose rows hold their tokens without padding, and to a pool writer (``state.writer(rows,
+    start)``: its layers write rows ``rows`` of the pool's caches), for at most
+    :data:`MAX_TOKENS` new tokens per row: the fused attention is a plain loop over keys, and a long
+    prompt is faster through the module path's attention kernel, its per-op cost then amortised.
+    """
+    from tformer.mixers.kv_cache import KVCache, RowWriter
+
+    if state is None or ids.dim() != 2 or not 1 <= ids.shape[1] <= MAX_TOKENS or not state.layers:
+        return None
+    p = _usable(model)
+    if p is None:
+        return None
+    B, T = ids.shape
+    pos = state.length
+    if pos + T > state.max_len:
+        return None                                      # the module path says what is wrong
+    layers = state.layers
+    if all(isinstance(s, KVCache) and s.k.shape[0] == B and _float_cache(s) for s in layers):
+        caches, slots = [(s.k, s.v) for s in layers], torch.arange(B)
+    elif all(type(s) is RowWriter and isinstance(s.cache, KVCache) and _float_cache(s.cache)
+             and s.slots is layers[0].slots for s in layers):
+        caches, slots = [(s.cache.k, s.cache.v) for s in layers], layers[0].slots.long()
+    else:
+        return None
+    if pos and not bool(state.valid[:, :pos].all()):
+        return None                                      # held padding: the module path's masks
+    p.rope.ensure(max(pos + T, caches[0][0].shape[2]))
+    where = torch.arange(pos, pos + T).repeat(B)                                   # (B T,) index = position
+    x = model.tok_emb(ids).reshape(B * T, -1).float().contiguous()                 # (B T, C)
+    _layers(p, x, caches, where, where, None, slots.repeat_interleave(T).contiguous())
+    state.valid[:, pos:pos + T] = True
+    state.advance(pos + T)
+    x = x.view(B, T, -1)
+    if last_index is not None:
+        x = x[torch.arange(B), last_index][:, None]                                # (B, 1, C)
+    elif last_only:
+        x = x[:, -1:]
+    return model.lm_head(model.final_norm(x))                                      # (B, T|1, vocab)

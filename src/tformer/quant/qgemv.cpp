@@ -523,18 +523,23 @@ at::Tensor qgemm_tiles(const at::Tensor& tiles, int64_t fmt, int64_t N, const at
 
 // ---------------------------------------------------------------- one fused decode layer -----
 // A pre-norm Llama block (RMSNorm, GQA attention with rotate-half RoPE over a KV cache, SwiGLU)
-// for B rows, one new token each, all in one call. Row b writes its key and value at cache index
-// w_b = write_index[b], is rotated at position p_b = positions[b] and attends over the keys
-// j <= w_b that valid[b, j] marks real (all of them without `valid`): an eager cache has
-// w_b = p_b = the length held; a static one (the server's pool) its per-row index and count.
+// for N new tokens, all in one call. Token i belongs to cache row r_i = rows[i] (r_i = i without
+// `rows`: one token per row, the decode step), writes its key and value at cache index
+// w_i = write_index[i], is rotated at position p_i = positions[i] and attends over the keys
+// j <= w_i of its row that valid[r_i, j] marks real (all of them without `valid`): an eager cache
+// has w_i = p_i = the length held (+ t for the t-th of several new tokens of a row); a static one
+// (the server's pool) its per-row index and count.
 //   h = x / sqrt(mean(x^2) + eps) * g_attn                   (RMSNorm; sum of squares in double)
 //   [q | k | v] = h . Wqkv^T                                 (one tile product, h quantised once)
-//   q, k <- q cos[p_b] + rot(q) sin[p_b], rot(u) = [-u_hi, u_lo]   (each head, hs/2 halves)
-//   K[w_b] <- k, V[w_b] <- v                                 (the cache buffers (B, nkv, L, hs))
-//   o_h = sum_j softmax_j(q_h . K_j / sqrt(hs)) V_j over the real j <= w_b (zero if there is none;
+//   q, k <- q cos[p_i] + rot(q) sin[p_i], rot(u) = [-u_hi, u_lo]   (each head, hs/2 halves)
+//   K[r_i, w_i] <- k, V[r_i, w_i] <- v                       (the cache buffers (rows, nkv, L, hs))
+//   o_h = sum_j softmax_j(q_h . K_j / sqrt(hs)) V_j over the real j <= w_i (zero if there is none;
 //                                                            head h reads kv head h / (nh/nkv))
 //   x <- x + o . Wo^T
 //   h = RMSNorm(x) g_ffn;  x <- x + (silu(h Wg^T) * (h Wu^T)) . Wd^T   (h quantised once for gate, up)
+// Every token's key and value is written before any token attends, so several new tokens of one
+// row (a speculative check, a prompt) see each other causally through the cache: token i reads the
+// row's keys up to its own index, which holds the earlier new tokens and not the later ones.
 // Every product is the tile kernel of qgemm_tiles, so the arithmetic equals the module path's
 // (BlockLinear) up to the float summation order of the norm, softmax and weighted sum.
 void rms_norm_rows(const float* x, const float* g, double eps, int64_t M, int64_t C, float* out) {
@@ -555,32 +560,93 @@ void rope_head(float* u, const float* cos, const float* sin, int64_t hs) {
   for (int64_t i = half; i < hs; ++i) u[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
+// q . k and y += a x over one head's hs floats, 8 lanes at a time (decode_layer runs only on the
+// SIMD paths, which all have AVX2 + FMA; elsewhere plain loops, so the file still builds);
+// two accumulators hide the FMA latency.
+#ifdef TFORMER_X86
+#define T_ATT T_AVX2
+T_ATT float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 8), _mm256_loadu_ps(b + e + 8), s1);
+  }
+  for (; e + 8 <= n; e += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), s0);
+  float s = hsum256(_mm256_add_ps(s0, s1));
+  for (; e < n; ++e) s += a[e] * b[e];
+  return s;
+}
+
+T_ATT void axpy_f32(float* y, float a, const float* x, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t e = 0;
+  for (; e + 8 <= n; e += 8) _mm256_storeu_ps(y + e, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + e), _mm256_loadu_ps(y + e)));
+  for (; e < n; ++e) y[e] += a * x[e];
+}
+#else
+#define T_ATT
+float dot_f32(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t e = 0; e < n; ++e) s += a[e] * b[e];
+  return s;
+}
+
+void axpy_f32(float* y, float a, const float* x, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) y[e] += a * x[e];
+}
+#endif
+
+// One query head of one token over keys 0 .. n-1 of its row (K, V: key j at + j s2), the keys
+// `real` marks (all without it): o = softmax(q K^T scale) V, zero if no key is real. p: n floats.
+T_ATT void attend_head(const float* q, const float* K, const float* V, int64_t s2, int64_t n, const bool* real,
+                       float scale, int64_t hs, float* p, float* o) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    if (real && !real[j]) { p[j] = -INFINITY; continue; }
+    p[j] = dot_f32(q, K + j * s2, hs) * scale;
+    mx = std::max(mx, p[j]);
+  }
+  std::fill(o, o + hs, 0.0f);
+  if (mx == -INFINITY) return;                                          // no real key
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += (p[j] = real && !real[j] ? 0.0f : std::exp(p[j] - mx));
+  const float inv = 1.0f / sum;
+  for (int64_t j = 0; j < n; ++j)
+    if (p[j] != 0.0f) axpy_f32(o, p[j] * inv, V + j * s2, hs);
+}
+
 void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, const at::Tensor& qkv,
                   const at::Tensor& wo, const at::Tensor& ffn_norm, const at::Tensor& gate, const at::Tensor& up,
                   const at::Tensor& down, at::IntArrayRef fmts, at::IntArrayRef dims, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& write_index, const at::Tensor& positions,
-                  const c10::optional<at::Tensor>& valid, const at::Tensor& cos, const at::Tensor& sin, int64_t path) {
+                  const c10::optional<at::Tensor>& valid, const c10::optional<at::Tensor>& rows,
+                  const at::Tensor& cos, const at::Tensor& sin, int64_t path) {
   TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "decode_layer: this CPU cannot run path ", path);
   TORCH_CHECK(fmts.size() == 5 && dims.size() == 4, "decode_layer: fmts (qkv, o, gate, up, down), dims (nh, nkv, hs, d_ff)");
   for (auto f : fmts) TORCH_CHECK(f >= 0 && f <= 2, "decode_layer: a format must be 0, 1 or 2");
   const int64_t nh = dims[0], nkv = dims[1], hs = dims[2], F = dims[3];
   TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && hs % 2 == 0 && hs <= 512, "decode_layer: bad head layout");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decode_layer: x must be contiguous float32 (B, C)");
-  const int64_t B = x.size(0), C = x.size(1), Q = nh * hs, KV = nkv * hs, NQKV = Q + 2 * KV;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decode_layer: x must be contiguous float32 (N, C)");
+  const int64_t N = x.size(0), C = x.size(1), Q = nh * hs, KV = nkv * hs, NQKV = Q + 2 * KV;
   TORCH_CHECK(C % 32 == 0 && Q % 32 == 0 && F % 32 == 0, "decode_layer: widths must be multiples of 32");
+  const int64_t Bc = k_cache.dim() == 4 ? k_cache.size(0) : 0;          // cache rows
   for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->dim() == 4 && c->scalar_type() == at::kFloat && c->stride(3) == 1 && c->size(0) == B &&
+    TORCH_CHECK(c->dim() == 4 && c->scalar_type() == at::kFloat && c->stride(3) == 1 && c->size(0) == Bc &&
                     c->size(1) == nkv && c->size(3) == hs && c->strides() == k_cache.strides(),
-                "decode_layer: the caches must be float32 (B, nkv, L, hs), each head's vector contiguous");
+                "decode_layer: the caches must be float32 (rows, nkv, L, hs), each head's vector contiguous");
+  TORCH_CHECK(rows.has_value() || Bc == N, "decode_layer: without rows, the caches hold one row per token");
   // the caches may be views (a row range and a key prefix of the server's pool): strided access
   const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), s2 = k_cache.stride(2);
   const int64_t L = k_cache.size(2);
   for (const at::Tensor* t : {&write_index, &positions})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B,
-                "decode_layer: write_index and positions must be contiguous int64 (B,)");
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == N,
+                "decode_layer: write_index and positions must be contiguous int64 (N,)");
   TORCH_CHECK(!valid.has_value() || (valid->scalar_type() == at::kBool && valid->stride(1) == 1 &&
-                                     valid->dim() == 2 && valid->size(0) == B && valid->size(1) == L),
-              "decode_layer: valid must be bool (B, L), rows contiguous");
+                                     valid->dim() == 2 && valid->size(0) == Bc && valid->size(1) == L),
+              "decode_layer: valid must be bool (rows, L), rows contiguous");
+  TORCH_CHECK(!rows.has_value() || (rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == N),
+              "decode_layer: rows must be contiguous int64 (N,)");
   const int64_t vs = valid.has_value() ? valid->stride(0) : 0;
   for (const at::Tensor* t : {&attn_norm, &ffn_norm})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == C, "decode_layer: norm weights (C,) float32");
@@ -589,9 +655,10 @@ void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, 
                 "decode_layer: cos/sin tables (P, hs) float32");
   const int64_t* wi = write_index.data_ptr<int64_t>();
   const int64_t* pi = positions.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(wi[b] >= 0 && wi[b] < L && pi[b] >= 0 && pi[b] < cos.size(0),
-                "decode_layer: a write index past the cache or a position past the rotary table");
+  const int64_t* ri = rows.has_value() ? rows->data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(wi[i] >= 0 && wi[i] < L && pi[i] >= 0 && pi[i] < cos.size(0) && (!ri || (ri[i] >= 0 && ri[i] < Bc)),
+                "decode_layer: a write index past the cache, a position past the rotary table or a row past the caches");
   const bool* vp = valid.has_value() ? valid->data_ptr<bool>() : nullptr;
   const TileMatrix Wqkv = tile_matrix(qkv, fmts[0], NQKV, path, "decode_layer qkv");
   const TileMatrix Wo = tile_matrix(wo, fmts[1], C, path, "decode_layer out");
@@ -607,65 +674,46 @@ void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, 
   float* vc = v_cache.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  std::vector<float> h(B * std::max(C, F)), proj(B * std::max(NQKV, 2 * F)), att(B * Q);
+  std::vector<float> h(N * std::max(C, F)), proj(N * std::max(NQKV, 2 * F)), att(N * Q);
   QAct a;
 
-  // attention sub-layer
-  rms_norm_rows(xp, attn_norm.data_ptr<float>(), eps, B, C, h.data());
-  a.quantize(h.data(), B, C);
-  tile_product(Wqkv, a, nullptr, proj.data());                          // (B, NQKV): q heads, k heads, v heads
-  for (int64_t b = 0; b < B; ++b) {
-    float* r = proj.data() + b * NQKV;
-    for (int64_t j = 0; j < nh + nkv; ++j) rope_head(r + j * hs, cp + pi[b] * hs, sp + pi[b] * hs, hs);   // q, k rotated
+  // attention sub-layer: every token's key and value into the cache first, then every token attends
+  rms_norm_rows(xp, attn_norm.data_ptr<float>(), eps, N, C, h.data());
+  a.quantize(h.data(), N, C);
+  tile_product(Wqkv, a, nullptr, proj.data());                          // (N, NQKV): q heads, k heads, v heads
+  for (int64_t i = 0; i < N; ++i) {
+    float* r = proj.data() + i * NQKV;
+    const int64_t row = ri ? ri[i] : i;
+    for (int64_t j = 0; j < nh + nkv; ++j) rope_head(r + j * hs, cp + pi[i] * hs, sp + pi[i] * hs, hs);   // q, k rotated
     for (int64_t j = 0; j < nkv; ++j) {
-      std::memcpy(kc + b * s0 + j * s1 + wi[b] * s2, r + Q + j * hs, hs * sizeof(float));
-      std::memcpy(vc + b * s0 + j * s1 + wi[b] * s2, r + Q + KV + j * hs, hs * sizeof(float));
+      std::memcpy(kc + row * s0 + j * s1 + wi[i] * s2, r + Q + j * hs, hs * sizeof(float));
+      std::memcpy(vc + row * s0 + j * s1 + wi[i] * s2, r + Q + KV + j * hs, hs * sizeof(float));
     }
   }
   const float scale = 1.0f / std::sqrt(float(hs));
-  at::parallel_for(0, B * nh, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(L), o(hs);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / nh, hd = i % nh, kvh = hd / group, n = wi[b] + 1;
-      const bool* real = vp ? vp + b * vs : nullptr;
-      const float* q = proj.data() + b * NQKV + hd * hs;
-      const float* K = kc + b * s0 + kvh * s1;                          // key j at K + j s2
-      const float* V = vc + b * s0 + kvh * s1;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        if (real && !real[j]) { p[j] = -INFINITY; continue; }
-        float s = 0.0f;
-        for (int64_t e = 0; e < hs; ++e) s += q[e] * K[j * s2 + e];
-        p[j] = s * scale;
-        mx = std::max(mx, p[j]);
-      }
-      float sum = 0.0f;
-      std::fill(o.begin(), o.end(), 0.0f);
-      if (mx != -INFINITY) {                                            // at least one real key
-        for (int64_t j = 0; j < n; ++j) sum += (p[j] = real && !real[j] ? 0.0f : std::exp(p[j] - mx));
-        for (int64_t j = 0; j < n; ++j)
-          if (p[j] != 0.0f)
-            for (int64_t e = 0; e < hs; ++e) o[e] += p[j] * V[j * s2 + e];
-      }
-      float* dst = att.data() + b * Q + hd * hs;
-      for (int64_t e = 0; e < hs; ++e) dst[e] = sum > 0.0f ? o[e] / sum : 0.0f;
+  at::parallel_for(0, N * nh, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(L);
+    for (int64_t t = i0; t < i1; ++t) {
+      const int64_t i = t / nh, hd = t % nh, kvh = hd / group, row = ri ? ri[i] : i;
+      attend_head(proj.data() + i * NQKV + hd * hs, kc + row * s0 + kvh * s1, vc + row * s0 + kvh * s1, s2,
+                  wi[i] + 1, vp ? vp + row * vs : nullptr, scale, hs, p.data(), att.data() + i * Q + hd * hs);
     }
   });
-  a.quantize(att.data(), B, Q);
-  tile_product(Wo, a, nullptr, h.data());                               // (B, C)
-  for (int64_t i = 0; i < B * C; ++i) xp[i] += h[i];
+  a.quantize(att.data(), N, Q);
+  tile_product(Wo, a, nullptr, h.data());                               // (N, C)
+  for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 
   // feed-forward sub-layer
-  rms_norm_rows(xp, ffn_norm.data_ptr<float>(), eps, B, C, h.data());
-  a.quantize(h.data(), B, C);
+  rms_norm_rows(xp, ffn_norm.data_ptr<float>(), eps, N, C, h.data());
+  a.quantize(h.data(), N, C);
   float* g = proj.data();
-  float* u = proj.data() + B * F;
+  float* u = proj.data() + N * F;
   tile_product(Wg, a, nullptr, g);
   tile_product(Wu, a, nullptr, u);
-  for (int64_t i = 0; i < B * F; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];   // silu(g) * u
-  a.quantize(h.data(), B, F);
-  tile_product(Wd, a, nullptr, g);                                      // (B, C)
-  for (int64_t i = 0; i < B * C; ++i) xp[i] += g[i];
+  for (int64_t i = 0; i < N * F; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];   // silu(g) * u
+  a.quantize(h.data(), N, F);
+  tile_product(Wd, a, nullptr, g);                                      // (N, C)
+  for (int64_t i = 0; i < N * C; ++i) xp[i] += g[i];
 }
 
 }  // namespace
@@ -677,7 +725,7 @@ TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("qgemm_tiles(Tensor tiles, int fmt, int N, Tensor x, Tensor? bias, int path) -> Tensor");
   m.def("decode_layer(Tensor(a!) x, Tensor attn_norm, float eps, Tensor qkv, Tensor wo, Tensor ffn_norm, "
         "Tensor gate, Tensor up, Tensor down, int[] fmts, int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-        "Tensor write_index, Tensor positions, Tensor? valid, Tensor cos, Tensor sin, int path) -> ()");
+        "Tensor write_index, Tensor positions, Tensor? valid, Tensor? rows, Tensor cos, Tensor sin, int path) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
