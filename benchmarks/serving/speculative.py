@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="bf16", help="default: what serve_precision.py chose for serving here")
     ap.add_argument("--prompts", default=",".join(PROMPTS))
+    ap.add_argument("--draft", default=None, help="a draft model instead of prompt lookup: the same model at this "
+                    "precision (e.g. q4_1: the file's own blocks), drafting for --dtype")
     ap.add_argument("--name", default="speculative", help="results file stem (default: speculative)")
     args = ap.parse_args()
     run = Run()
@@ -73,13 +75,17 @@ def main() -> None:
         model = load_model_as("smollm2", args.dtype)[0]           # the file's blocks (Q4_1 for SmolLM2's file)
     else:
         model = set_precision(load_model(folder).eval(), args.dtype)
+    draft = None
+    if args.draft:
+        draft = (load_model_as("smollm2", args.draft)[0] if args.draft in BLOCK_PRECISIONS
+                 else set_precision(load_model(folder).eval(), args.draft))
     tok, template = load_tokenizer(folder), load_chat_template(folder)
     rows = []
     for name in args.prompts.split(","):
         ids = torch.tensor([template.encode(tok, [{"role": "user", "content": PROMPTS[name]}])])
         n = args.new_tokens
         runs = {"plain": lambda: generate(model, ids, n, temperature=0)[0, ids.shape[1]:].tolist(),
-                "speculative": lambda: generate_speculative(model, ids, n, k=args.k)}
+                "speculative": lambda: generate_speculative(model, ids, n, k=args.k, draft_model=draft)}
         times, out = {"plain": [], "speculative": []}, {}
         for r in range(args.rounds):
             for which in (list(runs) if r % 2 == 0 else list(reversed(runs))):
@@ -96,7 +102,7 @@ def main() -> None:
 
 def write(run, args, rows, done: bool) -> None:
     lines = ["# Speculative decoding (prompt lookup) on SmolLM2-135M-Instruct, one stream, greedy", "",
-             f"{args.dtype}, k = {args.k} drafted tokens per verification forward, {args.new_tokens} new tokens, "
+             f"{args.dtype}" + (f", drafted by the same model at {args.draft}" if args.draft else ", prompt-lookup drafts") + f", k = {args.k} drafted tokens per verification forward, {args.new_tokens} new tokens, "
              f"{args.rounds} rounds alternating plain and speculative; medians." + ("" if done else " (Partial: run interrupted.)"), "",
              "| prompt | prompt tokens | new tokens | identical tokens | plain tok/s | speculative tok/s | speed-up | "
              "acceptance | tokens per decode forward |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
