@@ -111,16 +111,19 @@ def round_(url: str, model: str, streams: int, requests: int = 1) -> dict:
 DTYPES = ("fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1")
 
 
-def server_options(name: str, default_dtype: str) -> tuple[str, str]:
-    """``(dtype, speculative K)`` of a tformer server name: ``tformer``, ``tformer-q4_1``, ``tformer-spec4``,
-    ``tformer-q4_1-spec6`` (no dtype part: ``--dtype``; ``-spec`` alone: K = 4)."""
-    dtype, spec = default_dtype, "0"
+def server_options(name: str, default_dtype: str) -> tuple[str, str, str | None]:
+    """``(dtype, speculative K, draft dtype)`` of a tformer server name: ``tformer``, ``tformer-q4_1``,
+    ``tformer-spec4``, ``tformer-q4_1-spec6``, ``tformer-fp32-spec5-draftq4_1`` (no dtype part: ``--dtype``;
+    ``-spec`` alone: K = 4; no draft part: prompt lookup)."""
+    dtype, spec, draft = default_dtype, "0", None
     for part in name.split("-")[1:]:
         if part in DTYPES:
             dtype = part
         elif part.startswith("spec"):
             spec = part[4:] or "4"
-    return dtype, spec
+        elif part.startswith("draft") and part[5:] in DTYPES:
+            draft = part[5:]
+    return dtype, spec, draft
 
 
 def servers(args, gguf: str) -> dict:
@@ -128,10 +131,10 @@ def servers(args, gguf: str) -> dict:
     out = {}
     for name in args.servers.split(","):
         if name.startswith("tformer"):
-            dtype, spec = server_options(name, args.dtype)
+            dtype, spec, draft = server_options(name, args.dtype)
             out[name] = ([py, "-m", "tformer.cli", "serve", "--model", "smollm2", "--port", str(args.port + len(out)),
                           "--threads", str(args.threads), "--slots", "16", "--dtype", dtype,
-                          "--speculative", spec], "smollm2")
+                          "--speculative", spec] + (["--draft", draft] if draft else []), "smollm2")
         elif name == "llama":
             out[name] = ([py, str(Path(__file__).resolve().parents[1] / "common" / "llama_server.py"), "--model", gguf, "--port", str(args.port + len(out)),
                           "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
@@ -143,7 +146,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--servers", default="tformer,llama",
                     help="comma-separated: tformer, tformer-DTYPE (--dtype DTYPE, e.g. tformer-q4_1), tformer-specK "
-                         "(--speculative K), tformer-DTYPE-specK, llama (default: tformer,llama)")
+                         "(--speculative K), tformer-DTYPE-specK, tformer-DTYPE-specK-draftDTYPE (--draft), llama "
+                         "(default: tformer,llama)")
     ap.add_argument("--streams", default="", help="stream counts to time in this call, e.g. 1,4")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=1,

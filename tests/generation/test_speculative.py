@@ -134,3 +134,30 @@ def test_extend_gives_every_positions_logits_and_truncate_rolls_back():
         assert state.length == 10 and not state.valid[0, 10:].any()
         again = extend(model, ids[:, 10:14], state)[0]
         torch.testing.assert_close(again, full[10:14], atol=1e-5, rtol=0)
+
+
+def test_model_draft_feeds_only_what_follows_the_prefix_it_holds(monkeypatch):
+    """ModelDraft's cache keeps the longest prefix it shares with the next history: after a rejected
+    draft it feeds the accepted tokens only, and another sequence with the same opening (a chat's
+    system prompt) feeds what follows it. Its drafts equal those of a fresh draft on the same history."""
+    import tformer.generation.speculative as speculative
+
+    model = tiny(vocab=64)
+    fed = []
+    real = speculative.extend
+    monkeypatch.setattr(speculative, "extend", lambda m, ids, s: fed.append(ids.shape[1]) or real(m, ids, s))
+    draft = speculative.ModelDraft(model, 64)
+    shared = [3, 17, 5, 42, 8, 11, 2, 9]
+    with torch.inference_mode():
+        first, _ = draft.propose(shared + [1, 30], 3, 0.0)
+        assert fed == [10, 1, 1]
+        fed.clear()
+        history = shared + [1, 30] + first[:1] + [7]             # one draft kept, then the target's own token
+        again, _ = draft.propose(history, 3, 0.0)
+        assert fed == [1, 1, 1]                                  # only the target's own token: d1 is held
+        assert again == speculative.ModelDraft(model, 64).propose(history, 3, 0.0)[0]
+        fed.clear()
+        other = shared + [60, 4, 4]
+        drafted, _ = draft.propose(other, 2, 0.0)
+        assert fed == [3, 1]                                     # the shared 8 tokens reused
+        assert drafted == speculative.ModelDraft(model, 64).propose(other, 2, 0.0)[0]

@@ -1,5 +1,5 @@
-"""The scheduler's speculative steps (a lone sequence, prompt-lookup drafts verified in one forward of
-its pool row) and its prefix cache give the tokens the plain scheduler gives; after a load of 40
+"""The scheduler's speculative steps (a lone sequence, prompt-lookup or draft-model drafts verified in
+one forward of its pool row) and its prefix cache give the tokens the plain scheduler gives; after a load of 40
 concurrent clients sharing a system prompt no slot and no prefix block is held by a request."""
 
 from __future__ import annotations
@@ -39,6 +39,49 @@ def test_speculative_steps_give_plain_greedy_tokens(tmp_path, one_thread, positi
     finally:
         plain.close()
         spec.close()
+
+
+@pytest.mark.parametrize("draft", ["same", "q4_0", "other"])
+def test_a_draft_model_gives_plain_greedy_tokens(tmp_path, one_thread, draft):
+    """A draft model drafting for the scheduler: the same model (every greedy draft must be accepted),
+    its q4_0 copy, and another random model (most rejected: the rollback path); tokens equal the plain scheduler's either way, also when a second
+    sequence takes the draft's cache and the first comes back later (a multi-turn chat's next turn);
+    prompts sharing a prefix feed the draft only what follows it."""
+    from tformer.quant.quantize import set_precision
+
+    model, tok = tiny_checkpoint(tmp_path, context=128, positions="rope")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)                                    # sharper: no greedy near-ties
+    drafter = (copy.deepcopy(model) if draft == "same" else set_precision(copy.deepcopy(model), "q4_0")
+               if draft == "q4_0" else tiny_checkpoint(tmp_path / "other", context=128, positions="rope", seed=1)[0])
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, tok.vocab_size, (10,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, tok.vocab_size, (6,), generator=g).tolist() for _ in range(3)]
+    plain = Scheduler(copy.deepcopy(model), n_slots=2)
+    spec = Scheduler(model, n_slots=2, speculative=4, draft_model=drafter)
+    try:
+        for p in prompts + prompts[:1]:
+            assert run_alone(spec, tok, p, 30, temperature=0.0) == run_alone(plain, tok, p, 30, temperature=0.0)
+        m = spec.metrics
+        drafted, accepted = m.value("tformer_speculative_drafted_tokens_total"), m.value("tformer_speculative_accepted_tokens_total")
+        assert drafted > 0 and {"same": accepted == drafted, "q4_0": accepted > 0,
+                            "other": accepted < drafted / 2}[draft], (drafted, accepted)
+        sampled = run_alone(spec, tok, prompts[0], 20, temperature=1.0, seed=3)
+        assert len(sampled) == 20 and all(0 <= t < tok.vocab_size for t in sampled)
+        assert m.value("tformer_pool_slots_in_use") == 0
+    finally:
+        plain.close()
+        spec.close()
+
+
+def test_draft_needs_speculative_and_another_precision(tmp_path):
+    from tformer.errors import ConfigError
+
+    tiny_checkpoint(tmp_path, context=64)
+    with pytest.raises(ConfigError, match="--speculative"):
+        build_server(str(tmp_path), draft="q8_0")
+    with pytest.raises(ConfigError, match="other than --dtype"):
+        build_server(str(tmp_path), speculative=4, draft="fp32")
 
 
 def test_load_with_a_shared_prefix_leaks_no_slot_or_block(tmp_path, one_thread):

@@ -45,7 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=256.0, metavar="MIB",
                    help="MiB of KV blocks kept to reuse shared prompt prefixes (default: 256; 0: off)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
-                   help="prompt-lookup draft tokens verified per step when one sequence runs alone (default: 0, off)")
+                   help="draft tokens verified per step when one sequence runs alone (default: 0, off); drafted "
+                        "by prompt lookup, or by --draft")
+    p.add_argument("--draft", default=None, choices=["fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1"],
+                   help="draft with the same model at this precision instead of prompt lookup (e.g. --dtype fp32 "
+                        "--draft q4_1: fp32's tokens at about the 4-bit model's speed; needs --speculative K)")
     p.set_defaults(func=run)
 
 
@@ -78,7 +82,7 @@ def embedder_factory(folder: str | None):
 def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout: float = 300.0,
                  embeddings: str | None = None, dtype: str = "fp32", model: str | None = None,
                  max_model_len: int | None = None, prefix_cache_mb: float = 256.0, speculative: int = 0,
-                 threads: int | None = None):
+                 threads: int | None = None, draft: str | None = None):
     """Load the checkpoint (or ``model``: a built-in name or a .gguf file, converted once and cached) and
     start its scheduler: a :class:`tformer.serve.server.Server`."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
@@ -94,6 +98,9 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     if not (0 <= prefix_cache_mb < float("inf") and 0 <= speculative <= 64):
         raise ConfigError(f"--prefix-cache-mb {prefix_cache_mb}, --speculative {speculative}: use a size >= 0 MiB "
                           f"(0 turns the prefix cache off) and 0..64 draft tokens (0 turns speculation off).")
+    if draft is not None and (not speculative or draft == dtype):
+        raise ConfigError(f"--draft {draft} drafts for --speculative K tokens at a cheaper precision than --dtype "
+                          f"{dtype}: pass --speculative K (e.g. 4) and a --draft other than --dtype.")
     embedder = embedder_factory(embeddings)
     if model is not None and ckpt is not None:
         raise ConfigError("pass --ckpt or --model, not both.")
@@ -101,14 +108,19 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     if spec is not None:
         from tformer.interop.builtin import load_model_as, resolve_model
         run = folder = resolve_model(spec)
-        if dtype in BLOCK_PRECISIONS:            # the file's own blocks when it stores that format
-            model = load_model_as(spec, dtype)[0]
-        else:
-            model = set_precision(load_model(folder).eval(), dtype)
+
+        def load(precision: str):
+            if precision in BLOCK_PRECISIONS:    # the file's own blocks when it stores that format
+                return load_model_as(spec, precision)[0]
+            return set_precision(load_model(folder).eval(), precision)
     else:
         run = Path(ckpt) if ckpt else newest_run()
         folder = resolve_checkpoint(run)
-        model = set_precision(load_model(folder).eval(), dtype)
+
+        def load(precision: str):
+            return set_precision(load_model(folder).eval(), precision)
+    model = load(dtype)
+    draft_model = load(draft) if draft is not None else None
     if not hasattr(model, "lm_head"):
         raise CheckpointError(f"{folder} holds a {type(model).__name__}; `tformer serve` generates with a decoder "
                               f"(an encoder is served for embeddings with --embeddings).")
@@ -130,7 +142,7 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     server = Server(model, tokenizer, name, eos=eos, embedder=embedder,
                     limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout,
                                   max_model_len=max_model_len, prefix_cache_mb=prefix_cache_mb,
-                                  speculative=speculative, threads=threads))
+                                  speculative=speculative, threads=threads), draft_model=draft_model)
     server.chat_template = template
     return server
 
@@ -171,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype,
                               args.model, args.max_model_len, prefix_cache_mb=args.prefix_cache_mb,
-                              speculative=args.speculative, threads=threads)
+                              speculative=args.speculative, threads=threads, draft=args.draft)
     except BaseException:
         sock.close()
         raise

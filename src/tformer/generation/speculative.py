@@ -171,7 +171,7 @@ def generate_speculative(model, ids: Tensor, max_new_tokens: int, *, k: int = 4,
     first = prefill(model, ids, state)                                       # (1, V)
     out = [_pick(first, temperature, top_k, top_p, generator)]
     stats = SpeculativeStats()
-    drafter = _ModelDraft(draft_model, ids, max_len) if draft_model is not None else None
+    drafter = ModelDraft(draft_model, max_len) if draft_model is not None else None
     while len(out) < max_new_tokens and out[-1] not in stops:
         history = seq + out                                                  # the state holds all but the last
         room = max_new_tokens - len(out)
@@ -202,19 +202,38 @@ def _pick(logits: Tensor, temperature: float, top_k, top_p, generator) -> int:
     return int(torch.multinomial(target_probs(logits, temperature, top_k, top_p)[0], 1, generator=generator))
 
 
-class _ModelDraft:
-    """A draft model with its own cache, kept in step with the accepted sequence."""
+class ModelDraft:
+    """A draft model with its own cache, kept in step with the accepted sequence.
 
-    def __init__(self, model, ids: Tensor, max_len: int):
+    The cache remembers which tokens it holds, so each :meth:`propose` feeds the draft only what
+    follows the longest prefix it shares with the history: after a verification, the accepted
+    tokens after the drafts it kept; for another sequence (the server keeps one draft cache for
+    whichever sequence speculates, :mod:`tformer.serve.scheduler`), what follows the prompt prefix
+    both share (a chat template's system prompt), not the whole prompt.
+
+    Args:
+        model: the draft (e.g. the target model at a 4-bit format).
+        max_len: positions its cache holds (the sequence's prompt, new tokens and ``k + 1`` more).
+    """
+
+    def __init__(self, model, max_len: int):
         self.model, self.state = model, model.new_state(1, max_len)
-        self.held = 0                                                        # tokens of the sequence it holds
+        self.tokens: list[int] = []                                          # what the cache holds, in order
 
-    def propose(self, history: list[int], k: int, temperature, top_k, top_p, generator):
-        """``k`` drafted tokens after ``history`` and the distributions ``(k, V)`` they came from."""
-        self.held = min(self.held, len(history) - 1)
-        self.state.truncate(self.held)                                      # forget what the target rejected
-        logits = extend(self.model, torch.tensor([history[self.held:]]), self.state)[0, -1:]   # (1, V)
-        self.held = len(history)
+    @property
+    def max_len(self) -> int:
+        return self.state.max_len
+
+    def propose(self, history: list[int], k: int, temperature, top_k=None, top_p=None, generator=None):
+        """``k`` drafted tokens after ``history`` and the distributions ``(k, V)`` they came from
+        (point masses when greedy)."""
+        n, limit = 0, min(len(self.tokens), len(history) - 1)               # the last token is always fed
+        while n < limit and self.tokens[n] == history[n]:
+            n += 1
+        self.state.truncate(n)                                              # forget what the history does not share
+        del self.tokens[n:]
+        logits = extend(self.model, torch.tensor([history[n:]]), self.state)[0, -1:]   # (1, V)
+        self.tokens += history[n:]
         draft, qs = [], []
         for i in range(k):
             if is_greedy(temperature):
@@ -227,5 +246,5 @@ class _ModelDraft:
             qs.append(q)
             if i + 1 < k:
                 logits = extend(self.model, torch.tensor([[t]]), self.state)[0]   # (1, V)
-                self.held += 1
+                self.tokens.append(t)
         return draft, torch.stack(qs)

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from tformer.generation.speculative import accept, lookup_draft
+from tformer.generation.speculative import ModelDraft, accept, lookup_draft
 from tformer.generation.text import TextTracker
 from tformer.serve.metrics import BATCH_BUCKETS, Metrics
 from tformer.serve.pool import KVPool
@@ -130,6 +130,8 @@ class Scheduler:
         prefix_cache_mb: MiB of KV blocks kept to reuse shared prompt prefixes (0: no prefix cache).
         speculative: draft tokens per step for a sequence decoded alone (prompt lookup,
             :mod:`tformer.generation.speculative`; 0: never speculate).
+        draft_model: a cheaper model that drafts instead of prompt lookup (e.g. the same model at
+            a 4-bit format, drafting for fp32); it keeps one cache, for whichever sequence speculates.
         threads: torch threads of the scheduler thread (``torch.set_num_threads`` there; None: leave
             torch's setting). ``tformer serve`` loads the model with ONE torch thread and gives the
             scheduler all of them, so that only this thread ever runs a parallel region: each OS thread
@@ -141,12 +143,13 @@ class Scheduler:
 
     def __init__(self, model, n_slots: int = 16, max_len: int | None = None, max_queue: int = 64,
                  prefill_per_step: int = 8, metrics: Metrics | None = None, prefix_cache_mb: float = 0,
-                 speculative: int = 0, threads: int | None = None):
+                 speculative: int = 0, threads: int | None = None, draft_model=None):
         self.model, self.threads = model, threads
         self.max_len = max_len or model.config.context_length
         self.metrics = metrics or Metrics()
         self.pool = KVPool(model, n_slots, self.max_len, prefix_cache_mb, self.metrics)
         self.speculative = speculative
+        self.draft_model, self.drafter = draft_model, None
         self.max_queue, self.prefill_per_step = max_queue, prefill_per_step
         self.free = list(range(n_slots))                    # a heap: lowest slots first keep rows contiguous
         self.running: dict[int, Sequence] = {}              # slot -> sequence
@@ -397,20 +400,34 @@ class Scheduler:
             return False
         k = min(self.speculative, p.max_tokens - len(seq.generated) - 1, self.max_len - seq.positions - 1)
         history = seq.prompt + seq.generated                   # the row holds all but the newest token
-        draft = lookup_draft(history, k) if k >= 1 else []
+        top_p = p.top_p if p.top_p < 1 else None
+        start = time.perf_counter()
+        if self.draft_model is not None and k >= 1:
+            draft, q = self._drafter(seq).propose(history, k, p.temperature, p.top_k, top_p, seq.generator)
+        else:
+            draft, q = (lookup_draft(history, k) if k >= 1 else []), None
         if not draft:
             return False
-        start = time.perf_counter()
         logits = self.pool.verify(seq.slot, [seq.last] + draft)                 # (k+1, vocab)
-        new = accept(logits, draft, p.temperature, p.top_k, p.top_p if p.top_p < 1 else None, seq.generator)
+        new = accept(logits, draft, p.temperature, p.top_k, top_p, seq.generator, q)
         self.pool.keep(seq.slot, len(history) - 1 + len(new))                  # last + the accepted drafts
         m = self.metrics
         m.observe("tformer_decode_step_seconds", time.perf_counter() - start, help="time of one batched decode step")
         m.inc("tformer_speculative_steps_total", help="speculative verification forwards")
-        m.inc("tformer_speculative_drafted_tokens_total", len(draft), help="tokens drafted by prompt lookup")
+        m.inc("tformer_speculative_drafted_tokens_total", len(draft), help="tokens drafted (prompt lookup or the draft model)")
         m.inc("tformer_speculative_accepted_tokens_total", len(new) - 1, help="drafted tokens the model accepted")
         self._take_tokens(seq, new)
         return True
+
+    def _drafter(self, seq: Sequence) -> ModelDraft:
+        """The draft model's one cache, for whichever sequence speculates (it keeps the prefix the
+        next one shares: a chat's system prompt); made again only when a sequence needs more
+        positions than it has."""
+        need = min(self.max_len, len(seq.prompt) + seq.params.max_tokens + self.speculative + 1)
+        if self.drafter is None or self.drafter.max_len < need:
+            self.drafter = None                                                  # free the old one first
+            self.drafter = ModelDraft(self.draft_model, need)
+        return self.drafter
 
     def _take_tokens(self, seq: Sequence, tokens: list[int]) -> None:
         """Send ``tokens`` (already chosen) one by one as :meth:`_take` does, until ``seq`` finishes."""

@@ -42,16 +42,18 @@ class Server:
         name: the model id clients pass as ``model``.
         eos: token ids that end a sequence (``finish_reason: "stop"``).
         embedder: a zero-argument function returning ``(name, SentenceEncoder)`` on first use, or None.
+        draft_model: drafts for ``limits.speculative`` instead of prompt lookup (see the Scheduler).
     """
 
-    def __init__(self, model, tokenizer, name: str, eos=(), embedder=None, limits: Limits | None = None):
+    def __init__(self, model, tokenizer, name: str, eos=(), embedder=None, limits: Limits | None = None,
+                 draft_model=None):
         self.model, self.tokenizer, self.name, self.eos = model, tokenizer, name, frozenset(eos)
         self.limits = limits or Limits()
         self.metrics = Metrics()
         self.scheduler = Scheduler(model, n_slots=self.limits.n_slots, max_len=self.limits.max_model_len,
                                    max_queue=self.limits.max_queue, metrics=self.metrics,
                                    prefix_cache_mb=self.limits.prefix_cache_mb, speculative=self.limits.speculative,
-                                   threads=self.limits.threads)
+                                   threads=self.limits.threads, draft_model=draft_model)
         self.max_len = self.scheduler.max_len
         self.embedder_factory, self.embedder, self.embed_lock = embedder, None, asyncio.Lock()
         self.started = time.time()
