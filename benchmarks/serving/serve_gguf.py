@@ -102,10 +102,10 @@ def round_(url: str, model: str, streams: int, requests: int = 1) -> dict:
         done = [chat_one(url, model, messages(q), 64 + (37 * q) % 193)
                 for q in (i + j * streams for j in range(requests))]
         results[i] = {"tokens": sum(d["tokens"] for d in done), "ttft": [d["ttft"] for d in done],
-                      "text": done[0]["text"]}
+                      "texts": [d["text"] for d in done]}
     wall = concurrently(work, streams)
     return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft": [t for r in results for t in r["ttft"]],
-            "texts": [r["text"] for r in results]}
+            "texts": [t for r in results for t in r["texts"]]}
 
 
 DTYPES = ("fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1")
@@ -198,8 +198,8 @@ def main() -> None:
                                       "dtype": server_options(n, args.dtype)[0] if n.startswith("tformer") else "q4_1"})
                 print(f"{streams:>3} streams {n:<14} {tps:8.1f} tok/s  TTFT p50 {pct(ttft, 50):6.2f} s "
                       f"p99 {pct(ttft, 99):6.2f} s", flush=True)
-                if (streams == 1 and args.requests == 1) or n not in parts["texts"]:
-                    parts["texts"][n] = got[n][0]["texts"]
+                if streams == 1 and len(got[n][0]["texts"]) >= len(parts["texts"].get(n, [])):
+                    parts["texts"][n] = got[n][0]["texts"]                # one stream: the most chats seen
         if args.ttft:
             for p in range(args.ttft_pairs):
                 for n in list(specs)[p % len(specs):] + list(specs)[:p % len(specs)]:
@@ -271,6 +271,12 @@ def merge() -> None:
             pre = [common_prefix(x, y) for x, y in zip(a, b)]
             lines += ["", f"Greedy text, {n} against llama.cpp on the same chats: {same} of {len(a)} identical; common "
                           f"prefix {statistics.median(pre):.0f} characters (median) of {statistics.median(len(y) for y in b):.0f}."]
+    for n in [t for t in texts if "-spec" in t]:                  # speculative against the same server without it
+        base = "-".join(part for part in n.split("-") if not part.startswith(("spec", "draft")))
+        if base in texts:
+            a, b = texts[n], texts[base]
+            lines += ["", f"Greedy text, {n} against {base} (speculation must not change it): "
+                          f"{sum(x == y for x, y in zip(a, b))} of {min(len(a), len(b))} chats identical."]
     lines += ["", "Runs (each call of the script):", ""] + [f"- {r['date']}, `{r['command']}`, commit {r['commit'][:10]}, "
                                                            f"{r['threads']} threads, {load_note(r['busy_during'])}"
                                                            for r in recs]
