@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import httpx
 import pytest
@@ -84,9 +85,10 @@ def test_draft_needs_speculative_and_another_precision(tmp_path):
         build_server(str(tmp_path), speculative=4, draft="fp32")
 
 
-def test_load_with_a_shared_prefix_leaks_no_slot_or_block(tmp_path, one_thread):
+@pytest.mark.parametrize("options", [{}, {"speculative": 4, "draft": "q8_0"}], ids=["plain", "draft"])
+def test_load_with_a_shared_prefix_leaks_no_slot_or_block(tmp_path, one_thread, options):
     tiny_checkpoint(tmp_path, context=256)
-    server = build_server(str(tmp_path), slots=8, max_queue=64)
+    server = build_server(str(tmp_path), slots=8, max_queue=64, **options)
     running = Running(build_app(server))
     system = "You are a careful assistant. Answer in one short line. " * 2
 
@@ -111,3 +113,35 @@ def test_load_with_a_shared_prefix_leaks_no_slot_or_block(tmp_path, one_thread):
     assert m.value("tformer_prefix_cache_hit_blocks_total") >= 30 * (len(system) // 16 - 1)   # the system prompt reused
     assert "tformer_prefix_cache_hit_blocks_total" in metrics
     server.close()
+
+
+def test_a_client_leaving_a_drafted_stream_frees_its_slot(tmp_path, one_thread):
+    """A lone streaming request speculating with a draft model; the client reads two chunks and
+    disconnects: its slot is free within a step and the next request's greedy text is the plain one."""
+    from tformer.generation.text import generate_text
+
+    model, tok = tiny_checkpoint(tmp_path, context=256, positions="rope")
+    reference = copy.deepcopy(model)
+    server = build_server(str(tmp_path), slots=2, max_queue=4, speculative=4, draft="q8_0")
+    running = Running(build_app(server))
+    body = {"model": server.name, "prompt": "abcabcabc", "max_tokens": 200, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", running.url + "/v1/completions", json=body, timeout=60) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks == 2:
+                    break                                               # leave mid-stream
+        for _ in range(200):
+            if server.metrics.value("tformer_pool_slots_in_use") == 0:
+                break
+            time.sleep(0.02)
+        assert server.metrics.value("tformer_pool_slots_in_use") == 0
+        r = httpx.post(running.url + "/v1/completions", timeout=60,
+                       json={"model": server.name, "prompt": "hello there", "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == generate_text(reference, tok, "hello there", 24, temperature=0)
+        assert server.metrics.value("tformer_speculative_steps_total") > 0
+    finally:
+        running.stop()
+        server.close()
