@@ -15,6 +15,7 @@ Writes benchmarks/results/quant/gemv.md.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ from common.measure import read_bandwidth  # noqa: E402
 SHAPES = {"qkv 768x2304": (2304, 768), "out 768x768": (768, 768), "fc 768x3072": (3072, 768),
           "proj 3072x768": (768, 3072)}
 HEAD = ("head 768x50257", (50257, 768))
+SIMD = ["avx512", "avx2"]
 
 
 def walk(layers: int) -> list[tuple[str, tuple[int, int]]]:
@@ -39,10 +41,23 @@ def walk(layers: int) -> list[tuple[str, tuple[int, int]]]:
 
 
 def contenders(kind: str, shapes) -> dict[str, list]:
-    """candidate -> the decode layer tformer builds with that kernel forced, one per weight of the walk."""
+    """candidate -> the decode layer tformer builds with that kernel forced, one per weight of the walk;
+    ``ext`` once per SIMD path this CPU runs (``ext-avx2``: the AVX2 loop, forced as on a CPU without
+    AVX-512)."""
     g = torch.Generator().manual_seed(0)
     linears = [kernels.random_linear(n, k, g) for _, (n, k) in shapes]
-    return {c: [decode_layer(kind, c, lin) for lin in linears] for c in kernels.available(kind)}
+    out = {}
+    for c in kernels.available(kind):
+        for simd in (SIMD if c == "ext" else [None]):
+            old = os.environ.get(gemv.FORCED)
+            if simd:
+                os.environ[gemv.FORCED] = simd                 # read when the layer binds its op
+            try:
+                if simd is None or gemv.path() == simd:
+                    out[c if simd is None else f"ext-{simd}"] = [decode_layer(kind, c, lin) for lin in linears]
+            finally:
+                os.environ.pop(gemv.FORCED, None) if old is None else os.environ.__setitem__(gemv.FORCED, old)
+    return out
 
 
 @torch.inference_mode()
@@ -99,7 +114,9 @@ def main() -> None:
     lines = ["# One-row GEMV kernels, GPT-2 124M decode shapes\n",
              f"Measured read bandwidth {bw:.1f} GB/s (x.sum() over 512 MB, best of 9). One pass = the "
              f"{args.layers}-layer walk + head; median of {args.rounds} alternated rounds. "
-             f"`ext` = tformer's AVX-512 loop (src/tformer/quant/gemv.cpp).\n",
+             f"`ext-avx512` / `ext-avx2` = tformer's loop (src/tformer/quant/gemv.cpp) on each SIMD path; the "
+             f"AVX2 one forced on this CPU, with the rest of the machine as it is (an AVX2-only CPU differs in "
+             f"more than its vectors).\n",
              "| dtype | kernel | pass ms | pass GB/s | share of read bw | " +
              " | ".join(f"{n} µs (GB/s)" for n in names) + " |",
              "|---|---|---:|---:|---:|" + "---:|" * len(names)]

@@ -1,4 +1,5 @@
-"""Decode kernels: tformer's AVX-512 GEMV and torch's int4 kernel against float64 references, the
+"""Decode kernels: tformer's GEMV (both SIMD paths, AVX-512 and AVX2, the AVX2 one forced on an
+AVX-512 machine) and torch's int4 kernel against float64 references, the
 measured-once kernel choice and its cache, and the fallback to torch when the extension is missing.
 
 Tolerances: the GEMV accumulates float32 products (the weights are widened exactly), so against a
@@ -31,6 +32,16 @@ def ext():
     return op
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def simd(request, monkeypatch):
+    """Each SIMD path of the GEMV, forced (skipped where this CPU does not run it)."""
+    ext()
+    monkeypatch.setenv(gemv.FORCED, request.param)
+    if gemv.path() != request.param:
+        pytest.skip(f"this CPU does not run the {request.param} path")
+    return request.param
+
+
 def assert_gemv_close(y, ref, w, x, scales=None):
     mag = (w.double().abs() @ x.double().abs()) * (scales.double().abs() if scales is not None else 1)   # (N,) Σ|W x|
     bound = 1e-5 * mag + ULP[y.dtype] / 2 * ref.abs() + 1e-30
@@ -39,8 +50,9 @@ def assert_gemv_close(y, ref, w, x, scales=None):
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("n, k", [(37, 768), (4, 3072), (9, 40), (1, 7)])   # tails in N (not /4) and K (not /16)
-def test_ext_gemv_matches_float64_reference(wdtype, n, k):
+def test_ext_gemv_matches_float64_reference(wdtype, n, k, simd):
     op = ext()
+    assert op.keywords["path"] == gemv.PATHS.index(simd)
     g = torch.Generator().manual_seed(n * k)
     w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) if wdtype == torch.int8 \
         else torch.randn(n, k, generator=g).to(wdtype)
@@ -182,7 +194,7 @@ def test_forget_drops_only_this_machines_choices(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("n, k", [(37, 768), (5, 64), (1, 32)])
-def test_ext_int4_gemv_matches_float64_reference(n, k):
+def test_ext_int4_gemv_matches_float64_reference(n, k, simd):
     ext()
     g = torch.Generator().manual_seed(n + k)
     q = torch.randint(0, 16, (n, k), generator=g)

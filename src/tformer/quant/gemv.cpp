@@ -6,7 +6,12 @@
 // multiplied into float32 accumulators, so the only difference from a float64 reference is the
 // order of the float32 sums. Rows are split between torch's intra-op threads (at::parallel_for,
 // the same OpenMP pool every other torch op uses); four rows at a time keep four streams of loads
-// in flight. Built at first use by tformer/inference/gemv.py (torch.utils.cpp_extension.load).
+// in flight. Built at first use by tformer/quant/gemv.py (torch.utils.cpp_extension.load).
+//
+// Two implementations of the same loops, picked per call (the `path` argument; 0: the best this CPU
+// runs): 1 avx2 (AVX2 + FMA + F16C, 8 lanes: every x86 CPU since 2013, the AMD EPYC included) and
+// 2 avx512 (AVX-512 F/BW, 16 lanes). The file is compiled for the baseline ISA and each loop carries
+// its own target attribute, so one build serves both and __builtin_cpu_supports says which run here.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -18,26 +23,45 @@
 
 namespace {
 
-// 16 weights at w -> 16 float32 lanes.
-inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
-inline __m512 load16(const at::BFloat16* w) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+enum Path : int64_t { AUTO = 0, AVX2 = 1, AVX512 = 2 };
+#define T_512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+#define T_256 __attribute__((target("avx2,fma,f16c")))
+
+bool runs(int64_t path) {
+  if (path == AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (path == AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return false;
 }
-inline __m512 load16(const at::Half* w) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+
+int64_t resolve(int64_t path) {
+  if (path == AUTO) path = runs(AVX512) ? AVX512 : AVX2;
+  TORCH_CHECK((path == AVX2 || path == AVX512) && runs(path), "gemv: this CPU cannot run path ", path,
+              " (1 avx2, 2 avx512)");
+  return path;
 }
-inline __m512 load16(const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-}
+
 inline float scalar(float v) { return v; }
 inline float scalar(at::BFloat16 v) { return static_cast<float>(v); }
 inline float scalar(at::Half v) { return static_cast<float>(v); }
 inline float scalar(int8_t v) { return static_cast<float>(v); }
 
+// ---------------------------------------------------------------- AVX-512: 16 lanes
+// 16 weights at w -> 16 float32 lanes.
+T_512 inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+T_512 inline __m512 load16(const at::BFloat16* w) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+T_512 inline __m512 load16(const at::Half* w) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+T_512 inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
 // y[0:n1-n0] = W[n0:n1] . x, x already float32 (K floats, in L1). K need not be a multiple of 16.
 template <typename T>
-void rows(const T* W, const float* x, float* y, int64_t K, int64_t n0, int64_t n1) {
+T_512 void rows512(const T* W, const float* x, float* y, int64_t K, int64_t n0, int64_t n1) {
   const int64_t K16 = K - K % 16;
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
@@ -68,6 +92,58 @@ void rows(const T* W, const float* x, float* y, int64_t K, int64_t n0, int64_t n
   }
 }
 
+// ---------------------------------------------------------------- AVX2: 8 lanes
+T_256 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+T_256 inline __m256 load8(const at::BFloat16* w) {        // bf16 bits -> the high half of float32
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+T_256 inline __m256 load8(const at::Half* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+T_256 inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+T_256 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// rows512 with 8 lanes: four rows at a time, K need not be a multiple of 8.
+template <typename T>
+T_256 void rows256(const T* W, const float* x, float* y, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t K8 = K - K % 8;
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const T* w0 = W + n * K; const T* w1 = w0 + K; const T* w2 = w1 + K; const T* w3 = w2 + K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < K8; k += 8) {
+      __m256 xv = _mm256_loadu_ps(x + k);
+      a0 = _mm256_fmadd_ps(load8(w0 + k), xv, a0);
+      a1 = _mm256_fmadd_ps(load8(w1 + k), xv, a1);
+      a2 = _mm256_fmadd_ps(load8(w2 + k), xv, a2);
+      a3 = _mm256_fmadd_ps(load8(w3 + k), xv, a3);
+    }
+    float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);
+    for (int64_t k = K8; k < K; ++k) {
+      s0 += scalar(w0[k]) * x[k]; s1 += scalar(w1[k]) * x[k];
+      s2 += scalar(w2[k]) * x[k]; s3 += scalar(w3[k]) * x[k];
+    }
+    y[n - n0] = s0; y[n - n0 + 1] = s1; y[n - n0 + 2] = s2; y[n - n0 + 3] = s3;
+  }
+  for (; n < n1; ++n) {
+    const T* w = W + n * K;
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) a = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a);
+    float s = hsum8(a);
+    for (int64_t k = K8; k < K; ++k) s += scalar(w[k]) * x[k];
+    y[n - n0] = s;
+  }
+}
+
 // y[n0:n1] -> out in the output dtype, after the optional per-row scale and bias (float32).
 template <typename O>
 void epilogue(const float* acc, O* out, const float* scales, const float* bias, int64_t n0, int64_t n1) {
@@ -82,7 +158,8 @@ void epilogue(const float* acc, O* out, const float* scales, const float* bias, 
 // The op: weight (N, K) f32|bf16|f16|int8 contiguous, x (K,) float, optional float32 scales (N,)
 // and bias (N,). Returns y (N,) in x's dtype, computed in float32.
 at::Tensor gemv(const at::Tensor& weight, const at::Tensor& x, const c10::optional<at::Tensor>& scales,
-                const c10::optional<at::Tensor>& bias) {
+                const c10::optional<at::Tensor>& bias, int64_t path) {
+  path = resolve(path);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
               "gemv: weight must be a contiguous CPU (N, K) matrix");
   TORCH_CHECK(x.dim() == 1 && x.size(0) == weight.size(1), "gemv: x must be (K,)");
@@ -100,7 +177,8 @@ at::Tensor gemv(const at::Tensor& weight, const at::Tensor& x, const c10::option
   auto run = [&](auto* W, auto* out) {
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       std::vector<float> acc(n1 - n0);
-      rows(W, xp, acc.data(), K, n0, n1);
+      if (path == AVX512) rows512(W, xp, acc.data(), K, n0, n1);
+      else rows256(W, xp, acc.data(), K, n0, n1);
       epilogue(acc.data(), out, sp, bp, n0, n1);
     });
   };
@@ -125,9 +203,11 @@ at::Tensor gemv(const at::Tensor& weight, const at::Tensor& x, const c10::option
 // One row of int4 weights: groups of 32 along K in 16 bytes (byte j: weight j in the low nibble,
 // weight j + 16 in the high one), w = q * s_g + c_g with q in 0..15. Per group the 32 products q x
 // are summed in a vector, scaled by s_g once; the offsets add c_g * (sum of x over the group).
-inline void q4_row(const uint8_t* w, const float* s, const float* c, const float* x, const float* xsum,
-                   int64_t G, __m512& acc, float& off) {
+T_512 void q4_row512(const uint8_t* w, const float* s, const float* c, const float* x, const float* xsum,
+                     int64_t G, float* out) {
   const __m512i low = _mm512_set1_epi32(0xF);
+  __m512 acc = _mm512_setzero_ps();
+  float off = 0;
   for (int64_t g = 0; g < G; ++g) {
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * g)));
     __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), _mm512_loadu_ps(x + 32 * g));
@@ -135,11 +215,35 @@ inline void q4_row(const uint8_t* w, const float* s, const float* c, const float
     acc = _mm512_fmadd_ps(t, _mm512_set1_ps(s[g]), acc);
     off += c[g] * xsum[g];
   }
+  *out = _mm512_reduce_add_ps(acc) + off;
+}
+
+// The same with 8 lanes: each group's 16 bytes as two halves of 8 (weights 0..7 | 8..15 in the low
+// nibbles, 16..23 | 24..31 in the high ones).
+T_256 void q4_row256(const uint8_t* w, const float* s, const float* c, const float* x, const float* xsum,
+                     int64_t G, float* out) {
+  const __m256i low = _mm256_set1_epi32(0xF);
+  __m256 acc = _mm256_setzero_ps();
+  float off = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* b = w + 16 * g;
+    const float* xg = x + 32 * g;
+    __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+    __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
+    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), _mm256_loadu_ps(xg));
+    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), _mm256_loadu_ps(xg + 8), t);
+    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_loadu_ps(xg + 16), t);
+    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), _mm256_loadu_ps(xg + 24), t);
+    acc = _mm256_fmadd_ps(t, _mm256_set1_ps(s[g]), acc);
+    off += c[g] * xsum[g];
+  }
+  *out = hsum8(acc) + off;
 }
 
 // y (N,) = W x + bias for int4 W given as packed (N, K/2) uint8, scales and offsets (N, K/32) float32.
 at::Tensor gemv_q4(const at::Tensor& packed, const at::Tensor& x, const at::Tensor& scales, const at::Tensor& offsets,
-                   const c10::optional<at::Tensor>& bias) {
+                   const c10::optional<at::Tensor>& bias, int64_t path) {
+  path = resolve(path);
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte,
               "gemv_q4: packed must be a contiguous (N, K/2) uint8 matrix");
   const int64_t N = packed.size(0), K = 2 * packed.size(1), G = K / 32;
@@ -159,10 +263,10 @@ at::Tensor gemv_q4(const at::Tensor& packed, const at::Tensor& x, const at::Tens
   auto run = [&](auto* out) {
     at::parallel_for(0, N, std::max<int64_t>(4, 65536 / (K / 2)), [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
-        __m512 acc = _mm512_setzero_ps(); float off = 0;
-        q4_row(wp + n * (K / 2), sp + n * G, cp + n * G, xp, xsum.data(), G, acc, off);
-        float v = _mm512_reduce_add_ps(acc) + off + (bp ? bp[n] : 0.0f);
-        out[n] = static_cast<std::remove_pointer_t<decltype(out)>>(v);
+        float v;
+        if (path == AVX512) q4_row512(wp + n * (K / 2), sp + n * G, cp + n * G, xp, xsum.data(), G, &v);
+        else q4_row256(wp + n * (K / 2), sp + n * G, cp + n * G, xp, xsum.data(), G, &v);
+        out[n] = static_cast<std::remove_pointer_t<decltype(out)>>(v + (bp ? bp[n] : 0.0f));
       }
     });
   };
@@ -175,19 +279,24 @@ at::Tensor gemv_q4(const at::Tensor& packed, const at::Tensor& x, const at::Tens
   return y;
 }
 
-// Whether this CPU runs the AVX-512 instructions the loops above were compiled for.
-bool supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+// The paths this CPU runs (1 avx2, 2 avx512), best last.
+std::vector<int64_t> paths() {
+  std::vector<int64_t> out;
+  for (int64_t p : {AVX2, AVX512})
+    if (runs(p)) out.push_back(p);
+  return out;
+}
 
 }  // namespace
 
 TORCH_LIBRARY(tformer_gemv, m) {
-  m.def("gemv(Tensor weight, Tensor x, Tensor? scales=None, Tensor? bias=None) -> Tensor");
-  m.def("gemv_q4(Tensor packed, Tensor x, Tensor scales, Tensor offsets, Tensor? bias=None) -> Tensor");
-  m.def("supported() -> bool");
+  m.def("gemv(Tensor weight, Tensor x, Tensor? scales=None, Tensor? bias=None, int path=0) -> Tensor");
+  m.def("gemv_q4(Tensor packed, Tensor x, Tensor scales, Tensor offsets, Tensor? bias=None, int path=0) -> Tensor");
+  m.def("paths() -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(tformer_gemv, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("gemv_q4", &gemv_q4);
 }
-TORCH_LIBRARY_IMPL(tformer_gemv, CompositeExplicitAutograd, m) { m.impl("supported", &supported); }
+TORCH_LIBRARY_IMPL(tformer_gemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); }

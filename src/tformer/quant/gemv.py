@@ -2,19 +2,22 @@
 
 ``y = W x [* s] [+ b]`` for one row ``x (K,)`` and ``W (N, K)`` in float32, bfloat16, float16 or int8
 (with per-row scales ``s``): the product every linear layer makes per decoded token. The loop widens
-each weight to float32 in AVX-512 registers and accumulates in float32, so its error against a
+each weight to float32 in SIMD registers (AVX-512, 16 lanes, or AVX2 + FMA + F16C, 8 lanes: picked at
+run time from the CPU's flags, :func:`path`; ``TFORMER_GEMV_PATH=avx2`` forces the narrower one on
+an AVX-512 machine, for tests and A/B runs) and accumulates in float32, so its error against a
 float64 reference is that of a float32 dot product of length K (about ``sqrt(K) · 2⁻²⁴`` relative to
 ``Σ|W_k x_k|``), plus the final rounding to ``x``'s dtype.
 
 Build: ``torch.utils.cpp_extension.load`` compiles ``gemv.cpp`` (shipped inside the package) once
 per machine into ``$TFORMER_CACHE`` (default ``~/.cache/tformer``)/``gemv-<hash>``; later
 processes load the built library in milliseconds. When anything stops it (no C++ compiler, a CPU
-without AVX-512, ``TFORMER_NO_EXTENSION=1``), :func:`load` returns ``None``, says why once in
+without AVX2/FMA/F16C, ``TFORMER_NO_EXTENSION=1``), :func:`load` returns ``None``, says why once in
 :data:`STATUS`, and the callers keep torch's kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -28,6 +31,8 @@ SOURCE = Path(__file__).with_name("gemv.cpp")
 STATUS: dict[str, str] = {}          # "state": "built" | "unavailable: <why>" (after the first load())
 _LOCK = threading.Lock()
 _OP: list = []                        # the loaded op, or [None] when it cannot be built
+PATHS = ("auto", "avx2", "avx512")    # the op's path argument: index into this
+FORCED = "TFORMER_GEMV_PATH"          # avx2 | avx512: use that path (if this CPU runs it) instead of the best
 
 
 def cache_dir() -> Path:
@@ -47,8 +52,8 @@ def _cpu_flags() -> set[str]:
 def _build():
     if os.environ.get("TFORMER_NO_EXTENSION"):
         raise RuntimeError("TFORMER_NO_EXTENSION is set")
-    if not {"avx512f", "avx512bw"} <= _cpu_flags():
-        raise RuntimeError("this CPU has no AVX-512 (avx512f, avx512bw)")
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        raise RuntimeError("this CPU has no AVX2 with FMA and F16C")
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + b"-fopenmp").hexdigest()[:12]
@@ -60,22 +65,43 @@ def _build():
     cpp_extension.load(name="tformer_gemv", sources=[str(SOURCE)], build_directory=str(build),
                        # -fopenmp: at::parallel_for is an OpenMP pragma in a header, a serial loop without it;
                        # the library then shares the libgomp torch has already loaded (same soname)
-                       extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-fopenmp"],
+                       # the baseline ISA: each loop carries its own target attribute (avx2 | avx512)
+                       extra_cflags=["-O3", "-fopenmp"],
                        extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
     op = torch.ops.tformer_gemv
-    if not op.supported():
-        raise RuntimeError("the built kernel reports that this CPU lacks AVX-512")
+    if not op.paths():
+        raise RuntimeError("the built kernel reports that this CPU runs neither of its paths")
 
     @torch.library.register_fake("tformer_gemv::gemv")
-    def _shape(weight, x, scales=None, bias=None):      # lets torch.compile trace through the op
+    def _shape(weight, x, scales=None, bias=None, path=0):      # lets torch.compile trace through the op
         return x.new_empty(weight.shape[0])
-    return op.gemv
+    return op
+
+
+def path() -> str:
+    """The SIMD path the loops take here: ``$TFORMER_GEMV_PATH`` if this CPU runs it, else the widest
+    it runs (``avx512`` or ``avx2``); ``"none"`` without the extension."""
+    op = build_once(_build, _OP, _LOCK, STATUS)
+    if op is None:
+        return "none"
+    have = [PATHS[i] for i in op.paths()]
+    forced = os.environ.get(FORCED)
+    return forced if forced in have else have[-1]
+
+
+def load():
+    """The ``gemv(weight, x, scales=None, bias=None)`` op on :func:`path`, building it the first time;
+    ``None`` when it cannot be built or run here (the reason is in ``STATUS["state"]``)."""
+    op = build_once(_build, _OP, _LOCK, STATUS)
+    return None if op is None else functools.partial(op.gemv, path=PATHS.index(path()))
 
 
 def load_q4():
-    """The int4 ``gemv_q4(packed, x, scales, offsets, bias=None)`` op (see :func:`pack_int4`), or ``None``."""
-    return torch.ops.tformer_gemv.gemv_q4 if load() is not None else None
+    """The int4 ``gemv_q4(packed, x, scales, offsets, bias=None)`` op (see :func:`pack_int4`) on
+    :func:`path`, or ``None``."""
+    op = build_once(_build, _OP, _LOCK, STATUS)
+    return None if op is None else functools.partial(op.gemv_q4, path=PATHS.index(path()))
 
 
 def pack_int4(q: Tensor) -> Tensor:
@@ -84,12 +110,6 @@ def pack_int4(q: Tensor) -> Tensor:
     N, K = q.shape
     g = q.to(torch.uint8).view(N, K // 32, 2, 16)                              # (N, G, half, 16)
     return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
-
-
-def load():
-    """The ``gemv(weight, x, scales=None, bias=None)`` op, building it the first time; ``None`` when
-    it cannot be built or run here (the reason is in ``STATUS["state"]``)."""
-    return build_once(_build, _OP, _LOCK, STATUS)
 
 
 def build_once(build, held: list, lock: threading.Lock, status: dict[str, str]):

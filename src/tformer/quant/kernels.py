@@ -16,7 +16,7 @@ checks against a float64 reference):
 - ``mv``: ``torch.mv(W, x)``;
 - ``int8pack``: ``aten._weight_int8pack_mm`` (int8 only);
 - ``int4pack``: ``aten._weight_int4pack_mm_for_cpu`` (int4, groups of 32);
-- ``ext``: tformer's own AVX-512 loops (``gemv.cpp``: ``gemv``, and ``gemv_q4`` for int4), when they build here.
+- ``ext``: tformer's own loops (``gemv.cpp``: ``gemv``, and ``gemv_q4`` for int4; AVX-512 or AVX2), when they build here.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ FORCED = "TFORMER_DECODE_KERNEL"      # e.g. "ext" or "linear": skip the measure
 
 def machine_key() -> str:
     """CPU model name, torch version and thread count: what a kernel choice depends on."""
-    return f"{cpu_info().model} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    forced = os.environ.get(gemv.FORCED)               # a forced GEMV path measures (and is stored) apart
+    return f"{cpu_info().model} | torch {torch.__version__} | {torch.get_num_threads()} threads" + \
+        (f" | gemv {forced}" if forced else "")
 
 
 def random_linear(n: int, k: int, g: torch.Generator) -> torch.nn.Linear:
