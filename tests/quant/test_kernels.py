@@ -222,3 +222,51 @@ def test_int4_linear_one_row_equals_the_dequantised_reference_with_either_kernel
     ref = x.double() @ deq.view(40, 96).T + lin.bias.double()
     mag = x.double().abs() @ deq.view(40, 96).abs().T
     assert bool(((layer(x).double() - ref).abs() <= 4 * ULP[torch.bfloat16] * mag).all())
+
+
+# ------------------------------------------------------------------ several rows at bf16 / fp16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", ["native", "fp32"])
+def test_prefill_products_match_float64_reference(dtype, kernel):
+    """Either several-row product is the float64 product up to float32-class sums (accumulated in
+    float32 by both: oneDNN's bf16 GEMM accumulates in float32 too) and one rounding to the dtype."""
+    g = torch.Generator().manual_seed(7)
+    w, x, b = (torch.randn(96, 200, generator=g).to(dtype), torch.randn(9, 200, generator=g).to(dtype),
+               torch.randn(96, generator=g).to(dtype))
+    y = kernels.prefill_product(kernel, x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    mag = x.double().abs() @ w.double().abs().T + b.double().abs()
+    assert y.dtype == dtype and y.shape == (9, 96)
+    assert bool(((y.double() - ref).abs() <= 1e-5 * mag + ULP[dtype] * ref.abs() + 1e-30).all())
+
+
+def test_prefill_choice_is_measured_once_stored_and_forced(monkeypatch, tmp_path):
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.PREFILL_FORCED, raising=False)
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    calls = []
+    real = kernels.measure_prefill
+    monkeypatch.setattr(kernels, "measure_prefill", lambda kind: calls.append(kind) or real(kind, rows=4, copies=1,
+                                                                                            rounds=1, d=64))
+    first = kernels.choose_prefill("bf16")
+    assert first in ("native", "fp32") and calls == ["bf16"]
+    stored = kernels.chosen()["bf16-prefill"]
+    assert stored["kernel"] == first and set(stored["seconds"]) == {"native", "fp32"}
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    assert kernels.choose_prefill("bf16") == first and calls == ["bf16"]          # read back, not measured again
+    assert kernels.choose_prefill("fp32") == "native"
+    monkeypatch.setenv(kernels.PREFILL_FORCED, "fp32")
+    assert kernels.choose_prefill("bf16") == "fp32"
+
+
+def test_decode_linear_runs_several_rows_through_the_chosen_prefill_product(monkeypatch):
+    monkeypatch.setenv(kernels.PREFILL_FORCED, "fp32")
+    torch.manual_seed(3)
+    lin = nn.Linear(64, 48).bfloat16()
+    layer = DecodeLinear(lin)
+    assert layer.prefill == "fp32"
+    x = torch.randn(2, 5, 64).bfloat16()
+    with torch.inference_mode():
+        y = layer(x)
+    want = kernels.prefill_product("fp32", x.reshape(10, 64), lin.weight, lin.bias).view(2, 5, 48)
+    assert torch.equal(y, want)

@@ -95,25 +95,82 @@ def choose(kind: str, make: Callable) -> str:
     forced = os.environ.get(FORCED)
     if forced:
         return forced if forced in available(kind) else available(kind)[0]
-    if kind in _CHOSEN:
-        return _CHOSEN[kind]
+    return _chosen(kind, available(kind), lambda: measure(kind, make))
+
+
+# --------------------------------------------------------------------------- several rows (prefill)
+# A prompt's products at bf16 / fp16: torch's kernel in that dtype (``native``: AMX, AVX512_BF16 or
+# AVX512_FP16 where the CPU has them, an emulation where it does not), or ``fp32``: widen the rows and
+# the weight to float32 for the product and round the result back (the weight's widening is read-once
+# work beside a product of M rows, so it pays whenever the CPU's float32 GEMM is much faster than
+# its bf16 one: a CPU without native bf16, such as Zen 3). Same numbers up to the summation order and
+# the one final rounding; measured like the one-row choice, stored under "<kind>-prefill".
+PREFILL = {"bf16": ("native", "fp32"), "fp16": ("native", "fp32")}
+PREFILL_ROWS = 64                     # rows of the timed product: a short prompt
+PREFILL_FORCED = "TFORMER_PREFILL_KERNEL"
+
+
+def prefill_product(kernel: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x (M, K) @ weight (N, K)ᵀ + bias`` in ``x``'s dtype through ``kernel`` (see :data:`PREFILL`)."""
+    if kernel == "fp32":
+        y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return y.to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@torch.inference_mode()
+def measure_prefill(kind: str, rows: int = PREFILL_ROWS, copies: int = 2, rounds: int = 5,
+                    d: int = 768) -> dict[str, float]:
+    """Median seconds per pass of ``rows``-row products over ``copies`` pairs of (d×4d, 4d×d) weights
+    in ``kind``'s dtype, per :data:`PREFILL` candidate, alternated."""
+    g = torch.Generator().manual_seed(1)
+    dtype = DTYPES[kind]
+    weights = [random_linear(n, k, g).weight.detach().to(dtype) for n, k in [(4 * d, d), (d, 4 * d)] * copies]
+    x = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (d, 4 * d)}
+    times = {c: [] for c in PREFILL[kind]}
+    for r in range(rounds + 1):
+        for c in times:
+            t = time.perf_counter()
+            for w in weights:
+                prefill_product(c, x[w.shape[1]], w, None)
+            if r:
+                times[c].append(time.perf_counter() - t)
+    return {c: statistics.median(v) for c, v in times.items()}
+
+
+def choose_prefill(kind: str) -> str:
+    """The faster several-row product for ``kind`` (bf16, fp16) here, measured once per machine and
+    cached beside the one-row choice; ``native`` for other kinds. ``$TFORMER_PREFILL_KERNEL``
+    (native | fp32) overrides it."""
+    if kind not in PREFILL:
+        return "native"
+    forced = os.environ.get(PREFILL_FORCED)
+    if forced in PREFILL[kind]:
+        return forced
+    return _chosen(f"{kind}-prefill", PREFILL[kind], lambda: measure_prefill(kind))
+
+
+def _chosen(entry_kind: str, allowed, timings: Callable[[], dict[str, float]]) -> str:
+    """The stored choice for ``entry_kind`` on this machine, or measure it (``timings()``) and store it."""
+    if entry_kind in _CHOSEN:
+        return _CHOSEN[entry_kind]
     key = machine_key()
     try:
         cached = json.loads(_path().read_text(encoding="utf-8"))
     except (OSError, ValueError):
         cached = {}
-    entry = cached.get(key, {}).get(kind)
-    if entry is None or entry.get("kernel") not in available(kind):
-        times = measure(kind, make)
+    entry = cached.get(key, {}).get(entry_kind)
+    if entry is None or entry.get("kernel") not in allowed:
+        times = timings()
         entry = {"kernel": min(times, key=times.get), "seconds": times}
-        cached.setdefault(key, {})[kind] = entry
+        cached.setdefault(key, {})[entry_kind] = entry
         try:
             _path().parent.mkdir(parents=True, exist_ok=True)
             atomic_write(_path(), lambda tmp: Path(tmp).write_text(json.dumps(cached, indent=1), encoding="utf-8"))
         except OSError:
             pass                                                             # a read-only home: measure per process
-    _CHOSEN[kind] = entry["kernel"]
-    return _CHOSEN[kind]
+    _CHOSEN[entry_kind] = entry["kernel"]
+    return _CHOSEN[entry_kind]
 
 
 def forget() -> None:

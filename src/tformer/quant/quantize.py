@@ -127,9 +127,11 @@ class DecodeLinear(nn.Module):
 
     For one row (a decode step) the kernel is the one :func:`tformer.quant.kernels.choose`
     measured fastest for the weight's dtype on this machine: ``F.linear``, ``torch.mv``, ``x @ Wᵀ``
-    with ``Wᵀ`` stored ``(K, N)`` (float32), or tformer's AVX-512 loop (``ext``). Several rows (the
-    prefill) run ``F.linear`` (``addmm`` on ``Wᵀ`` for ``mm_t``). Same numbers up to the float32
-    summation order, different kernels.
+    with ``Wᵀ`` stored ``(K, N)`` (float32), or tformer's own loop (``ext``, AVX-512 or AVX2). Several
+    rows (the prefill) run ``F.linear`` (``addmm`` on ``Wᵀ`` for ``mm_t``), at bf16 / fp16 in that dtype
+    or widened to float32 for the product, whichever :func:`tformer.quant.kernels.choose_prefill`
+    measured faster here (float32 wins on a CPU without native bf16). Same numbers up to the float32
+    summation order and the final rounding, different kernels.
 
     Args:
         linear: the layer to wrap (its weight is copied only when transposed).
@@ -145,6 +147,7 @@ class DecodeLinear(nn.Module):
         kind = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(w.dtype)
         self.kernel = kernel or (kernels.choose(kind, decode_layer) if kind else "linear")
         self.transposed = self.kernel == "mm_t"
+        self.prefill = kernels.choose_prefill(kind) if kind else "native"             # for several rows
         self.gemv = gemv.load() if self.kernel == "ext" else None
         if self.kernel == "ext" and self.gemv is None:
             self.kernel = "linear"
@@ -161,6 +164,8 @@ class DecodeLinear(nn.Module):
         elif x2.shape[0] == 1 and self.kernel == "mv":
             y = torch.mv(self.weight, x2[0]).unsqueeze(0)
             y = y if self.bias is None else y + self.bias
+        elif self.prefill == "fp32" and x2.shape[0] > 1:
+            y = kernels.prefill_product("fp32", x2, self.weight, self.bias)       # widened for the product
         else:
             y = torch.nn.functional.linear(x2, self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
