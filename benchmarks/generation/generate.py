@@ -49,7 +49,10 @@ def timed(fn) -> float:
 
 
 GGUF_DIR = Path("/tmp/tformer-gguf")     # exported files, reused between runs (same seed, same weights)
-MATCH = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "q8_0", "int4": "q4_0"}
+MATCH = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "int8": "q8_0", "int4": "q4_0", "q8_0": "q8_0", "q4_0": "q4_0"}
+# block types: llama.cpp's default (its weights repacked for this CPU at load; decode's peer) and with
+# the repacking off (the file's layout, as tformer reads it; its prompt can go in as one batch)
+REPACK_OFF = " repack off"
 
 
 def base_model(config: TransformerConfig) -> DecoderLM:
@@ -150,16 +153,21 @@ def gpt2_contenders(args, parity_rows: list) -> dict:
         files = gguf_files(base, args.llama_types)
         parity_rows.append(llama_cpp_parity(base, files["f32"], ids[:, :32]) if "f32" in files else {})
         for kind, path in files.items():
-            # With q8_0 / q4_0 weights, a batch of more than one token stops this llama.cpp build (0.3.36,
-            # built from PyPI here) with a general protection fault in libggml-cpu on this CPU (AMX-INT8):
-            # their prompt goes in one token at a time, so their prefill is not comparable.
-            one_by_one = kind in ("q8_0", "q4_0")
-            cpp = LlamaCpp(path, n_ctx=args.prompt + n, threads=args.threads, n_batch=1 if one_by_one else None)
-            prompt = ids[0].tolist()
-            out[f"llama.cpp {kind}"] = (lambda c=cpp: c.generate(prompt, n), n, gguf_read_bytes(path),
-                                        lambda c=cpp: c.generate(prompt, 1))
-            RAN[f"llama.cpp {kind}"] = (f"ggml ({llama_cpp.__version__}), {kind} GGUF exported by tformer"
-                                        + (", prompt fed one token at a time (batched: crash)" if one_by_one else ""))
+            # With q8_0 / q4_0 weights repacked (llama.cpp's default), a batch of more than one token stops
+            # this llama.cpp build (0.3.36, built from PyPI here) with a general protection fault in
+            # libggml-cpu on this CPU (AMX-INT8): that prompt goes in one token at a time (its prefill is
+            # not comparable); the same file with the repacking off takes the prompt as one batch.
+            blocks = kind in ("q8_0", "q4_0")
+            for repack in ((True, False) if blocks else (True,)):
+                one_by_one = blocks and repack
+                cpp = LlamaCpp(path, n_ctx=args.prompt + n, threads=args.threads, n_batch=1 if one_by_one else None,
+                               repack=repack)
+                prompt = ids[0].tolist()
+                name = f"llama.cpp {kind}" + ("" if repack else REPACK_OFF)
+                out[name] = (lambda c=cpp: c.generate(prompt, n), n, gguf_read_bytes(path), lambda c=cpp: c.generate(prompt, 1))
+                RAN[name] = (f"ggml ({llama_cpp.__version__}), {kind} GGUF exported by tformer"
+                             + (", prompt fed one token at a time (batched: crash)" if one_by_one else "")
+                             + (", weights as the file stores them (use_extra_bufts off)" if not repack else ""))
     out["tformer no cache"] = (lambda: generate(base, ids, args.nocache_tokens, temperature=0, use_cache=False),
                                args.nocache_tokens, weight_bytes(base), None)
     RAN["tformer no cache"] = kernels_of(base) + ", full recomputation of the window every token"
@@ -333,13 +341,15 @@ def main() -> None:
                   f"{args.new_tokens} new tokens, greedy; median of {args.repeats} alternated rounds "
                   f"(decode: range over rounds; no cache: {args.nocache_tokens} new tokens, 1 run)\n",
                   "| contender | MB read per token | prefill tok/s | decode tok/s (range) | decode share of read bw | "
-                  "decode x llama.cpp same type | prefill x llama.cpp | end-to-end x HF | kernel |",
+                  "decode x llama.cpp same type (its default) | prefill x llama.cpp (prompt batched: block types "
+                  "with the repacking off) | end-to-end x HF | kernel |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             kind = r["name"].split()[-1]
             peer = by.get(f"llama.cpp {MATCH.get(kind, '-')}") if r["name"].startswith("tformer") else None
+            batched = by.get(f"llama.cpp {MATCH.get(kind, '-')}{REPACK_OFF}", peer) if peer else None   # prompt in one batch
             ratio_dec = f"{r['decode'] / peer['decode']:.2f}" if peer and "decode" in r else "-"
-            ratio_pre = f"{r['prefill'] / peer['prefill']:.2f}" if peer and "prefill" in r else "-"
+            ratio_pre = f"{r['prefill'] / batched['prefill']:.2f}" if batched and "prefill" in r else "-"
             dec = f"{r['decode']:.1f} ({r['decode_range'][0]:.1f}-{r['decode_range'][1]:.1f})" if "decode" in r else "-"
             pre = f"{r['prefill']:.0f}" if "prefill" in r else "-"
             lines.append(f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {pre} | {dec} | {r['roofline']:.0%} | {ratio_dec} | "

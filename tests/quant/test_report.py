@@ -12,19 +12,21 @@ from tformer.quant.quantize import set_precision
 from tformer.quant.report import kernels_of
 
 
-NAMES = {"ext": "tformer AVX-512 GEMV", "mv": "torch.mv(W, x)", "linear": "F.linear", "mm_t": "torch.addmm",
+NAMES = {"ext": "tformer GEMV", "mv": "torch.mv(W, x)", "linear": "F.linear", "mm_t": "torch.addmm",
          "int8pack": "_weight_int8pack_mm", "int4pack": "_weight_int4pack_mm_for_cpu"}
 
 
 @pytest.mark.parametrize("precision,decode", [("fp32", True), ("bf16", True), ("fp16", True), ("int8", True),
-                                              ("int4", True), ("bf16", False)])
+                                              ("int4", True), ("bf16", False), ("q8_0", True)])
 def test_kernel_column_names_what_the_layers_run(precision, decode):
     model = DecoderLM(TransformerConfig.from_name("tiny", vocab_size=64)).eval()
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     model = set_precision(model, precision, decode_kernels=decode)
     text = kernels_of(model)
     chosen = {m.kernel for m in model.modules() if hasattr(m, "kernel")}
-    if decode:
+    if precision == "q8_0":
+        assert "block products" in text and "q8_0" in text           # BlockLinear: no kernel to choose
+    elif decode:
         assert chosen and all(NAMES[k] in text for k in chosen)       # the kernel each layer chose, by name
     else:
         assert not chosen and "F.linear (nn.Linear) bfloat16" in text

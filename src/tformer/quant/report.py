@@ -1,7 +1,7 @@
 """Which kernel each linear layer of a model runs, in words, for benchmark tables.
 
 After :func:`tformer.quant.quantize.set_precision` every linear layer is an ``nn.Linear``, a
-``DecodeLinear`` or an ``Int8Linear`` / ``Int4Linear``, and the decode layers carry the ``kernel`` they
+``DecodeLinear``, an ``Int8Linear`` / ``Int4Linear`` or a ``BlockLinear``, and the decode layers carry the ``kernel`` they
 chose (measured by :mod:`tformer.quant.kernels`). :func:`kernels_of` reads those choices back from
 the modules themselves, so a table's "kernel" column names what ran, not what was meant to run.
 """
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from tformer.quant import gemv, qgemv
+from tformer.quant.block_linear import BlockLinear
 from tformer.quant.quantize import KERNEL_DTYPE, DecodeLinear, Int4Linear, Int8Linear
 
-KERNEL_NAMES = {"ext": "tformer AVX-512 GEMV (gemv.cpp)", "mv": "torch.mv(W, x)", "linear": "F.linear",
+KERNEL_NAMES = {"ext": "tformer GEMV (gemv.cpp)", "mv": "torch.mv(W, x)", "linear": "F.linear",
                 "mm_t": "torch.addmm(x, Wᵀ stored (K, N))", "int8pack": "aten._weight_int8pack_mm",
                 "int4pack": "aten._weight_int4pack_mm_for_cpu"}
 
@@ -23,9 +25,13 @@ def linear_kernel(m: torch.nn.Module) -> str | None:
     if isinstance(m, (Int8Linear, Int4Linear)):
         bits = "int8" if isinstance(m, Int8Linear) else "int4"
         return f"{KERNEL_NAMES[m.kernel]} ({bits} W, {str(KERNEL_DTYPE)[6:]} x)"
+    if isinstance(m, BlockLinear):
+        return f"tformer block products (qgemv.cpp, {qgemv.path()}) {m.fmt}"
     if isinstance(m, DecodeLinear):
-        tail = "" if m.kernel in ("linear", "mm_t") else " (F.linear for prefill)"
-        return f"{KERNEL_NAMES[m.kernel]} {str(m.weight.dtype)[6:]}{tail}"
+        name = KERNEL_NAMES[m.kernel] + (f" {gemv.path()}" if m.kernel == "ext" else "")
+        tail = "" if m.kernel in ("linear", "mm_t") else \
+            " (F.linear for prefill" + (", widened to float32)" if m.prefill == "fp32" else ")")
+        return f"{name} {str(m.weight.dtype)[6:]}{tail}"
     if isinstance(m, torch.nn.Linear):
         return f"F.linear (nn.Linear) {str(m.weight.dtype)[6:]}"
     if type(m).__name__ == "Conv1D":                                   # HF GPT-2's projections
