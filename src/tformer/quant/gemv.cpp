@@ -112,7 +112,9 @@ T_256 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// rows512 with 8 lanes: four rows at a time, K need not be a multiple of 8.
+// rows512 with 8 lanes: four rows at a time, K need not be a multiple of 8. (The two stay written out:
+// one template over a vector type would need both targets' attributes on one function, which GCC
+// refuses when it inlines the intrinsics.)
 template <typename T>
 T_256 void rows256(const T* W, const float* x, float* y, int64_t K, int64_t n0, int64_t n1) {
   const int64_t K8 = K - K % 8;
