@@ -113,8 +113,8 @@ T_256 inline float hsum8(__m256 v) {
 }
 
 // rows512 with 8 lanes: four rows at a time, K need not be a multiple of 8. (The two stay written out:
-// one template over a vector type would need both targets' attributes on one function, which GCC
-// refuses when it inlines the intrinsics.)
+// a template over a vector type cannot carry a different target attribute per instantiation, and a
+// function without the attribute does not get the intrinsics' wrappers inlined into it.)
 template <typename T>
 T_256 void rows256(const T* W, const float* x, float* y, int64_t K, int64_t n0, int64_t n1) {
   const int64_t K8 = K - K % 8;
