@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -521,6 +522,38 @@ at::Tensor qgemm_tiles(const at::Tensor& tiles, int64_t fmt, int64_t N, const at
   return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
 }
 
+// For benchmarks: seconds per pass of the tile products over `mats` (the tiles of weight i, N_i =
+// ns[i] rows, format fmts[i]), in order, as a decode step makes them: each against the first K_i
+// columns of x (M, Kmax) float32, quantised before the clock starts (decode_layer quantises once per
+// width). One untimed pass, then `reps` timed: the kernels' streaming rate without Python, dispatch
+// or allocation.
+double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns, const at::Tensor& x, int64_t path,
+                   int64_t reps) {
+  TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "tile_passes: this CPU cannot run path ", path);
+  TORCH_CHECK(mats.size() == fmts.size() && mats.size() == ns.size() && reps > 0, "tile_passes: one fmt and N per matrix");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "tile_passes: x (M, K) float32");
+  const int64_t M = x.size(0), Kx = x.size(1);
+  std::vector<TileMatrix> W;
+  std::vector<QAct> acts(mats.size());
+  int64_t most = 0;
+  for (size_t i = 0; i < mats.size(); ++i) {
+    TORCH_CHECK(fmts[i] >= 0 && fmts[i] <= 2, "tile_passes: a format must be 0, 1 or 2");
+    W.push_back(tile_matrix(mats[i], fmts[i], ns[i], path, "tile_passes"));
+    const int64_t K = 32 * W.back().G;
+    TORCH_CHECK(K <= Kx, "tile_passes: x is narrower than a matrix");
+    std::vector<float> cols(M * K);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(cols.data() + m * K, x.data_ptr<float>() + m * Kx, K * sizeof(float));
+    acts[i].quantize(cols.data(), M, K);
+    most = std::max(most, ns[i]);
+  }
+  std::vector<float> y(M * most);
+  auto pass = [&] { for (size_t i = 0; i < W.size(); ++i) tile_product(W[i], acts[i], nullptr, y.data()); };
+  pass();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < reps; ++r) pass();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(reps);
+}
+
 // ---------------------------------------------------------------- one fused decode layer -----
 // A pre-norm Llama block (RMSNorm, GQA attention with rotate-half RoPE over a KV cache, SwiGLU)
 // for B rows, one new token each, all in one call. Row b writes its key and value at cache index
@@ -678,6 +711,7 @@ TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("decode_layer(Tensor(a!) x, Tensor attn_norm, float eps, Tensor qkv, Tensor wo, Tensor ffn_norm, "
         "Tensor gate, Tensor up, Tensor down, int[] fmts, int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor write_index, Tensor positions, Tensor? valid, Tensor cos, Tensor sin, int path) -> ()");
+  m.def("tile_passes(Tensor[] mats, int[] fmts, int[] ns, Tensor x, int path, int reps) -> float");
 }
 
 TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
@@ -685,5 +719,6 @@ TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
   m.impl("repack", &repack);
   m.impl("qgemm_tiles", &qgemm_tiles);
   m.impl("decode_layer", &decode_layer);
+  m.impl("tile_passes", &tile_passes);
 }
 TORCH_LIBRARY_IMPL(tformer_qgemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); }
