@@ -73,6 +73,7 @@ def workloads(fmt: str, g: torch.Generator) -> dict[str, list[tuple[torch.Tensor
     copies = {s: [one[s].clone() for _ in range(LAYERS)] for s in SHAPES}
     out = {s: [(m, SHAPES[s][0]) for m in copies[s]] for s in SHAPES}
     out["step"] = [(copies[s][i], SHAPES[s][0]) for i in range(LAYERS) for s in ORDER]   # the same memory, reordered
+    out["o-l2"] = out["o"][:1]                                                    # one copy: in L2
     out["head"] = [(blocks.quantize(torch.randn(*HEAD, generator=g) * 0.02, fmt), HEAD[0])]
     return out
 
@@ -84,7 +85,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="activation rows M")
     p.add_argument("--formats", nargs="+", default=list(blocks.FORMATS), choices=list(blocks.FORMATS))
     p.add_argument("--paths", nargs="+", default=None, help="kernel paths (default: the SIMD paths this CPU runs)")
-    p.add_argument("--shapes", nargs="+", default=["step", "head", *SHAPES], choices=["step", "head", *SHAPES])
+    p.add_argument("--shapes", nargs="+", default=["step", "head", *SHAPES], choices=["step", "head", "o-l2", *SHAPES])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=3, help="passes per timed call")
     p.add_argument("--tag", default="")
@@ -103,10 +104,10 @@ def main() -> None:
         work = workloads(fmt, g)
         for path in paths:
             pid, R = qgemv.PATHS.index(path), qgemv.TILE_ROWS[path]
-            tiles = {side: {s: [(op.repack(m, qgemv.FMT[fmt], R), n) for m, n in work[s]] for s in ("head", *SHAPES)}
+            # each side's tiles by its own repack, made in pass order (a model's are: BlockLinear repacks
+            # at its first call), so where repack places them is part of what is compared
+            tiles = {side: {s: [(op.repack(m, qgemv.FMT[fmt], R), n) for m, n in work[s]] for s in work}
                      for side, op in ops.items()}
-            for side in tiles:
-                tiles[side]["step"] = [tiles[side][s][i] for i in range(LAYERS) for s in ORDER]
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 for M in args.rows:

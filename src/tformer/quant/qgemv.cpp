@@ -18,6 +18,7 @@
 // are unsigned already. Output rows are split between torch's threads (at::parallel_for).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -26,7 +27,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
+#if defined(__linux__)
+#include <sys/mman.h>
+#define TFORMER_ARENA 1
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define TFORMER_X86 1
@@ -326,13 +332,73 @@ at::Tensor qgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, con
 // vector (cvtph). Bytes per tile and block: R * BLOCK_BYTES (the same bytes as the file, moved).
 int64_t tile_block_bytes(int64_t fmt, int64_t R) { return R * BLOCK_BYTES[fmt]; }
 
+// Where tiles live: arenas of 2 MB pages, filled in the order repack is called. A decode step
+// streams every weight once, ~60-110 MB for SmolLM2, from memory: on 4 KB pages each page is a TLB
+// miss and the hardware prefetcher stops at every page boundary, and each matrix (0.2-0.6 MB) is
+// its own allocation, too small for a huge page. Tiles repacked one after another (BlockLinear at
+// its first call, the fused plan layer by layer: decode order) lie end to end on 2 MB pages
+// instead. An arena (ARENA bytes, or one tensor's if larger) is mapped fresh (zero-filled), asked
+// for huge pages (madvise: a hint; where the kernel refuses, 4 KB pages and the same bytes), handed
+// out front to back and unmapped when the last tensor in it dies.
+#ifdef TFORMER_ARENA
+constexpr size_t HUGE_PAGE = size_t(2) << 20, ARENA = size_t(64) << 20;
+
+struct Arena {
+  uint8_t* base = nullptr;     // HUGE_PAGE aligned
+  size_t size = 0, used = 0, live = 0;
+  void* map = nullptr;         // what mmap returned, and its length
+  size_t map_len = 0;
+};
+
+std::mutex ARENA_LOCK;
+Arena* OPEN_ARENA = nullptr;   // the one new tiles go into (nullptr: none yet, or it is full)
+
+void release_tiles(Arena* a) {
+  std::lock_guard<std::mutex> hold(ARENA_LOCK);
+  if (--a->live == 0 && a != OPEN_ARENA) {
+    munmap(a->map, a->map_len);
+    delete a;
+  }
+}
+
+// A zero-filled uint8 (rows, cols) tensor in an arena; plain at::zeros where mmap fails.
+at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts) {
+  const size_t want = (size_t(rows * cols) + 63) / 64 * 64;        // 64-byte aligned slices
+  std::lock_guard<std::mutex> hold(ARENA_LOCK);
+  if (OPEN_ARENA == nullptr || OPEN_ARENA->size - OPEN_ARENA->used < want) {
+    if (OPEN_ARENA != nullptr && OPEN_ARENA->live == 0) {             // full and unused: let it go
+      munmap(OPEN_ARENA->map, OPEN_ARENA->map_len);
+      delete OPEN_ARENA;
+    }
+    OPEN_ARENA = nullptr;
+    const size_t size = std::max(ARENA, (want + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+    void* m = mmap(nullptr, size + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return at::zeros({rows, cols}, opts);
+    auto* a = new Arena;
+    a->map = m, a->map_len = size + HUGE_PAGE, a->size = size;
+    a->base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(m) + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+#ifdef MADV_HUGEPAGE
+    madvise(a->base, size, MADV_HUGEPAGE);
+#endif
+    OPEN_ARENA = a;
+  }
+  Arena* a = OPEN_ARENA;
+  uint8_t* p = a->base + a->used;
+  a->used += want;
+  ++a->live;
+  return at::from_blob(p, {rows, cols}, [a](void*) { release_tiles(a); }, opts);
+}
+#else
+at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts) { return at::zeros({rows, cols}, opts); }
+#endif
+
 at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R) {
   TORCH_CHECK(fmt >= 0 && fmt <= 2 && (R == 8 || R == 16), "repack: fmt 0..2 and R 8 or 16");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(1) % BLOCK_BYTES[fmt] == 0, "repack: blocks must be contiguous (N, G*bytes) uint8");
   const int64_t N = blocks.size(0), bytes = BLOCK_BYTES[fmt], G = blocks.size(1) / bytes;
   const int64_t T = (N + R - 1) / R, tb = tile_block_bytes(fmt, R);
-  at::Tensor out = at::zeros({T, G * tb}, blocks.options());
+  at::Tensor out = arena_zeros(T, G * tb, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const bool offset = fmt == Q8_0 && R == 16;
@@ -361,6 +427,12 @@ struct XRow {
   const float* ds;      // (G,) d * s
 };
 
+// Software prefetch distance of the tile kernels, bytes ahead of the block being read: at M = 1 a
+// decode step is a stream from memory, and the hardware prefetcher alone keeps too few lines in
+// flight (tile_kernels.py, a step's 150 products, 1 thread: 2048 B ahead 1.5-2.0x no prefetch, on 2 MB
+// pages; 512-1536 B less). A prefetch past a matrix's end is a hint that may fetch nothing useful, never a fault.
+constexpr int64_t PREFETCH = 2048;
+
 #ifdef TFORMER_X86
 template <int F>
 T_AVX2 void tile_avx2(const uint8_t* w, const XRow& x, int64_t G, float* out) {
@@ -368,6 +440,7 @@ T_AVX2 void tile_avx2(const uint8_t* w, const XRow& x, int64_t G, float* out) {
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += tb) {
+    for (int64_t o = 0; o < tb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T0);
     const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + 32 * g);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     __m256i idot;
@@ -406,6 +479,7 @@ T_VNNI void tile_vnni(const uint8_t* w, const XRow& x, int64_t G, float* out) {
   const __m512i low = _mm512_set1_epi8(15);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += tb) {
+    for (int64_t o = 0; o < tb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T0);
     const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + 32 * g);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
     __m512i a, b;                             // two chains of dpbusd (latency), added at the end
