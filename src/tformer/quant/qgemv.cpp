@@ -433,81 +433,111 @@ struct XRow {
 // pages; 512-1536 B less). A prefetch past a matrix's end is a hint that may fetch nothing useful, never a fault.
 constexpr int64_t PREFETCH = 2048;
 
+// The kernels take MR activation rows (1..MAX_MR) against one tile: each block's weight vectors
+// are loaded (and for q4 unpacked) once and used by all MR rows, so a product of M > 1 rows (a
+// batch, a prefill, a multi-token step) does not redo that work per row. Per row the integer sums
+// and the float32 steps are the one-row kernel's, in the same order: acc += (d * dx) * float(isum)
+// per block (then + m * (dx s) for q4_1), so the result does not depend on M.
+constexpr int MAX_MR = 4;
+
 #ifdef TFORMER_X86
-template <int F>
-T_AVX2 void tile_avx2(const uint8_t* w, const XRow& x, int64_t G, float* out) {
+template <int F, int MR>
+T_AVX2 void tile_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) {   // out (MR, 8)
   constexpr int64_t tb = 8 * BLOCK_BYTES[F];
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += tb) {
     for (int64_t o = 0; o < tb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T0);
-    const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + 32 * g);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    __m256i idot;
+    __m256i idot[MR];
     if (F == Q8_0) {
       const uint8_t* c = w + 16;
-      idot = _mm256_setzero_si256();
+      for (int r = 0; r < MR; ++r) idot[r] = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {
         const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
-        const __m256i xv = _mm256_set1_epi32(xq[j]);
-        idot = _mm256_add_epi32(idot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv),
-                                                                             _mm256_sign_epi8(xv, wv)), ones));
+        const __m256i aw = _mm256_sign_epi8(wv, wv);
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xv = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(x[r].q + 32 * g)[j]);
+          idot[r] = _mm256_add_epi32(idot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
+        }
       }
     } else {
       const uint8_t* c = w + (F == Q4_1 ? 32 : 16);
-      __m256i p16 = _mm256_setzero_si256();   // 8 maddubs of codes <= 15: |sum| <= 8 * 2 * 15 * 127 < 2^15
+      __m256i p16[MR];        // 8 maddubs of codes <= 15: |sum| <= 8 * 2 * 15 * 127 < 2^15
+      for (int r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
-        p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(_mm256_and_si256(wv, low), _mm256_set1_epi32(xq[j])));
-        p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(wv, 4), low),
-                                                         _mm256_set1_epi32(xq[4 + j])));
+        const __m256i lo = _mm256_and_si256(wv, low), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(x[r].q + 32 * g);
+          p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[j])));
+          p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[4 + j])));
+        }
       }
-      idot = _mm256_madd_epi16(p16, ones);
-      if (F == Q4_0) idot = _mm256_add_epi32(idot, _mm256_set1_epi32(-8 * x.s[g]));
+      for (int r = 0; r < MR; ++r) {
+        idot[r] = _mm256_madd_epi16(p16[r], ones);
+        if (F == Q4_0) idot[r] = _mm256_add_epi32(idot[r], _mm256_set1_epi32(-8 * x[r].s[g]));
+      }
     }
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[g])), _mm256_cvtepi32_ps(idot), acc);
-    if (F == Q4_1)
-      acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))),
-                            _mm256_set1_ps(x.ds[g]), acc);
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[r].d[g])), _mm256_cvtepi32_ps(idot[r]), acc[r]);
+    if (F == Q4_1) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].ds[g]), acc[r]);
+    }
   }
-  _mm256_storeu_ps(out, acc);
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
-template <int F>
-T_VNNI void tile_vnni(const uint8_t* w, const XRow& x, int64_t G, float* out) {
+// q4 high nibbles are multiplied in place, as (byte & 0xF0) = 16 hi: a chain of those sums to
+// 16 sum(hi x) exactly (|16 * 15 * 127 * 16| < 2^31), and one arithmetic shift right by 4 per
+// block gives sum(hi x): one AND per 64 bytes instead of a shift and an AND.
+template <int F, int MR>
+T_VNNI void tile_vnni(const uint8_t* w, const XRow* x, int64_t G, float* out) {    // out (MR, 16)
   constexpr int64_t tb = 16 * BLOCK_BYTES[F];
-  const __m512i low = _mm512_set1_epi8(15);
-  __m512 acc = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8(int8_t(0xF0));
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += tb) {
     for (int64_t o = 0; o < tb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T0);
-    const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + 32 * g);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-    __m512i a, b;                             // two chains of dpbusd (latency), added at the end
+    __m512i a[MR], b[MR];                     // two chains of dpbusd per row (latency), added at the end
     if (F == Q8_0) {                          // codes + 128: sum (q + 128) x - 128 sum x
       const uint8_t* c = w + 32;
-      a = _mm512_set1_epi32(-128 * x.s[g]);
-      b = _mm512_setzero_si512();
+      for (int r = 0; r < MR; ++r) a[r] = _mm512_set1_epi32(-128 * x[r].s[g]), b[r] = _mm512_setzero_si512();
       for (int j = 0; j < 8; j += 2) {
-        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(c + 64 * j), _mm512_set1_epi32(xq[j]));
-        b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512(c + 64 * (j + 1)), _mm512_set1_epi32(xq[j + 1]));
+        const __m512i w0 = _mm512_loadu_si512(c + 64 * j), w1 = _mm512_loadu_si512(c + 64 * (j + 1));
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(x[r].q + 32 * g);
+          a[r] = _mm512_dpbusd_epi32(a[r], w0, _mm512_set1_epi32(xq[j]));
+          b[r] = _mm512_dpbusd_epi32(b[r], w1, _mm512_set1_epi32(xq[j + 1]));
+        }
       }
     } else {
       const uint8_t* c = w + (F == Q4_1 ? 64 : 32);
-      a = F == Q4_0 ? _mm512_set1_epi32(-8 * x.s[g]) : _mm512_setzero_si512();
-      b = _mm512_setzero_si512();
+      for (int r = 0; r < MR; ++r)
+        a[r] = F == Q4_0 ? _mm512_set1_epi32(-8 * x[r].s[g]) : _mm512_setzero_si512(), b[r] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
         const __m512i wv = _mm512_loadu_si512(c + 64 * j);
-        a = _mm512_dpbusd_epi32(a, _mm512_and_si512(wv, low), _mm512_set1_epi32(xq[j]));
-        b = _mm512_dpbusd_epi32(b, _mm512_and_si512(_mm512_srli_epi16(wv, 4), low), _mm512_set1_epi32(xq[4 + j]));
+        const __m512i lo = _mm512_and_si512(wv, low), hi16 = _mm512_and_si512(wv, high);
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(x[r].q + 32 * g);
+          a[r] = _mm512_dpbusd_epi32(a[r], lo, _mm512_set1_epi32(xq[j]));
+          b[r] = _mm512_dpbusd_epi32(b[r], hi16, _mm512_set1_epi32(xq[4 + j]));
+        }
       }
+      for (int r = 0; r < MR; ++r) b[r] = _mm512_srai_epi32(b[r], 4);
     }
-    const __m512i idot = _mm512_add_epi32(a, b);
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.d[g])), _mm512_cvtepi32_ps(idot), acc);
-    if (F == Q4_1)
-      acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))),
-                            _mm512_set1_ps(x.ds[g]), acc);
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[r].d[g])),
+                               _mm512_cvtepi32_ps(_mm512_add_epi32(a[r], b[r])), acc[r]);
+    if (F == Q4_1) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)));
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].ds[g]), acc[r]);
+    }
   }
-  _mm512_storeu_ps(out, acc);
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 #endif
 
@@ -531,12 +561,20 @@ struct QAct {
   XRow row(int64_t m) const { return XRow{q.data() + m * K, d.data() + m * G, s.data() + m * G, ds.data() + m * G}; }
 };
 
-using TileFn = void (*)(const uint8_t*, const XRow&, int64_t, float*);
+// kernel(w, rows, G, out): rows x[0..MR) of one tile, out (MR, R) floats.
+using TileFn = void (*)(const uint8_t*, const XRow*, int64_t, float*);
+using TileFns = TileFn[MAX_MR];   // [MR - 1]
 
-TileFn tile_fn(int64_t path, int64_t fmt) {
+const TileFn* tile_fn(int64_t path, int64_t fmt) {
 #ifdef TFORMER_X86
-  static const TileFn avx2[3] = {&tile_avx2<Q8_0>, &tile_avx2<Q4_0>, &tile_avx2<Q4_1>};
-  static const TileFn vnni[3] = {&tile_vnni<Q8_0>, &tile_vnni<Q4_0>, &tile_vnni<Q4_1>};
+  static const TileFns avx2[3] = {
+      {&tile_avx2<Q8_0, 1>, &tile_avx2<Q8_0, 2>, &tile_avx2<Q8_0, 3>, &tile_avx2<Q8_0, 4>},
+      {&tile_avx2<Q4_0, 1>, &tile_avx2<Q4_0, 2>, &tile_avx2<Q4_0, 3>, &tile_avx2<Q4_0, 4>},
+      {&tile_avx2<Q4_1, 1>, &tile_avx2<Q4_1, 2>, &tile_avx2<Q4_1, 3>, &tile_avx2<Q4_1, 4>}};
+  static const TileFns vnni[3] = {
+      {&tile_vnni<Q8_0, 1>, &tile_vnni<Q8_0, 2>, &tile_vnni<Q8_0, 3>, &tile_vnni<Q8_0, 4>},
+      {&tile_vnni<Q4_0, 1>, &tile_vnni<Q4_0, 2>, &tile_vnni<Q4_0, 3>, &tile_vnni<Q4_0, 4>},
+      {&tile_vnni<Q4_1, 1>, &tile_vnni<Q4_1, 2>, &tile_vnni<Q4_1, 3>, &tile_vnni<Q4_1, 4>}};
   return path == AVX2 ? avx2[fmt] : vnni[fmt];
 #else
   return nullptr;
@@ -547,7 +585,7 @@ TileFn tile_fn(int64_t path, int64_t fmt) {
 struct TileMatrix {
   const uint8_t* w;
   int64_t T, R, N, G, row_bytes;
-  TileFn fn;
+  const TileFn* fn;     // [MR - 1]
 };
 
 TileMatrix tile_matrix(const at::Tensor& tiles, int64_t fmt, int64_t N, int64_t path, const char* what) {
@@ -558,19 +596,27 @@ TileMatrix tile_matrix(const at::Tensor& tiles, int64_t fmt, int64_t N, int64_t 
   return TileMatrix{tiles.data_ptr<uint8_t>(), tiles.size(0), R, N, tiles.size(1) / tb, tiles.size(1), tile_fn(path, fmt)};
 }
 
-// y (M, N) = act (M, K) . W^T (+ bias), tiles split between torch's threads.
+// y (M, N) = act (M, K) . W^T (+ bias), tiles split between torch's threads; per tile the rows go
+// MAX_MR at a time (the tile stays in L1 while they pass).
 void tile_product(const TileMatrix& W, const QAct& a, const float* bias, float* y) {
+  std::vector<XRow> rows(a.M);
+  for (int64_t m = 0; m < a.M; ++m) rows[m] = a.row(m);
   // a task: enough tiles for ~32 KB of weight (fork/join costs more than a small matrix's work)
   const int64_t grain = std::max<int64_t>(1, 32768 / W.row_bytes);
   at::parallel_for(0, W.T, grain, [&](int64_t t0, int64_t t1) {
-    float tmp[16];
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < a.M; ++m) {
-        W.fn(W.w + t * W.row_bytes, a.row(m), W.G, tmp);
-        const int64_t n0 = t * W.R, n1 = std::min(W.N, n0 + W.R);
-        float* out = y + m * W.N;
-        for (int64_t n = n0; n < n1; ++n) out[n] = tmp[n - n0] + (bias ? bias[n] : 0.0f);
+    float tmp[MAX_MR * 16];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * W.R, n1 = std::min(W.N, n0 + W.R);
+      for (int64_t m = 0; m < a.M; m += MAX_MR) {
+        const int mr = int(std::min<int64_t>(MAX_MR, a.M - m));
+        W.fn[mr - 1](W.w + t * W.row_bytes, rows.data() + m, W.G, tmp);
+        for (int r = 0; r < mr; ++r) {
+          float* out = y + (m + r) * W.N;
+          const float* o = tmp + r * W.R - n0;
+          for (int64_t n = n0; n < n1; ++n) out[n] = o[n] + (bias ? bias[n] : 0.0f);
+        }
       }
+    }
   });
 }
 
