@@ -429,9 +429,10 @@ struct XRow {
 
 // Software prefetch distance of the tile kernels, bytes ahead of the block being read: at M = 1 a
 // decode step is a stream from memory, and the hardware prefetcher alone keeps too few lines in
-// flight (tile_kernels.py, a step's 150 products, 1 thread: 2048 B ahead 1.5-2.0x no prefetch, on 2 MB
-// pages; 512-1536 B less). A prefetch past a matrix's end is a hint that may fetch nothing useful, never a fault.
-constexpr int64_t PREFETCH = 2048;
+// flight. tile_kernels.py, a SmolLM2 step's 150 products on 2 MB pages, A/B in one run: 1024-2048 B
+// ahead 1.1-1.7x none; 3072 B 1.01-1.11x 2048 B (q8_0 on AVX-512 0.93-0.98x, within noise of it).
+// A prefetch past a matrix's end is a hint that may fetch nothing useful, never a fault.
+constexpr int64_t PREFETCH = 3072;
 
 // The kernels take MR activation rows (1..MAX_MR) against one tile: each block's weight vectors
 // are loaded (and for q4 unpacked) once and used by all MR rows, so a product of M > 1 rows (a
