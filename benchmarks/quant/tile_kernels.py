@@ -7,7 +7,8 @@ held as tiles (the layout BlockLinear and the fused decode layer run on), with t
 quantised before the clock starts, so the figure is the kernels' and tile_product's own: no Python,
 dispatch or allocation. Matrices (K -> N): qkv 576->960, o 576->576, gate and up 576->1536, down
 1536->576 (30 copies each on distinct memory, as a decode step reads 30 layers), ``step`` = the 30
-layers' 150 products in decode order, ``head`` = the tied 576->49152 LM head (one copy). Weights are
+layers' 150 products in decode order, ``head`` = the tied 576->49152 LM head (one copy), ``o-l2`` one
+o matrix (0.2-0.4 MB, in L2: the kernels' compute rate, no memory stream). Weights are
 random, quantised with ggml's rounding (:func:`tformer.quant.blocks.quantize`).
 
 A/B: ``--against REV`` builds REV's ``qgemv.cpp`` as a second library (its op namespace renamed
@@ -85,7 +86,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="activation rows M")
     p.add_argument("--formats", nargs="+", default=list(blocks.FORMATS), choices=list(blocks.FORMATS))
     p.add_argument("--paths", nargs="+", default=None, help="kernel paths (default: the SIMD paths this CPU runs)")
-    p.add_argument("--shapes", nargs="+", default=["step", "head", *SHAPES], choices=["step", "head", "o-l2", *SHAPES])
+    p.add_argument("--shapes", nargs="+", default=["step", "head", "o-l2", *SHAPES], choices=["step", "head", "o-l2", *SHAPES])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=3, help="passes per timed call")
     p.add_argument("--tag", default="")
@@ -138,7 +139,7 @@ def main() -> None:
              f"{args.rounds} alternated rounds of {args.reps} passes; GB/s = weight bytes (blocks incl. scales) per "
              "pass / median pass time; `x ref` = median per-round ratio of the reference's time to this tree's "
              "(> 1: faster). `step` = 30 layers x (qkv, o, gate, up, down) in decode order; the shapes 30 copies "
-             f"each; `head` one 49152x576. Took {time.time() - t_start:.0f} s.\n",
+             f"each; `head` one 49152x576; `o-l2` one 576x576 (in L2). Took {time.time() - t_start:.0f} s.\n",
              "| format | path | threads | M | shape | MB | µs | GB/s |" + (" ref µs | ref GB/s | x ref |" if ref else ""),
              "|---|---|---:|---:|---|---:|---:|---:|" + ("---:|---:|---:|" if ref else "")]
     for r in rows:
