@@ -8,7 +8,8 @@ over the plan's 150 tile matrices in decode order (no attention, norms, Python),
 tiles; ``short cache``: the whole step at positions 8-32, so the difference to the first row is what
 attention over ~176 keys adds. Parts are timed separately, so they need not sum to the step.
 
-    /tmp/w3/cpulock bench env PYTHONPATH=$PWD/src .venv/bin/python benchmarks/quant/smollm2_step_profile.py --threads 1
+    flock -w 900 /tmp/tformer-bench.lock timeout 300 env PYTHONPATH=$PWD/src \\
+        .venv/bin/python benchmarks/quant/smollm2_step_profile.py --threads 1
 
 Writes benchmarks/results/quant/smollm2_step_profile[-TAG].md and .json.
 """

@@ -20,7 +20,8 @@ llama.cpp's reference is its whole decode step (it has no per-kernel figure here
 GGUF tensors a token reads x its decode tok/s (benchmarks/results/quant/smollm2_llama_cpp*.md) is
 a lower bound on its kernels' rate, since its step also runs attention, norms and the graph.
 
-    /tmp/w3/cpulock bench env PYTHONPATH=$PWD/src .venv/bin/python benchmarks/quant/tile_kernels.py \\
+    flock -w 900 /tmp/tformer-bench.lock timeout 300 env PYTHONPATH=$PWD/src .venv/bin/python \\
+        benchmarks/quant/tile_kernels.py \\
         --against REV --threads 1 --tag 1thread
 
 Writes benchmarks/results/quant/tile_kernels[-TAG].md and .json.
