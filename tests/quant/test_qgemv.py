@@ -182,3 +182,27 @@ def test_rows_at_a_time_match_the_reference_and_one_row_bitwise(path, fmt, m):
     assert_matches_reference(y, packed, fmt, x, bias)
     for r in range(m):
         assert torch.equal(y[r], qgemv.qgemm(packed, fmt, x[r:r + 1], bias, path, tiled)[0])
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512vnni"])
+def test_one_off_tiles_reuse_their_arena(path):
+    """Tiles made and dropped one at a time (qgemm without ``tiled`` repacks on every call) land
+    where the last ones were once their arena is empty, rather than filling arenas, and come out
+    zero-padded over the dirtied bytes. A fresh process: no other test's tiles keep the arena."""
+    runnable(path)
+    code = f"""
+import torch
+from tformer.quant import blocks, qgemv
+g = torch.Generator().manual_seed(6)
+dirty = qgemv.tiles(blocks.quantize(torch.randn(64, 64, generator=g), "q4_0"), "q4_0", "{path}")
+where = dirty.data_ptr()
+dirty.fill_(255)
+del dirty
+packed = blocks.quantize(torch.randn(33, 64, generator=g), "q4_0")           # 33 rows: padded tiles
+again = qgemv.tiles(packed, "q4_0", "{path}")
+fresh = qgemv.tiles(packed, "q4_0", "{path}")                                  # after it: never dirtied
+print(again.data_ptr() == where, fresh.data_ptr() != where, torch.equal(again, fresh))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "True"]

@@ -337,9 +337,9 @@ int64_t tile_block_bytes(int64_t fmt, int64_t R) { return R * BLOCK_BYTES[fmt]; 
 // miss and the hardware prefetcher stops at every page boundary, and each matrix (0.2-0.6 MB) is
 // its own allocation, too small for a huge page. Tiles repacked one after another (BlockLinear at
 // its first call, the fused plan layer by layer: decode order) lie end to end on 2 MB pages
-// instead. An arena (ARENA bytes, or one tensor's if larger) is mapped fresh (zero-filled), asked
-// for huge pages (madvise: a hint; where the kernel refuses, 4 KB pages and the same bytes), handed
-// out front to back and unmapped when the last tensor in it dies.
+// instead. An arena (ARENA bytes, or one tensor's if larger) is mapped fresh, asked for huge pages
+// (madvise: a hint; where the kernel refuses, 4 KB pages and the same bytes), handed out front to
+// back, and unmapped when the last tensor in it dies (the open one starts again at its front).
 #ifdef TFORMER_ARENA
 constexpr size_t HUGE_PAGE = size_t(2) << 20, ARENA = size_t(64) << 20;
 
@@ -355,7 +355,10 @@ Arena* OPEN_ARENA = nullptr;   // the one new tiles go into (nullptr: none yet, 
 
 void release_tiles(Arena* a) {
   std::lock_guard<std::mutex> hold(ARENA_LOCK);
-  if (--a->live == 0 && a != OPEN_ARENA) {
+  if (--a->live > 0) return;
+  if (a == OPEN_ARENA) {
+    a->used = 0;          // empty: the next tiles start at its front again (one-off repacks do not pile up)
+  } else {
     munmap(a->map, a->map_len);
     delete a;
   }
@@ -386,6 +389,7 @@ at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts
   uint8_t* p = a->base + a->used;
   a->used += want;
   ++a->live;
+  std::memset(p, 0, want);                                          // a reused front is not zero any more
   return at::from_blob(p, {rows, cols}, [a](void*) { release_tiles(a); }, opts);
 }
 #else
