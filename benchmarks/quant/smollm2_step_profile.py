@@ -1,9 +1,12 @@
 """Where a fused SmolLM2-135M decode step's time goes: the whole step, its 30 ``decode_layer``
-calls, the final norm + LM head, and the same step's products alone, on the model's own tiles.
+calls, the final norm + LM head, its products where they run, and the same products alone on the
+model's own tiles.
 
 The GGUF's own Q4_1 file (Q8_0 token table, tied head), ``load_gguf(keep_quant=True)``, a 128-token
 random prompt, then per part the median of ``--steps`` timed calls at positions ~136-216 (the
-positions of smollm2_llama_cpp.py's decode). ``products alone``: ``tformer_qgemv::tile_passes``
+positions of smollm2_llama_cpp.py's decode). ``where they run``: the time inside ``tile_product``
+during the step (``tformer_qgemv::product_ns``, its own clock), among the layer's other work;
+``products alone``: ``tformer_qgemv::tile_passes``
 over the plan's 150 tile matrices in decode order (no attention, norms, Python), and over the head's
 tiles; ``short cache``: the whole step at positions 8-32, so the difference to the first row is what
 attention over ~176 keys adds. Parts are timed separately, so they need not sum to the step.
@@ -45,11 +48,13 @@ def profile(model, steps: int) -> dict[str, float]:
     if p is None:
         sys.exit(f"smollm2_step_profile: no fused plan ({fused_decode.reason(model)})")
     op = torch.ops.tformer_qgemv.decode_layer
-    t = {"step": [], "layers": [], "head": []}
+    t = {"step": [], "layers": [], "head": [], "products_in_step": []}
     for _ in range(steps):
+        torch.ops.tformer_qgemv.product_ns(True)
         t0 = time.perf_counter()
         tok = decode_step(model, tok, state).argmax(-1, keepdim=True)
         t["step"].append(time.perf_counter() - t0)
+        t["products_in_step"].append(torch.ops.tformer_qgemv.product_ns(True) * 1e-9)
     for _ in range(steps):                       # the layers by hand, as fused_decode.decode calls them
         pos = torch.full((1,), state.length, dtype=torch.long)
         x = model.tok_emb(tok).reshape(1, -1).float().contiguous()
@@ -109,6 +114,8 @@ def main() -> None:
              f"Median of {args.steps} steps at positions ~136-{136 + 2 * args.steps}; parts timed separately.", "",
              "| part | ms | GB/s of weights |", "|---|---:|---:|",
              f"| whole step (`decode_step` + argmax) | {ms('step')} | |",
+             f"| its 151 products where they run (`tile_product`'s own clock: layers + head) | {ms('products_in_step')} | "
+             f"{(r['bytes_layers'] + r['bytes_head']) / r['products_in_step'] / 1e9:.1f} |",
              f"| 30 `decode_layer` calls | {ms('layers')} | {gbs('bytes_layers', 'layers')} |",
              f"| final norm + LM head (`BlockLinear`, {model.lm_head.fmt}) | {ms('head')} | {gbs('bytes_head', 'head')} |",
              f"| the layers' 150 products alone (`tile_passes`, the plan's tiles) | {ms('products')} | "

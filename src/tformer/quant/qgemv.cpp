@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
 #include <mutex>
 #include <vector>
 #if defined(__linux__)
@@ -431,12 +432,16 @@ struct XRow {
   const float* ds;      // (G,) d * s
 };
 
-// Software prefetch distance of the tile kernels, bytes ahead of the block being read: at M = 1 a
-// decode step is a stream from memory, and the hardware prefetcher alone keeps too few lines in
-// flight. tile_kernels.py, a SmolLM2 step's 150 products on 2 MB pages, A/B in one run: 1024-2048 B
-// ahead 1.1-1.7x none; 3072 B 1.01-1.11x 2048 B (q8_0 on AVX-512 0.93-0.98x, within noise of it).
-// A prefetch past a matrix's end is a hint that may fetch nothing useful, never a fault.
-constexpr int64_t PREFETCH = 3072;
+// Software prefetch of the tile kernels, into L2, 12 KB ahead of the block being read. At M = 1 a
+// decode step is a stream from memory and the hardware prefetcher alone keeps too few lines in
+// flight; and since repack lays a model's tiles end to end in decode order (the arenas above), a
+// prefetch past a matrix's end fetches the start of the next product's weights while the layer's
+// other work (attention, norms) runs. Measured on SmolLM2 Q4_1 decode steps, distances alternated in
+// one process (1 and 2 threads): 12 KB into L2 1.05-1.11x 3 KB into L1, which was 1.5-2.0x none in
+// isolation; 6, 8 and 16 KB, and 12 KB plus 1 KB into L1, no better. Into L2 rather than L1 so the
+// lines in flight fit beside the activations in a 32 KB L1 (Zen 3) as in this Xeon's 48 KB. A
+// prefetch past the last tiles is a hint that may fetch nothing useful, never a fault.
+constexpr int64_t PREFETCH = 12288;
 
 // The kernels take MR activation rows (1..MAX_MR) against one tile: each block's weight vectors
 // are loaded (and for q4 unpacked) once and used by all MR rows, so a product of M > 1 rows (a
@@ -453,7 +458,7 @@ T_AVX2 void tile_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) { 
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += tb) {
-    for (int64_t o = 0; o < tb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T0);
+    for (int64_t o = 0; o < tb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T1);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     __m256i idot[MR];
     if (F == Q8_0) {
@@ -505,7 +510,7 @@ T_VNNI void tile_vnni(const uint8_t* w, const XRow* x, int64_t G, float* out) { 
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += tb) {
-    for (int64_t o = 0; o < tb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T0);
+    for (int64_t o = 0; o < tb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T1);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
     __m512i a[MR], b[MR];                     // two chains of dpbusd per row (latency), added at the end
     if (F == Q8_0) {                          // codes + 128: sum (q + 128) x - 128 sum x
@@ -601,9 +606,14 @@ TileMatrix tile_matrix(const at::Tensor& tiles, int64_t fmt, int64_t N, int64_t 
   return TileMatrix{tiles.data_ptr<uint8_t>(), tiles.size(0), R, N, tiles.size(1) / tb, tiles.size(1), tile_fn(path, fmt)};
 }
 
+// Profiling: nanoseconds spent in tile_product, summed over calls (product_ns reads and may reset
+// it): a product's time where it runs, among a layer's other work (smollm2_step_profile.py).
+std::atomic<int64_t> PRODUCT_NS{0};
+
 // y (M, N) = act (M, K) . W^T (+ bias), tiles split between torch's threads; per tile the rows go
 // MAX_MR at a time (the tile stays in L1 while they pass).
 void tile_product(const TileMatrix& W, const QAct& a, const float* bias, float* y) {
+  const auto start = std::chrono::steady_clock::now();
   std::vector<XRow> rows(a.M);
   for (int64_t m = 0; m < a.M; ++m) rows[m] = a.row(m);
   // a task: enough tiles for ~32 KB of weight (fork/join costs more than a small matrix's work)
@@ -623,6 +633,8 @@ void tile_product(const TileMatrix& W, const QAct& a, const float* bias, float* 
       }
     }
   });
+  PRODUCT_NS.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
+                       std::memory_order_relaxed);
 }
 
 // The op on tiles: tiles (T, G * R * bytes) from repack(), N <= T R outputs, path avx2 (R 8) or
@@ -828,6 +840,8 @@ void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, 
 
 }  // namespace
 
+int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT_NS.load(); }
+
 TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("qgemm(Tensor blocks, int fmt, Tensor x, Tensor? bias, int path) -> Tensor");
   m.def("paths() -> int[]");
@@ -837,6 +851,7 @@ TORCH_LIBRARY(tformer_qgemv, m) {
         "Tensor gate, Tensor up, Tensor down, int[] fmts, int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor write_index, Tensor positions, Tensor? valid, Tensor cos, Tensor sin, int path) -> ()");
   m.def("tile_passes(Tensor[] mats, int[] fmts, int[] ns, Tensor x, int path, int reps) -> float");
+  m.def("product_ns(bool reset) -> int");
 }
 
 TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
@@ -846,4 +861,4 @@ TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("tile_passes", &tile_passes);
 }
-TORCH_LIBRARY_IMPL(tformer_qgemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); }
+TORCH_LIBRARY_IMPL(tformer_qgemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); m.impl("product_ns", &product_ns); }
