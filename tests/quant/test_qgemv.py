@@ -206,3 +206,26 @@ print(again.data_ptr() == where, fresh.data_ptr() != where, torch.equal(again, f
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True", "True"]
+
+
+def test_the_timing_ops():
+    """tile_passes (the benchmark's C++ loop) runs the same products, times them and refuses an x
+    narrower than a matrix; product_ns counts time inside the tile products and resets."""
+    if qgemv.load() is None:
+        pytest.skip(f"the block kernels are {qgemv.STATUS.get('state')}")
+    path = qgemv.paths()[-1]
+    if path not in qgemv.TILE_ROWS:
+        pytest.skip("no SIMD tile path on this CPU")
+    op = qgemv.load()
+    g = torch.Generator().manual_seed(7)
+    packed = blocks.quantize(torch.randn(40, 64, generator=g), "q4_1")
+    tiles = qgemv.tiles(packed, "q4_1", path)
+    x = torch.randn(2, 96, generator=g)
+    op.product_ns(True)
+    assert op.product_ns(False) == 0
+    sec = op.tile_passes([tiles, tiles], [2, 2], [40, 40], x, qgemv.PATHS.index(path), 3)
+    assert 0 < sec < 1 and op.product_ns(True) > 0 and op.product_ns(False) == 0
+    qgemv.qgemm(packed, "q4_1", x[:, :64], None, path, tiles)
+    assert op.product_ns(True) > 0
+    with pytest.raises(RuntimeError, match="narrower"):
+        op.tile_passes([tiles], [2], [40], x[:, :32].contiguous(), qgemv.PATHS.index(path), 1)

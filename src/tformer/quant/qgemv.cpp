@@ -838,9 +838,9 @@ void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, 
   for (int64_t i = 0; i < B * C; ++i) xp[i] += g[i];
 }
 
-}  // namespace
-
 int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT_NS.load(); }
+
+}  // namespace
 
 TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("qgemm(Tensor blocks, int fmt, Tensor x, Tensor? bias, int path) -> Tensor");
