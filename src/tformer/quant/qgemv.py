@@ -14,7 +14,7 @@ interleaved by groups of four codes, so one broadcast of four activation codes a
 ``maddubs``/``dpbusd`` advance 8 / 16 rows' dot products at once, and a block's 8 / 16 scales are one
 ``cvtph`` (qgemv.cpp, "interleaved tiles"): the same bytes moved, made once per layer by BlockLinear.
 Tiles made one after another lie end to end in shared arenas of 2 MB pages (a decode step streams
-them from memory: fewer TLB misses, no 4 KB page breaks in the stream); the kernels prefetch a few KB
+them from memory: fewer TLB misses, no 4 KB page breaks in the stream); the kernels prefetch 12 KB
 ahead and take up to 4 activation rows per pass over a tile, so a batch or a prompt loads and
 unpacks each weight block once per 4 rows.
 
