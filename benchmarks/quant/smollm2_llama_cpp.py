@@ -22,6 +22,9 @@ head that reads it whole) x decode tok/s, over ``read_bandwidth()``.
     flock -w 900 /tmp/tformer-bench.lock timeout 300 env PYTHONPATH=$PWD/src \\
         .venv/bin/python benchmarks/quant/smollm2_llama_cpp.py --threads 1 --rounds 3
 
+``--kernel-path avx2`` forces tformer's AVX2 path (what an AVX2-only CPU runs); llama.cpp keeps the
+build's own choice for this CPU, so that row is not AVX2 against AVX2.
+
 Writes benchmarks/results/quant/smollm2_llama_cpp[-TAG].md and .json.
 """
 
@@ -126,7 +129,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--kernel-path", default=None, choices=qgemv.PATHS,
+                    help=f"force tformer's kernel path (sets ${qgemv.FORCED}; llama.cpp keeps its own)")
     args = ap.parse_args()
+    if args.kernel_path:
+        os.environ[qgemv.FORCED] = args.kernel_path
     run = Run()
     torch.set_num_threads(args.threads)
     base = load_gguf(builtin_path("smollm2"))

@@ -139,3 +139,93 @@ print(qgemv.load() is None, len(caught), ok, qgemv.path())
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "1", "True", "None"]
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512vnni"])
+def test_tiles_lie_end_to_end_and_live_as_long_as_their_tensor(path):
+    """repack places tiles made one after another end to end (64-byte aligned) in shared arenas of
+    2 MB pages; an arena is unmapped only when its last tensor dies. 30 copies of a 2.4 MB weight
+    (73 MB) fill more than one 64 MB arena; dropping every other copy must leave the rest intact."""
+    runnable(path)
+    g = torch.Generator().manual_seed(5)
+    packed = blocks.quantize(torch.randn(1536, 1536, generator=g) * 0.02, "q8_0")
+    x = torch.randn(1, 1536, generator=g)
+    tiles = [qgemv.tiles(packed, "q8_0", path) for _ in range(30)]
+    step = (tiles[0].nbytes + 63) // 64 * 64
+    assert tiles[1].data_ptr() - tiles[0].data_ptr() == step
+    assert tiles[0].data_ptr() % 64 == 0 and all(bool(torch.equal(t, tiles[0])) for t in tiles[1:])
+    kept = tiles[1::2]
+    del tiles
+    fresh = [qgemv.tiles(packed, "q8_0", path) for _ in range(8)]         # new tiles overwrite nothing live
+    assert all(bool(torch.equal(t, kept[0])) for t in fresh)
+    for t in kept:
+        assert_matches_reference(qgemv.qgemm(packed, "q8_0", x, None, path, t), packed, "q8_0", x, None)
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512vnni"])
+@pytest.mark.parametrize("fmt", blocks.FORMATS)
+@pytest.mark.parametrize("m", [2, 3, 4, 8, 9])
+def test_rows_at_a_time_match_the_reference_and_one_row_bitwise(path, fmt, m):
+    """The tile kernels take up to 4 activation rows per pass over a tile (every group size 1..4
+    here); each row's arithmetic is the one-row kernel's in the same order, so every row of an
+    M-row product equals that row's product alone, bit for bit, and the float64 reference within
+    the module's tolerance."""
+    runnable(path)
+    g = torch.Generator().manual_seed(m * 7 + len(fmt))
+    w = torch.randn(45, 160, generator=g) * 0.05
+    x = torch.randn(m, 160, generator=g) * 2
+    x[-1, 32:64] = 0
+    bias = torch.randn(45, generator=g)
+    packed = blocks.quantize(w, fmt)
+    tiled = qgemv.tiles(packed, fmt, path)
+    y = qgemv.qgemm(packed, fmt, x, bias, path, tiled)
+    assert_matches_reference(y, packed, fmt, x, bias)
+    for r in range(m):
+        assert torch.equal(y[r], qgemv.qgemm(packed, fmt, x[r:r + 1], bias, path, tiled)[0])
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512vnni"])
+def test_one_off_tiles_reuse_their_arena(path):
+    """Tiles made and dropped one at a time (qgemm without ``tiled`` repacks on every call) land
+    where the last ones were once their arena is empty, rather than filling arenas, and come out
+    zero-padded over the dirtied bytes. A fresh process: no other test's tiles keep the arena."""
+    runnable(path)
+    code = f"""
+import torch
+from tformer.quant import blocks, qgemv
+g = torch.Generator().manual_seed(6)
+dirty = qgemv.tiles(blocks.quantize(torch.randn(64, 64, generator=g), "q4_0"), "q4_0", "{path}")
+where = dirty.data_ptr()
+dirty.fill_(255)
+del dirty
+packed = blocks.quantize(torch.randn(33, 64, generator=g), "q4_0")           # 33 rows: padded tiles
+again = qgemv.tiles(packed, "q4_0", "{path}")
+fresh = qgemv.tiles(packed, "q4_0", "{path}")                                  # after it: never dirtied
+print(again.data_ptr() == where, fresh.data_ptr() != where, torch.equal(again, fresh))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "True"]
+
+
+def test_the_timing_ops():
+    """tile_passes (the benchmark's C++ loop) runs the same products, times them and refuses an x
+    narrower than a matrix; product_ns counts time inside the tile products and resets."""
+    if qgemv.load() is None:
+        pytest.skip(f"the block kernels are {qgemv.STATUS.get('state')}")
+    path = qgemv.paths()[-1]
+    if path not in qgemv.TILE_ROWS:
+        pytest.skip("no SIMD tile path on this CPU")
+    op = qgemv.load()
+    g = torch.Generator().manual_seed(7)
+    packed = blocks.quantize(torch.randn(40, 64, generator=g), "q4_1")
+    tiles = qgemv.tiles(packed, "q4_1", path)
+    x = torch.randn(2, 96, generator=g)
+    op.product_ns(True)
+    assert op.product_ns(False) == 0
+    sec = op.tile_passes([tiles, tiles], [2, 2], [40, 40], x, qgemv.PATHS.index(path), 3)
+    assert 0 < sec < 1 and op.product_ns(True) > 0 and op.product_ns(False) == 0
+    qgemv.qgemm(packed, "q4_1", x[:, :64], None, path, tiles)
+    assert op.product_ns(True) > 0
+    with pytest.raises(RuntimeError, match="narrower"):
+        op.tile_passes([tiles], [2], [40], x[:, :32].contiguous(), qgemv.PATHS.index(path), 1)

@@ -18,14 +18,22 @@
 // are unsigned already. Output rows are split between torch's threads (at::parallel_for).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
+#include <mutex>
 #include <vector>
+#if defined(__linux__)
+#include <sys/mman.h>
+#define TFORMER_ARENA 1
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define TFORMER_X86 1
@@ -325,13 +333,77 @@ at::Tensor qgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, con
 // vector (cvtph). Bytes per tile and block: R * BLOCK_BYTES (the same bytes as the file, moved).
 int64_t tile_block_bytes(int64_t fmt, int64_t R) { return R * BLOCK_BYTES[fmt]; }
 
+// Where tiles live: arenas of 2 MB pages, filled in the order repack is called. A decode step
+// streams every weight once, ~60-110 MB for SmolLM2, from memory: on 4 KB pages each page is a TLB
+// miss and the hardware prefetcher stops at every page boundary, and each matrix (0.2-0.6 MB) is
+// its own allocation, too small for a huge page. Tiles repacked one after another (BlockLinear at
+// its first call, the fused plan layer by layer: decode order) lie end to end on 2 MB pages
+// instead. An arena (ARENA bytes, or one tensor's if larger) is mapped fresh, asked for huge pages
+// (madvise: a hint; where the kernel refuses, 4 KB pages and the same bytes), handed out front to
+// back, and unmapped when the last tensor in it dies (the open one starts again at its front).
+#ifdef TFORMER_ARENA
+constexpr size_t HUGE_PAGE = size_t(2) << 20, ARENA = size_t(64) << 20;
+
+struct Arena {
+  uint8_t* base = nullptr;     // HUGE_PAGE aligned
+  size_t size = 0, used = 0, live = 0;
+  void* map = nullptr;         // what mmap returned, and its length
+  size_t map_len = 0;
+};
+
+std::mutex ARENA_LOCK;
+Arena* OPEN_ARENA = nullptr;   // the one new tiles go into (nullptr: none yet, or it is full)
+
+void release_tiles(Arena* a) {
+  std::lock_guard<std::mutex> hold(ARENA_LOCK);
+  if (--a->live > 0) return;
+  if (a == OPEN_ARENA) {
+    a->used = 0;          // empty: the next tiles start at its front again (one-off repacks do not pile up)
+  } else {
+    munmap(a->map, a->map_len);
+    delete a;
+  }
+}
+
+// A zero-filled uint8 (rows, cols) tensor in an arena; plain at::zeros where mmap fails.
+at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts) {
+  const size_t want = (size_t(rows * cols) + 63) / 64 * 64;        // 64-byte aligned slices
+  std::lock_guard<std::mutex> hold(ARENA_LOCK);
+  if (OPEN_ARENA == nullptr || OPEN_ARENA->size - OPEN_ARENA->used < want) {
+    if (OPEN_ARENA != nullptr && OPEN_ARENA->live == 0) {             // full and unused: let it go
+      munmap(OPEN_ARENA->map, OPEN_ARENA->map_len);
+      delete OPEN_ARENA;
+    }
+    OPEN_ARENA = nullptr;
+    const size_t size = std::max(ARENA, (want + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+    void* m = mmap(nullptr, size + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return at::zeros({rows, cols}, opts);
+    auto* a = new Arena;
+    a->map = m, a->map_len = size + HUGE_PAGE, a->size = size;
+    a->base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(m) + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+#ifdef MADV_HUGEPAGE
+    madvise(a->base, size, MADV_HUGEPAGE);
+#endif
+    OPEN_ARENA = a;
+  }
+  Arena* a = OPEN_ARENA;
+  uint8_t* p = a->base + a->used;
+  a->used += want;
+  ++a->live;
+  std::memset(p, 0, want);                                          // a reused front is not zero any more
+  return at::from_blob(p, {rows, cols}, [a](void*) { release_tiles(a); }, opts);
+}
+#else
+at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts) { return at::zeros({rows, cols}, opts); }
+#endif
+
 at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R) {
   TORCH_CHECK(fmt >= 0 && fmt <= 2 && (R == 8 || R == 16), "repack: fmt 0..2 and R 8 or 16");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(1) % BLOCK_BYTES[fmt] == 0, "repack: blocks must be contiguous (N, G*bytes) uint8");
   const int64_t N = blocks.size(0), bytes = BLOCK_BYTES[fmt], G = blocks.size(1) / bytes;
   const int64_t T = (N + R - 1) / R, tb = tile_block_bytes(fmt, R);
-  at::Tensor out = at::zeros({T, G * tb}, blocks.options());
+  at::Tensor out = arena_zeros(T, G * tb, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const bool offset = fmt == Q8_0 && R == 16;
@@ -360,79 +432,122 @@ struct XRow {
   const float* ds;      // (G,) d * s
 };
 
+// Software prefetch of the tile kernels, into L2, 12 KB ahead of the block being read. At M = 1 a
+// decode step is a stream from memory and the hardware prefetcher alone keeps too few lines in
+// flight; and since repack lays a model's tiles end to end in decode order (the arenas above), a
+// prefetch past a matrix's end fetches the start of the next product's weights while the layer's
+// other work (attention, norms) runs. Measured on SmolLM2 Q4_1 decode steps, distances alternated in
+// one process (1 and 2 threads): 12 KB into L2 1.05-1.11x 3 KB into L1, which was 1.5-2.0x none in
+// isolation; 6, 8 and 16 KB, and 12 KB plus 1 KB into L1, no better. Into L2 rather than L1 so the
+// lines in flight fit beside the activations in a 32 KB L1 (Zen 3) as in this Xeon's 48 KB. A
+// prefetch past the last tiles is a hint that may fetch nothing useful, never a fault.
+constexpr int64_t PREFETCH = 12288;
+
+// The kernels take MR activation rows (1..MAX_MR) against one tile: each block's weight vectors
+// are loaded (and for q4 unpacked) once and used by all MR rows, so a product of M > 1 rows (a
+// batch, a prefill, a multi-token step) does not redo that work per row. Per row the integer sums
+// and the float32 steps are the one-row kernel's, in the same order: acc += (d * dx) * float(isum)
+// per block (then + m * (dx s) for q4_1), so the result does not depend on M.
+constexpr int MAX_MR = 4;
+
 #ifdef TFORMER_X86
-template <int F>
-T_AVX2 void tile_avx2(const uint8_t* w, const XRow& x, int64_t G, float* out) {
+template <int F, int MR>
+T_AVX2 void tile_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) {   // out (MR, 8)
   constexpr int64_t tb = 8 * BLOCK_BYTES[F];
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += tb) {
-    const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + 32 * g);
+    for (int64_t o = 0; o < tb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T1);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    __m256i idot;
+    __m256i idot[MR];
     if (F == Q8_0) {
       const uint8_t* c = w + 16;
-      idot = _mm256_setzero_si256();
+      for (int r = 0; r < MR; ++r) idot[r] = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {
         const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
-        const __m256i xv = _mm256_set1_epi32(xq[j]);
-        idot = _mm256_add_epi32(idot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv),
-                                                                             _mm256_sign_epi8(xv, wv)), ones));
+        const __m256i aw = _mm256_sign_epi8(wv, wv);
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xv = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(x[r].q + 32 * g)[j]);
+          idot[r] = _mm256_add_epi32(idot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
+        }
       }
     } else {
       const uint8_t* c = w + (F == Q4_1 ? 32 : 16);
-      __m256i p16 = _mm256_setzero_si256();   // 8 maddubs of codes <= 15: |sum| <= 8 * 2 * 15 * 127 < 2^15
+      __m256i p16[MR];        // 8 maddubs of codes <= 15: |sum| <= 8 * 2 * 15 * 127 < 2^15
+      for (int r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
-        p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(_mm256_and_si256(wv, low), _mm256_set1_epi32(xq[j])));
-        p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(wv, 4), low),
-                                                         _mm256_set1_epi32(xq[4 + j])));
+        const __m256i lo = _mm256_and_si256(wv, low), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(x[r].q + 32 * g);
+          p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[j])));
+          p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[4 + j])));
+        }
       }
-      idot = _mm256_madd_epi16(p16, ones);
-      if (F == Q4_0) idot = _mm256_add_epi32(idot, _mm256_set1_epi32(-8 * x.s[g]));
+      for (int r = 0; r < MR; ++r) {
+        idot[r] = _mm256_madd_epi16(p16[r], ones);
+        if (F == Q4_0) idot[r] = _mm256_add_epi32(idot[r], _mm256_set1_epi32(-8 * x[r].s[g]));
+      }
     }
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[g])), _mm256_cvtepi32_ps(idot), acc);
-    if (F == Q4_1)
-      acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))),
-                            _mm256_set1_ps(x.ds[g]), acc);
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[r].d[g])), _mm256_cvtepi32_ps(idot[r]), acc[r]);
+    if (F == Q4_1) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].ds[g]), acc[r]);
+    }
   }
-  _mm256_storeu_ps(out, acc);
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
-template <int F>
-T_VNNI void tile_vnni(const uint8_t* w, const XRow& x, int64_t G, float* out) {
+// q4 high nibbles are multiplied in place, as (byte & 0xF0) = 16 hi: a chain of those sums to
+// 16 sum(hi x) exactly (|16 * 15 * 127 * 16| < 2^31), and one arithmetic shift right by 4 per
+// block gives sum(hi x): one AND per 64 bytes instead of a shift and an AND.
+template <int F, int MR>
+T_VNNI void tile_vnni(const uint8_t* w, const XRow* x, int64_t G, float* out) {    // out (MR, 16)
   constexpr int64_t tb = 16 * BLOCK_BYTES[F];
-  const __m512i low = _mm512_set1_epi8(15);
-  __m512 acc = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8(int8_t(0xF0));
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += tb) {
-    const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + 32 * g);
+    for (int64_t o = 0; o < tb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T1);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-    __m512i a, b;                             // two chains of dpbusd (latency), added at the end
+    __m512i a[MR], b[MR];                     // two chains of dpbusd per row (latency), added at the end
     if (F == Q8_0) {                          // codes + 128: sum (q + 128) x - 128 sum x
       const uint8_t* c = w + 32;
-      a = _mm512_set1_epi32(-128 * x.s[g]);
-      b = _mm512_setzero_si512();
+      for (int r = 0; r < MR; ++r) a[r] = _mm512_set1_epi32(-128 * x[r].s[g]), b[r] = _mm512_setzero_si512();
       for (int j = 0; j < 8; j += 2) {
-        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(c + 64 * j), _mm512_set1_epi32(xq[j]));
-        b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512(c + 64 * (j + 1)), _mm512_set1_epi32(xq[j + 1]));
+        const __m512i w0 = _mm512_loadu_si512(c + 64 * j), w1 = _mm512_loadu_si512(c + 64 * (j + 1));
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(x[r].q + 32 * g);
+          a[r] = _mm512_dpbusd_epi32(a[r], w0, _mm512_set1_epi32(xq[j]));
+          b[r] = _mm512_dpbusd_epi32(b[r], w1, _mm512_set1_epi32(xq[j + 1]));
+        }
       }
     } else {
       const uint8_t* c = w + (F == Q4_1 ? 64 : 32);
-      a = F == Q4_0 ? _mm512_set1_epi32(-8 * x.s[g]) : _mm512_setzero_si512();
-      b = _mm512_setzero_si512();
+      for (int r = 0; r < MR; ++r)
+        a[r] = F == Q4_0 ? _mm512_set1_epi32(-8 * x[r].s[g]) : _mm512_setzero_si512(), b[r] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
         const __m512i wv = _mm512_loadu_si512(c + 64 * j);
-        a = _mm512_dpbusd_epi32(a, _mm512_and_si512(wv, low), _mm512_set1_epi32(xq[j]));
-        b = _mm512_dpbusd_epi32(b, _mm512_and_si512(_mm512_srli_epi16(wv, 4), low), _mm512_set1_epi32(xq[4 + j]));
+        const __m512i lo = _mm512_and_si512(wv, low), hi16 = _mm512_and_si512(wv, high);
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(x[r].q + 32 * g);
+          a[r] = _mm512_dpbusd_epi32(a[r], lo, _mm512_set1_epi32(xq[j]));
+          b[r] = _mm512_dpbusd_epi32(b[r], hi16, _mm512_set1_epi32(xq[4 + j]));
+        }
       }
+      for (int r = 0; r < MR; ++r) b[r] = _mm512_srai_epi32(b[r], 4);
     }
-    const __m512i idot = _mm512_add_epi32(a, b);
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.d[g])), _mm512_cvtepi32_ps(idot), acc);
-    if (F == Q4_1)
-      acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))),
-                            _mm512_set1_ps(x.ds[g]), acc);
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[r].d[g])),
+                               _mm512_cvtepi32_ps(_mm512_add_epi32(a[r], b[r])), acc[r]);
+    if (F == Q4_1) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)));
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].ds[g]), acc[r]);
+    }
   }
-  _mm512_storeu_ps(out, acc);
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 #endif
 
@@ -456,12 +571,20 @@ struct QAct {
   XRow row(int64_t m) const { return XRow{q.data() + m * K, d.data() + m * G, s.data() + m * G, ds.data() + m * G}; }
 };
 
-using TileFn = void (*)(const uint8_t*, const XRow&, int64_t, float*);
+// kernel(w, rows, G, out): rows x[0..MR) of one tile, out (MR, R) floats.
+using TileFn = void (*)(const uint8_t*, const XRow*, int64_t, float*);
+using TileFns = TileFn[MAX_MR];   // [MR - 1]
 
-TileFn tile_fn(int64_t path, int64_t fmt) {
+const TileFn* tile_fn(int64_t path, int64_t fmt) {
 #ifdef TFORMER_X86
-  static const TileFn avx2[3] = {&tile_avx2<Q8_0>, &tile_avx2<Q4_0>, &tile_avx2<Q4_1>};
-  static const TileFn vnni[3] = {&tile_vnni<Q8_0>, &tile_vnni<Q4_0>, &tile_vnni<Q4_1>};
+  static const TileFns avx2[3] = {
+      {&tile_avx2<Q8_0, 1>, &tile_avx2<Q8_0, 2>, &tile_avx2<Q8_0, 3>, &tile_avx2<Q8_0, 4>},
+      {&tile_avx2<Q4_0, 1>, &tile_avx2<Q4_0, 2>, &tile_avx2<Q4_0, 3>, &tile_avx2<Q4_0, 4>},
+      {&tile_avx2<Q4_1, 1>, &tile_avx2<Q4_1, 2>, &tile_avx2<Q4_1, 3>, &tile_avx2<Q4_1, 4>}};
+  static const TileFns vnni[3] = {
+      {&tile_vnni<Q8_0, 1>, &tile_vnni<Q8_0, 2>, &tile_vnni<Q8_0, 3>, &tile_vnni<Q8_0, 4>},
+      {&tile_vnni<Q4_0, 1>, &tile_vnni<Q4_0, 2>, &tile_vnni<Q4_0, 3>, &tile_vnni<Q4_0, 4>},
+      {&tile_vnni<Q4_1, 1>, &tile_vnni<Q4_1, 2>, &tile_vnni<Q4_1, 3>, &tile_vnni<Q4_1, 4>}};
   return path == AVX2 ? avx2[fmt] : vnni[fmt];
 #else
   return nullptr;
@@ -472,7 +595,7 @@ TileFn tile_fn(int64_t path, int64_t fmt) {
 struct TileMatrix {
   const uint8_t* w;
   int64_t T, R, N, G, row_bytes;
-  TileFn fn;
+  const TileFn* fn;     // [MR - 1]
 };
 
 TileMatrix tile_matrix(const at::Tensor& tiles, int64_t fmt, int64_t N, int64_t path, const char* what) {
@@ -483,20 +606,35 @@ TileMatrix tile_matrix(const at::Tensor& tiles, int64_t fmt, int64_t N, int64_t 
   return TileMatrix{tiles.data_ptr<uint8_t>(), tiles.size(0), R, N, tiles.size(1) / tb, tiles.size(1), tile_fn(path, fmt)};
 }
 
-// y (M, N) = act (M, K) . W^T (+ bias), tiles split between torch's threads.
+// Profiling: nanoseconds spent in tile_product, summed over calls (product_ns reads and may reset
+// it): a product's time where it runs, among a layer's other work (smollm2_step_profile.py).
+std::atomic<int64_t> PRODUCT_NS{0};
+
+// y (M, N) = act (M, K) . W^T (+ bias), tiles split between torch's threads; per tile the rows go
+// MAX_MR at a time (the tile stays in L1 while they pass).
 void tile_product(const TileMatrix& W, const QAct& a, const float* bias, float* y) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<XRow> rows(a.M);
+  for (int64_t m = 0; m < a.M; ++m) rows[m] = a.row(m);
   // a task: enough tiles for ~32 KB of weight (fork/join costs more than a small matrix's work)
   const int64_t grain = std::max<int64_t>(1, 32768 / W.row_bytes);
   at::parallel_for(0, W.T, grain, [&](int64_t t0, int64_t t1) {
-    float tmp[16];
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < a.M; ++m) {
-        W.fn(W.w + t * W.row_bytes, a.row(m), W.G, tmp);
-        const int64_t n0 = t * W.R, n1 = std::min(W.N, n0 + W.R);
-        float* out = y + m * W.N;
-        for (int64_t n = n0; n < n1; ++n) out[n] = tmp[n - n0] + (bias ? bias[n] : 0.0f);
+    float tmp[MAX_MR * 16];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * W.R, n1 = std::min(W.N, n0 + W.R);
+      for (int64_t m = 0; m < a.M; m += MAX_MR) {
+        const int mr = int(std::min<int64_t>(MAX_MR, a.M - m));
+        W.fn[mr - 1](W.w + t * W.row_bytes, rows.data() + m, W.G, tmp);
+        for (int r = 0; r < mr; ++r) {
+          float* out = y + (m + r) * W.N;
+          const float* o = tmp + r * W.R - n0;
+          for (int64_t n = n0; n < n1; ++n) out[n] = o[n] + (bias ? bias[n] : 0.0f);
+        }
       }
+    }
   });
+  PRODUCT_NS.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
+                       std::memory_order_relaxed);
 }
 
 // The op on tiles: tiles (T, G * R * bytes) from repack(), N <= T R outputs, path avx2 (R 8) or
@@ -519,6 +657,38 @@ at::Tensor qgemm_tiles(const at::Tensor& tiles, int64_t fmt, int64_t N, const at
   at::Tensor yf = at::empty({M, N}, xf.options());
   tile_product(W, a, bias.has_value() ? bias->data_ptr<float>() : nullptr, yf.data_ptr<float>());
   return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
+}
+
+// For benchmarks: seconds per pass of the tile products over `mats` (the tiles of weight i, N_i =
+// ns[i] rows, format fmts[i]), in order, as a decode step makes them: each against the first K_i
+// columns of x (M, Kmax) float32, quantised before the clock starts (decode_layer quantises once per
+// width). One untimed pass, then `reps` timed: the kernels' streaming rate without Python, dispatch
+// or allocation.
+double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns, const at::Tensor& x, int64_t path,
+                   int64_t reps) {
+  TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "tile_passes: this CPU cannot run path ", path);
+  TORCH_CHECK(mats.size() == fmts.size() && mats.size() == ns.size() && reps > 0, "tile_passes: one fmt and N per matrix");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "tile_passes: x (M, K) float32");
+  const int64_t M = x.size(0), Kx = x.size(1);
+  std::vector<TileMatrix> W;
+  std::vector<QAct> acts(mats.size());
+  int64_t most = 0;
+  for (size_t i = 0; i < mats.size(); ++i) {
+    TORCH_CHECK(fmts[i] >= 0 && fmts[i] <= 2, "tile_passes: a format must be 0, 1 or 2");
+    W.push_back(tile_matrix(mats[i], fmts[i], ns[i], path, "tile_passes"));
+    const int64_t K = 32 * W.back().G;
+    TORCH_CHECK(K <= Kx, "tile_passes: x is narrower than a matrix");
+    std::vector<float> cols(M * K);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(cols.data() + m * K, x.data_ptr<float>() + m * Kx, K * sizeof(float));
+    acts[i].quantize(cols.data(), M, K);
+    most = std::max(most, ns[i]);
+  }
+  std::vector<float> y(M * most);
+  auto pass = [&] { for (size_t i = 0; i < W.size(); ++i) tile_product(W[i], acts[i], nullptr, y.data()); };
+  pass();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < reps; ++r) pass();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(reps);
 }
 
 // ---------------------------------------------------------------- one fused decode layer -----
@@ -716,6 +886,8 @@ void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, 
   for (int64_t i = 0; i < N * C; ++i) xp[i] += g[i];
 }
 
+int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT_NS.load(); }
+
 }  // namespace
 
 TORCH_LIBRARY(tformer_qgemv, m) {
@@ -726,6 +898,8 @@ TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("decode_layer(Tensor(a!) x, Tensor attn_norm, float eps, Tensor qkv, Tensor wo, Tensor ffn_norm, "
         "Tensor gate, Tensor up, Tensor down, int[] fmts, int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor write_index, Tensor positions, Tensor? valid, Tensor? rows, Tensor cos, Tensor sin, int path) -> ()");
+  m.def("tile_passes(Tensor[] mats, int[] fmts, int[] ns, Tensor x, int path, int reps) -> float");
+  m.def("product_ns(bool reset) -> int");
 }
 
 TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
@@ -733,5 +907,6 @@ TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
   m.impl("repack", &repack);
   m.impl("qgemm_tiles", &qgemm_tiles);
   m.impl("decode_layer", &decode_layer);
+  m.impl("tile_passes", &tile_passes);
 }
-TORCH_LIBRARY_IMPL(tformer_qgemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); }
+TORCH_LIBRARY_IMPL(tformer_qgemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); m.impl("product_ns", &product_ns); }

@@ -13,6 +13,10 @@ The two SIMD paths read the weight repacked by :func:`tiles`: 8 (AVX2) or 16 (AV
 interleaved by groups of four codes, so one broadcast of four activation codes and one
 ``maddubs``/``dpbusd`` advance 8 / 16 rows' dot products at once, and a block's 8 / 16 scales are one
 ``cvtph`` (qgemv.cpp, "interleaved tiles"): the same bytes moved, made once per layer by BlockLinear.
+Tiles made one after another lie end to end in shared arenas of 2 MB pages (a decode step streams
+them from memory: fewer TLB misses, no 4 KB page breaks in the stream); the kernels prefetch 12 KB
+ahead and take up to 4 activation rows per pass over a tile, so a batch or a prompt loads and
+unpacks each weight block once per 4 rows.
 
 :func:`path` is the fastest one this CPU runs (the last of ``paths()``), or
 ``$TFORMER_QGEMV_PATH`` when set (tests and A/B runs force each path with it; a path the CPU
@@ -109,7 +113,9 @@ TILE_ROWS = {"avx2": 8, "avx512vnni": 16}     # rows interleaved per tile by the
 
 def tiles(packed: Tensor, fmt: str, kernel_path: str) -> Tensor | None:
     """``packed`` repacked for ``kernel_path`` (``TILE_ROWS`` rows interleaved, the same bytes moved:
-    see qgemv.cpp), or ``None`` for the scalar path and the torch fallback, which read the file layout."""
+    see qgemv.cpp), or ``None`` for the scalar path and the torch fallback, which read the file layout.
+    The tensor is a view into a shared arena of 2 MB pages, right after the tiles made before it;
+    the arena is freed with the last tensor in it."""
     op = load()
     if op is None or kernel_path not in TILE_ROWS:
         return None
