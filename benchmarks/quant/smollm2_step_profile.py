@@ -60,7 +60,7 @@ def profile(model, steps: int) -> dict[str, float]:
         x = model.tok_emb(tok).reshape(1, -1).float().contiguous()
         t0 = time.perf_counter()
         for (g1, (wqkv, wo, wg, wu, wd), g2, fmts), s in zip(p.layers, state.layers):
-            op(x, g1, p.eps, wqkv, wo, g2, wg, wu, wd, fmts, p.dims, s.k, s.v, pos, pos, None,
+            op(x, g1, p.eps, wqkv, wo, g2, wg, wu, wd, fmts, p.dims, s.k, s.v, pos, pos, None, None,
                p.rope.cos, p.rope.sin, p.path_id)
         t1 = time.perf_counter()
         model.lm_head(model.final_norm(x[:, None]))
