@@ -754,6 +754,55 @@ T_ATT void axpy_f32(float* y, float a, const float* x, int64_t n) {
   for (; e + 8 <= n; e += 8) _mm256_storeu_ps(y + e, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + e), _mm256_loadu_ps(y + e)));
   for (; e < n; ++e) y[e] += a * x[e];
 }
+
+// e^x for 8 floats (a decode step takes ~10^5 of them: softmax over the cache, SiLU): x = n ln2 + r,
+// |r| <= ln2 / 2, with n = round(x / ln2), ln2 split in two parts so n ln2 is exact enough; e^r by
+// its degree-7 Taylor-like polynomial 1 + r + r^2 (c2 + c3 r + ...) with Cephes' minimax
+// coefficients for expf (relative error ~1e-7 on the interval); 2^n built in the exponent bits.
+// x is clamped to [-87.3, 88.3], where e^x and 2^n stay normal floats (e^-87.3 ~ 1e-38 stands for 0).
+T_ATT inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);           // x - n ln2_hi
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);               //   - n ln2_lo
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));   // 1 + r + r^2 p
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));                                    // * 2^n
+}
+
+// v[i] <- e^(v[i] - m), and their sum
+T_ATT float exp_shifted(float* v, float m, int64_t n) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), mv));
+    _mm256_storeu_ps(v + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum256(acc);
+  for (; i < n; ++i) sum += (v[i] = std::exp(v[i] - m));
+  return sum;
+}
+
+// out[i] = silu(g[i]) u[i] = g[i] / (1 + e^-g[i]) u[i]
+T_ATT void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
 #else
 #define T_ATT
 float dot_f32(const float* a, const float* b, int64_t n) {
@@ -764,6 +813,16 @@ float dot_f32(const float* a, const float* b, int64_t n) {
 
 void axpy_f32(float* y, float a, const float* x, int64_t n) {
   for (int64_t e = 0; e < n; ++e) y[e] += a * x[e];
+}
+
+float exp_shifted(float* v, float m, int64_t n) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += (v[i] = std::exp(v[i] - m));
+  return sum;
+}
+
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 #endif
 
@@ -779,8 +838,11 @@ T_ATT void attend_head(const float* q, const float* K, const float* V, int64_t s
   }
   std::fill(o, o + hs, 0.0f);
   if (mx == -INFINITY) return;                                          // no real key
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) sum += (p[j] = real && !real[j] ? 0.0f : std::exp(p[j] - mx));
+  float sum = exp_shifted(p, mx, n);                                    // a padding key's -inf gives ~1e-38
+  if (real) {
+    for (int64_t j = 0; j < n; ++j)
+      if (!real[j]) { sum -= p[j]; p[j] = 0.0f; }                       // exactly nothing from padding
+  }
   const float inv = 1.0f / sum;
   for (int64_t j = 0; j < n; ++j)
     if (p[j] != 0.0f) axpy_f32(o, p[j] * inv, V + j * s2, hs);
@@ -880,7 +942,7 @@ void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, 
   float* u = proj.data() + N * F;
   tile_product(Wg, a, nullptr, g);
   tile_product(Wu, a, nullptr, u);
-  for (int64_t i = 0; i < N * F; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];   // silu(g) * u
+  silu_mul(g, u, h.data(), N * F);                                      // silu(g) * u
   a.quantize(h.data(), N, F);
   tile_product(Wd, a, nullptr, g);                                      // (N, C)
   for (int64_t i = 0; i < N * C; ++i) xp[i] += g[i];
