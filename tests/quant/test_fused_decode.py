@@ -118,26 +118,43 @@ def test_plan_names_what_it_does_not_implement():
 
 
 @needs_tiles
-def test_smollm2_greedy_tokens_equal_module_path(monkeypatch, smollm2):
-    """The real model (Q4_1 file, Q8_0 token table): 24 greedy tokens fused and module path equal."""
+def test_smollm2_steps_track_the_module_path(monkeypatch, smollm2):
+    """The real model (Q4_1 file, Q8_0 token table), 24 steps teacher-forced on the module path's greedy
+    tokens, fused and module path side by side. Over 30 layers of 8-bit activation rounding a
+    summation-order difference flips some codes by one step, so the logits are close, not equal:
+    each step's max |difference| <= 10% of the logits' scale (seen: median 2.2%, max 2.9%), and the greedy token
+    equal on >= 20 of 24 steps, any other step being a near-tie of the module path's (its top two
+    closer than that step's difference)."""
     from tformer.interop.gguf_import import load_gguf
 
     model = load_gguf(smollm2[0], keep_quant=True)
     assert fused_decode.plan(model) is not None, fused_decode.reason(model)
     prompt = torch.tensor([[1, 504, 3458, 282, 4649, 314, 253, 1345, 2830, 30]])
 
-    def greedy(fused: bool) -> list[int]:
+    def logits_along(fused: bool, tokens: list[int] | None) -> list[torch.Tensor]:
         monkeypatch.setenv(fused_decode.SWITCH, "1" if fused else "0")
-        state = model.new_state(1, 40)
+        state, out = model.new_state(1, 40), []
         with torch.inference_mode():
-            tok = prefill(model, prompt, state).argmax(-1, keepdim=True)
-            out = [int(tok)]
-            for _ in range(23):
-                tok = decode_step(model, tok, state).argmax(-1, keepdim=True)
-                out.append(int(tok))
+            z = prefill(model, prompt, state)[0]
+            for t in range(24):
+                out.append(z)
+                nxt = int(z.argmax()) if tokens is None else tokens[t]
+                z = decode_step(model, torch.tensor([[nxt]]), state)[0]
         return out
 
-    assert greedy(True) == greedy(False)
+    ref = logits_along(False, None)
+    tokens = [int(z.argmax()) for z in ref]
+    got = logits_along(True, tokens)
+    same = 0
+    for a, b in zip(got, ref):
+        diff = float((a - b).abs().max())
+        assert diff <= 0.1 * float(b.abs().max()), diff
+        if int(a.argmax()) == int(b.argmax()):
+            same += 1
+        else:
+            top = b.topk(2).values
+            assert float(top[0] - top[1]) < diff
+    assert same >= 20, same
 
 
 @needs_tiles

@@ -803,6 +803,57 @@ T_ATT void silu_mul(const float* g, const float* u, float* out, int64_t n) {
   }
   for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
+// p[j] = scale q . K_j for j < n, four keys at a time (four independent FMA chains over the head's
+// hs floats, then one horizontal reduction for the four), hs a multiple of 8; the rest one by one.
+T_ATT void scores(const float* q, const float* K, int64_t s2, int64_t n, int64_t hs, float scale, float* p) {
+  int64_t j = 0;
+  if (hs % 8 == 0) {
+    const __m128 sc = _mm_set1_ps(scale);
+    for (; j + 4 <= n; j += 4) {
+      const float* k0 = K + j * s2;
+      const float* k1 = k0 + s2;
+      const float* k2 = k1 + s2;
+      const float* k3 = k2 + s2;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t e = 0; e < hs; e += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + e);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + e), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + e), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + e), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + e), a3);
+      }
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));   // per 128-bit half
+      _mm_storeu_ps(p + j, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)), sc));
+    }
+  }
+  for (; j < n; ++j) p[j] = dot_f32(q, K + j * s2, hs) * scale;
+}
+
+// o = sum_j p[j] inv V_j over the keys with p[j] != 0, o held in H registers (hs = 8 H) across the keys
+template <int H>
+T_ATT void weighted_sum_regs(const float* p, float inv, const float* V, int64_t s2, int64_t n, float* o) {
+  __m256 acc[H];
+  for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (p[j] == 0.0f) continue;
+    const __m256 w = _mm256_set1_ps(p[j] * inv);
+    const float* v = V + j * s2;
+    for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * h), acc[h]);
+  }
+  for (int h = 0; h < H; ++h) _mm256_storeu_ps(o + 8 * h, acc[h]);
+}
+
+T_ATT void weighted_sum(const float* p, float inv, const float* V, int64_t s2, int64_t n, int64_t hs, float* o) {
+  switch (hs) {                                  // the common head widths in registers (same sums, in order)
+    case 32: return weighted_sum_regs<4>(p, inv, V, s2, n, o);
+    case 64: return weighted_sum_regs<8>(p, inv, V, s2, n, o);
+    case 128: return weighted_sum_regs<16>(p, inv, V, s2, n, o);
+    default: break;
+  }
+  std::fill(o, o + hs, 0.0f);
+  for (int64_t j = 0; j < n; ++j)
+    if (p[j] != 0.0f) axpy_f32(o, p[j] * inv, V + j * s2, hs);
+}
 #else
 #define T_ATT
 float dot_f32(const float* a, const float* b, int64_t n) {
@@ -824,28 +875,35 @@ float exp_shifted(float* v, float m, int64_t n) {
 void silu_mul(const float* g, const float* u, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
+
+void scores(const float* q, const float* K, int64_t s2, int64_t n, int64_t hs, float scale, float* p) {
+  for (int64_t j = 0; j < n; ++j) p[j] = dot_f32(q, K + j * s2, hs) * scale;
+}
+
+void weighted_sum(const float* p, float inv, const float* V, int64_t s2, int64_t n, int64_t hs, float* o) {
+  std::fill(o, o + hs, 0.0f);
+  for (int64_t j = 0; j < n; ++j)
+    if (p[j] != 0.0f) axpy_f32(o, p[j] * inv, V + j * s2, hs);
+}
 #endif
 
 // One query head of one token over keys 0 .. n-1 of its row (K, V: key j at + j s2), the keys
 // `real` marks (all without it): o = softmax(q K^T scale) V, zero if no key is real. p: n floats.
 T_ATT void attend_head(const float* q, const float* K, const float* V, int64_t s2, int64_t n, const bool* real,
                        float scale, int64_t hs, float* p, float* o) {
+  scores(q, K, s2, n, hs, scale, p);                                    // padding keys too (finite), masked next
   float mx = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
-    if (real && !real[j]) { p[j] = -INFINITY; continue; }
-    p[j] = dot_f32(q, K + j * s2, hs) * scale;
+    if (real && !real[j]) p[j] = -INFINITY;
     mx = std::max(mx, p[j]);
   }
-  std::fill(o, o + hs, 0.0f);
-  if (mx == -INFINITY) return;                                          // no real key
+  if (mx == -INFINITY) { std::fill(o, o + hs, 0.0f); return; }         // no real key
   float sum = exp_shifted(p, mx, n);                                    // a padding key's -inf gives ~1e-38
   if (real) {
     for (int64_t j = 0; j < n; ++j)
       if (!real[j]) { sum -= p[j]; p[j] = 0.0f; }                       // exactly nothing from padding
   }
-  const float inv = 1.0f / sum;
-  for (int64_t j = 0; j < n; ++j)
-    if (p[j] != 0.0f) axpy_f32(o, p[j] * inv, V + j * s2, hs);
+  weighted_sum(p, 1.0f / sum, V, s2, n, hs, o);
 }
 
 void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, const at::Tensor& qkv,
