@@ -270,7 +270,7 @@ def test_forward_leaves_what_it_does_not_implement_to_the_module_path():
     model, (state, _) = pair("q8_0")
     too_long = torch.zeros(1, fused_decode.MAX_TOKENS + 1, dtype=torch.long)
     with torch.inference_mode():
-        assert fused_decode.forward(model, too_long, model.new_state(1, 200)) is None
+        assert fused_decode.forward(model, too_long, model.new_state(1, 2 * fused_decode.MAX_TOKENS)) is None
         assert fused_decode.forward(model, torch.tensor([[1, 2]]), None) is None
         padded = model.new_state(2, 40)
         prefill(model, torch.tensor([[0, 3, 4], [5, 6, 7]]), padded, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
