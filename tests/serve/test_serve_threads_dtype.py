@@ -79,3 +79,26 @@ def test_smollm2_q4_1_is_served_from_the_files_blocks(smollm2, one_thread):
         assert run_alone(server.scheduler, server.tokenizer, prompt, 12, temperature=0.0) == ref
     finally:
         server.close()
+
+
+def test_auto_dtype_serves_a_gguf_from_its_own_blocks_and_a_checkpoint_in_fp32(smollm2, tmp_path):
+    """`tformer serve`'s default --dtype auto: SmolLM2's Q4_1 file is served from its q4_1 blocks (as
+    llama.cpp serves it), a tformer checkpoint in fp32; the command line's default is auto."""
+    from tformer.cli import build_parser
+    from tformer.interop.builtin import file_precision
+
+    assert build_parser().parse_args(["serve"]).dtype == "auto"
+    assert file_precision("smollm2") == "q4_1"
+    server = build_server(None, slots=1, dtype="auto", model="smollm2", max_model_len=64)
+    try:
+        assert isinstance(server.model.blocks[0].ffn.up, BlockLinear)
+    finally:
+        server.close()
+    tiny_checkpoint(tmp_path, context=32)
+    assert file_precision(str(tmp_path)) is None
+    server = build_server(str(tmp_path), slots=1, dtype="auto")
+    try:
+        assert not any(isinstance(m, BlockLinear) for m in server.model.modules())
+        assert next(server.model.parameters()).dtype == torch.float32
+    finally:
+        server.close()

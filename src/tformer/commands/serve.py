@@ -29,9 +29,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take (default: 300)")
     p.add_argument("--embeddings", metavar="DIR", default=None,
                    help="sentence-embedding model folder (default: all-MiniLM-L6-v2 when installed)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1"],
-                   help="weights (default: fp32); q8_0 / q4_0 / q4_1: GGUF block formats (integer block products; a "
-                        "GGUF whose matrices are stored in that format is served from its own blocks)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1"],
+                   help="weights (default: auto: a --model GGUF's own block format when all its matrices are "
+                        "stored in one tformer runs, e.g. q4_1 for smollm2; fp32 otherwise); q8_0 / q4_0 / q4_1: "
+                        "GGUF block formats (integer block products; a GGUF whose matrices are stored in that "
+                        "format is served from its own blocks)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="positions per sequence, prompt and completion (default: the model's context); smaller "
@@ -84,7 +86,9 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
                  max_model_len: int | None = None, prefix_cache_mb: float = 256.0, speculative: int = 0,
                  threads: int | None = None, draft: str | None = None):
     """Load the checkpoint (or ``model``: a built-in name or a .gguf file, converted once and cached) and
-    start its scheduler: a :class:`tformer.serve.server.Server`."""
+    start its scheduler: a :class:`tformer.serve.server.Server`. ``dtype="auto"`` (the command's default)
+    serves a GGUF whose layer matrices are all in one block format from those blocks, anything else
+    in fp32."""
     from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
     from tformer.quant.quantize import BLOCK_PRECISIONS, set_precision
     from tformer.serve.server import Limits, Server
@@ -98,6 +102,9 @@ def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout
     if not (0 <= prefix_cache_mb < float("inf") and 0 <= speculative <= 64):
         raise ConfigError(f"--prefix-cache-mb {prefix_cache_mb}, --speculative {speculative}: use a size >= 0 MiB "
                           f"(0 turns the prefix cache off) and 0..64 draft tokens (0 turns speculation off).")
+    if dtype == "auto":                      # the file's own blocks, as llama.cpp would serve them
+        from tformer.interop.builtin import file_precision
+        dtype = (file_precision(model) if model is not None else None) or "fp32"
     if draft is not None and (not speculative or draft == dtype):
         raise ConfigError(f"--draft {draft} drafts for --speculative K tokens at a cheaper precision than --dtype "
                           f"{dtype}: pass --speculative K (e.g. 4) and a --draft other than --dtype.")

@@ -82,6 +82,19 @@ def gguf_file(spec: str | os.PathLike | None) -> Path | None:
     return None
 
 
+def file_precision(spec: str | os.PathLike | None) -> str | None:
+    """The GGUF block format (q8_0, q4_0, q4_1) every layer matrix of ``spec``'s file is stored in,
+    when it is one tformer multiplies as it is (SmolLM2's file: ``q4_1``); ``None`` for a checkpoint
+    folder, a float file or a mix of formats."""
+    from tformer.interop.gguf_import import layer_formats
+    from tformer.interop.gguf_reader import GGUFFile
+    from tformer.quant.quantize import BLOCK_PRECISIONS
+
+    path = gguf_file(spec)
+    formats = layer_formats(GGUFFile(path)) if path is not None else set()
+    return next(iter(formats)) if len(formats) == 1 and formats <= set(BLOCK_PRECISIONS) else None
+
+
 def load_model_as(spec: str | os.PathLike | None, precision: str):
     """``(model, checkpoint folder)`` for a model spec at ``precision`` (eval mode).
 
