@@ -1,5 +1,6 @@
 """A random-initialised small Llama with a small byte-level BPE tokenizer (ChatML's special tokens),
-saved as a HuggingFace folder without a chat template: fine-tuning tests' base model."""
+saved as a HuggingFace folder without a chat template: fine-tuning tests' base model; and LoRA
+adapters that change a model's output, for tests comparing two ways of computing it."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def tiny_llama(folder: Path, text: str = "", seed: int = 0, layers: int = 2) -> 
                                    eos_token_id=2, bos_token_id=0, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
     return folder
+
+
+def with_active_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with rank-4 LoRA on q, v and down whose B is not zero (a fresh adapter's B is, and
+    would leave the output unchanged, so a comparison would not see the adapters): in place."""
+    from tformer.training.lora import LoRASpec, add_lora
+
+    add_lora(model, LoRASpec(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")))
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.1)
+    return model

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from finetune_fixtures import with_active_lora
 from tformer.config import TransformerConfig
 from tformer.models import build_model
 from tformer.training.chat_data import IGNORE
@@ -42,10 +43,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 def test_head_on_labelled_positions_equals_the_full_head(lora):
     model = tiny_decoder()
     if lora:
-        add_lora(model, LoRASpec(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")))
-        for p in model.parameters():
-            if p.requires_grad:
-                nn.init.normal_(p, std=0.1)                          # B != 0: the adapters change the output
+        with_active_lora(model)
     ids, targets = batch()
     full = model(ids, targets)[1]
     full.backward()

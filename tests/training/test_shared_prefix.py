@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
+from finetune_fixtures import with_active_lora
 from tformer.config import TransformerConfig
 from tformer.models import build_model
 from tformer.training.chat_data import IGNORE
@@ -72,10 +72,7 @@ def test_prefix_length_stops_at_the_first_difference_and_the_first_target():
 def test_shared_prefix_gives_the_plain_loss_and_gradients(lora, dtype, loss_rtol, grad_rtol, layers_shared):
     model = tiny().to(dtype)
     if lora:
-        add_lora(model, LoRASpec(r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj")))
-        for p in model.parameters():
-            if p.requires_grad:
-                nn.init.normal_(p, std=0.1)                             # B != 0: the adapters change the output
+        with_active_lora(model)
     ids, targets = chat_batch()
     assert shared_prefix_length(ids, targets) == 11 and can_share(model)
     plain, g_plain = loss_and_grads(model, lambda: model(ids, targets, labelled_only=True)[1])

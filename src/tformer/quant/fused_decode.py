@@ -1,4 +1,5 @@
-"""One C++ call per layer for a decode step of a block-quantised Llama-shaped model.
+"""One C++ call per layer for a block-quantised Llama-shaped model: a decode step, a prompt, a
+speculative check.
 
 A decode step of SmolLM2-135M is 30 layers of ~50 small torch ops each (norms, RoPE, the cache
 write, attention over the cache, SiLU, residual adds) around 5 products: at 576 wide the Python
@@ -17,10 +18,10 @@ It applies when everything it does not implement is absent (:func:`plan` says wh
 the module path runs unchanged): a pre-norm RMSNorm + SwiGLU + RoPE (rotate-half) stack of
 :class:`~tformer.mixers.attention.MultiHeadAttention` layers without biases, QK-norm, sliding
 window, ALiBi, logit soft-cap or hooks, every product a :class:`BlockLinear` on a SIMD tile path,
-float32; and a call it can serve (:func:`decode`): one token per row over float32 caches, either an
-eager :class:`KVCache` per layer with every row holding the same ``state.length`` tokens without
-padding (what ``generate`` and the benchmark pass), or a static state (the server's pool: per-row
-write index, position and real keys).
+float32; and a call it can serve over float32 caches: :func:`forward`, ``T`` new tokens per row after
+the same ``state.length`` tokens every row holds without padding (an eager state: ``generate``'s
+prefill and steps, ``extend``; or the server pool's prefill writer and row views), and
+:func:`decode`'s static step (the server's pool: per-row write index, position and real keys).
 ``TFORMER_FUSED_DECODE=0`` turns it off (A/B runs, tests of the module path).
 """
 
@@ -131,14 +132,11 @@ def reason(model) -> str | None:
     return cached[2] if cached is not None else None
 
 
-def _caches_fit(state, B: int, static: bool) -> bool:
-    from tformer.mixers.kv_cache import KVCache, StaticKVCache
+def _caches_fit(state, B: int) -> bool:
+    """Every layer of a static state is a float32 StaticKVCache of ``B`` rows the kernel can read."""
+    from tformer.mixers.kv_cache import StaticKVCache
 
-    for s in state.layers:
-        if (type(s) is not (StaticKVCache if static else KVCache) or not _float_cache(s)
-                or s.k.shape[0] != B):
-            return False
-    return True
+    return all(type(s) is StaticKVCache and _float_cache(s) and s.k.shape[0] == B for s in state.layers)
 
 
 def _float_cache(s) -> bool:
@@ -179,35 +177,28 @@ def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
     """
     if state is None or tokens.dim() != 2 or tokens.shape[1] != 1:
         return None
+    static = bool(getattr(state, "static", False))
+    if not static:                              # one new token after the held ones: forward()'s case
+        if positions is not None or attention_mask is not None:
+            return None
+        logits = forward(model, tokens, state, last_only=True)
+        return None if logits is None else logits[:, -1]
     p = _usable(model)
     B = tokens.shape[0]
-    static = bool(getattr(state, "static", False))
-    if p is None or not state.layers or not _caches_fit(state, B, static):
+    if p is None or not state.layers or not _caches_fit(state, B):
         return None
     L = state.layers[0].k.shape[2]
-    if static:
-        index = state.index                                                         # (B,)
-        if int(index.max()) >= L:
-            return None                                  # the module path says what is wrong
-        at = positions[:, -1] if positions is not None else state.valid.sum(-1)    # (B,) before this token
-        real = attention_mask[:, -1].bool() if attention_mask is not None else True
-        state.valid[torch.arange(B), index] = real
-        write, at, valid = index.contiguous(), at.long().contiguous(), state.valid
-    else:
-        pos = state.length
-        if positions is not None or attention_mask is not None or pos >= state.max_len or pos == 0 \
-                or not bool(state.valid[:, :pos].all()):
-            return None
-        write = at = torch.full((B,), pos, dtype=torch.long)
-        valid = None
+    index = state.index                                                             # (B,)
+    if int(index.max()) >= L:
+        return None                                      # the module path says what is wrong
+    at = positions[:, -1] if positions is not None else state.valid.sum(-1)        # (B,) before this token
+    real = attention_mask[:, -1].bool() if attention_mask is not None else True
+    state.valid[torch.arange(B), index] = real
     p.rope.ensure(max(L, state.max_len))
     x = model.tok_emb(tokens).reshape(B, -1).float().contiguous()                  # (B, C)
-    _layers(p, x, [(s.k, s.v) for s in state.layers], write, at, valid, None)
-    if static:
-        state.index.add_(1)
-    else:
-        state.valid[:, pos] = True
-        state.advance(pos + 1)
+    _layers(p, x, [(s.k, s.v) for s in state.layers], index.contiguous(), at.long().contiguous(),
+            state.valid, None)
+    state.index.add_(1)
     logits = model.lm_head(model.final_norm(x[:, None]))                            # (B, 1, vocab)
     return logits[:, -1]
 
@@ -224,8 +215,9 @@ def forward(model, ids: Tensor, state, *, last_index: Tensor | None = None, last
     It applies to an eager state (or a row view of the server's static pool with ``length`` set)
     whose rows hold their tokens without padding, and to a pool writer (``state.writer(rows,
     start)``: its layers write rows ``rows`` of the pool's caches), for at most
-    :data:`MAX_TOKENS` new tokens per row: the fused attention is a plain loop over keys, and a long
-    prompt is faster through the module path's attention kernel, its per-op cost then amortised.
+    :data:`MAX_TOKENS` new tokens per row: the fused attention visits every (query, key) pair, and a
+    long prompt is faster through the module path's attention kernel, its per-op cost then amortised.
+    :func:`decode` on an eager state is this with one token.
     """
     from tformer.mixers.kv_cache import KVCache, RowWriter
 
