@@ -19,14 +19,17 @@ from tformer.generation.step import decode_logits, decode_step, prefill
 from tformer.quant import fused_decode, qgemv
 from tformer.quant.quantize import set_precision
 
-from quant_models import tiny
+from quant_models import tiny, tiny_gpt2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_tiles = pytest.mark.skipif(qgemv.path() not in qgemv.TILE_ROWS, reason="no SIMD tile path on this CPU")
 
 
-def pair(fmt: str):
-    model = set_precision(tiny(), fmt)
+SHAPES = {"llama": tiny, "gpt2": tiny_gpt2}
+
+
+def pair(fmt: str, shape: str = "llama"):
+    model = set_precision(SHAPES[shape](), fmt)
     ids = torch.tensor([[3, 17, 5, 42, 8, 11, 2], [9, 1, 30, 7, 7, 60, 4]])
     states = [model.new_state(2, 40) for _ in range(2)]
     with torch.inference_mode():
@@ -36,13 +39,16 @@ def pair(fmt: str):
 
 
 @needs_tiles
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("path", sorted(qgemv.TILE_ROWS))
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
-def test_fused_equals_module_path(fmt, path, monkeypatch):
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "fp32"])
+def test_fused_equals_module_path(fmt, path, shape, monkeypatch):
+    """Block formats: the rule in the module docstring. fp32 weights (the float loops of float_rows.h)
+    differ from the module path only in float summation order, well inside the same bound."""
     if path not in qgemv.paths():
         pytest.skip(f"this CPU does not run {path}")
     monkeypatch.setenv(qgemv.FORCED, path)
-    model, (fused, plain) = pair(fmt)
+    model, (fused, plain) = pair(fmt, shape)
     assert fused_decode.plan(model) is not None, fused_decode.reason(model)
     tok = torch.tensor([[5], [6]])
     with torch.inference_mode():
@@ -61,11 +67,13 @@ def test_fused_equals_module_path(fmt, path, monkeypatch):
 
 
 @needs_tiles
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
-def test_fused_static_rows_equal_module_path(fmt):
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "fp32"])
+def test_fused_static_rows_equal_module_path(fmt, shape):
     """The server's pool: a static state, row 0 left-padded (2 fewer real tokens), decoded through a
-    view of both rows and the first 24 keys, with explicit per-row positions, as KVPool.decode does."""
-    model = set_precision(tiny(), fmt)
+    view of both rows and the first 24 keys, with explicit per-row positions, as KVPool.decode does
+    (GPT-2's learned positions are looked up at those positions, RoPE rotates at them)."""
+    model = set_precision(SHAPES[shape](), fmt)
     ids = torch.tensor([[0, 0, 3, 17, 5, 42, 8], [9, 1, 30, 7, 7, 60, 4]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
     fused, plain = (model.new_state(2, 40, static=True) for _ in range(2))
@@ -314,19 +322,24 @@ def test_smollm2_speculative_tokens_equal_plain_greedy(monkeypatch, smollm2):
 
 
 @needs_tiles
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
-def test_a_check_of_several_tokens_computes_each_as_the_one_token_step(fmt):
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "fp32", "bf16"])
+def test_a_check_of_several_tokens_computes_each_as_the_one_token_step(fmt, shape):
     """Fused extend over T tokens against T fused decode steps from the same state: every row's
     products, norms and attention take the same arithmetic in the same order (the tile kernels give
-    each row the one-row result bit for bit), so the logits and caches are equal, not just close."""
+    each row the one-row result bit for bit, the float loops pass each row on its own), so the caches
+    are equal, not just close, and so are the logits of block models (their head is tiles too)."""
     from tformer.generation.step import extend
 
-    model, (a, b) = pair(fmt)
+    model, (a, b) = pair(fmt, shape)
     new = torch.tensor([[5, 9, 2, 7], [1, 1, 4, 3]])
     with torch.inference_mode():
         checked = extend(model, new, a)                                            # (2, 4, vocab)
         stepped = torch.stack([decode_step(model, new[:, t:t + 1], b) for t in range(4)], dim=1)
-    assert torch.equal(checked, stepped), float((checked - stepped).abs().max())
+    if fmt in ("q8_0", "q4_1"):
+        assert torch.equal(checked, stepped), float((checked - stepped).abs().max())
+    else:   # the float head is a module: torch's GEMM for 4 rows, the GEMV for one (summation order)
+        assert close(checked.float(), stepped.float(), 1e-5), float((checked - stepped).abs().max())
     n = b.length
     for s, t in zip(a.layers, b.layers):
         assert torch.equal(s.k[:, :, :n], t.k[:, :, :n]) and torch.equal(s.v[:, :, :n], t.v[:, :, :n])
@@ -345,3 +358,47 @@ def test_hooks_send_prompts_and_checks_to_the_module_path():
             prefill(model, torch.tensor([[1, 2, 3]]), model.new_state(1, 16))
             extend(model, torch.tensor([[4, 5], [6, 7]]), state)
     assert seen == [3, 2]
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("fmt, rel", [("bf16", 1e-2), ("fp16", 2e-3)])
+def test_half_weights_against_float32_of_the_same_rounded_weights(fmt, rel, shape, monkeypatch):
+    """bf16 / fp16 weights: the fused layer widens them in registers and keeps the residual stream in
+    float32 (the module path of a bf16 model rounds it to bf16 after every op), so its reference is
+    the float32 module path of the same model with every parameter rounded to that type and back.
+    What still differs is the cache, held in the model's dtype: keys and values rounded to 8 (bf16)
+    or 11 (fp16) significant bits, a relative error of 2^-9 / 2^-12 per element, which moves
+    logits by ~1e-3 / ~1e-4 of their scale here; bounds 1e-2 and 2e-3 of the largest logit."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
+    model = set_precision(SHAPES[shape](), fmt)
+    ref = SHAPES[shape]()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(dtype).float())
+    ids = torch.tensor([[3, 17, 5, 42, 8, 11, 2], [9, 1, 30, 7, 7, 60, 4]])
+    fused, plain = model.new_state(2, 40), ref.new_state(2, 40)
+    assert fused_decode.plan(model) is not None and fused.layers[0].k.dtype == dtype
+    tok = torch.tensor([[5], [6]])
+    with torch.inference_mode():
+        prefill(model, ids, fused)
+        module_path(monkeypatch, lambda: prefill(ref, ids, plain))
+        for _ in range(8):
+            a = fused_decode.decode(model, tok, fused)
+            b = module_path(monkeypatch, lambda: decode_logits(ref, tok, plain))
+            assert a is not None and a.dtype == dtype
+            assert close(a.float(), b, rel), (fmt, float((a.float() - b).abs().max()), float(b.abs().max()))
+            tok = b.argmax(-1, keepdim=True)
+
+
+@needs_tiles
+def test_float_weights_leave_prompts_to_the_module_path():
+    """A float product passes its weights once per token (torch's GEMM does not), so calls of more
+    than MAX_FLOAT_ROWS tokens go to the module path; block weights take up to MAX_TOKENS a row."""
+    n = fused_decode.MAX_FLOAT_ROWS
+    for fmt, fused in (("fp32", False), ("q8_0", True)):
+        model = set_precision(tiny_gpt2(), fmt)
+        with torch.inference_mode():
+            long = torch.arange(1, n + 2)[None]
+            assert (fused_decode.forward(model, long, model.new_state(1, 40)) is not None) is fused
+            assert fused_decode.forward(model, long[:, :n], model.new_state(1, 40)) is not None

@@ -1,28 +1,36 @@
-"""One C++ call per layer for a block-quantised Llama-shaped model: a decode step, a prompt, a
-speculative check.
+"""One C++ call per layer for an inference model's decode step, prompt or speculative check.
 
 A decode step of SmolLM2-135M is 30 layers of ~50 small torch ops each (norms, RoPE, the cache
 write, attention over the cache, SiLU, residual adds) around 5 products: at 576 wide the Python
-and dispatch cost of those ops is about as large as reading the weights. :func:`decode` runs each
-layer as one call of ``tformer_qgemv::decode_layer`` (qgemv.cpp, "one fused decode layer"):
+and dispatch cost of those ops is about as large as reading the weights (and at GPT-2's 768 wide,
+~6 ms a token). :func:`decode` runs each layer as one call of ``tformer_qgemv::decode_layer``
+(qgemv.cpp, "one fused decode layer"), for the two block shapes tformer's models come in:
 
-    h = RMSNorm(x) g_attn;  [q|k|v] = h Wqkvᵀ;  RoPE(q, k) at pos;  K[pos], V[pos] <- k, v
-    x += softmax(q Kᵀ / sqrt(hs)) V · Woᵀ                     (GQA: head h reads kv head h // (nh/nkv))
-    h = RMSNorm(x) g_ffn;   x += (silu(h Wgᵀ) * (h Wuᵀ)) Wdᵀ
+    Llama:  h = RMSNorm(x) g;  [q|k|v] = h Wqkvᵀ;  RoPE(q, k) at pos;  K[pos], V[pos] <- k, v
+            x += softmax(q Kᵀ / sqrt(hs)) V · Woᵀ          (GQA: head h reads kv head h // (nh/nkv))
+            h = RMSNorm(x) g;  x += (silu(h Wgᵀ) * (h Wuᵀ)) Wdᵀ
+    GPT-2:  the same with LayerNorm (g, b), a bias on every product, no rotation (the learned
+            position is added to the token embedding before the first layer) and
+            x += gelu_tanh(h Wuᵀ + b) Wdᵀ + b  (or ReLU)
 
-with the same tile kernels and the same activation quantisation as :class:`BlockLinear` (so the
-products are the module path's to the bit; the norm, softmax and weighted sum differ only in float
-summation order), then the final norm and the LM head as modules.
+then the final norm and the LM head as modules. A product is a :class:`BlockLinear`'s tiles (the
+same tile kernels and activation quantisation as the module path, so those products are its to the
+bit) or a float :class:`~tformer.quant.quantize.DecodeLinear`'s weight (float32, bfloat16 or
+float16, widened in registers by the loops tformer's GEMV uses); the norm, softmax and weighted sum
+differ from the module path only in float summation order. The residual stream is float32 in
+every case (a bf16 / fp16 model's module path rounds it after every op); the KV cache keeps the
+model's dtype.
 
 It applies when everything it does not implement is absent (:func:`plan` says why not, and then
-the module path runs unchanged): a pre-norm RMSNorm + SwiGLU + RoPE (rotate-half) stack of
-:class:`~tformer.mixers.attention.MultiHeadAttention` layers without biases, QK-norm, sliding
-window, ALiBi, logit soft-cap or hooks, every product a :class:`BlockLinear` on a SIMD tile path,
-float32; and a call it can serve over float32 caches: :func:`forward`, ``T`` new tokens per row after
-the same ``state.length`` tokens every row holds without padding (an eager state: ``generate``'s
-prefill and steps, ``extend``; or the server pool's prefill writer and row views), and
-:func:`decode`'s static step (the server's pool: per-row write index, position and real keys).
-``TFORMER_FUSED_DECODE=0`` turns it off (A/B runs, tests of the module path).
+the module path runs unchanged): a pre-norm stack of
+:class:`~tformer.mixers.attention.MultiHeadAttention` layers with RMSNorm + SwiGLU + RoPE
+(rotate-half) or LayerNorm + a GELU (tanh) / ReLU MLP + learned positions, without QK-norm, sliding
+window, ALiBi, logit soft-cap or hooks, every product a BlockLinear on a SIMD tile path or a float
+DecodeLinear (what :func:`tformer.quant.set_precision` makes); and a call it can serve: :func:`forward`,
+``T`` new tokens per row after the same ``state.length`` tokens every row holds without padding (an
+eager state: ``generate``'s prefill and steps, ``extend``; or the server pool's prefill writer and
+row views), and :func:`decode`'s static step (the server's pool: per-row write index, position and
+real keys). ``TFORMER_FUSED_DECODE=0`` turns it off (A/B runs, tests of the module path).
 """
 
 from __future__ import annotations
@@ -41,40 +49,70 @@ SWITCH = "TFORMER_FUSED_DECODE"
 # wins on long prompts: SmolLM2 q4_1, 2 threads, fused / module prefill time 0.68 (32 tokens), 0.82
 # (128), 0.95 (256), 1.07 (512)
 MAX_TOKENS = 256
+# rows (tokens x batch rows) above which a call on float weights goes to the module path: the fused
+# float product reads each weight row once per token (a GEMV per row), torch's GEMM far less often
+MAX_FLOAT_ROWS = 8
 # model -> (key, Plan or None, reason): kept beside the model, not on it (generation leaves a model's
 # attributes as they were)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+FLOAT_FMT = {torch.float32: 3, torch.bfloat16: 4, torch.float16: 5}   # qgemv.cpp's float formats
+MLP = {"gelu_tanh": 1, "relu": 2}                                       # its plain MLPs (0: SwiGLU)
+
+
+def _products(block) -> tuple:
+    """A block's matrices in the fused layer's order: (qkv, o, gate, up, down) or (qkv, o, up, down)."""
+    a, f = block.attn, block.ffn
+    return (a.qkv_proj, a.out_proj) + ((f.gate,) if hasattr(f, "gate") else ()) + (f.up, f.down)
+
+
+def _product_why_not(lin) -> str | None:
+    from tformer.quant.quantize import DecodeLinear
+
+    if isinstance(lin, BlockLinear):
+        return None
+    if type(lin) is DecodeLinear and lin.weight.dtype in FLOAT_FMT:
+        return None          # a weight stored transposed for torch.mm is laid back by Plan
+    return "a product that is not a BlockLinear or a float DecodeLinear (tformer.quant.set_precision)"
+
+
 def _why_not(model) -> str | None:
     """``None`` if the fused layer implements ``model``'s decode step, else the first reason it does not."""
     from tformer.mixers.attention import MultiHeadAttention
-    from tformer.nn.feed_forward import SwiGLU
+    from tformer.nn.feed_forward import MLP as PlainMLP, SwiGLU
     from tformer.nn.norms import RMSNorm
 
     c = getattr(model, "config", None)
     if c is None or not hasattr(model, "blocks") or not hasattr(model, "lm_head"):
         return "not a decoder LM"
-    if c.norm != "rmsnorm" or c.norm_placement != "pre" or c.positions != "rope":
-        return "needs pre-norm RMSNorm and RoPE"
-    if c.logit_softcap or c.embedding_norm or c.embedding_scale or model.pos_emb is not None \
-            or getattr(model, "type_emb", None) is not None:
-        return "a soft-cap, an embedding norm or scale, or a position or token-type table"
-    if model.training or model.hooks is not None or not isinstance(model.final_norm, RMSNorm):
-        return "training, hooks or no final RMSNorm"
+    if c.norm_placement != "pre" or c.positions not in ("rope", "learned"):
+        return "needs pre-norm layers and RoPE or learned positions"
+    if c.logit_softcap or c.embedding_norm or c.embedding_scale or getattr(model, "type_emb", None) is not None:
+        return "a soft-cap, an embedding norm or scale, or a token-type table"
+    if model.training or model.hooks is not None:
+        return "training or hooks"
+    norm_type = RMSNorm if c.norm == "rmsnorm" else torch.nn.LayerNorm
+    if not isinstance(model.final_norm, (RMSNorm, torch.nn.LayerNorm)):
+        return "no final norm"
     for b in model.blocks:
         a, f = b.attn, b.ffn
-        if type(a) is not MultiHeadAttention or not isinstance(f, SwiGLU) or b.cross_attn is not None:
-            return "a layer that is not self-attention + SwiGLU"
-        if a.qk_norm or a.window is not None or a.alibi_slopes is not None or a.rope is None:
+        if type(a) is not MultiHeadAttention or b.cross_attn is not None:
+            return "a layer that is not self-attention"
+        if not (isinstance(f, SwiGLU) or (type(f) is PlainMLP and c.activation in MLP)):
+            return "a feed-forward that is not SwiGLU or a GELU (tanh) / ReLU MLP"
+        if a.qk_norm or a.window is not None or a.alibi_slopes is not None or (a.rope is None) != (c.positions != "rope"):
             return "QK-norm, a window or ALiBi"
-        if not (isinstance(b.attn_norm, RMSNorm) and isinstance(b.ffn_norm, RMSNorm)):
-            return "a norm that is not RMSNorm"
+        if not (type(b.attn_norm) is norm_type and type(b.ffn_norm) is norm_type):
+            return "a norm that is neither RMSNorm nor LayerNorm"
         if b.attn_norm.eps != b.ffn_norm.eps:
             return "norms with different eps"
-        for lin in (a.qkv_proj, a.out_proj, f.gate, f.up, f.down):
-            if not isinstance(lin, BlockLinear) or lin.bias is not None:
-                return "a product that is not a bias-free BlockLinear"
+        if isinstance(b.attn_norm, torch.nn.LayerNorm) and not b.attn_norm.elementwise_affine:
+            return "a LayerNorm without weights"
+        for lin in _products(b):
+            why = _product_why_not(lin)
+            if why:
+                return why
     # only now the kernels (their first use builds them): a float model never pays for the build
     if qgemv.load() is None:
         return "the kernels are not built"
@@ -84,30 +122,63 @@ def _why_not(model) -> str | None:
     return None
 
 
+def _norm_weights(norm) -> list[Tensor]:
+    """(g,) for RMSNorm, (g, b) for LayerNorm (b zero where it has none), float32."""
+    g = norm.weight.detach().float().contiguous()
+    if isinstance(norm, torch.nn.LayerNorm):
+        b = norm.bias.detach().float().contiguous() if norm.bias is not None else torch.zeros_like(g)
+        return [g, b]
+    return [g]
+
+
 class Plan:
     """What each layer's call reads, gathered once per model and kernel path (the tiles BlockLinear
-    makes at its first call, made here if no call came yet)."""
+    makes at its first call, made here if no call came yet; a float weight as the layer holds it)."""
 
     def __init__(self, model, path: str):
         self.path, self.path_id = path, qgemv.PATHS.index(path)
         c = model.config
-        self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, model.blocks[0].ffn.gate.out_features]
-        self.eps = float(model.blocks[0].attn_norm.eps)
+        first = model.blocks[0]
+        mlp = 0 if hasattr(first.ffn, "gate") else MLP[c.activation]
+        self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, first.ffn.up.out_features, mlp]
+        self.eps = float(first.attn_norm.eps)
         self.layers = []
         for b in model.blocks:
-            lins = (b.attn.qkv_proj, b.attn.out_proj, b.ffn.gate, b.ffn.up, b.ffn.down)
-            tiles = [_tiles(lin, path) for lin in lins]
-            fmts = [qgemv.FMT[lin.fmt] for lin in lins]
-            self.layers.append((b.attn_norm.weight.detach().float().contiguous(), tiles,
-                                b.ffn_norm.weight.detach().float().contiguous(), fmts))
-        self.rope = model.blocks[0].attn.rope
+            lins = _products(b)
+            mats = [_matrix(lin, path) for lin in lins]
+            fmts = [qgemv.FMT[lin.fmt] if isinstance(lin, BlockLinear) else FLOAT_FMT[lin.weight.dtype] for lin in lins]
+            biases = [_bias(lin) for lin in lins]
+            self.layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm), mats, biases, fmts))
+        self.floats = any(f >= 3 for layer in self.layers for f in layer[3])
+        self.rope = first.attn.rope
+        self.pos_emb = model.pos_emb if c.positions == "learned" else None
+        self._rotary: tuple = (None, None, None)
+
+    def rotary(self) -> tuple[Tensor, Tensor]:
+        """The rotary tables in float32 (a bf16 / fp16 model holds them in its dtype), converted
+        again only when the table grew (``RotaryEmbedding.ensure`` makes a new one)."""
+        cos = self.rope.cos
+        if self._rotary[0] is not cos:
+            pair = (cos, self.rope.sin) if cos.dtype == torch.float32 else (cos.float(), self.rope.sin.float())
+            self._rotary = (cos,) + pair
+        return self._rotary[1], self._rotary[2]
 
 
-def _tiles(lin: BlockLinear, path: str) -> Tensor:
+def _matrix(lin, path: str) -> Tensor:
+    if not isinstance(lin, BlockLinear):
+        if lin.transposed:          # (K, N) for torch.mm: the fused layer reads rows, so lay it back
+            lin.weight = lin.weight.t().contiguous()
+            lin.transposed, lin.kernel = False, "linear"
+        return lin.weight
     t = lin._tiled.get(path)
     if t is None:
         t = lin._tiled[path] = qgemv.tiles(lin.blocks, lin.fmt, path)
     return t
+
+
+def _bias(lin) -> Tensor | None:
+    b = getattr(lin, "bias32", None) if not isinstance(lin, BlockLinear) else lin.bias
+    return None if b is None else b.detach().float().contiguous()
 
 
 def plan(model) -> Plan | None:
@@ -140,7 +211,7 @@ def _caches_fit(state, B: int) -> bool:
 
 
 def _float_cache(s) -> bool:
-    return s.k.dtype == torch.float32 and s.k.stride(3) == 1 and s.k.stride() == s.v.stride()
+    return s.k.dtype in FLOAT_FMT and s.k.stride(3) == 1 and s.k.stride() == s.v.stride() and s.v.dtype == s.k.dtype
 
 
 def enabled() -> bool:
@@ -159,9 +230,28 @@ def _layers(p: Plan, x: Tensor, caches: list[tuple[Tensor, Tensor]], write: Tens
     without ``rows``) writes at ``write[i]``, is rotated at ``at[i]``, reads keys ``j <= write[i]``
     (those ``valid`` marks real)."""
     op = torch.ops.tformer_qgemv.decode_layer
-    for (g1, (wqkv, wo, wg, wu, wd), g2, fmts), (k, v) in zip(p.layers, caches):
-        op(x, g1, p.eps, wqkv, wo, g2, wg, wu, wd, fmts, p.dims, k, v, write, at, valid, rows,
-           p.rope.cos, p.rope.sin, p.path_id)
+    cos, sin = p.rotary() if p.rope is not None else (None, None)
+    for (norms, mats, biases, fmts), (k, v) in zip(p.layers, caches):
+        op(x, norms, p.eps, mats, biases, fmts, p.dims, k, v, write, at, valid, rows, cos, sin, p.path_id)
+
+
+def _embed(model, p: Plan, ids: Tensor, at: Tensor) -> Tensor:
+    """``ids (N,)`` at positions ``at (N,)`` -> the float32 residual stream ``(N, C)``: the token
+    embedding, plus the learned position's where the model has a table."""
+    x = model.tok_emb(ids).float()
+    if p.pos_emb is not None:
+        x = x + p.pos_emb(at).float()
+    return x.contiguous()
+
+
+def _head(model, x: Tensor) -> Tensor:
+    """Final norm and LM head as modules, in the model's dtype (the fused stream is float32)."""
+    return model.lm_head(model.final_norm(x.to(model.tok_emb.weight.dtype)))
+
+
+def _ensure_rope(p: Plan, n: int) -> None:
+    if p.rope is not None:
+        p.rope.ensure(n)
 
 
 def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
@@ -194,12 +284,12 @@ def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
     at = positions[:, -1] if positions is not None else state.valid.sum(-1)        # (B,) before this token
     real = attention_mask[:, -1].bool() if attention_mask is not None else True
     state.valid[torch.arange(B), index] = real
-    p.rope.ensure(max(L, state.max_len))
-    x = model.tok_emb(tokens).reshape(B, -1).float().contiguous()                  # (B, C)
-    _layers(p, x, [(s.k, s.v) for s in state.layers], index.contiguous(), at.long().contiguous(),
-            state.valid, None)
+    _ensure_rope(p, max(L, state.max_len))
+    at = at.long().contiguous()
+    x = _embed(model, p, tokens.reshape(B), at)                                     # (B, C)
+    _layers(p, x, [(s.k, s.v) for s in state.layers], index.contiguous(), at, state.valid, None)
     state.index.add_(1)
-    logits = model.lm_head(model.final_norm(x[:, None]))                            # (B, 1, vocab)
+    logits = _head(model, x[:, None])                                               # (B, 1, vocab)
     return logits[:, -1]
 
 
@@ -224,7 +314,7 @@ def forward(model, ids: Tensor, state, *, last_index: Tensor | None = None, last
     if state is None or ids.dim() != 2 or not 1 <= ids.shape[1] <= MAX_TOKENS or not state.layers:
         return None
     p = _usable(model)
-    if p is None:
+    if p is None or (p.floats and ids.shape[0] * ids.shape[1] > MAX_FLOAT_ROWS):
         return None
     B, T = ids.shape
     pos = state.length
@@ -240,9 +330,9 @@ def forward(model, ids: Tensor, state, *, last_index: Tensor | None = None, last
         return None
     if pos and not bool(state.valid[:, :pos].all()):
         return None                                      # held padding: the module path's masks
-    p.rope.ensure(max(pos + T, caches[0][0].shape[2]))
+    _ensure_rope(p, max(pos + T, caches[0][0].shape[2]))
     where = torch.arange(pos, pos + T).repeat(B)                                   # (B T,) index = position
-    x = model.tok_emb(ids).reshape(B * T, -1).float().contiguous()                 # (B T, C)
+    x = _embed(model, p, ids.reshape(B * T), where)                                # (B T, C)
     _layers(p, x, caches, where, where, None, slots.repeat_interleave(T).contiguous())
     state.valid[:, pos:pos + T] = True
     state.advance(pos + T)
@@ -251,4 +341,4 @@ def forward(model, ids: Tensor, state, *, last_index: Tensor | None = None, last
         x = x[torch.arange(B), last_index][:, None]                                # (B, 1, C)
     elif last_only:
         x = x[:, -1:]
-    return model.lm_head(model.final_norm(x))                                      # (B, T|1, vocab)
+    return _head(model, x)                                                         # (B, T|1, vocab)

@@ -28,6 +28,7 @@ import torch
 
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("gemv.cpp")
+HEADER = SOURCE.with_name("float_rows.h")   # its row loops, shared with qgemv.cpp
 STATUS: dict[str, str] = {}          # "state": "built" | "unavailable: <why>" (after the first load())
 _LOCK = threading.Lock()
 _OP: list = []                        # the loaded op, or [None] when it cannot be built
@@ -56,7 +57,7 @@ def _build():
         raise RuntimeError("this CPU has no AVX2 with FMA and F16C")
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + b"-fopenmp").hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + HEADER.read_bytes() + torch.__version__.encode() + b"-fopenmp").hexdigest()[:12]
     build = cache_dir() / f"gemv-{digest}"
     build.mkdir(parents=True, exist_ok=True)
     if not (build / "tformer_gemv.so").exists():

@@ -27,6 +27,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <atomic>
 #include <mutex>
 #include <vector>
@@ -37,6 +39,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define TFORMER_X86 1
+#include "float_rows.h"
 #endif
 
 namespace {
@@ -692,26 +695,36 @@ double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns
 }
 
 // ---------------------------------------------------------------- one fused decode layer -----
-// A pre-norm Llama block (RMSNorm, GQA attention with rotate-half RoPE over a KV cache, SwiGLU)
-// for N new tokens, all in one call. Token i belongs to cache row r_i = rows[i] (r_i = i without
-// `rows`: one token per row, the decode step), writes its key and value at cache index
-// w_i = write_index[i], is rotated at position p_i = positions[i] and attends over the keys
-// j <= w_i of its row that valid[r_i, j] marks real (all of them without `valid`): an eager cache
-// has w_i = p_i = the length held (+ t for the t-th of several new tokens of a row); a static one
-// (the server's pool) its per-row index and count.
-//   h = x / sqrt(mean(x^2) + eps) * g_attn                   (RMSNorm; sum of squares in double)
-//   [q | k | v] = h . Wqkv^T                                 (one tile product, h quantised once)
-//   q, k <- q cos[p_i] + rot(q) sin[p_i], rot(u) = [-u_hi, u_lo]   (each head, hs/2 halves)
-//   K[r_i, w_i] <- k, V[r_i, w_i] <- v                       (the cache buffers (rows, nkv, L, hs))
+// A pre-norm decoder block for N new tokens, all in one call: the Llama shape (RMSNorm, GQA attention
+// with rotate-half RoPE, SwiGLU, no biases) or the GPT-2 shape (LayerNorm with biases, learned
+// positions added before the first layer, so no rotation here, a GELU MLP, biases on every product).
+// Token i belongs to cache row r_i = rows[i] (r_i = i without `rows`: one token per row, the decode
+// step), writes its key and value at cache index w_i = write_index[i], is rotated at position
+// p_i = positions[i] and attends over the keys j <= w_i of its row that valid[r_i, j] marks real (all
+// of them without `valid`): an eager cache has w_i = p_i = the length held (+ t for the t-th of
+// several new tokens of a row); a static one (the server's pool) its per-row index and count.
+//   h = norm_attn(x)       RMSNorm x / sqrt(mean(x^2) + eps) g, or LayerNorm (x - mean) / sqrt(var + eps) g + b
+//   [q | k | v] = h . Wqkv^T (+ b)                              (one product)
+//   q, k <- q cos[p_i] + rot(q) sin[p_i], rot(u) = [-u_hi, u_lo]   (with RoPE: each head, hs/2 halves)
+//   K[r_i, w_i] <- k, V[r_i, w_i] <- v                          (the cache buffers (rows, nkv, L, hs),
+//                                                                float32, bfloat16 or float16)
 //   o_h = sum_j softmax_j(q_h . K_j / sqrt(hs)) V_j over the real j <= w_i (zero if there is none;
-//                                                            head h reads kv head h / (nh/nkv))
-//   x <- x + o . Wo^T
-//   h = RMSNorm(x) g_ffn;  x <- x + (silu(h Wg^T) * (h Wu^T)) . Wd^T   (h quantised once for gate, up)
+//                                                                head h reads kv head h / (nh/nkv))
+//   x <- x + o . Wo^T (+ b)
+//   h = norm_ffn(x);  x <- x + (silu(h Wg^T) * (h Wu^T)) . Wd^T        (SwiGLU)
+//                 or  x <- x + act(h Wu^T + b) . Wd^T + b,  act GELU (tanh form) or ReLU
 // Every token's key and value is written before any token attends, so several new tokens of one
 // row (a speculative check, a prompt) see each other causally through the cache: token i reads the
 // row's keys up to its own index, which holds the earlier new tokens and not the later ones.
-// Every product is the tile kernel of qgemm_tiles, so the arithmetic equals the module path's
-// (BlockLinear) up to the float summation order of the norm, softmax and weighted sum.
+// A product is either block tiles (formats 0-2: the tile kernels of qgemm_tiles on activations
+// quantised once per input, so the arithmetic equals the module path's BlockLinear) or a float
+// (N, K) matrix (3 float32, 4 bfloat16, 5 float16: float_rows.h's loops, as tformer's GEMV), so
+// the fused layer differs from the module path only in float summation order, except that the
+// residual stream stays float32 here whatever the weights' type (the module path of a bf16 model
+// rounds it to bf16 after every op; llama.cpp keeps it float32 too).
+constexpr int64_t F32 = 3, BF16 = 4, F16 = 5;
+enum Mlp : int64_t { SWIGLU = 0, GELU_TANH = 1, RELU = 2 };
+
 void rms_norm_rows(const float* x, const float* g, double eps, int64_t M, int64_t C, float* out) {
   for (int64_t m = 0; m < M; ++m) {
     const float* r = x + m * C;
@@ -719,6 +732,20 @@ void rms_norm_rows(const float* x, const float* g, double eps, int64_t M, int64_
     for (int64_t c = 0; c < C; ++c) ss += double(r[c]) * r[c];
     const float inv = float(1.0 / std::sqrt(ss / double(C) + eps));
     for (int64_t c = 0; c < C; ++c) out[m * C + c] = (r[c] * inv) * g[c];
+  }
+}
+
+// LayerNorm: mean and variance (biased, as torch's) in double
+void layer_norm_rows(const float* x, const float* g, const float* b, double eps, int64_t M, int64_t C, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * C;
+    double s = 0.0;
+    for (int64_t c = 0; c < C; ++c) s += r[c];
+    const double mean = s / double(C);
+    double ss = 0.0;
+    for (int64_t c = 0; c < C; ++c) ss += (r[c] - mean) * (r[c] - mean);
+    const double inv = 1.0 / std::sqrt(ss / double(C) + eps);
+    for (int64_t c = 0; c < C; ++c) out[m * C + c] = float((r[c] - mean) * inv) * g[c] + b[c];
   }
 }
 
@@ -730,29 +757,41 @@ void rope_head(float* u, const float* cos, const float* sin, int64_t hs) {
   for (int64_t i = half; i < hs; ++i) u[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
-// q . k and y += a x over one head's hs floats, 8 lanes at a time (decode_layer runs only on the
-// SIMD paths, which all have AVX2 + FMA; elsewhere plain loops, so the file still builds);
-// two accumulators hide the FMA latency.
+// a head's key or value into the cache, rounded to its type as torch's conversion rounds (to nearest even)
+template <typename T>
+void store_head(T* dst, const float* src, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) std::memcpy(dst, src, n * sizeof(float));
+  else for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<T>(src[e]);
+}
+
+// q . k and y += a x over one head's hs floats, 8 lanes at a time, keys and values of the cache's
+// type widened in registers (float_rows.h's load8) (decode_layer runs only on the SIMD paths, which
+// all have AVX2 + FMA + F16C; elsewhere plain loops, so the file still builds); two accumulators
+// hide the FMA latency.
 #ifdef TFORMER_X86
 #define T_ATT T_AVX2
-T_ATT float dot_f32(const float* a, const float* b, int64_t n) {
+using float_rows::load8;
+
+template <typename T>
+T_ATT float dot_f32(const float* a, const T* b, int64_t n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   int64_t e = 0;
   for (; e + 16 <= n; e += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 8), _mm256_loadu_ps(b + e + 8), s1);
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), load8(b + e), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 8), load8(b + e + 8), s1);
   }
-  for (; e + 8 <= n; e += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), s0);
+  for (; e + 8 <= n; e += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), load8(b + e), s0);
   float s = hsum256(_mm256_add_ps(s0, s1));
-  for (; e < n; ++e) s += a[e] * b[e];
+  for (; e < n; ++e) s += a[e] * float(b[e]);
   return s;
 }
 
-T_ATT void axpy_f32(float* y, float a, const float* x, int64_t n) {
+template <typename T>
+T_ATT void axpy_f32(float* y, float a, const T* x, int64_t n) {
   const __m256 av = _mm256_set1_ps(a);
   int64_t e = 0;
-  for (; e + 8 <= n; e += 8) _mm256_storeu_ps(y + e, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + e), _mm256_loadu_ps(y + e)));
-  for (; e < n; ++e) y[e] += a * x[e];
+  for (; e + 8 <= n; e += 8) _mm256_storeu_ps(y + e, _mm256_fmadd_ps(av, load8(x + e), _mm256_loadu_ps(y + e)));
+  for (; e < n; ++e) y[e] += a * float(x[e]);
 }
 
 // e^x for 8 floats (a decode step takes ~10^5 of them: softmax over the cache, SiLU): x = n ln2 + r,
@@ -803,24 +842,40 @@ T_ATT void silu_mul(const float* g, const float* u, float* out, int64_t n) {
   }
   for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
+
+// v <- GELU's tanh form 0.5 v (1 + tanh(u)), u = sqrt(2/pi) (v + 0.044715 v^3) (GPT-2), in place;
+// since 1 + tanh(u) = 2 / (1 + e^-2u), that is v / (1 + e^-2u), one exponential and no cancellation
+T_ATT void gelu_tanh(float* v, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(-2.0f * 0.7978845608028654f);
+  const __m256 a = _mm256_set1_ps(0.044715f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(a, x), _mm256_mul_ps(x, x), x);   // x + a x^3
+    _mm256_storeu_ps(v + i, _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_mul_ps(c, inner)))));
+  }
+  for (; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-2.0f * 0.7978845608028654f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
+}
+
 // p[j] = scale q . K_j for j < n, four keys at a time (four independent FMA chains over the head's
 // hs floats, then one horizontal reduction for the four), hs a multiple of 8; the rest one by one.
-T_ATT void scores(const float* q, const float* K, int64_t s2, int64_t n, int64_t hs, float scale, float* p) {
+template <typename T>
+T_ATT void scores(const float* q, const T* K, int64_t s2, int64_t n, int64_t hs, float scale, float* p) {
   int64_t j = 0;
   if (hs % 8 == 0) {
     const __m128 sc = _mm_set1_ps(scale);
     for (; j + 4 <= n; j += 4) {
-      const float* k0 = K + j * s2;
-      const float* k1 = k0 + s2;
-      const float* k2 = k1 + s2;
-      const float* k3 = k2 + s2;
+      const T* k0 = K + j * s2;
+      const T* k1 = k0 + s2;
+      const T* k2 = k1 + s2;
+      const T* k3 = k2 + s2;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t e = 0; e < hs; e += 8) {
         const __m256 qv = _mm256_loadu_ps(q + e);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + e), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + e), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + e), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + e), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(k0 + e), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k1 + e), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k2 + e), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k3 + e), a3);
       }
       const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));   // per 128-bit half
       _mm_storeu_ps(p + j, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)), sc));
@@ -830,20 +885,21 @@ T_ATT void scores(const float* q, const float* K, int64_t s2, int64_t n, int64_t
 }
 
 // o = sum_j p[j] inv V_j over the keys with p[j] != 0, o held in H registers (hs = 8 H) across the keys
-template <int H>
-T_ATT void weighted_sum_regs(const float* p, float inv, const float* V, int64_t s2, int64_t n, float* o) {
+template <int H, typename T>
+T_ATT void weighted_sum_regs(const float* p, float inv, const T* V, int64_t s2, int64_t n, float* o) {
   __m256 acc[H];
   for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     if (p[j] == 0.0f) continue;
     const __m256 w = _mm256_set1_ps(p[j] * inv);
-    const float* v = V + j * s2;
-    for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * h), acc[h]);
+    const T* v = V + j * s2;
+    for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(w, load8(v + 8 * h), acc[h]);
   }
   for (int h = 0; h < H; ++h) _mm256_storeu_ps(o + 8 * h, acc[h]);
 }
 
-T_ATT void weighted_sum(const float* p, float inv, const float* V, int64_t s2, int64_t n, int64_t hs, float* o) {
+template <typename T>
+T_ATT void weighted_sum(const float* p, float inv, const T* V, int64_t s2, int64_t n, int64_t hs, float* o) {
   switch (hs) {                                  // the common head widths in registers (same sums, in order)
     case 32: return weighted_sum_regs<4>(p, inv, V, s2, n, o);
     case 64: return weighted_sum_regs<8>(p, inv, V, s2, n, o);
@@ -856,14 +912,16 @@ T_ATT void weighted_sum(const float* p, float inv, const float* V, int64_t s2, i
 }
 #else
 #define T_ATT
-float dot_f32(const float* a, const float* b, int64_t n) {
+template <typename T>
+float dot_f32(const float* a, const T* b, int64_t n) {
   float s = 0.0f;
-  for (int64_t e = 0; e < n; ++e) s += a[e] * b[e];
+  for (int64_t e = 0; e < n; ++e) s += a[e] * float(b[e]);
   return s;
 }
 
-void axpy_f32(float* y, float a, const float* x, int64_t n) {
-  for (int64_t e = 0; e < n; ++e) y[e] += a * x[e];
+template <typename T>
+void axpy_f32(float* y, float a, const T* x, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) y[e] += a * float(x[e]);
 }
 
 float exp_shifted(float* v, float m, int64_t n) {
@@ -876,11 +934,17 @@ void silu_mul(const float* g, const float* u, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
-void scores(const float* q, const float* K, int64_t s2, int64_t n, int64_t hs, float scale, float* p) {
+void gelu_tanh(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-2.0f * 0.7978845608028654f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
+}
+
+template <typename T>
+void scores(const float* q, const T* K, int64_t s2, int64_t n, int64_t hs, float scale, float* p) {
   for (int64_t j = 0; j < n; ++j) p[j] = dot_f32(q, K + j * s2, hs) * scale;
 }
 
-void weighted_sum(const float* p, float inv, const float* V, int64_t s2, int64_t n, int64_t hs, float* o) {
+template <typename T>
+void weighted_sum(const float* p, float inv, const T* V, int64_t s2, int64_t n, int64_t hs, float* o) {
   std::fill(o, o + hs, 0.0f);
   for (int64_t j = 0; j < n; ++j)
     if (p[j] != 0.0f) axpy_f32(o, p[j] * inv, V + j * s2, hs);
@@ -889,7 +953,8 @@ void weighted_sum(const float* p, float inv, const float* V, int64_t s2, int64_t
 
 // One query head of one token over keys 0 .. n-1 of its row (K, V: key j at + j s2), the keys
 // `real` marks (all without it): o = softmax(q K^T scale) V, zero if no key is real. p: n floats.
-T_ATT void attend_head(const float* q, const float* K, const float* V, int64_t s2, int64_t n, const bool* real,
+template <typename T>
+T_ATT void attend_head(const float* q, const T* K, const T* V, int64_t s2, int64_t n, const bool* real,
                        float scale, int64_t hs, float* p, float* o) {
   scores(q, K, s2, n, hs, scale, p);                                    // padding keys too (finite), masked next
   float mx = -INFINITY;
@@ -906,25 +971,129 @@ T_ATT void attend_head(const float* q, const float* K, const float* V, int64_t s
   weighted_sum(p, 1.0f / sum, V, s2, n, hs, o);
 }
 
-void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, const at::Tensor& qkv,
-                  const at::Tensor& wo, const at::Tensor& ffn_norm, const at::Tensor& gate, const at::Tensor& up,
-                  const at::Tensor& down, at::IntArrayRef fmts, at::IntArrayRef dims, const at::Tensor& k_cache,
-                  const at::Tensor& v_cache, const at::Tensor& write_index, const at::Tensor& positions,
-                  const c10::optional<at::Tensor>& valid, const c10::optional<at::Tensor>& rows,
-                  const at::Tensor& cos, const at::Tensor& sin, int64_t path) {
+// One of a layer's matrices, N outputs of K inputs: block tiles (fmt 0-2) or a float (N, K) matrix
+// (F32, BF16, F16), with an optional float32 bias (N).
+struct Product {
+  int64_t fmt = 0, N = 0, K = 0;
+  TileMatrix tiles{};
+  const void* w = nullptr;
+  const float* bias = nullptr;
+  bool blocks() const { return fmt <= Q4_1; }
+};
+
+Product make_product(const at::Tensor& m, const c10::optional<at::Tensor>& bias, int64_t fmt, int64_t N,
+                     int64_t path, const char* what) {
+  Product P;
+  P.fmt = fmt, P.N = N;
+  if (P.blocks()) {
+    P.tiles = tile_matrix(m, fmt, N, path, what);
+    P.K = 32 * P.tiles.G;
+  } else {
+    static const at::ScalarType types[3] = {at::kFloat, at::kBFloat16, at::kHalf};
+    TORCH_CHECK(m.dim() == 2 && m.is_contiguous() && m.size(0) == N && m.scalar_type() == types[fmt - F32], what,
+                ": a float matrix must be contiguous (", N, ", K) in its format's dtype (3 float32, 4 bfloat16, 5 float16)");
+    P.K = m.size(1), P.w = m.data_ptr();
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, what,
+                ": a bias must be contiguous float32 (", N, ",)");
+    P.bias = bias->data_ptr<float>();
+  }
+  return P;
+}
+
+// y (M, N) = x (M, K) . W^T (+ bias), W float: weight rows split between torch's threads, each
+// task's rows (~64 KB, in L2) passed once per token. For the few rows of a decode step or a check.
+template <typename T>
+void float_product(const T* W, const Product& P, const float* x, int64_t M, float* y, bool wide) {
+  const int64_t N = P.N, K = P.K;
+  const int64_t grain = std::max<int64_t>(4, (65536 / std::max<int64_t>(1, K * int64_t(sizeof(T)))) & ~int64_t(3));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> acc(n1 - n0);
+    for (int64_t m = 0; m < M; ++m) {
+#ifdef TFORMER_X86
+      if (wide) float_rows::rows512(W, x + m * K, acc.data(), K, n0, n1);
+      else float_rows::rows256(W, x + m * K, acc.data(), K, n0, n1);
+#else
+      for (int64_t n = n0; n < n1; ++n) acc[n - n0] = dot_f32(x + m * K, W + n * K, K);
+#endif
+      float* out = y + m * N;
+      for (int64_t n = n0; n < n1; ++n) out[n] = acc[n - n0] + (P.bias ? P.bias[n] : 0.0f);
+    }
+  });
+}
+
+// y = x . W^T (+ b) for x (M, P.K): a block product quantises x into `a` unless `quantised` says
+// `a` holds it already (gate and up read one quantisation of h)
+void apply(const Product& P, const float* x, int64_t M, QAct& a, bool& quantised, float* y, int64_t path) {
+  if (P.blocks()) {
+    if (!quantised) a.quantize(x, M, P.K);
+    quantised = true;
+    tile_product(P.tiles, a, P.bias, y);
+    return;
+  }
+  const bool wide = path == AVX512VNNI;
+  if (P.fmt == F32) float_product(static_cast<const float*>(P.w), P, x, M, y, wide);
+  else if (P.fmt == BF16) float_product(static_cast<const at::BFloat16*>(P.w), P, x, M, y, wide);
+  else float_product(static_cast<const at::Half*>(P.w), P, x, M, y, wide);
+}
+
+// The attention of every (token, query head), over caches of element type T
+template <typename T>
+void attend_all(const float* proj, int64_t N, int64_t NQKV, int64_t nh, int64_t group, int64_t hs, const T* kc,
+                const T* vc, int64_t s0, int64_t s1, int64_t s2, int64_t L, const int64_t* wi, const int64_t* ri,
+                const bool* vp, int64_t vs, float* att) {
+  const float scale = 1.0f / std::sqrt(float(hs));
+  const int64_t Q = nh * hs;
+  at::parallel_for(0, N * nh, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(L);
+    for (int64_t t = i0; t < i1; ++t) {
+      const int64_t i = t / nh, hd = t % nh, kvh = hd / group, row = ri ? ri[i] : i;
+      attend_head(proj + i * NQKV + hd * hs, kc + row * s0 + kvh * s1, vc + row * s0 + kvh * s1, s2,
+                  wi[i] + 1, vp ? vp + row * vs : nullptr, scale, hs, p.data(), att + i * Q + hd * hs);
+    }
+  });
+}
+
+template <typename T>
+void write_kv(const float* proj, int64_t N, int64_t NQKV, int64_t Q, int64_t KV, int64_t nkv, int64_t hs, T* kc,
+              T* vc, int64_t s0, int64_t s1, int64_t s2, const int64_t* wi, const int64_t* ri) {
+  for (int64_t i = 0; i < N; ++i) {
+    const float* r = proj + i * NQKV;
+    const int64_t row = ri ? ri[i] : i;
+    for (int64_t j = 0; j < nkv; ++j) {
+      store_head(kc + row * s0 + j * s1 + wi[i] * s2, r + Q + j * hs, hs);
+      store_head(vc + row * s0 + j * s1 + wi[i] * s2, r + Q + KV + j * hs, hs);
+    }
+  }
+}
+
+// norms: (g_attn, g_ffn) for RMSNorm, (g_attn, b_attn, g_ffn, b_ffn) for LayerNorm, float32 (C,).
+// mats / biases / fmts: (qkv, o, gate, up, down) for SwiGLU, (qkv, o, up, down) for a GELU or ReLU MLP.
+// dims: (nh, nkv, hs, d_ff, mlp). cos / sin: the rotary tables, absent for a model without RoPE.
+void decode_layer(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
+                  const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef fmts, at::IntArrayRef dims,
+                  const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_index,
+                  const at::Tensor& positions, const c10::optional<at::Tensor>& valid,
+                  const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cos,
+                  const c10::optional<at::Tensor>& sin, int64_t path) {
   TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "decode_layer: this CPU cannot run path ", path);
-  TORCH_CHECK(fmts.size() == 5 && dims.size() == 4, "decode_layer: fmts (qkv, o, gate, up, down), dims (nh, nkv, hs, d_ff)");
-  for (auto f : fmts) TORCH_CHECK(f >= 0 && f <= 2, "decode_layer: a format must be 0, 1 or 2");
-  const int64_t nh = dims[0], nkv = dims[1], hs = dims[2], F = dims[3];
+  TORCH_CHECK(dims.size() == 5 && dims[4] >= SWIGLU && dims[4] <= RELU, "decode_layer: dims (nh, nkv, hs, d_ff, mlp 0 swiglu | 1 gelu_tanh | 2 relu)");
+  const int64_t nh = dims[0], nkv = dims[1], hs = dims[2], F = dims[3], mlp = dims[4];
+  const size_t n_mats = mlp == SWIGLU ? 5 : 4;
+  TORCH_CHECK(mats.size() == n_mats && biases.size() == n_mats && fmts.size() == n_mats,
+              "decode_layer: mats, biases and fmts: (qkv, o, gate, up, down) for SwiGLU, (qkv, o, up, down) otherwise");
+  for (auto f : fmts) TORCH_CHECK(f >= Q8_0 && f <= F16, "decode_layer: a format must be 0-2 (blocks) or 3-5 (float32, bfloat16, float16)");
   TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && hs % 2 == 0 && hs <= 512, "decode_layer: bad head layout");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decode_layer: x must be contiguous float32 (N, C)");
   const int64_t N = x.size(0), C = x.size(1), Q = nh * hs, KV = nkv * hs, NQKV = Q + 2 * KV;
-  TORCH_CHECK(C % 32 == 0 && Q % 32 == 0 && F % 32 == 0, "decode_layer: widths must be multiples of 32");
+  const auto cache_type = k_cache.scalar_type();
   const int64_t Bc = k_cache.dim() == 4 ? k_cache.size(0) : 0;          // cache rows
   for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->dim() == 4 && c->scalar_type() == at::kFloat && c->stride(3) == 1 && c->size(0) == Bc &&
-                    c->size(1) == nkv && c->size(3) == hs && c->strides() == k_cache.strides(),
-                "decode_layer: the caches must be float32 (rows, nkv, L, hs), each head's vector contiguous");
+    TORCH_CHECK(c->dim() == 4 && c->scalar_type() == cache_type && c->stride(3) == 1 && c->size(0) == Bc &&
+                    c->size(1) == nkv && c->size(3) == hs && c->strides() == k_cache.strides() &&
+                    (cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf),
+                "decode_layer: the caches must be float32, bfloat16 or float16 (rows, nkv, L, hs), each head's vector contiguous");
   TORCH_CHECK(rows.has_value() || Bc == N, "decode_layer: without rows, the caches hold one row per token");
   // the caches may be views (a row range and a key prefix of the server's pool): strided access
   const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), s2 = k_cache.stride(2);
@@ -938,72 +1107,88 @@ void decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, double eps, 
   TORCH_CHECK(!rows.has_value() || (rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == N),
               "decode_layer: rows must be contiguous int64 (N,)");
   const int64_t vs = valid.has_value() ? valid->stride(0) : 0;
-  for (const at::Tensor* t : {&attn_norm, &ffn_norm})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == C, "decode_layer: norm weights (C,) float32");
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(1) == hs,
-                "decode_layer: cos/sin tables (P, hs) float32");
+  TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "decode_layer: norms (g, g) for RMSNorm or (g, b, g, b) for LayerNorm");
+  for (const at::Tensor& t : norms)
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == C, "decode_layer: norm weights (C,) float32");
+  const bool layer_norm = norms.size() == 4;
+  const bool rope = cos.has_value();
+  TORCH_CHECK(rope == sin.has_value(), "decode_layer: give both rotary tables or neither");
+  if (rope)
+    for (const at::Tensor* t : {&*cos, &*sin})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(1) == hs,
+                  "decode_layer: cos/sin tables (P, hs) float32");
   const int64_t* wi = write_index.data_ptr<int64_t>();
   const int64_t* pi = positions.data_ptr<int64_t>();
   const int64_t* ri = rows.has_value() ? rows->data_ptr<int64_t>() : nullptr;
+  const int64_t P_max = rope ? cos->size(0) : std::numeric_limits<int64_t>::max();
   for (int64_t i = 0; i < N; ++i)
-    TORCH_CHECK(wi[i] >= 0 && wi[i] < L && pi[i] >= 0 && pi[i] < cos.size(0) && (!ri || (ri[i] >= 0 && ri[i] < Bc)),
+    TORCH_CHECK(wi[i] >= 0 && wi[i] < L && pi[i] >= 0 && pi[i] < P_max && (!ri || (ri[i] >= 0 && ri[i] < Bc)),
                 "decode_layer: a write index past the cache, a position past the rotary table or a row past the caches");
   const bool* vp = valid.has_value() ? valid->data_ptr<bool>() : nullptr;
-  const TileMatrix Wqkv = tile_matrix(qkv, fmts[0], NQKV, path, "decode_layer qkv");
-  const TileMatrix Wo = tile_matrix(wo, fmts[1], C, path, "decode_layer out");
-  const TileMatrix Wg = tile_matrix(gate, fmts[2], F, path, "decode_layer gate");
-  const TileMatrix Wu = tile_matrix(up, fmts[3], F, path, "decode_layer up");
-  const TileMatrix Wd = tile_matrix(down, fmts[4], C, path, "decode_layer down");
-  TORCH_CHECK(Wqkv.G * 32 == C && Wo.G * 32 == Q && Wg.G * 32 == C && Wu.G * 32 == C && Wd.G * 32 == F,
+  const char* names[5] = {"decode_layer qkv", "decode_layer out", "decode_layer gate", "decode_layer up", "decode_layer down"};
+  const int64_t outs[5] = {NQKV, C, F, F, C};
+  std::vector<Product> W;
+  for (size_t i = 0; i < n_mats; ++i) {
+    const size_t role = mlp == SWIGLU || i < 2 ? i : i + 1;              // a plain MLP has no gate
+    W.push_back(make_product(mats[i], biases.get(i), fmts[i], outs[role], path, names[role]));
+  }
+  const Product &Wqkv = W[0], &Wo = W[1], &Wd = W.back();
+  const Product& Wu = W[n_mats - 2];
+  TORCH_CHECK(Wqkv.K == C && Wo.K == Q && Wu.K == C && (mlp != SWIGLU || W[2].K == C) && Wd.K == F,
               "decode_layer: the weights' widths do not match x and the head layout");
+  for (const Product& p : W)
+    TORCH_CHECK(!p.blocks() || p.K % 32 == 0, "decode_layer: a block product's input width must be a multiple of 32");
 
   float* xp = x.data_ptr<float>();
   const int64_t group = nh / nkv;
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
   std::vector<float> h(N * std::max(C, F)), proj(N * std::max(NQKV, 2 * F)), att(N * Q);
   QAct a;
+  auto norm = [&](int which) {                                         // h = norm_which(x)
+    if (layer_norm) layer_norm_rows(xp, norms[2 * which].data_ptr<float>(), norms[2 * which + 1].data_ptr<float>(), eps, N, C, h.data());
+    else rms_norm_rows(xp, norms[which].data_ptr<float>(), eps, N, C, h.data());
+  };
 
   // attention sub-layer: every token's key and value into the cache first, then every token attends
-  rms_norm_rows(xp, attn_norm.data_ptr<float>(), eps, N, C, h.data());
-  a.quantize(h.data(), N, C);
-  tile_product(Wqkv, a, nullptr, proj.data());                          // (N, NQKV): q heads, k heads, v heads
-  for (int64_t i = 0; i < N; ++i) {
-    float* r = proj.data() + i * NQKV;
-    const int64_t row = ri ? ri[i] : i;
-    for (int64_t j = 0; j < nh + nkv; ++j) rope_head(r + j * hs, cp + pi[i] * hs, sp + pi[i] * hs, hs);   // q, k rotated
-    for (int64_t j = 0; j < nkv; ++j) {
-      std::memcpy(kc + row * s0 + j * s1 + wi[i] * s2, r + Q + j * hs, hs * sizeof(float));
-      std::memcpy(vc + row * s0 + j * s1 + wi[i] * s2, r + Q + KV + j * hs, hs * sizeof(float));
-    }
+  norm(0);
+  bool quantised = false;
+  apply(Wqkv, h.data(), N, a, quantised, proj.data(), path);           // (N, NQKV): q heads, k heads, v heads
+  if (rope) {
+    const float* cp = cos->data_ptr<float>();
+    const float* sp = sin->data_ptr<float>();
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t j = 0; j < nh + nkv; ++j)                              // q, k rotated
+        rope_head(proj.data() + i * NQKV + j * hs, cp + pi[i] * hs, sp + pi[i] * hs, hs);
   }
-  const float scale = 1.0f / std::sqrt(float(hs));
-  at::parallel_for(0, N * nh, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(L);
-    for (int64_t t = i0; t < i1; ++t) {
-      const int64_t i = t / nh, hd = t % nh, kvh = hd / group, row = ri ? ri[i] : i;
-      attend_head(proj.data() + i * NQKV + hd * hs, kc + row * s0 + kvh * s1, vc + row * s0 + kvh * s1, s2,
-                  wi[i] + 1, vp ? vp + row * vs : nullptr, scale, hs, p.data(), att.data() + i * Q + hd * hs);
-    }
-  });
-  a.quantize(att.data(), N, Q);
-  tile_product(Wo, a, nullptr, h.data());                               // (N, C)
+  auto attention = [&](auto* kc, auto* vc) {
+    write_kv(proj.data(), N, NQKV, Q, KV, nkv, hs, kc, vc, s0, s1, s2, wi, ri);
+    attend_all(proj.data(), N, NQKV, nh, group, hs, kc, vc, s0, s1, s2, L, wi, ri, vp, vs, att.data());
+  };
+  if (cache_type == at::kFloat) attention(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else if (cache_type == at::kBFloat16) attention(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  else attention(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
+  quantised = false;
+  apply(Wo, att.data(), N, a, quantised, h.data(), path);              // (N, C)
   for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 
   // feed-forward sub-layer
-  rms_norm_rows(xp, ffn_norm.data_ptr<float>(), eps, N, C, h.data());
-  a.quantize(h.data(), N, C);
+  norm(1);
+  quantised = false;
   float* g = proj.data();
   float* u = proj.data() + N * F;
-  tile_product(Wg, a, nullptr, g);
-  tile_product(Wu, a, nullptr, u);
-  silu_mul(g, u, h.data(), N * F);                                      // silu(g) * u
-  a.quantize(h.data(), N, F);
-  tile_product(Wd, a, nullptr, g);                                      // (N, C)
-  for (int64_t i = 0; i < N * C; ++i) xp[i] += g[i];
+  const float* act = g;                                                // (N, F): the down product's input
+  if (mlp == SWIGLU) {
+    apply(W[2], h.data(), N, a, quantised, g, path);
+    apply(Wu, h.data(), N, a, quantised, u, path);                     // h quantised once for both
+    silu_mul(g, u, u, N * F);                                           // silu(g) * u
+    act = u;
+  } else {
+    apply(Wu, h.data(), N, a, quantised, g, path);
+    if (mlp == GELU_TANH) gelu_tanh(g, N * F);
+    else for (int64_t i = 0; i < N * F; ++i) g[i] = std::max(g[i], 0.0f);
+  }
+  quantised = false;
+  apply(Wd, act, N, a, quantised, h.data(), path);                     // (N, C)
+  for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 }
 
 int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT_NS.load(); }
@@ -1015,9 +1200,9 @@ TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("paths() -> int[]");
   m.def("repack(Tensor blocks, int fmt, int R) -> Tensor");
   m.def("qgemm_tiles(Tensor tiles, int fmt, int N, Tensor x, Tensor? bias, int path) -> Tensor");
-  m.def("decode_layer(Tensor(a!) x, Tensor attn_norm, float eps, Tensor qkv, Tensor wo, Tensor ffn_norm, "
-        "Tensor gate, Tensor up, Tensor down, int[] fmts, int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-        "Tensor write_index, Tensor positions, Tensor? valid, Tensor? rows, Tensor cos, Tensor sin, int path) -> ()");
+  m.def("decode_layer(Tensor(a!) x, Tensor[] norms, float eps, Tensor[] mats, Tensor?[] biases, int[] fmts, "
+        "int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor write_index, Tensor positions, Tensor? valid, "
+        "Tensor? rows, Tensor? cos, Tensor? sin, int path) -> ()");
   m.def("tile_passes(Tensor[] mats, int[] fmts, int[] ns, Tensor x, int path, int reps) -> float");
   m.def("product_ns(bool reset) -> int");
 }

@@ -59,7 +59,7 @@ def _build():
     from torch.utils import cpp_extension
 
     flags = ["-O3", "-fopenmp"]
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + gemv.HEADER.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:12]
     build = gemv.cache_dir() / f"qgemv-{digest}"
     build.mkdir(parents=True, exist_ok=True)
     if not (build / "tformer_qgemv.so").exists():
