@@ -42,6 +42,7 @@ import torch
 
 from tformer.quant import qgemv
 from tformer.quant.block_linear import BlockLinear
+from tformer.quant.quantize import DecodeLinear
 
 Tensor = torch.Tensor
 SWITCH = "TFORMER_FUSED_DECODE"
@@ -68,8 +69,6 @@ def _products(block) -> tuple:
 
 
 def _product_why_not(lin) -> str | None:
-    from tformer.quant.quantize import DecodeLinear
-
     if isinstance(lin, BlockLinear):
         return None
     if type(lin) is DecodeLinear and lin.weight.dtype in FLOAT_FMT:
