@@ -47,7 +47,6 @@ def profile(model, steps: int) -> dict[str, float]:
     p = fused_decode.plan(model)
     if p is None:
         sys.exit(f"smollm2_step_profile: no fused plan ({fused_decode.reason(model)})")
-    op = torch.ops.tformer_qgemv.decode_layer
     t = {"step": [], "layers": [], "head": [], "products_in_step": []}
     for _ in range(steps):
         torch.ops.tformer_qgemv.product_ns(True)
@@ -59,9 +58,7 @@ def profile(model, steps: int) -> dict[str, float]:
         pos = torch.full((1,), state.length, dtype=torch.long)
         x = model.tok_emb(tok).reshape(1, -1).float().contiguous()
         t0 = time.perf_counter()
-        for (g1, (wqkv, wo, wg, wu, wd), g2, fmts), s in zip(p.layers, state.layers):
-            op(x, g1, p.eps, wqkv, wo, g2, wg, wu, wd, fmts, p.dims, s.k, s.v, pos, pos, None, None,
-               p.rope.cos, p.rope.sin, p.path_id)
+        fused_decode.run_layers(p, x, [(s.k, s.v) for s in state.layers], pos, pos, None, None)
         t1 = time.perf_counter()
         model.lm_head(model.final_norm(x[:, None]))
         t["head"].append(time.perf_counter() - t1)
@@ -72,7 +69,7 @@ def profile(model, steps: int) -> dict[str, float]:
     mats, fmts, ns = [], [], []
     widths = p.dims[0] * p.dims[2] + 2 * p.dims[1] * p.dims[2], model.config.d_model, p.dims[3], p.dims[3], \
         model.config.d_model
-    for _, tiles, _, fm in p.layers:
+    for _, tiles, _, fm in p.layers:          # (norms, matrices, biases, formats)
         mats += tiles
         fmts += fm
         ns += list(widths)

@@ -361,15 +361,19 @@ def test_hooks_send_prompts_and_checks_to_the_module_path():
 
 
 @needs_tiles
+@pytest.mark.parametrize("path", sorted(qgemv.TILE_ROWS))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("fmt, rel", [("bf16", 1e-2), ("fp16", 2e-3)])
-def test_half_weights_against_float32_of_the_same_rounded_weights(fmt, rel, shape, monkeypatch):
+def test_half_weights_against_float32_of_the_same_rounded_weights(fmt, rel, shape, path, monkeypatch):
     """bf16 / fp16 weights: the fused layer widens them in registers and keeps the residual stream in
     float32 (the module path of a bf16 model rounds it to bf16 after every op), so its reference is
     the float32 module path of the same model with every parameter rounded to that type and back.
     What still differs is the cache, held in the model's dtype: keys and values rounded to 8 (bf16)
     or 11 (fp16) significant bits, a relative error of 2^-9 / 2^-12 per element, which moves
     logits by ~1e-3 / ~1e-4 of their scale here; bounds 1e-2 and 2e-3 of the largest logit."""
+    if path not in qgemv.paths():
+        pytest.skip(f"this CPU does not run {path}")
+    monkeypatch.setenv(qgemv.FORCED, path)          # the float loops' 8- and 16-lane versions
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
     model = set_precision(SHAPES[shape](), fmt)
     ref = SHAPES[shape]()

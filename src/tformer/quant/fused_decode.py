@@ -223,7 +223,7 @@ def _usable(model) -> Plan | None:
     return plan(model)
 
 
-def _layers(p: Plan, x: Tensor, caches: list[tuple[Tensor, Tensor]], write: Tensor, at: Tensor,
+def run_layers(p: Plan, x: Tensor, caches: list[tuple[Tensor, Tensor]], write: Tensor, at: Tensor,
             valid: Tensor | None, rows: Tensor | None) -> None:
     """Every layer's fused call on ``x (N, C)`` in place: token ``i`` of cache row ``rows[i]`` (``i``
     without ``rows``) writes at ``write[i]``, is rotated at ``at[i]``, reads keys ``j <= write[i]``
@@ -286,7 +286,7 @@ def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
     _ensure_rope(p, max(L, state.max_len))
     at = at.long().contiguous()
     x = _embed(model, p, tokens.reshape(B), at)                                     # (B, C)
-    _layers(p, x, [(s.k, s.v) for s in state.layers], index.contiguous(), at, state.valid, None)
+    run_layers(p, x, [(s.k, s.v) for s in state.layers], index.contiguous(), at, state.valid, None)
     state.index.add_(1)
     logits = _head(model, x[:, None])                                               # (B, 1, vocab)
     return logits[:, -1]
@@ -332,7 +332,7 @@ def forward(model, ids: Tensor, state, *, last_index: Tensor | None = None, last
     _ensure_rope(p, max(pos + T, caches[0][0].shape[2]))
     where = torch.arange(pos, pos + T).repeat(B)                                   # (B T,) index = position
     x = _embed(model, p, ids.reshape(B * T), where)                                # (B T, C)
-    _layers(p, x, caches, where, where, None, slots.repeat_interleave(T).contiguous())
+    run_layers(p, x, caches, where, where, None, slots.repeat_interleave(T).contiguous())
     state.valid[:, pos:pos + T] = True
     state.advance(pos + T)
     x = x.view(B, T, -1)

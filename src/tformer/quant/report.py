@@ -43,13 +43,13 @@ def kernels_of(model: torch.nn.Module) -> str:
     """The kernels a model's linear layers run, with how many layers run each: ``"48x F.linear float32"``,
     after ``"decode: 12x fused layer (...)"`` where its decode steps take :mod:`tformer.quant.fused_decode`
     (the layers' products then run inside those calls, the head as listed)."""
+    plan = fused_decode.plan(model) if fused_decode.enabled() and hasattr(model, "blocks") else None   # may lay weights back
     counts: dict[str, int] = {}
     for m in model.modules():
         k = linear_kernel(m)
         if k is not None:
             counts[k] = counts.get(k, 0) + 1
     text = "; ".join(f"{n}x {k}" for k, n in counts.items()) or "no linear layers"
-    plan = fused_decode.plan(model) if fused_decode.enabled() and hasattr(model, "blocks") else None
     if plan is None:
         return text
     return f"decode: {len(plan.layers)}x fused layer (qgemv.cpp decode_layer, {plan.path}); {text}"
