@@ -270,3 +270,14 @@ def test_decode_linear_runs_several_rows_through_the_chosen_prefill_product(monk
         y = layer(x)
     want = kernels.prefill_product("fp32", x.reshape(10, 64), lin.weight, lin.bias).view(2, 5, 48)
     assert torch.equal(y, want)
+
+
+def test_a_choice_under_an_isa_limit_is_stored_apart(monkeypatch):
+    """A choice measured with torch held to AVX2 (ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY) is not the
+    full machine's: the stored key names the limit."""
+    for k in kernels.ISA_LIMITS:
+        monkeypatch.delenv(k, raising=False)
+    plain = kernels.machine_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    held = kernels.machine_key()
+    assert held != plain and held.startswith(plain) and "ONEDNN_MAX_CPU_ISA=AVX2" in held

@@ -43,11 +43,17 @@ _CHOSEN: dict[str, str] = {}
 FORCED = "TFORMER_DECODE_KERNEL"      # e.g. "ext" or "linear": skip the measurement (tests, A/B runs)
 
 
+# what holds torch's own kernels to a narrower instruction set (an AVX2-only machine emulated on a
+# wider one): a choice measured under them is stored apart, as one under a forced GEMV path
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
 def machine_key() -> str:
     """CPU model name, torch version and thread count: what a kernel choice depends on."""
     forced = os.environ.get(gemv.FORCED)               # a forced GEMV path measures (and is stored) apart
+    limits = [f"{k}={os.environ[k]}" for k in ISA_LIMITS if os.environ.get(k)]
     return f"{cpu_info().model} | torch {torch.__version__} | {torch.get_num_threads()} threads" + \
-        (f" | gemv {forced}" if forced else "")
+        (f" | gemv {forced}" if forced else "") + "".join(f" | {lim}" for lim in limits)
 
 
 def random_linear(n: int, k: int, g: torch.Generator) -> torch.nn.Linear:
