@@ -406,3 +406,27 @@ def test_float_weights_leave_prompts_to_the_module_path():
             long = torch.arange(1, n + 2)[None]
             assert (fused_decode.forward(model, long, model.new_state(1, 40)) is not None) is fused
             assert fused_decode.forward(model, long[:, :n], model.new_state(1, 40)) is not None
+
+
+@needs_tiles
+@pytest.mark.parametrize("fmt", ["q8_0", "fp32"])
+def test_long_padded_context(fmt):
+    """A context of 200 keys (the tiny tests' others hold < 48), a static pool with row 0 left-padded by
+    90: the softmax over many keys, most of one row masked, decodes as the module path does, to the
+    module docstring's bound."""
+    model = set_precision(tiny(context_length=320), fmt)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 61, (2, 200))
+    mask = torch.ones(2, 200, dtype=torch.long)
+    mask[0, :90] = 0                                          # 90 padding keys
+    fused, plain = (model.new_state(2, 320, static=True) for _ in range(2))
+    tok = torch.tensor([[5], [6]])
+    with torch.inference_mode():
+        for s in (fused, plain):
+            prefill(model, ids, s, attention_mask=mask)
+        for _ in range(6):                                    # keys 200 .. 205
+            at = fused.valid.sum(-1)
+            a = fused_decode.decode(model, tok, fused, positions=at[:, None])
+            b = decode_logits(model, tok, plain, positions=at[:, None])
+            assert a is not None and close(a, b), float((a - b).abs().max())
+            tok = b.argmax(-1, keepdim=True)
