@@ -23,7 +23,7 @@ exclusive hold, one (round, system, seed) per invocation, merged into the result
   and ``target_loss=1.8857`` (it stops at the first evaluation at or below it). Seeds 1337, 1, 2, so
   reaching the loss is not one lucky seed.
 - ``default-fp32``: the same with ``precision=fp32`` and oneDNN and ATen held to AVX2
-  (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``): what a CPU without AVX-512 and native bf16 (the
+  (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2``): what a CPU without AVX-512 and native bf16 (the
   AVX2 EPYC) runs, emulated on this one.
 
 Every evaluation line is timestamped as it is printed (unbuffered), so the time to the target is
@@ -136,7 +136,9 @@ DEFAULT_STEPS = 1250
 
 # What the AVX2-only EPYC's software sees, emulated here: oneDNN and ATen's kernels held to AVX2, so bf16 is not
 # native (tformer.machine.bf16_supported() says False, Muon runs its Newton-Schulz in float32) and fp32 runs AVX2 code.
-AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+# an AVX2-only CPU's software path on this one: oneDNN, ATen's vector kernels and MKL's GEMMs (torch's
+# float32 matmul; without this last one they kept AVX-512: 387 against 232 GFLOP/s at n=1024 here)
+AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def stream_timed(cmd: list[str], cwd: str, env: dict | None = None) -> tuple[float, str, list[tuple[int, float, float]]]:
@@ -201,6 +203,9 @@ def main() -> int:
     ap.add_argument("--fresh", action="store_true", help="forget the runs of earlier invocations")
     ap.add_argument("--tag", default="", help="suffix of the results files (e.g. 1thread), to keep runs apart")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of both (default: all cores)")
+    ap.add_argument("--avx2-all", action="store_true",
+                    help="hold every contender, nanoGPT included, to AVX2 (ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY): "
+                         "an AVX2-only CPU's software path on both sides; use with --tag")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # so a timed-out hold kills the run it started
     global STATE, NAME, RUN
@@ -233,13 +238,14 @@ def main() -> int:
         busy = busy_cores()
         print(load_note(busy), flush=True)
         cmd, cwd = system_cmd(system, args.seed, data, tmp, nano_dir, args.steps)
-        wall, out, evals = stream_timed(cmd, cwd, AVX2_ENV if system == "default-fp32" else None)
+        env = AVX2_ENV if system == "default-fp32" or args.avx2_all else None
+        wall, out, evals = stream_timed(cmd, cwd, env)
         reached = next(((s, v, t) for s, v, t in evals if v <= TARGET + 5e-5), None)   # printed to 4 places
         rec = {"system": system, "round": args.round, "seed": None if system == "nanoGPT" else args.seed,
                "steps": args.steps, "threads": args.threads, "wall": wall, "evals": evals,
                "val": evals[-1][1] if evals else None, "reached": reached,
                "precision": (PRECISION.search(out) or [None, "float32" if system == "nanoGPT" else "?"])[1],
-               "busy_before": busy, "busy_after": busy_cores(), "commit": commit(),
+               "busy_before": busy, "busy_after": busy_cores(), "commit": commit(), "isa_env": env or {},
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         state["runs"] = [r for r in state["runs"] if (r["system"], r["round"], r["seed"]) !=
                          (rec["system"], rec["round"], rec["seed"])] + [rec]
@@ -348,15 +354,16 @@ def write_report(state: dict, nano_cmd: str) -> None:
                   f"`tformer train` with only the shape, batch and evaluation settings (everything else its defaults: "
                   f"the `fast` recipe), `max_steps={DEFAULT_STEPS} target_loss={TARGET}` (it stops at the first evaluation "
                   "at or below the target; evaluations every 250 steps on 20 batches, as nanoGPT's); `default-fp32` the "
-                  "same with `precision=fp32` and oneDNN/ATen held to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`: the "
-                  "EPYC's software path: bf16 not native, fp32 kernels at AVX2; nanoGPT was not run so). Every run is one whole command in its own exclusive hold, alternated "
+                  "same with `precision=fp32` and oneDNN, ATen and MKL held to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2`; runs before 2026-12-01 20:00 UTC held oneDNN and ATen only: the "
+                  "EPYC's software path: bf16 not native, fp32 kernels at AVX2; nanoGPT not so, unless its precision column says AVX2-held: a run with `--avx2-all` holds every contender to AVX2). Every run is one whole command in its own exclusive hold, alternated "
                   "by round; the wall includes start-up, evaluations and checkpoints. Time to target: seconds from the "
                   "command's start to the evaluation line that first shows val <= target.", "",
                   "| round | system | seed | precision | busy cores before / after | whole wall (s) | final val | target at step | time to target (s) |",
                   "|---:|---|---:|---|---|---:|---:|---:|---:|"]
         for r in sorted(runs, key=lambda r: (r["round"], SYSTEMS.index(r["system"]), r["seed"] or 0)):
             hit = r["reached"]
-            lines.append(f"| {r['round']} | {r['system']} | {r['seed'] if r['seed'] is not None else '-'} | {r['precision']} | "
+            held = " (AVX2-held)" if r.get("isa_env") else ""
+            lines.append(f"| {r['round']} | {r['system']} | {r['seed'] if r['seed'] is not None else '-'} | {r['precision']}{held} | "
                          f"{r['busy_before']:.2f} / {r['busy_after']:.2f} | {r['wall']:.1f} | "
                          f"{r['val'] if r['val'] is None else format(r['val'], '.4f')} | "
                          f"{hit[0] if hit else 'not reached'} | {f'{hit[2]:.1f}' if hit else '-'} |")

@@ -65,3 +65,19 @@ def test_zero_init_residual_makes_every_block_the_identity():
 def test_recipe_switches_are_validated(bad):
     with pytest.raises(ConfigError):
         TransformerConfig(**bad)
+
+
+def test_relu_squared_gradient_in_float64_and_under_bf16_autocast():
+    """The hand-written backward (tformer.nn.feed_forward._ReLUSquared) against autograd's numerical
+    gradient in float64, and under bf16 autocast against the plain expression's own autograd."""
+    x = torch.randn(64, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(relu_squared, (x,))
+    a = torch.randn(8, 32, requires_grad=True)
+    b = a.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya = relu_squared(a.bfloat16())
+        yb = torch.nn.functional.relu(b.bfloat16()).square()
+    assert ya.dtype == yb.dtype == torch.bfloat16 and torch.equal(ya, yb)
+    ya.float().sum().backward()
+    yb.float().sum().backward()
+    assert torch.equal(a.grad, b.grad)

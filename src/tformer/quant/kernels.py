@@ -43,9 +43,9 @@ _CHOSEN: dict[str, str] = {}
 FORCED = "TFORMER_DECODE_KERNEL"      # e.g. "ext" or "linear": skip the measurement (tests, A/B runs)
 
 
-# what holds torch's own kernels to a narrower instruction set (an AVX2-only machine emulated on a
+# what holds torch's kernels (oneDNN, ATen, MKL's GEMMs) to a narrower instruction set (an AVX2-only machine emulated on a
 # wider one): a choice measured under them is stored apart, as one under a forced GEMV path
-ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def machine_key() -> str:
