@@ -17,13 +17,13 @@ def tiny(context_length: int = 48):
     return model
 
 
-def tiny_gpt2():
+def tiny_gpt2(activation: str = "gelu_tanh"):
     """A random GPT-2-shaped decoder (learned positions, LayerNorm and biases, tanh-GELU MLP, tied
     head), its head scaled up as :func:`tiny`'s; every bias and norm shift random, so a product or
     norm that dropped one would show."""
     torch.manual_seed(0)
     c = TransformerConfig(vocab_size=61, context_length=48, n_layers=2, d_model=64, n_heads=4,
-                          positions="learned", norm="layernorm", activation="gelu_tanh", bias=True)
+                          positions="learned", norm="layernorm", activation=activation, bias=True)
     model = DecoderLM(c).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

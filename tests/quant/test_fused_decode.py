@@ -121,8 +121,8 @@ def test_plan_names_what_it_does_not_implement():
     assert fused_decode.plan(model) is None and "BlockLinear" in fused_decode.reason(model)
     from tformer import DecoderLM, TransformerConfig
     gpt = set_precision(DecoderLM(TransformerConfig(vocab_size=61, context_length=16, n_layers=1, d_model=64,
-                                                    n_heads=2)).eval(), "q8_0")
-    assert fused_decode.plan(gpt) is None and fused_decode.reason(gpt)
+                                                    n_heads=2, qk_norm=True)).eval(), "q8_0")
+    assert fused_decode.plan(gpt) is None and "QK-norm" in fused_decode.reason(gpt)
 
 
 @needs_tiles
@@ -429,4 +429,29 @@ def test_long_padded_context(fmt):
             a = fused_decode.decode(model, tok, fused, positions=at[:, None])
             b = decode_logits(model, tok, plain, positions=at[:, None])
             assert a is not None and close(a, b), float((a - b).abs().max())
+            tok = b.argmax(-1, keepdim=True)
+
+
+@needs_tiles
+@pytest.mark.parametrize("path", sorted(qgemv.TILE_ROWS))
+@pytest.mark.parametrize("activation", ["relu", "relu2", "gelu", "silu"])
+@pytest.mark.parametrize("fmt", ["q8_0", "fp32"])
+def test_every_plain_mlp_activation(fmt, activation, path, monkeypatch):
+    """The plain MLP's other activations (tformer train's recipes: ReLU² for `fast`, exact GELU for
+    `classic`), against the module path (F.relu, ReLU², F.gelu, F.silu), to the module docstring's bound."""
+    if path not in qgemv.paths():
+        pytest.skip(f"this CPU does not run {path}")
+    monkeypatch.setenv(qgemv.FORCED, path)
+    model = set_precision(tiny_gpt2(activation), fmt)
+    assert fused_decode.plan(model) is not None, fused_decode.reason(model)
+    ids = torch.tensor([[3, 17, 5, 42, 8, 11, 2], [9, 1, 30, 7, 7, 60, 4]])
+    fused, plain = model.new_state(2, 40), model.new_state(2, 40)
+    tok = torch.tensor([[5], [6]])
+    with torch.inference_mode():
+        for s in (fused, plain):
+            module_path(monkeypatch, lambda: prefill(model, ids, s))
+        for _ in range(6):
+            a = fused_decode.decode(model, tok, fused)
+            b = decode_logits(model, tok, plain)
+            assert a is not None and close(a, b), (activation, float((a - b).abs().max()))
             tok = b.argmax(-1, keepdim=True)

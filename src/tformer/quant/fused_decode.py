@@ -11,7 +11,7 @@ and dispatch cost of those ops is about as large as reading the weights (and at 
             h = RMSNorm(x) g;  x += (silu(h Wgᵀ) * (h Wuᵀ)) Wdᵀ
     GPT-2:  the same with LayerNorm (g, b), a bias on every product, no rotation (the learned
             position is added to the token embedding before the first layer) and
-            x += gelu_tanh(h Wuᵀ + b) Wdᵀ + b  (or ReLU)
+            x += act(h Wuᵀ + b) Wdᵀ + b  (act: GELU, tanh or erf form; ReLU; ReLU²; SiLU)
 
 then the final norm and the LM head as modules. A product is a :class:`BlockLinear`'s tiles (the
 same tile kernels and activation quantisation as the module path, so those products are its to the
@@ -24,7 +24,7 @@ model's dtype.
 It applies when everything it does not implement is absent (:func:`plan` says why not, and then
 the module path runs unchanged): a pre-norm stack of
 :class:`~tformer.mixers.attention.MultiHeadAttention` layers with RMSNorm + SwiGLU + RoPE
-(rotate-half) or LayerNorm + a GELU (tanh) / ReLU MLP + learned positions, without QK-norm, sliding
+(rotate-half) or LayerNorm + a GELU / ReLU / ReLU² / SiLU MLP + learned positions, without QK-norm, sliding
 window, ALiBi, logit soft-cap or hooks, every product a BlockLinear on a SIMD tile path or a float
 DecodeLinear (what :func:`tformer.quant.set_precision` makes); and a call it can serve: :func:`forward`,
 ``T`` new tokens per row after the same ``state.length`` tokens every row holds without padding (an
@@ -59,7 +59,7 @@ _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 FLOAT_FMT = {torch.float32: 3, torch.bfloat16: 4, torch.float16: 5}   # qgemv.cpp's float formats
-MLP = {"gelu_tanh": 1, "relu": 2}                                       # its plain MLPs (0: SwiGLU)
+MLP = {"gelu_tanh": 1, "relu": 2, "relu2": 3, "gelu": 4, "silu": 5}     # its plain MLPs' activations (0: SwiGLU)
 
 
 def _products(block) -> tuple:
@@ -99,7 +99,7 @@ def _why_not(model) -> str | None:
         if type(a) is not MultiHeadAttention or b.cross_attn is not None:
             return "a layer that is not self-attention"
         if not (isinstance(f, SwiGLU) or (type(f) is PlainMLP and c.activation in MLP)):
-            return "a feed-forward that is not SwiGLU or a GELU (tanh) / ReLU MLP"
+            return "a feed-forward that is not SwiGLU or a GELU / ReLU / ReLU² / SiLU MLP"
         if a.qk_norm or a.window is not None or a.alibi_slopes is not None or (a.rope is None) != (c.positions != "rope"):
             return "QK-norm, a window or ALiBi"
         if not (type(b.attn_norm) is norm_type and type(b.ffn_norm) is norm_type):

@@ -712,7 +712,7 @@ double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns
 //                                                                head h reads kv head h / (nh/nkv))
 //   x <- x + o . Wo^T (+ b)
 //   h = norm_ffn(x);  x <- x + (silu(h Wg^T) * (h Wu^T)) . Wd^T        (SwiGLU)
-//                 or  x <- x + act(h Wu^T + b) . Wd^T + b,  act GELU (tanh form) or ReLU
+//                 or  x <- x + act(h Wu^T + b) . Wd^T + b,  act GELU (tanh or erf form), ReLU, ReLU^2 or SiLU
 // Every token's key and value is written before any token attends, so several new tokens of one
 // row (a speculative check, a prompt) see each other causally through the cache: token i reads the
 // row's keys up to its own index, which holds the earlier new tokens and not the later ones.
@@ -723,7 +723,7 @@ double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns
 // residual stream stays float32 here whatever the weights' type (the module path of a bf16 model
 // rounds it to bf16 after every op; llama.cpp keeps it float32 too).
 constexpr int64_t F32 = 3, BF16 = 4, F16 = 5;
-enum Mlp : int64_t { SWIGLU = 0, GELU_TANH = 1, RELU = 2 };
+enum Mlp : int64_t { SWIGLU = 0, GELU_TANH = 1, RELU = 2, RELU2 = 3, GELU = 4, SILU = 5 };   // the plain MLP's activation
 
 void rms_norm_rows(const float* x, const float* g, double eps, int64_t M, int64_t C, float* out) {
   for (int64_t m = 0; m < M; ++m) {
@@ -857,6 +857,44 @@ T_ATT void gelu_tanh(float* v, int64_t n) {
   for (; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-2.0f * 0.7978845608028654f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
 }
 
+// v <- silu(v) = v / (1 + e^-v), in place (a plain SiLU MLP)
+T_ATT void silu(float* v, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    _mm256_storeu_ps(v + i, _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)))));
+  }
+  for (; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-v[i]));
+}
+
+// v <- GELU's exact form 0.5 v (1 + erf(v / sqrt 2)), in place, with erf(z) for z >= 0 from
+// Abramowitz & Stegun 7.1.26: 1 - t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) e^-z^2, t = 1 / (1 + p z),
+// absolute error <= 1.5e-7 (float32's own rounding near 1), and erf(-z) = -erf(z)
+T_ATT void gelu_erf(float* v, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), rs2 = _mm256_set1_ps(0.7071067811865476f);
+  const __m256 sign = _mm256_set1_ps(-0.0f), p = _mm256_set1_ps(0.3275911f);
+  const __m256 a1 = _mm256_set1_ps(0.254829592f), a2 = _mm256_set1_ps(-0.284496736f), a3 = _mm256_set1_ps(1.421413741f);
+  const __m256 a4 = _mm256_set1_ps(-1.453152027f), a5 = _mm256_set1_ps(1.061405429f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    const __m256 zs = _mm256_mul_ps(x, rs2);
+    const __m256 z = _mm256_andnot_ps(sign, zs);                                     // |x| / sqrt 2
+    const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(p, z, one));
+    __m256 poly = _mm256_fmadd_ps(a5, t, a4);
+    poly = _mm256_fmadd_ps(poly, t, a3);
+    poly = _mm256_fmadd_ps(poly, t, a2);
+    poly = _mm256_fmadd_ps(poly, t, a1);
+    poly = _mm256_mul_ps(poly, t);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(z, z)));
+    __m256 erf = _mm256_fnmadd_ps(poly, e, one);                                     // erf(|z|)
+    erf = _mm256_or_ps(erf, _mm256_and_ps(zs, sign));                                // the sign of x
+    _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, erf)));
+  }
+  for (; i < n; ++i) v[i] = 0.5f * v[i] * (1.0f + std::erf(v[i] * 0.7071067811865476f));
+}
+
 // p[j] = scale q . K_j for j < n, four keys at a time (four independent FMA chains over the head's
 // hs floats, then one horizontal reduction for the four), hs a multiple of 8; the rest one by one.
 template <typename T>
@@ -936,6 +974,14 @@ void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 
 void gelu_tanh(float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-2.0f * 0.7978845608028654f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
+}
+
+void silu(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-v[i]));
+}
+
+void gelu_erf(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) v[i] = 0.5f * v[i] * (1.0f + std::erf(v[i] * 0.7071067811865476f));
 }
 
 template <typename T>
@@ -1069,7 +1115,7 @@ void write_kv(const float* proj, int64_t N, int64_t NQKV, int64_t Q, int64_t KV,
 }
 
 // norms: (g_attn, g_ffn) for RMSNorm, (g_attn, b_attn, g_ffn, b_ffn) for LayerNorm, float32 (C,).
-// mats / biases / fmts: (qkv, o, gate, up, down) for SwiGLU, (qkv, o, up, down) for a GELU or ReLU MLP.
+// mats / biases / fmts: (qkv, o, gate, up, down) for SwiGLU, (qkv, o, up, down) for a plain MLP (GELU, ReLU, ReLU², SiLU).
 // dims: (nh, nkv, hs, d_ff, mlp). cos / sin: the rotary tables, absent for a model without RoPE.
 void decode_layer(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
                   const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef fmts, at::IntArrayRef dims,
@@ -1078,7 +1124,8 @@ void decode_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Ten
                   const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cos,
                   const c10::optional<at::Tensor>& sin, int64_t path) {
   TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "decode_layer: this CPU cannot run path ", path);
-  TORCH_CHECK(dims.size() == 5 && dims[4] >= SWIGLU && dims[4] <= RELU, "decode_layer: dims (nh, nkv, hs, d_ff, mlp 0 swiglu | 1 gelu_tanh | 2 relu)");
+  TORCH_CHECK(dims.size() == 5 && dims[4] >= SWIGLU && dims[4] <= SILU,
+              "decode_layer: dims (nh, nkv, hs, d_ff, mlp 0 swiglu | 1 gelu_tanh | 2 relu | 3 relu2 | 4 gelu | 5 silu)");
   const int64_t nh = dims[0], nkv = dims[1], hs = dims[2], F = dims[3], mlp = dims[4];
   const size_t n_mats = mlp == SWIGLU ? 5 : 4;
   TORCH_CHECK(mats.size() == n_mats && biases.size() == n_mats && fmts.size() == n_mats,
@@ -1183,8 +1230,13 @@ void decode_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Ten
     act = u;
   } else {
     apply(Wu, h.data(), N, a, quantised, g, path);
-    if (mlp == GELU_TANH) gelu_tanh(g, N * F);
-    else for (int64_t i = 0; i < N * F; ++i) g[i] = std::max(g[i], 0.0f);
+    switch (mlp) {
+      case GELU_TANH: gelu_tanh(g, N * F); break;
+      case GELU: gelu_erf(g, N * F); break;
+      case SILU: silu(g, N * F); break;
+      case RELU2: for (int64_t i = 0; i < N * F; ++i) { const float r = std::max(g[i], 0.0f); g[i] = r * r; } break;
+      default: for (int64_t i = 0; i < N * F; ++i) g[i] = std::max(g[i], 0.0f);               // RELU
+    }
   }
   quantised = false;
   apply(Wd, act, N, a, quantised, h.data(), path);                     // (N, C)
