@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tformer.generation.step import decode_logits, decode_step, prefill
-from tformer.quant import fused_decode, qgemv
+from tformer.quant import fused_decode, kernels, qgemv
 from tformer.quant.quantize import set_precision
 
 from quant_models import tiny, tiny_gpt2
@@ -455,3 +455,20 @@ def test_every_plain_mlp_activation(fmt, activation, path, monkeypatch):
             b = decode_logits(model, tok, plain)
             assert a is not None and close(a, b), (activation, float((a - b).abs().max()))
             tok = b.argmax(-1, keepdim=True)
+
+
+@needs_tiles
+def test_a_weight_laid_back_by_the_plan_still_trains_through_autograd(monkeypatch):
+    """A float DecodeLinear that chose torch.mm on a stored transpose is laid back to (N, K) when the
+    plan is made, often inside inference_mode; the module path must still run under autograd after
+    (the server's attributions take gradients with respect to the input)."""
+    monkeypatch.setenv(kernels.FORCED, "mm_t")                # the stored-transpose kernel, not measured
+    model = set_precision(tiny_gpt2(), "fp32")
+    lin = model.blocks[0].attn.qkv_proj
+    assert lin.transposed
+    with torch.inference_mode():
+        assert fused_decode.plan(model) is not None
+    assert not lin.transposed and lin.weight.shape == (lin.out_features, lin.in_features)
+    x = model.tok_emb(torch.tensor([[1, 2, 3]])).detach().requires_grad_(True)
+    model.blocks[0](x).sum().backward()              # no "inference tensors cannot be saved for backward"
+    assert x.grad is not None and x.grad.abs().sum() > 0

@@ -9,6 +9,7 @@ import torch
 from tformer.config import TransformerConfig
 from tformer.models.decoder import DecoderLM
 from tformer.quant.quantize import set_precision
+from tformer.quant import fused_decode
 from tformer.quant.report import kernels_of
 
 
@@ -30,4 +31,8 @@ def test_kernel_column_names_what_the_layers_run(precision, decode):
         assert chosen and all(NAMES[k] in text for k in chosen)       # the kernel each layer chose, by name
     else:
         assert not chosen and "F.linear (nn.Linear) bfloat16" in text
-    assert sum(int(part.split("x ", 1)[0]) for part in text.split("; ")) == n_linear   # every layer counted once
+    parts = text.split("; ")
+    fused = fused_decode.plan(model) is not None                      # decode steps through the fused layers
+    assert parts[0].startswith("decode: 4x fused layer") == fused and (fused or precision in ("int8", "int4") or not decode)
+    parts = parts[1:] if fused else parts
+    assert sum(int(part.split("x ", 1)[0]) for part in parts) == n_linear   # every layer counted once

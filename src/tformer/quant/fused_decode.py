@@ -166,7 +166,10 @@ class Plan:
 def _matrix(lin, path: str) -> Tensor:
     if not isinstance(lin, BlockLinear):
         if lin.transposed:          # (K, N) for torch.mm: the fused layer reads rows, so lay it back
-            lin.weight = lin.weight.t().contiguous()
+            # (the plan is often made inside inference_mode; the module path may later run under
+            # autograd, e.g. attributions, which cannot save an inference tensor: a normal one)
+            with torch.inference_mode(False):
+                lin.weight = lin.weight.t().contiguous()
             lin.transposed, lin.kernel = False, "linear"
         return lin.weight
     t = lin._tiled.get(path)
