@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 
 namespace float_rows {
@@ -23,6 +24,12 @@ namespace float_rows {
 // bf16 63-64 -> 80-81 tok/s, fp32 46-47 -> 47-48; 1, 2 and 4 groups ahead within 5% of each other.
 // Past the matrix's end it touches nothing it could fault on (a prefetch never faults).
 constexpr int64_t PREFETCH_GROUPS = 4;
+
+// Rows per task of a product over rows of K weights of `bytes` each: ~64 KB of weight, small enough
+// to balance two threads, large enough to amortise a task; a multiple of the four-row group.
+inline int64_t task_rows(int64_t K, int64_t bytes) {
+  return std::max<int64_t>(4, (65536 / std::max<int64_t>(1, K * bytes)) & ~int64_t(3));
+}
 
 template <typename T>
 inline void prefetch_group(const T* w0, int64_t K, int64_t k) {

@@ -72,7 +72,7 @@ def _product_why_not(lin) -> str | None:
     if isinstance(lin, BlockLinear):
         return None
     if type(lin) is DecodeLinear and lin.weight.dtype in FLOAT_FMT:
-        return None          # a weight stored transposed for torch.mm is laid back by Plan
+        return None          # a weight stored transposed for torch.mm is laid back (DecodeLinear.row_major)
     return "a product that is not a BlockLinear or a float DecodeLinear (tformer.quant.set_precision)"
 
 
@@ -165,13 +165,7 @@ class Plan:
 
 def _matrix(lin, path: str) -> Tensor:
     if not isinstance(lin, BlockLinear):
-        if lin.transposed:          # (K, N) for torch.mm: the fused layer reads rows, so lay it back
-            # (the plan is often made inside inference_mode; the module path may later run under
-            # autograd, e.g. attributions, which cannot save an inference tensor: a normal one)
-            with torch.inference_mode(False):
-                lin.weight = lin.weight.t().contiguous()
-            lin.transposed, lin.kernel = False, "linear"
-        return lin.weight
+        return lin.row_major()                              # the fused layer reads (N, K) rows
     t = lin._tiled.get(path)
     if t is None:
         t = lin._tiled[path] = qgemv.tiles(lin.blocks, lin.fmt, path)

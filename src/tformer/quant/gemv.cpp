@@ -75,8 +75,7 @@ at::Tensor gemv(const at::Tensor& weight, const at::Tensor& x, const c10::option
   const float* xp = xf.data_ptr<float>();
   const float* sp = scales.has_value() ? scales->data_ptr<float>() : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  // ~64 KB of weight per task: small enough to balance two threads, large enough to amortise a task.
-  const int64_t grain = std::max<int64_t>(4, (65536 / std::max<int64_t>(1, K * weight.element_size())) & ~int64_t(3));
+  const int64_t grain = float_rows::task_rows(K, weight.element_size());
   auto run = [&](auto* W, auto* out) {
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       std::vector<float> acc(n1 - n0);

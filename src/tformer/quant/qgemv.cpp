@@ -764,6 +764,11 @@ void store_head(T* dst, const float* src, int64_t n) {
   else for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<T>(src[e]);
 }
 
+// One element of the activations below (their vector loops' tails, and the portable build)
+inline float gelu_tanh1(float v) { return v / (1.0f + std::exp(-2.0f * 0.7978845608028654f * (v + 0.044715f * v * v * v))); }
+inline float gelu_erf1(float v) { return 0.5f * v * (1.0f + std::erf(v * 0.7071067811865476f)); }
+inline float silu1(float v) { return v / (1.0f + std::exp(-v)); }
+
 // q . k and y += a x over one head's hs floats, 8 lanes at a time, keys and values of the cache's
 // type widened in registers (float_rows.h's load8) (decode_layer runs only on the SIMD paths, which
 // all have AVX2 + FMA + F16C; elsewhere plain loops, so the file still builds); two accumulators
@@ -854,7 +859,7 @@ T_ATT void gelu_tanh(float* v, int64_t n) {
     const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(a, x), _mm256_mul_ps(x, x), x);   // x + a x^3
     _mm256_storeu_ps(v + i, _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_mul_ps(c, inner)))));
   }
-  for (; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-2.0f * 0.7978845608028654f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
+  for (; i < n; ++i) v[i] = gelu_tanh1(v[i]);
 }
 
 // v <- silu(v) = v / (1 + e^-v), in place (a plain SiLU MLP)
@@ -865,7 +870,7 @@ T_ATT void silu(float* v, int64_t n) {
     const __m256 x = _mm256_loadu_ps(v + i);
     _mm256_storeu_ps(v + i, _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)))));
   }
-  for (; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-v[i]));
+  for (; i < n; ++i) v[i] = silu1(v[i]);
 }
 
 // v <- GELU's exact form 0.5 v (1 + erf(v / sqrt 2)), in place, with erf(z) for z >= 0 from
@@ -892,7 +897,7 @@ T_ATT void gelu_erf(float* v, int64_t n) {
     erf = _mm256_or_ps(erf, _mm256_and_ps(zs, sign));                                // the sign of x
     _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, erf)));
   }
-  for (; i < n; ++i) v[i] = 0.5f * v[i] * (1.0f + std::erf(v[i] * 0.7071067811865476f));
+  for (; i < n; ++i) v[i] = gelu_erf1(v[i]);
 }
 
 // p[j] = scale q . K_j for j < n, four keys at a time (four independent FMA chains over the head's
@@ -973,15 +978,15 @@ void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 }
 
 void gelu_tanh(float* v, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-2.0f * 0.7978845608028654f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
+  for (int64_t i = 0; i < n; ++i) v[i] = gelu_tanh1(v[i]);
 }
 
 void silu(float* v, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-v[i]));
+  for (int64_t i = 0; i < n; ++i) v[i] = silu1(v[i]);
 }
 
 void gelu_erf(float* v, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) v[i] = 0.5f * v[i] * (1.0f + std::erf(v[i] * 0.7071067811865476f));
+  for (int64_t i = 0; i < n; ++i) v[i] = gelu_erf1(v[i]);
 }
 
 template <typename T>
@@ -1053,7 +1058,11 @@ Product make_product(const at::Tensor& m, const c10::optional<at::Tensor>& bias,
 template <typename T>
 void float_product(const T* W, const Product& P, const float* x, int64_t M, float* y, bool wide) {
   const int64_t N = P.N, K = P.K;
-  const int64_t grain = std::max<int64_t>(4, (65536 / std::max<int64_t>(1, K * int64_t(sizeof(T)))) & ~int64_t(3));
+#ifdef TFORMER_X86
+  const int64_t grain = float_rows::task_rows(K, sizeof(T));
+#else
+  const int64_t grain = 64;
+#endif
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     std::vector<float> acc(n1 - n0);
     for (int64_t m = 0; m < M; ++m) {

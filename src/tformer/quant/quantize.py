@@ -155,6 +155,17 @@ class DecodeLinear(nn.Module):
         self.register_buffer("bias", linear.bias.detach() if linear.bias is not None else None)
         self.register_buffer("bias32", self.bias.float() if self.bias is not None else None, persistent=False)
 
+    def row_major(self) -> Tensor:
+        """The weight as ``(N, K)`` rows, for a reader of rows (the fused decode layer): a weight
+        stored transposed for ``torch.mm`` is laid back in place (no second copy kept) and the layer
+        then runs ``F.linear``. Laid back outside ``inference_mode`` (often on at the first decode), so
+        the module can still run under autograd after."""
+        if self.transposed:
+            with torch.inference_mode(False):
+                self.weight = self.weight.t().contiguous()
+            self.transposed, self.kernel = False, "linear"
+        return self.weight
+
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)                                      # (M, K)
         if self.transposed:
