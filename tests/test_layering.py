@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "tformer"
 LAYERS = [
     ["errors"],
     ["config", "io"],
-    ["machine", "ops"],
+    ["machine", "extensions", "ops"],
     ["nn"],
     ["mixers"],
     ["models", "accounting"],

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from tformer.quant import blocks, gemv, qgemv
+from tformer.extensions import cache_dir
+from tformer.quant import blocks, qgemv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.record import ROOT, Run, results_dir  # noqa: E402
@@ -59,7 +60,7 @@ def reference_ops(rev: str):
     if "tile_passes" not in text:
         sys.exit(f"tile_kernels: {rev}'s qgemv.cpp has no tile_passes op; pick a revision that has it.")
     text = text.replace("tformer_qgemv", "tformer_qgemv_ref")
-    build = gemv.cache_dir() / f"qgemv-ref-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    build = cache_dir() / f"qgemv-ref-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     build.mkdir(parents=True, exist_ok=True)
     src = build / "qgemv_ref.cpp"
     if not src.exists():

@@ -18,13 +18,13 @@ without AVX2/FMA/F16C, ``TFORMER_NO_EXTENSION=1``), :func:`load` returns ``None`
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-import sys
 import threading
 from pathlib import Path
 
 import torch
+
+from tformer.extensions import build_once, compile_library
 
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("gemv.cpp")
@@ -36,41 +36,9 @@ PATHS = ("auto", "avx2", "avx512")    # the op's path argument: index into this
 FORCED = "TFORMER_GEMV_PATH"          # avx2 | avx512: use that path (if this CPU runs it) instead of the best
 
 
-def cache_dir() -> Path:
-    """Where built kernels and the kernel choices live: ``$TFORMER_CACHE`` or ``~/.cache/tformer``."""
-    return Path(os.environ.get("TFORMER_CACHE") or Path.home() / ".cache" / "tformer")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
 def _build():
-    if os.environ.get("TFORMER_NO_EXTENSION"):
-        raise RuntimeError("TFORMER_NO_EXTENSION is set")
-    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
-        raise RuntimeError("this CPU has no AVX2 with FMA and F16C")
-    from torch.utils import cpp_extension
-
-    digest = hashlib.sha256(SOURCE.read_bytes() + HEADER.read_bytes() + torch.__version__.encode() + b"-fopenmp").hexdigest()[:12]
-    build = cache_dir() / f"gemv-{digest}"
-    build.mkdir(parents=True, exist_ok=True)
-    if not (build / "tformer_gemv.so").exists():
-        print(f"tformer: building the decode kernels once for this machine into {build} (about a minute)",
-              file=sys.stderr, flush=True)
-    cpp_extension.load(name="tformer_gemv", sources=[str(SOURCE)], build_directory=str(build),
-                       # -fopenmp: at::parallel_for is an OpenMP pragma in a header, a serial loop without it;
-                       # the library then shares the libgomp torch has already loaded (same soname)
-                       # the baseline ISA: each loop carries its own target attribute (avx2 | avx512)
-                       extra_cflags=["-O3", "-fopenmp"],
-                       extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
-    op = torch.ops.tformer_gemv
+    # compiled for the baseline ISA: each loop carries its own target attribute (avx2 | avx512)
+    op = compile_library("tformer_gemv", [SOURCE], [HEADER], "the decode kernels", needs={"avx2", "fma", "f16c"})
     if not op.paths():
         raise RuntimeError("the built kernel reports that this CPU runs neither of its paths")
 
@@ -111,22 +79,6 @@ def pack_int4(q: Tensor) -> Tensor:
     N, K = q.shape
     g = q.to(torch.uint8).view(N, K // 32, 2, 16)                              # (N, G, half, 16)
     return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
-
-
-def build_once(build, held: list, lock: threading.Lock, status: dict[str, str]):
-    """``build()``'s result, built by the first caller only (``held`` keeps it, ``lock`` makes the
-    other threads wait); ``None`` when building fails, with the reason in ``status["state"]``: any
-    failure (no compiler, no ninja, a flag the CPU lacks) means the caller keeps its torch fallback."""
-    if not held:
-        with lock:
-            if not held:
-                try:
-                    held.append(build())
-                    status["state"] = "built"
-                except Exception as e:  # noqa: BLE001  any failure means: keep torch's kernels
-                    held.append(None)
-                    status["state"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return held[0]
 
 
 def reference_q4(q: Tensor, scales: Tensor, offsets: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -32,6 +32,7 @@ import torch
 
 from tformer.io import atomic_write
 from tformer.machine import cpu_info
+from tformer.extensions import cache_dir
 from tformer.quant import gemv
 
 Tensor = torch.Tensor
@@ -91,7 +92,7 @@ def measure(kind: str, make: Callable, copies: int = 8, rounds: int = 7, d: int 
 
 
 def _path():
-    return gemv.cache_dir() / "kernels.json"
+    return cache_dir() / "kernels.json"
 
 
 def choose(kind: str, make: Callable) -> str:

@@ -29,9 +29,7 @@ baseline ISA, each SIMD path carrying its own ``target`` attribute, into ``$TFOR
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -39,10 +37,12 @@ from pathlib import Path
 import torch
 
 from tformer.errors import ConfigError
+from tformer.extensions import build_once, compile_library
 from tformer.quant import blocks, gemv
 
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("qgemv.cpp")
+VEC_EXP = SOURCE.parent.parent / "ops" / "vec_exp.h"     # e^x in registers, shared with the attention kernel
 PATHS = ("scalar", "avx2", "avx512vnni")      # index = the op's path number
 FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 FORCED = "TFORMER_QGEMV_PATH"
@@ -54,21 +54,7 @@ _PATHS: list = []                              # paths() once computed: the CPU 
 
 
 def _build():
-    if os.environ.get("TFORMER_NO_EXTENSION"):
-        raise RuntimeError("TFORMER_NO_EXTENSION is set")
-    from torch.utils import cpp_extension
-
-    flags = ["-O3", "-fopenmp"]
-    digest = hashlib.sha256(SOURCE.read_bytes() + gemv.HEADER.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:12]
-    build = gemv.cache_dir() / f"qgemv-{digest}"
-    build.mkdir(parents=True, exist_ok=True)
-    if not (build / "tformer_qgemv.so").exists():
-        print(f"tformer: building the block-quantised kernels once for this machine into {build} (about a minute)",
-              file=sys.stderr, flush=True)
-    # -fopenmp: at::parallel_for is an OpenMP pragma in a header (a serial loop without it)
-    cpp_extension.load(name="tformer_qgemv", sources=[str(SOURCE)], build_directory=str(build),
-                       extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    op = torch.ops.tformer_qgemv
+    op = compile_library("tformer_qgemv", [SOURCE], [gemv.HEADER, VEC_EXP], "the block-quantised kernels")
 
     @torch.library.register_fake("tformer_qgemv::qgemm")
     def _shape(blocks, fmt, x, bias, path):             # lets torch.compile trace through the op
@@ -83,7 +69,7 @@ def _build():
 def load():
     """The ``torch.ops.tformer_qgemv`` namespace, building it the first time; ``None`` when it cannot
     be built here (the reason is in ``STATUS["state"]``)."""
-    return gemv.build_once(_build, _OP, _LOCK, STATUS)
+    return build_once(_build, _OP, _LOCK, STATUS)
 
 
 def paths() -> tuple[str, ...]:
