@@ -19,7 +19,7 @@ NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 FFN_KINDS = ("mlp", "swiglu", "none")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "relu2")
-BACKENDS = ("auto", "math", "torch", "flash")
+BACKENDS = ("auto", "math", "torch", "flash", "short")
 
 
 def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
@@ -58,7 +58,8 @@ class TransformerConfig:
         tie_embeddings: the LM head shares the token-embedding matrix.
         causal: decoder (True) or encoder (False) self-attention.
         attention_backend: ``auto``, ``math`` (explicit softmax), ``torch`` (PyTorch's fused
-            kernel) or ``flash`` (tformer's tiled kernel).
+            kernel), ``flash`` (tformer's tiled kernel) or ``short`` (tformer's CPU kernel for short
+            float32 sequences, which ``auto`` takes in training steps).
         sliding_window: if set, each query sees only the last ``sliding_window`` keys (Mistral).
         embedding_norm: a norm right after the (token + position + type) embedding sum
             (BERT's embeddings LayerNorm, BLOOM's word_embeddings_layernorm).

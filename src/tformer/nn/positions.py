@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn as nn
 
+from tformer.ops import attention_cpu
+
 Tensor = torch.Tensor
 
 
@@ -90,6 +92,10 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos[positions], self.sin[positions]                 # (T, hs) or (B, T, hs)
         if cos.dim() == 3:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                   # (B, 1, T, hs)
+        if cos.dim() == 3 and attention_cpu.rotates(x, cos.squeeze(1)):    # a training step on the CPU:
+            return attention_cpu.rotate(x, cos.squeeze(1), sin.squeeze(1))    # one pass, not eight ops
+        if cos.dim() == 2 and attention_cpu.rotates(x, cos):
+            return attention_cpu.rotate(x, cos, sin)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)        # rotate_half(x)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from tformer.ops.checks import check_shapes as _check_shapes
 from tformer.ops.dropout import dropout_attention
+import tformer.ops.attention_cpu as attention_cpu
 from tformer.ops.flash import flash_backend
 from tformer.ops.masks import causal_mask, sliding_window_mask
 from tformer.errors import InputError
@@ -36,7 +37,7 @@ Tensor = torch.Tensor
 
 # Extra backends register here; each has the signature of ``_math_attention`` minus
 # ``return_weights``, plus the keyword ``alibi_slopes``.
-EXTRA_BACKENDS: dict[str, Callable[..., Tensor]] = {"flash": flash_backend}
+EXTRA_BACKENDS: dict[str, Callable[..., Tensor]] = {"flash": flash_backend, "short": attention_cpu.short_attention}
 
 # "auto" prefers flash over a dense mask/bias only from this many query-key pairs on (about
 # n = m = 1448). Measured fwd+bwd, 8 heads, d 64, causal, 2 cores: at n = m = 1024 the fused kernel
@@ -89,6 +90,8 @@ def scaled_dot_product_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     name, _ = choose_backend(q, k, mask=mask, bias=bias, causal=causal, window=window, backend=backend,
                              return_weights=return_weights, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+    if name == "short" and backend == "auto" and attention_cpu.serves(q, k, v, causal=causal) is not None:
+        name = "torch"                                   # values of another width than the keys: not its case
     if alibi_slopes is not None and name not in EXTRA_BACKENDS:
         bias = _dense_alibi(alibi_slopes, q, k, bias)
     if name == "math":
@@ -146,6 +149,10 @@ def choose_backend(
     if causal and mask is not None and n > 1:
         needs.append("causal mask combined with key padding")
     if not needs:
+        if _training(q, k) and attention_cpu.serves(q, k, k, mask=mask, causal=causal, dropout_p=dropout_p) is None \
+                and attention_cpu.load() is not None:
+            return "short", ("a training step over short sequences on the CPU: tformer's kernel, which holds a "
+                             "head's whole score matrix in L1 (measured faster than PyTorch's here)")
         return "torch", "PyTorch's fused kernel serves this request without a dense (n, m) mask or bias"
     what = " and ".join(needs)
     if dropout_p > 0:
@@ -159,6 +166,11 @@ def choose_backend(
 
 
 # ---------------------------------------------------------------------------------------- helpers
+def _training(q: Tensor, k: Tensor) -> bool:
+    """Whether this call records a graph for a backward pass (a training step, not inference)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+
+
 def _allowed(
     q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, window: int | None
 ) -> Tensor | None:

@@ -1,0 +1,160 @@
+"""The ``short`` CPU attention kernel and RoPE's fused rotation (ops/attention_cpu.cpp) against float64
+references of the same formulas, forward and every gradient; and where ``auto`` uses them.
+
+Tolerances: float32 accumulation over at most a few hundred terms of O(1) values, so 1e-5 absolute
+on outputs and gradients of unit-scale inputs (measured errors are 2e-7 to 2e-6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tformer.config import TransformerConfig
+from tformer.errors import InputError
+from tformer.models import build_model
+from tformer.nn.positions import RotaryEmbedding
+from tformer.ops import attention_cpu
+from tformer.ops.sdpa import choose_backend, scaled_dot_product_attention
+
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if attention_cpu.load() is None:
+        pytest.skip(f"the CPU attention kernel is {attention_cpu.STATUS.get('state')}")
+
+
+def reference(q, k, v, causal, scale):
+    """softmax(scale Q Kᵀ [bottom-right causal]) V in float64, key/value heads repeated for GQA; a
+    query with no visible key gets 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    n, m = q.shape[-2], k.shape[-2]
+    if causal:
+        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool).tril(m - n), float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def strided(B, H, T, D, requires_grad=True):
+    """(B, H, T, D) as split_heads makes it: a transposed view of (B, T, H, D) memory."""
+    return torch.randn(B, T, H, D).transpose(1, 2).requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,n,m,D,causal", [
+    (2, 4, 4, 64, 64, 32, True),       # tformer's CPU training shape
+    (3, 6, 2, 37, 37, 16, True),       # grouped-query heads, odd length
+    (2, 4, 4, 5, 19, 64, True),        # fewer queries than keys: bottom-right causal
+    (1, 2, 1, 33, 50, 40, False),      # full attention, a head size that is not a multiple of 32
+    (2, 3, 3, 1, 1, 8, True),          # one token
+    (1, 2, 2, 70, 70, 96, True),
+])
+def test_forward_and_gradients_match_float64(B, Hq, Hkv, n, m, D, causal):
+    torch.manual_seed(n * 100 + m)
+    q = strided(B, Hq, n, D)
+    k, v = torch.randn(B, Hkv, m, D, requires_grad=True), torch.randn(B, Hkv, m, D, requires_grad=True)
+    out = scaled_dot_product_attention(q, k, v, causal=causal, backend="short")
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference(*ref_in, causal, 1 / math.sqrt(D))
+    ref.backward(g.double())
+    assert (out.double() - ref).abs().max() < TOL
+    for got, want in zip((q, k, v), ref_in):
+        assert (got.grad.double() - want.grad).abs().max() < TOL
+
+
+def test_output_is_laid_out_for_the_output_projection():
+    q, k, v = strided(2, 4, 16, 32), strided(2, 4, 16, 32), strided(2, 4, 16, 32)
+    out = scaled_dot_product_attention(q, k, v, causal=True, backend="short")
+    assert out.transpose(1, 2).is_contiguous()          # (B, T, H, D) memory: merging heads is a view
+
+
+def test_a_query_with_no_visible_key_gets_zero_and_no_gradient():
+    """Causal with more queries than keys (the op itself: the backend entry refuses it): the first
+    rows see nothing; their output is 0, their log-sum-exp -inf, nothing is NaN."""
+    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    out, lse = attention_cpu.load().attend(q, k, v, True, 0.5)
+    ref = reference(q, k, v, True, 0.5)
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max() < TOL
+    assert (out[:, :, :3] == 0).all() and torch.isinf(lse[:, :, :3]).all()
+    g = torch.randn_like(out)
+    dq, dk, dv = attention_cpu.load().attend_backward(g, q, k, v, out, lse, True, 0.5)
+    assert torch.isfinite(dq).all() and (dq[:, :, :3] == 0).all()
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+def test_auto_takes_it_in_training_steps_only():
+    q, k = torch.randn(2, 4, 64, 32, requires_grad=True), torch.randn(2, 4, 64, 32)
+    assert choose_backend(q, k, causal=True)[0] == "short"
+    with torch.no_grad():
+        assert choose_backend(q, k, causal=True)[0] == "torch"          # inference keeps PyTorch's kernel
+    assert choose_backend(q.detach(), k, causal=True)[0] == "torch"
+    assert choose_backend(q, k, causal=True, dropout_p=0.1)[0] == "torch"
+    assert choose_backend(q.double(), k.double(), causal=True)[0] == "torch"
+    assert choose_backend(torch.randn(1, 1, 8, 12, requires_grad=True), torch.randn(1, 1, 8, 12))[0] == "torch"
+    long = torch.randn(1, 1, attention_cpu.MAX_KEYS + 1, 8)
+    assert choose_backend(long.requires_grad_(), long.detach(), causal=True)[0] == "torch"
+
+
+def test_values_of_another_width_fall_back_under_auto():
+    q, k, v = torch.randn(1, 2, 8, 16, requires_grad=True), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 24)
+    out = scaled_dot_product_attention(q, k, v, causal=True)
+    assert out.shape == (1, 2, 8, 24) and (out.double() - reference(q, k, v, True, 0.25)).abs().max() < TOL
+
+
+@pytest.mark.parametrize("why", [dict(mask=torch.ones(1, 8, dtype=torch.bool)), dict(window=4), dict(dropout_p=0.1)])
+def test_an_explicit_request_it_cannot_serve_names_why(why):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(InputError, match="backend 'short' cannot take"):
+        scaled_dot_product_attention(q, q, q, causal=True, backend="short", **why)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_rope_rotation_and_its_gradient_match_the_formula(per_row):
+    """The fused rotation against x cos + rotate_half(x) sin in float64, tables (T, D) and (B, T, D)."""
+    torch.manual_seed(3)
+    B, H, T, D = 2, 3, 10, 32
+    rope = RotaryEmbedding(D, 64)
+    x = strided(B, H, T, D)
+    positions = torch.randint(0, 60, (B, T)) if per_row else torch.arange(T)
+    y = rope(x, positions)
+    g = torch.randn_like(y)
+    y.backward(g)
+    xd = x.detach().double().requires_grad_()
+    cos, sin = rope.cos[positions].double(), rope.sin[positions].double()
+    if per_row:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = D // 2
+    want = xd * cos + torch.cat([-xd[..., half:], xd[..., :half]], -1) * sin
+    want.backward(g.double())
+    assert attention_cpu.rotates(x, rope.cos[positions])
+    assert (y.double() - want).abs().max() < TOL and (x.grad.double() - xd.grad).abs().max() < TOL
+
+
+def test_a_model_trains_the_same_through_the_kernels_and_through_torch(monkeypatch):
+    """One loss and every gradient of a small RoPE decoder: ``auto`` (both kernels) against the same
+    weights through PyTorch's attention (``attention_backend="torch"``) and the formula rotation."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=50, context_length=32, n_layers=2, d_model=64, n_heads=4, positions="rope")
+    ours = build_model(TransformerConfig(**cfg))
+    theirs = build_model(TransformerConfig(**cfg, attention_backend="torch"))
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 50, (3, 32))
+    calls = []
+    for fn in (attention_cpu._Attend, attention_cpu._Rotate):           # count that the kernels ran
+        monkeypatch.setattr(fn, "apply", (lambda f: lambda *a: calls.append(f) or f(*a))(fn.apply))
+    _, loss = ours(ids, targets=ids)
+    loss.backward()
+    assert len(calls) == 2 * 3                                            # per layer: attention, rotate q and k
+    monkeypatch.setattr(attention_cpu, "rotates", lambda x, cos: False)     # the formula's eight ops
+    _, ref = theirs(ids, targets=ids)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert (a.grad - b.grad).abs().max() < TOL, name
