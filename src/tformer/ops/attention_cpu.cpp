@@ -135,24 +135,38 @@ T_256 void combine2(const float* pa, const float* pb, int64_t ps, const float* r
 }
 
 // s[j] <- e^(s[j] - shift) for j < lim, 0 for lim <= j < m8; returns the sum (shift = the row's max
-// when `shift` is NaN on entry, which is then written back).
+// when `shift` is NaN on entry, which is then written back). Lanes past lim are masked in registers,
+// so the row is read twice at most (max, then exp and sum together).
 T_256 float exp_row(float* s, int64_t lim, int64_t m8, float& shift) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   if (std::isnan(shift)) {
     __m256 mv = _mm256_set1_ps(NEG_INF);
     int64_t j = 0;
     for (; j + 8 <= lim; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, mv);
-    float mx = *std::max_element(lanes, lanes + 8);
-    for (; j < lim; ++j) mx = std::max(mx, s[j]);
-    shift = mx;
+    if (j < lim) {
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(lim - j)), lane));
+      mv = _mm256_max_ps(mv, _mm256_blendv_ps(_mm256_set1_ps(NEG_INF), _mm256_loadu_ps(s + j), keep));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    shift = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
   }
   const __m256 sh = _mm256_set1_ps(shift);
-  for (int64_t j = 0; j < m8; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), sh)));
-  for (int64_t j = lim; j < m8; ++j) s[j] = 0.0f;            // masked keys weigh exactly nothing
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t j = 0; j < m8; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + j));
+  for (int64_t j = 0; j < m8; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), sh));
+    if (j + 8 > lim)                                             // masked keys weigh exactly nothing
+      e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(lim - j)), lane)));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
   return hsum(acc);
+}
+
+// out[d] = r x[d] for d < D (a multiple of 8)
+T_256 void scale_row(float* out, const float* x, float r, int64_t D) {
+  const __m256 rv = _mm256_set1_ps(r);
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(rv, _mm256_loadu_ps(x + d)));
 }
 
 // t[j] <- scale p[j] (t[j] - Di) for j < m8: dS of one row from dP (in t), P and D_i = dout_i . out_i.
@@ -251,7 +265,8 @@ std::tuple<Tensor, Tensor> attend(const Tensor& q, const Tensor& k, const Tensor
             std::fill(o1, o1 + s.D, 0.0f);
           }
           const float r0 = sum[0] > 0 ? 1.0f / sum[0] : 0.0f, r1 = sum[1] > 0 ? 1.0f / sum[1] : 0.0f;
-          for (int64_t d = 0; d < s.D; ++d) { o0[d] = oa[d] * r0; o1[d] *= r1; }
+          scale_row(o0, oa.data(), r0, s.D);
+          scale_row(o1, o1, r1, s.D);
           float* l = lp + (b * s.Hq + h) * s.n + i;
           l[0] = la > 0 ? mx[0] + std::log(sum[0]) : NEG_INF;
           if (two) l[1] = lb > 0 ? mx[1] + std::log(sum[1]) : NEG_INF;
