@@ -72,9 +72,11 @@ def _cfg(**kw):
 
 CLAIMS = [
     (dict(positions="learned"), "gpt2"),
-    (dict(positions="rope"), "llama"),
-    (dict(positions="rope", bias=False, qkv_bias=True), "qwen2"),
-    (dict(positions="rope", bias=False, sliding_window=8), "mistral"),
+    (dict(positions="rope"), "gpt_neox"),                              # LayerNorm and a plain MLP
+    (dict(positions="rope", norm="rmsnorm", ffn="swiglu"), "llama"),
+    (dict(positions="rope", norm="rmsnorm"), "llama"),                  # Llama's export then names ffn
+    (dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, qkv_bias=True), "qwen2"),
+    (dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, sliding_window=8), "mistral"),
     (dict(positions="alibi"), "bloom"),
     (dict(causal=False), "bert"),
     (dict(mixer="mamba", positions="none", ffn="none"), "mamba"),

@@ -269,7 +269,8 @@ def test_truncated_and_mismatched_hf_folders(run, tmp_path, capsys):
     cli(capsys, "convert", "--from-hf", hf, "--out", tmp_path / "o", needles=["model.safetensors", "damaged or incomplete"])
     (hf / "model.safetensors").write_bytes(data)
     config = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, "n_embd": 48}))
+    width = "n_embd" if "n_embd" in config else "hidden_size"                 # GPT-2's name, or GPT-NeoX's
+    (hf / "config.json").write_text(json.dumps({**config, width: 48}))
     cli(capsys, "convert", "--from-hf", hf, "--out", tmp_path / "o", needles=["do not fit its config.json"])
 
 

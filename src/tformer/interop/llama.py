@@ -117,10 +117,12 @@ def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
 
 
 def model_type_for(c: TransformerConfig) -> str | None:
-    """For a decoder of softmax attention with RoPE: ``"qwen2"`` (biases on q/k/v only), ``"mistral"``
-    (a sliding window) or ``"llama"``; else ``None``."""
+    """For a decoder of softmax attention with RoPE (other than GPT-NeoX's LayerNorm and plain MLP):
+    ``"qwen2"`` (biases on q/k/v only), ``"mistral"`` (a sliding window) or ``"llama"``; else ``None``."""
     if c.model != "decoder" or c.mixer != "attention" or c.positions != "rope":
         return None
+    if c.norm == "layernorm" and c.ffn == "mlp":
+        return None                                      # GPT-NeoX's (gpt_neox.py)
     if c.qkv_bias and not c.bias:
         return "qwen2"
     return "mistral" if c.sliding_window is not None else "llama"
