@@ -116,14 +116,16 @@ def test_recipes_fill_only_what_is_unset():
     assert resolve_recipe("auto", "tiny", "mamba") == "classic"
     model, train = apply_recipe("auto", "tiny", {"activation": "gelu"}, {"optimizer": "muon"})
     assert model["activation"] == "gelu" and model["zero_init_residual"] is True and train["optimizer"] == "muon"
-    assert train["schedule"] == "wsd" and train["recipe"] == "fast" and train["lr"] == pytest.approx(4e-3)
-    assert apply_recipe("auto", "shakespeare-char", {}, {})[1]["lr"] == pytest.approx(4e-3 / 3)   # d = 384
+    assert train["schedule"] == "wsd" and train["recipe"] == "fast" and train["lr"] == pytest.approx(3e-3)
+    assert model["positions"] == "rope" and train["beta2"] == 0.95
+    assert apply_recipe("auto", "shakespeare-char", {}, {})[1]["lr"] == pytest.approx(3e-3 / 3)   # d = 384
     assert apply_recipe("auto", "tiny", {"d_model": 256}, {"lr": 1e-3})[1]["lr"] == 1e-3
-    assert apply_recipe("auto", "tiny", {"d_model": 32}, {})[1]["lr"] == pytest.approx(4e-3)   # never above
+    assert apply_recipe("auto", "tiny", {"d_model": 32}, {})[1]["lr"] == pytest.approx(3e-3)   # never above
     model, train = apply_recipe("classic", "tiny", {}, {})
     assert model == {} and train == {"recipe": "classic"}
+    assert apply_recipe("auto", "tiny", {"positions": "learned"}, {})[0]["positions"] == "learned"
     model, _ = apply_recipe("fast", "gpt2-124m", {}, {})
-    assert "activation" not in model                                       # the preset fixes gelu_tanh
+    assert "activation" not in model and "positions" not in model          # the preset fixes gelu_tanh, learned
     with pytest.raises(ConfigError):
         resolve_recipe("speedrun", "tiny")
 
