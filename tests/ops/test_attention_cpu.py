@@ -158,3 +158,16 @@ def test_a_model_trains_the_same_through_the_kernels_and_through_torch(monkeypat
     assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
         assert (a.grad - b.grad).abs().max() < TOL, name
+
+
+def test_bf16_training_attention_runs_the_kernel_in_float32(monkeypatch):
+    """Under bf16 (autocast's inputs) a training call upcasts to float32 and takes the kernel there;
+    the result, rounded to bf16, is the float64 reference's to bf16's resolution."""
+    calls = []
+    monkeypatch.setattr(attention_cpu._Attend, "apply",
+                        (lambda f: lambda *a: calls.append(1) or f(*a))(attention_cpu._Attend.apply))
+    q, k, v = (torch.randn(2, 4, 32, 16).bfloat16().requires_grad_() for _ in range(3))
+    out = scaled_dot_product_attention(q, k, v, causal=True)
+    out.float().sum().backward()
+    assert calls and out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
+    assert (out.double() - reference(q, k, v, True, 0.25)).abs().max() < 2e-2

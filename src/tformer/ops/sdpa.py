@@ -252,8 +252,11 @@ def _torch_attention(q, k, v, mask, bias, causal, window, scale, dropout_p):
         # PyTorch 2.13's CPU flash kernel is slower in bf16 than in fp32 once its backward counts (measured
         # fwd+bwd at (12, 4, 64, 32): 7.5 ms against 1.6 ms; docs/training.md): train it in fp32.
         with torch.autocast("cpu", enabled=False):
-            args = (t.float() for t in (q, k, v))
+            args = [t.float() for t in (q, k, v)]
             fbias = None if bias is None else bias.float()
+            if attention_cpu.serves(*args, mask=mask, bias=bias, causal=causal, window=window, dropout_p=dropout_p) \
+                    is None and attention_cpu.load() is not None:      # and tformer's kernel where it takes it
+                return attention_cpu.short_attention(*args, None, None, causal, None, scale, 0.0).to(q.dtype)
             return _torch_attention(*args, mask, fbias, causal, window, scale, dropout_p).to(q.dtype)
     # The fused kernel's own is_causal is top-left aligned: only use it when that is the same thing.
     if mask is None and bias is None and window is None and causal and n == m:
