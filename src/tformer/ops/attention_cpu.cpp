@@ -55,28 +55,34 @@ T_256 inline float dot(const float* a, const float* b, int64_t D) {
   return hsum(acc);
 }
 
+// The register tile both products below use: two rows of 32 float32 accumulators, a += x r[0:32] and
+// b += y r[0:32] per step, so each load of r feeds two FMAs and eight chains cover the FMA latency.
+struct Tile2x32 {
+  __m256 a[4], b[4];
+  T_256 Tile2x32() { for (int i = 0; i < 4; ++i) a[i] = b[i] = _mm256_setzero_ps(); }
+  T_256 void fma(const float* r, const float* x, const float* y) {
+    const __m256 xv = _mm256_broadcast_ss(x), yv = _mm256_broadcast_ss(y);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 m = _mm256_loadu_ps(r + 8 * i);
+      a[i] = _mm256_fmadd_ps(xv, m, a[i]);
+      b[i] = _mm256_fmadd_ps(yv, m, b[i]);
+    }
+  }
+  T_256 void store(float* oa, float* ob) const {
+    for (int i = 0; i < 4; ++i) { _mm256_storeu_ps(oa + 8 * i, a[i]); _mm256_storeu_ps(ob + 8 * i, b[i]); }
+  }
+};
+
 // Two rows a, b against the columns j < m8 (a multiple of 8) of mt (D, ld): sa[j] = a . mt[:, j],
 // sb[j] = b . mt[:, j]. Four 8-column groups per row, two rows: eight independent FMA chains (enough
-// to cover the FMA latency) sharing each load of mt.
+// to cover the FMA latency, Tile2x32) sharing each load of mt.
 T_256 void dots2(const float* a, const float* b, const float* mt, int64_t ld, int64_t D, int64_t m8,
                  float* sa, float* sb) {
   int64_t j = 0;
   for (; j + 32 <= m8; j += 32) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t d = 0; d < D; ++d) {
-      const float* r = mt + d * ld + j;
-      const __m256 m0 = _mm256_loadu_ps(r), m1 = _mm256_loadu_ps(r + 8);
-      const __m256 m2 = _mm256_loadu_ps(r + 16), m3 = _mm256_loadu_ps(r + 24);
-      const __m256 x = _mm256_broadcast_ss(a + d), y = _mm256_broadcast_ss(b + d);
-      a0 = _mm256_fmadd_ps(x, m0, a0); a1 = _mm256_fmadd_ps(x, m1, a1);
-      a2 = _mm256_fmadd_ps(x, m2, a2); a3 = _mm256_fmadd_ps(x, m3, a3);
-      b0 = _mm256_fmadd_ps(y, m0, b0); b1 = _mm256_fmadd_ps(y, m1, b1);
-      b2 = _mm256_fmadd_ps(y, m2, b2); b3 = _mm256_fmadd_ps(y, m3, b3);
-    }
-    _mm256_storeu_ps(sa + j, a0); _mm256_storeu_ps(sa + j + 8, a1);
-    _mm256_storeu_ps(sa + j + 16, a2); _mm256_storeu_ps(sa + j + 24, a3);
-    _mm256_storeu_ps(sb + j, b0); _mm256_storeu_ps(sb + j + 8, b1);
-    _mm256_storeu_ps(sb + j + 16, b2); _mm256_storeu_ps(sb + j + 24, b3);
+    Tile2x32 t;
+    for (int64_t d = 0; d < D; ++d) t.fma(mt + d * ld + j, a + d, b + d);
+    t.store(sa + j, sb + j);
   }
   for (; j < m8; j += 8) {                       // the last < 32 columns: even and odd d apart, 4 chains
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
@@ -98,21 +104,9 @@ T_256 void combine2(const float* pa, const float* pb, int64_t ps, const float* r
                     int64_t lim, float* oa, float* ob) {
   int64_t d = 0;
   for (; d + 32 <= D; d += 32) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t j = 0; j < lim; ++j) {
-      const float* r = rows + j * ldr + d;
-      const __m256 m0 = _mm256_loadu_ps(r), m1 = _mm256_loadu_ps(r + 8);
-      const __m256 m2 = _mm256_loadu_ps(r + 16), m3 = _mm256_loadu_ps(r + 24);
-      const __m256 x = _mm256_broadcast_ss(pa + j * ps), y = _mm256_broadcast_ss(pb + j * ps);
-      a0 = _mm256_fmadd_ps(x, m0, a0); a1 = _mm256_fmadd_ps(x, m1, a1);
-      a2 = _mm256_fmadd_ps(x, m2, a2); a3 = _mm256_fmadd_ps(x, m3, a3);
-      b0 = _mm256_fmadd_ps(y, m0, b0); b1 = _mm256_fmadd_ps(y, m1, b1);
-      b2 = _mm256_fmadd_ps(y, m2, b2); b3 = _mm256_fmadd_ps(y, m3, b3);
-    }
-    _mm256_storeu_ps(oa + d, a0); _mm256_storeu_ps(oa + d + 8, a1);
-    _mm256_storeu_ps(oa + d + 16, a2); _mm256_storeu_ps(oa + d + 24, a3);
-    _mm256_storeu_ps(ob + d, b0); _mm256_storeu_ps(ob + d + 8, b1);
-    _mm256_storeu_ps(ob + d + 16, b2); _mm256_storeu_ps(ob + d + 24, b3);
+    Tile2x32 t;
+    for (int64_t j = 0; j < lim; ++j) t.fma(rows + j * ldr + d, pa + j * ps, pb + j * ps);
+    t.store(oa + d, ob + d);
   }
   for (; d < D; d += 8) {                        // the last < 32 of d: even and odd j apart, 4 chains
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
