@@ -90,12 +90,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """Rotate ``x (B, nh, T, hs)`` by ``positions`` ``(T,)`` or ``(B, T)`` (all below the table length)."""
         cos, sin = self.cos[positions], self.sin[positions]                 # (T, hs) or (B, T, hs)
+        if attention_cpu.rotates(x, cos):                                   # a training step on the CPU:
+            return attention_cpu.rotate(x, cos, sin)                        # one pass each way, not eight ops
         if cos.dim() == 3:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                   # (B, 1, T, hs)
-        if cos.dim() == 3 and attention_cpu.rotates(x, cos.squeeze(1)):    # a training step on the CPU:
-            return attention_cpu.rotate(x, cos.squeeze(1), sin.squeeze(1))    # one pass, not eight ops
-        if cos.dim() == 2 and attention_cpu.rotates(x, cos):
-            return attention_cpu.rotate(x, cos, sin)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)        # rotate_half(x)
