@@ -98,8 +98,11 @@ def test_auto_takes_it_in_training_steps_only():
     assert choose_backend(q, k, causal=True, dropout_p=0.1)[0] == "torch"
     assert choose_backend(q.double(), k.double(), causal=True)[0] == "torch"
     assert choose_backend(torch.randn(1, 1, 8, 12, requires_grad=True), torch.randn(1, 1, 8, 12))[0] == "torch"
-    long = torch.randn(1, 1, attention_cpu.MAX_KEYS + 1, 8)
+    long = torch.randn(1, 1, attention_cpu.AUTO_MAX_KEYS + 1, 8)      # served, but slower than PyTorch's there
+    assert attention_cpu.serves(long, long, long, causal=True) is None
     assert choose_backend(long.requires_grad_(), long.detach(), causal=True)[0] == "torch"
+    longest = torch.randn(1, 1, attention_cpu.MAX_KEYS + 1, 8)
+    assert attention_cpu.serves(longest, longest, longest, causal=True) is not None
 
 
 def test_values_of_another_width_fall_back_under_auto():

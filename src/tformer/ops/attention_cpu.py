@@ -11,8 +11,8 @@ It serves a request when :func:`serves` says so (float32 on the CPU, no mask, bi
 dropout; causal with ``n <= m`` or full; a head size that is a multiple of 8, at most
 :data:`MAX_HEAD`; at most :data:`MAX_KEYS` keys) and the library builds here (AVX2 + FMA, a C++
 compiler; :data:`STATUS` says why not). ``"auto"`` in :func:`~tformer.ops.sdpa.choose_backend`
-takes it for such requests under autograd (a training step), where it was measured faster than
-PyTorch's fused kernel (docs/training.md); inference keeps PyTorch's.
+takes it for such requests under autograd (a training step) up to :data:`AUTO_MAX_KEYS` keys, where it
+was measured faster than PyTorch's fused kernel (docs/training.md); inference keeps PyTorch's.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ _LOCK = threading.Lock()
 _OP: list = []
 MAX_KEYS = 1024                       # per-task row buffers; above this the tiled kernels fit better
 MAX_HEAD = 256
+# ``auto`` takes the kernel up to this many keys: fwd+bwd against PyTorch's fused kernel, 2 threads, held to
+# AVX2: 0.84x its time at (64, 6, 256, 64), 0.84x at (4, 8, 512, 64), 0.99x at (4, 8, 512, 128), but 2.06x
+# at (2, 8, 1024, 64), where a head's rows no longer fit the caches whole.
+AUTO_MAX_KEYS = 512
 
 
 def _build():
@@ -79,6 +83,12 @@ def serves(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, causal: boo
     if m > MAX_KEYS or m == 0:
         return f"{m} keys (it takes 1 to {MAX_KEYS})"
     return None
+
+
+def preferred(q: Tensor, k: Tensor, v: Tensor, **request) -> bool:
+    """Whether ``auto`` should take the kernel for this request: it :func:`serves` it, at most
+    :data:`AUTO_MAX_KEYS` keys (where it measured faster), and the library is built here."""
+    return serves(q, k, v, **request) is None and k.shape[-2] <= AUTO_MAX_KEYS and load() is not None
 
 
 class _Attend(torch.autograd.Function):

@@ -149,8 +149,7 @@ def choose_backend(
     if causal and mask is not None and n > 1:
         needs.append("causal mask combined with key padding")
     if not needs:
-        if _training(q, k) and attention_cpu.serves(q, k, k, mask=mask, causal=causal, dropout_p=dropout_p) is None \
-                and attention_cpu.load() is not None:
+        if _training(q, k) and attention_cpu.preferred(q, k, k, mask=mask, causal=causal, dropout_p=dropout_p):
             return "short", ("a training step over short sequences on the CPU: tformer's kernel, which holds a "
                              "head's whole score matrix in L1 (measured faster than PyTorch's here)")
         return "torch", "PyTorch's fused kernel serves this request without a dense (n, m) mask or bias"
@@ -254,8 +253,7 @@ def _torch_attention(q, k, v, mask, bias, causal, window, scale, dropout_p):
         with torch.autocast("cpu", enabled=False):
             args = [t.float() for t in (q, k, v)]
             fbias = None if bias is None else bias.float()
-            if attention_cpu.serves(*args, mask=mask, bias=bias, causal=causal, window=window, dropout_p=dropout_p) \
-                    is None and attention_cpu.load() is not None:      # and tformer's kernel where it takes it
+            if attention_cpu.preferred(*args, mask=mask, bias=bias, causal=causal, window=window, dropout_p=dropout_p):
                 return attention_cpu.short_attention(*args, None, None, causal, None, scale, 0.0).to(q.dtype)
             return _torch_attention(*args, mask, fbias, causal, window, scale, dropout_p).to(q.dtype)
     # The fused kernel's own is_causal is top-left aligned: only use it when that is the same thing.
