@@ -44,7 +44,8 @@ def relu_squared(x: Tensor) -> Tensor:
     """ReLU(x)² (So et al., 2021, "Primer"): zero for x < 0, x² above; its derivative 2·ReLU(x) is
     continuous, unlike ReLU's step, and it is sparse like ReLU. float32 on a CPU takes tformer's kernel
     (one pass each way; the same floats bit for bit, since ×2 is exact): inside a 4L/128 training step
-    (fp32, torch held to AVX2) 0.9 ms a step less than the four passes of :class:`_ReLUSquared`."""
+    (fp32, torch held to AVX2) 0.4-2.4 ms a step less than the four passes of :class:`_ReLUSquared`
+    (three A/B runs, benchmarks/training/cpu_kernels.py and by hand)."""
     if relu2_cpu.serves(x):
         return relu2_cpu.ReLUSquared.apply(x)
     return _ReLUSquared.apply(x)
