@@ -13,9 +13,9 @@
   / 1.8849 with it and 1.8777 / 1.9019 / 1.9091 with learned positions (lr 4e-3 both); 3e-3 then gave
   1.8138 / 1.8261 / 1.8664, and beta2 0.95 with it 1.7911 / 1.8166 / 1.8362 (at 875 steps 1.8188 / 1.8470 /
   1.8616). Its rotation, one pass each way (:mod:`tformer.ops.attention_cpu`),
-  costs 34.8 against 34.1 ms a step with learned positions (4.4 ms more as the eight-op formula). With RoPE the model is no longer a GPT-2: ``tformer convert --to
-  hf`` refuses it by name; ``--set positions=learned`` keeps an exportable GPT-2 (about 1,250 steps to
-  the same loss instead of 1,000). Muon (``optimizer=muon``) is not in it: its
+  costs 34.8 against 34.1 ms a step with learned positions (4.4 ms more as the eight-op formula). With RoPE the model is a GPT-NeoX, not a GPT-2 (``tformer convert --to-hf``
+  writes ``gpt_neox``); ``--set positions=learned`` keeps a GPT-2 (1,250 steps to the target on the
+  previous recipe, against 875 now). Muon (``optimizer=muon``) is not in it: its
   Newton–Schulz iteration costs about as many FLOPs as the forward and backward at 768 tokens a
   step, so on a CPU at 4L/128 a step took twice the time, more than the steps it saved. QK-norm and the
   soft-capped head (``qk_norm``, ``logit_softcap``) are switches a user turns on: at this size they
