@@ -10,6 +10,12 @@
 2. The fast recipe's training step at 4L/128 (RoPE; fp32; ``Trainer._train_step``) with each kernel
    turned off in turn (the attention kernel, RoPE's one-pass rotation, ReLU²'s), each variant its own
    trainer on the same batches, toggled per block.
+3. nanoGPT's recipe (``recipe=classic``: exact GELU, learned positions) the same way, with the
+   attention kernel turned off; then with GPT-2's tanh GELU, with its kernel (ops/gelu_tanh_cpu.cpp)
+   turned off. And that kernel alone against ``F.gelu(approximate="tanh")`` at 768 x 512.
+4. nanoGPT's own training step (``../shared/peers/nanoGPT/model.py``, where it is) against tformer's
+   ``recipe=classic`` step, alternated in one process, beside the step's 51 GEMMs alone: the floor
+   the same-recipe comparison shares.
 
 Criterion stated before the run: a kernel stays the default where it is not slower than what it
 replaces (ratio <= 1.00 here); ``auto`` takes the attention kernel up to ``AUTO_MAX_KEYS`` keys.
@@ -31,12 +37,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.record import Run, results_dir  # noqa: E402
-from tformer.ops import attention_cpu, relu2_cpu  # noqa: E402
+from tformer.ops import attention_cpu, gelu_tanh_cpu, relu2_cpu  # noqa: E402
 from tformer.training.trainer import Trainer  # noqa: E402
 
 SHAPES = [(12, 4, 64, 32), (16, 6, 128, 64), (4, 8, 512, 64), (2, 8, 1024, 64)]
 STEP = dict(n_layers=4, n_heads=4, d_model=128, context_length=64, dropout=0.0, bias=False, batch_size=12,
             eval_interval=10**6, sample_tokens=0, progress=False, device="cpu", precision="fp32", positions="rope")
+CLASSIC = {**{k: v for k, v in STEP.items() if k != "positions"}, "recipe": "classic"}
 ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
@@ -61,27 +68,36 @@ def attention_times(shape, rounds: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def step_times(data: str, threads: int, blocks: int, steps: int) -> dict[str, float]:
-    """Median seconds of a training step with every kernel, and with each (then all) turned off."""
-    serves, rotates = relu2_cpu.serves, attention_cpu.rotates
-    variants = {"all kernels": (True, True, True), "no ReLU² kernel": (False, True, True),
-                "no attention kernel": (True, False, True), "no one-pass RoPE": (True, True, False),
-                "no kernel": (False, False, False)}
+KERNELS = ("relu2", "attention", "rope", "gelu")
+FAST_VARIANTS = {"all kernels": KERNELS, "no ReLU² kernel": ("attention", "rope", "gelu"),
+                 "no attention kernel": ("relu2", "rope", "gelu"), "no one-pass RoPE": ("relu2", "attention", "gelu"),
+                 "no kernel": ()}
+CLASSIC_VARIANTS = {"all kernels": KERNELS, "no attention kernel": ("relu2", "rope", "gelu")}
+TANH_VARIANTS = {"all kernels": KERNELS, "no tanh-GELU kernel": ("relu2", "attention", "rope")}
+
+
+def step_times(data: str, threads: int, blocks: int, steps: int, settings: dict,
+               variants: dict[str, tuple[str, ...]]) -> dict[str, float]:
+    """Median seconds of a training step under ``settings`` for each variant (the kernels it keeps on),
+    each variant its own trainer on the same batches, toggled per block."""
+    serves = {"relu2": relu2_cpu.serves, "rope": attention_cpu.rotates, "gelu": gelu_tanh_cpu.serves}
+    off = {"relu2": lambda x: False, "rope": lambda x, cos: False, "gelu": lambda x: False}
+    homes = {"relu2": relu2_cpu, "rope": attention_cpu, "gelu": gelu_tanh_cpu}
+    names = {"relu2": "serves", "rope": "rotates", "gelu": "serves"}
     tmp = tempfile.mkdtemp(prefix="tformer-kernels-")
     trainers = {}
-    for name, (_, attention, _) in variants.items():
-        tr = Trainer.create({**STEP, "threads": threads, "data": data, "cache_dir": f"{tmp}/cache",
+    for name, on in variants.items():
+        tr = Trainer.create({**settings, "threads": threads, "data": data, "cache_dir": f"{tmp}/cache",
                              "out_dir": f"{tmp}/{len(trainers)}"}, log=lambda m: None)
-        if not attention:
+        if "attention" not in on:
             for m in tr.model.modules():
                 if isinstance(getattr(m, "backend", None), str):
                     m.backend = "torch"
         trainers[name] = tr
 
     def use(name):
-        relu2, _, rope = variants[name]
-        relu2_cpu.serves = serves if relu2 else (lambda x: False)
-        attention_cpu.rotates = rotates if rope else (lambda x, cos: False)
+        for k in serves:
+            setattr(homes[k], names[k], serves[k] if k in variants[name] else off[k])
 
     times = {name: [] for name in variants}
     try:
@@ -99,8 +115,82 @@ def step_times(data: str, threads: int, blocks: int, steps: int) -> dict[str, fl
                     tr.step += 1
                 times[name].append((time.perf_counter() - t) / steps)
     finally:
-        relu2_cpu.serves, attention_cpu.rotates = serves, rotates
+        for k in serves:
+            setattr(homes[k], names[k], serves[k])
     return {name: statistics.median(v) for name, v in times.items()}
+
+
+def gelu_tanh_times(rounds: int) -> dict[str, float]:
+    """Median seconds of the tanh GELU forward and backward at the 4L/128 MLP's activation (768 x 512),
+    PyTorch's and the kernel's, alternated."""
+    x, g = torch.randn(768, 512), torch.randn(768, 512)
+    op = gelu_tanh_cpu.load()
+    calls = {"torch forward": lambda: F.gelu(x, approximate="tanh"), "kernel forward": lambda: op.gelu_tanh(x),
+             "torch backward": lambda: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
+             "kernel backward": lambda: op.gelu_tanh_backward(g, x)}
+    times = {name: [] for name in calls}
+    for f in calls.values():
+        for _ in range(20):
+            f()
+    for _ in range(rounds):
+        for name, f in calls.items():
+            t = time.perf_counter()
+            for _ in range(200):
+                f()
+            times[name].append((time.perf_counter() - t) / 200)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def nanogpt_step_times(data: str, threads: int, blocks: int, steps: int, nanogpt: Path) -> dict[str, float]:
+    """Median seconds of nanoGPT's own training step (its ``model.py``, its AdamW groups, clipping at
+    1.0) against tformer's ``recipe=classic`` step at 4L/128, alternated per block in one process, and
+    of the step's 51 GEMMs alone at their shapes (hot in cache: a floor both programs share)."""
+    sys.path.insert(0, str(nanogpt))
+    from model import GPT, GPTConfig                                # nanoGPT's, unmodified
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=65, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False))
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    x, y = torch.randint(0, 65, (12, 64)), torch.randint(0, 65, (12, 64))
+
+    def nano():
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    tmp = tempfile.mkdtemp(prefix="tformer-kernels-")
+    tr = Trainer.create({**CLASSIC, "threads": threads, "data": data, "cache_dir": f"{tmp}/cache",
+                         "out_dir": f"{tmp}/o"}, log=lambda m: None)
+
+    def ours():
+        tr._train_step(1e-3)
+        tr.step += 1
+
+    gemms = []                                                      # (a, b) of every product in a step
+    for fan_in, fan_out, n in ((128, 384, 4), (128, 128, 4), (128, 512, 4), (512, 128, 4), (128, 65, 1)):
+        gemms += [(torch.randn(768, fan_in), torch.randn(fan_in, fan_out)),       # forward
+                  (torch.randn(768, fan_out), torch.randn(fan_out, fan_in)),      # input gradient
+                  (torch.randn(fan_out, 768), torch.randn(768, fan_in))] * n      # weight gradient
+
+    def products():
+        for a, b in gemms:
+            torch.mm(a, b)
+
+    calls = {"nanoGPT": nano, "tformer": ours, "the step's GEMMs alone": products}
+    times = {name: [] for name in calls}
+    for f in calls.values():
+        for _ in range(10):
+            f()
+    for _ in range(blocks):
+        for name, f in calls.items():
+            t = time.perf_counter()
+            for _ in range(steps):
+                f()
+            times[name].append((time.perf_counter() - t) / steps)
+    flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in gemms)
+    return {**{name: statistics.median(v) for name, v in times.items()}, "gemm_flops": flops}
 
 
 def main() -> int:
@@ -115,9 +205,9 @@ def main() -> int:
     ap.add_argument("--tag", default="", help="suffix of the results file (e.g. avx2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if attention_cpu.load() is None or relu2_cpu.load() is None:
+    if attention_cpu.load() is None or relu2_cpu.load() is None or gelu_tanh_cpu.load() is None:
         print(f"error: the kernels are not built here ({attention_cpu.STATUS.get('state')}; "
-              f"{relu2_cpu.STATUS.get('state')})", file=sys.stderr)
+              f"{relu2_cpu.STATUS.get('state')}; {gelu_tanh_cpu.STATUS.get('state')})", file=sys.stderr)
         return 2
     run = Run()
     held = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
@@ -132,12 +222,37 @@ def main() -> int:
         auto = "yes" if shape[2] <= attention_cpu.AUTO_MAX_KEYS else "no"
         lines.append(f"| {shape} | {1e3 * t['torch']:.2f} | {1e3 * t['short']:.2f} | {t['short'] / t['torch']:.2f}x | {auto} |")
         print(lines[-1], flush=True)
-    steps = step_times(args.data, args.threads, args.blocks, args.steps)
-    base = steps["all kernels"]
-    lines += ["", f"## The fast recipe's step, 4L/128, fp32, RoPE ({args.blocks} alternated blocks of {args.steps} "
-                  "steps, medians)", "", "| variant | ms/step | vs all kernels |", "|---|---:|---:|"]
-    for name, v in steps.items():
-        lines.append(f"| {name} | {1e3 * v:.1f} | {1e3 * (v - base):+.1f} ms |")
+    gt = gelu_tanh_times(args.rounds)
+    lines += ["", f"## GPT-2's tanh GELU at 768 x 512, float32 ({args.rounds} alternated rounds of 200 calls, medians)", "",
+              "| pass | `F.gelu` (µs) | kernel (µs) | ratio |", "|---|---:|---:|---:|"]
+    for p in ("forward", "backward"):
+        lines.append(f"| {p} | {1e6 * gt['torch ' + p]:.0f} | {1e6 * gt['kernel ' + p]:.0f} | "
+                     f"{gt['kernel ' + p] / gt['torch ' + p]:.2f}x |")
+    print("\n".join(lines[-4:]), flush=True)
+    for title, settings, variants in (("The fast recipe's step, 4L/128, fp32, RoPE", STEP, FAST_VARIANTS),
+                                      ("nanoGPT's recipe (`recipe=classic`: exact GELU, learned positions), 4L/128, fp32",
+                                       CLASSIC, CLASSIC_VARIANTS),
+                                      ("The same with GPT-2's tanh GELU (`activation=gelu_tanh`)",
+                                       {**CLASSIC, "activation": "gelu_tanh"}, TANH_VARIANTS)):
+        steps = step_times(args.data, args.threads, args.blocks, args.steps, settings, variants)
+        base = steps["all kernels"]
+        lines += ["", f"## {title} ({args.blocks} alternated blocks of {args.steps} steps, medians)", "",
+                  "| variant | ms/step | vs all kernels |", "|---|---:|---:|"]
+        for name, v in steps.items():
+            lines.append(f"| {name} | {1e3 * v:.1f} | {1e3 * (v - base):+.1f} ms |")
+        print("\n".join(lines[-len(steps) - 4:]), flush=True)
+    nanogpt = Path(args.data).parents[1] / "peers" / "nanoGPT"
+    if (nanogpt / "model.py").exists():
+        t = nanogpt_step_times(args.data, args.threads, args.blocks, args.steps, nanogpt)
+        lines += ["", f"## nanoGPT's step against tformer's `recipe=classic` step, 4L/128, fp32, one process "
+                      f"({args.blocks} alternated blocks of {args.steps} steps, medians)", "",
+                  "| step | ms/step | vs nanoGPT's |", "|---|---:|---:|"]
+        for name in ("nanoGPT", "tformer", "the step's GEMMs alone"):
+            lines.append(f"| {name} | {1e3 * t[name]:.1f} | {t[name] / t['nanoGPT']:.2f}x |")
+        lines += ["", f"The GEMMs alone: {t['gemm_flops'] / 1e9:.2f} GFLOP a step at "
+                      f"{t['gemm_flops'] / t['the step' + chr(39) + 's GEMMs alone'] / 1e9:.0f} GFLOP/s, hot in cache; "
+                      "both programs run the same products through the same library."]
+        print("\n".join(lines[-7:]), flush=True)
     name = "cpu_kernels" + (f"-{args.tag}" if args.tag else "")
     run.write(results_dir("training") / f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))

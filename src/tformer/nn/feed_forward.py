@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tformer.config import TransformerConfig
 from tformer.nn.markers import mark_residual
-from tformer.ops import relu2_cpu
+from tformer.ops import gelu_tanh_cpu, relu2_cpu
 
 Tensor = torch.Tensor
 
@@ -53,7 +53,7 @@ def relu_squared(x: Tensor) -> Tensor:
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),                      # exact erf form (BERT, Vaswani-era GELU)
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's approximation
+    "gelu_tanh": lambda x: gelu_tanh_cpu.gelu_tanh(x),  # GPT-2's approximation (the CPU kernel in training)
     "relu": F.relu,
     "silu": F.silu,
     "relu2": lambda x: relu_squared(x),
