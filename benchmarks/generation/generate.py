@@ -60,6 +60,11 @@ def base_model(config: TransformerConfig) -> DecoderLM:
     return DecoderLM(config).eval()
 
 
+def one_by_one_of(row: dict) -> bool:
+    """Whether a llama.cpp row's prompt went in one token at a time (its prefill is not comparable)."""
+    return "one token at a time" in RAN.get(row["name"], "")
+
+
 def gguf_files(base: DecoderLM, kinds: list[str]) -> dict[str, Path]:
     """The GGUF of ``base`` per type, exported once into GGUF_DIR (a stamp file names the weights' seed)."""
     from tformer.interop.llama_cpp import export
@@ -148,18 +153,20 @@ def gpt2_contenders(args, parity_rows: list) -> dict:
     except ImportError:
         print("llama-cpp-python is not installed (pip install '.[bench]'): no llama.cpp rows", file=sys.stderr)
     else:
-        from tformer.interop.llama_cpp import LlamaCpp
+        from tformer.interop.llama_cpp import LlamaCpp, build_info
 
+        built = build_info()
         files = gguf_files(base, args.llama_types)
         parity_rows.append(llama_cpp_parity(base, files["f32"], ids[:, :32]) if "f32" in files else {})
         for kind, path in files.items():
             # With q8_0 / q4_0 weights repacked (llama.cpp's default), a batch of more than one token stops
-            # this llama.cpp build (0.3.36, built from PyPI here) with a general protection fault in
-            # libggml-cpu on this CPU (AMX-INT8): that prompt goes in one token at a time (its prefill is
-            # not comparable); the same file with the repacking off takes the prompt as one batch.
+            # this llama.cpp build (0.3.36, built from PyPI here for the native CPU) with a general
+            # protection fault in libggml-cpu's AMX-INT8 path: that prompt goes in one token at a time (its
+            # prefill is not comparable); the same file with the repacking off takes the prompt as one
+            # batch. A build without AMX (e.g. for AVX2 only) takes the repacked prompt as one batch.
             blocks = kind in ("q8_0", "q4_0")
             for repack in ((True, False) if blocks else (True,)):
-                one_by_one = blocks and repack
+                one_by_one = blocks and repack and "AMX" in built
                 cpp = LlamaCpp(path, n_ctx=args.prompt + n, threads=args.threads, n_batch=1 if one_by_one else None,
                                repack=repack)
                 prompt = ids[0].tolist()
@@ -322,6 +329,11 @@ def main() -> None:
     bandwidth = read_bandwidth()
     lines.append(f"measured read bandwidth (x.sum() over 512 MB, best of 9): {bandwidth:.1f} GB/s\n")
     print(lines[-1], file=sys.stderr)
+    try:
+        from tformer.interop.llama_cpp import build_info
+        lines.append(f"llama.cpp: {build_info()}\n")
+    except ImportError:
+        pass
 
     if "gpt2" not in args.skip:
         from tformer.quant import kernels
@@ -341,13 +353,17 @@ def main() -> None:
                   f"{args.new_tokens} new tokens, greedy; median of {args.repeats} alternated rounds "
                   f"(decode: range over rounds; no cache: {args.nocache_tokens} new tokens, 1 run)\n",
                   "| contender | MB read per token | prefill tok/s | decode tok/s (range) | decode share of read bw | "
-                  "decode x llama.cpp same type (its default) | prefill x llama.cpp (prompt batched: block types "
-                  "with the repacking off) | end-to-end x HF | kernel |",
+                  "decode x llama.cpp same type (its default) | prefill x llama.cpp (its faster row with the "
+                  "prompt batched) | end-to-end x HF | kernel |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             kind = r["name"].split()[-1]
             peer = by.get(f"llama.cpp {MATCH.get(kind, '-')}") if r["name"].startswith("tformer") else None
-            batched = by.get(f"llama.cpp {MATCH.get(kind, '-')}{REPACK_OFF}", peer) if peer else None   # prompt in one batch
+            # prefill's peer: the faster of llama.cpp's rows whose prompt went in as one batch (with AMX in
+            # the build the repacked row is fed token by token and only the repack-off row counts)
+            off = by.get(f"llama.cpp {MATCH.get(kind, '-')}{REPACK_OFF}") if peer else None
+            fed = [c for c in (peer, off) if c and "prefill" in c and not one_by_one_of(c)]
+            batched = max(fed, key=lambda c: c["prefill"]) if fed else None
             ratio_dec = f"{r['decode'] / peer['decode']:.2f}" if peer and "decode" in r else "-"
             ratio_pre = f"{r['prefill'] / batched['prefill']:.2f}" if batched and "prefill" in r else "-"
             dec = f"{r['decode']:.1f} ({r['decode_range'][0]:.1f}-{r['decode_range'][1]:.1f})" if "decode" in r else "-"

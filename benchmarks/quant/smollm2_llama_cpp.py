@@ -43,7 +43,7 @@ import torch
 from tformer.generation.step import decode_step, prefill
 from tformer.interop.builtin import builtin_path
 from tformer.interop.gguf_import import load_gguf
-from tformer.interop.llama_cpp import LlamaCpp
+from tformer.interop.llama_cpp import LlamaCpp, build_info
 from tformer.quant import qgemv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
@@ -171,7 +171,7 @@ def main() -> None:
     bw = read_bandwidth()
     med = lambda xs: statistics.median(xs)  # noqa: E731
     lines = [f"# SmolLM2-135M in GGUF blocks: tformer vs llama.cpp, same files ({args.threads} thread(s))", "",
-             f"tformer kernel path: {qgemv.path()}; llama-cpp-python {__import__('llama_cpp').__version__}; "
+             f"tformer kernel path: {qgemv.path()}; {build_info()}; "
              f"{args.prompt}-token prefill, {args.new} decoded tokens, {args.rounds} alternated rounds; "
              f"measured read bandwidth {bw:.1f} GB/s (`read_bandwidth()`, best of 9).", "",
              "| format | tformer prefill tok/s | llama.cpp prefill | × | tformer decode tok/s | llama.cpp decode "

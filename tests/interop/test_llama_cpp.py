@@ -16,7 +16,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `bench` extra) is
 
 from tformer import DecoderLM, TransformerConfig  # noqa: E402
 from tformer.generation.generate import generate  # noqa: E402
-from tformer.interop.llama_cpp import LlamaCpp, export  # noqa: E402
+from tformer.interop.llama_cpp import LlamaCpp, build_info, export  # noqa: E402
 
 LAYOUTS = {
     "gpt2": dict(vocab_size=96, context_length=64, n_layers=2, n_heads=4, d_model=64, activation="gelu_tanh",
@@ -55,3 +55,11 @@ def test_llama_cpp_logits_and_greedy_tokens_equal_tformer(layout, tmp_path):
     np.testing.assert_allclose(theirs, ours, atol=1e-3, rtol=0)
     greedy = generate(model, prompt, 12, temperature=0)[0, 10:].tolist()
     assert cpp.generate(prompt[0].tolist(), 12) == greedy
+
+
+def test_build_info_names_the_version_the_folder_and_the_simd_features():
+    import llama_cpp
+
+    info = build_info()
+    assert info.startswith(f"llama-cpp-python {llama_cpp.__version__} (")
+    assert "built for: " in info and "AVX2 = " in info and "CPU :" not in info    # ggml's feature list, trimmed

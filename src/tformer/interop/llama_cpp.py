@@ -17,6 +17,16 @@ import torch
 from tformer.interop.gguf import save_gguf
 
 
+def build_info() -> str:
+    """Which llama.cpp this is: llama-cpp-python's version, where it was loaded from, and the SIMD
+    features its CPU backend was compiled for (``llama_print_system_info``), for a benchmark's record:
+    a build for AVX2 only and the default native build differ by as much as two CPUs do."""
+    import llama_cpp
+
+    features = llama_cpp.llama_print_system_info().decode().replace("CPU : ", "").strip(" |")
+    return f"llama-cpp-python {llama_cpp.__version__} ({Path(llama_cpp.__file__).parent}), built for: {features}"
+
+
 def export(model: torch.nn.Module, folder: Path, kinds: list[str], model_type: str | None = None) -> dict[str, Path]:
     """``model`` written as one GGUF per type in ``kinds`` (f32, f16, bf16, q8_0, q4_0): type -> path."""
     folder.mkdir(parents=True, exist_ok=True)
