@@ -68,11 +68,11 @@ def attention_times(shape, rounds: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-KERNELS = ("relu2", "attention", "rope", "gelu")
-FAST_VARIANTS = {"all kernels": KERNELS, "no ReLU² kernel": ("attention", "rope", "gelu"),
-                 "no attention kernel": ("relu2", "rope", "gelu"), "no one-pass RoPE": ("relu2", "attention", "gelu"),
+KERNELS = ("relu2", "attention", "rope", "gelu_tanh")
+FAST_VARIANTS = {"all kernels": KERNELS, "no ReLU² kernel": ("attention", "rope", "gelu_tanh"),
+                 "no attention kernel": ("relu2", "rope", "gelu_tanh"), "no one-pass RoPE": ("relu2", "attention", "gelu_tanh"),
                  "no kernel": ()}
-CLASSIC_VARIANTS = {"all kernels": KERNELS, "no attention kernel": ("relu2", "rope", "gelu")}
+CLASSIC_VARIANTS = {"all kernels": KERNELS, "no attention kernel": ("relu2", "rope", "gelu_tanh")}
 TANH_VARIANTS = {"all kernels": KERNELS, "no tanh-GELU kernel": ("relu2", "attention", "rope")}
 
 
@@ -80,10 +80,10 @@ def step_times(data: str, threads: int, blocks: int, steps: int, settings: dict,
                variants: dict[str, tuple[str, ...]]) -> dict[str, float]:
     """Median seconds of a training step under ``settings`` for each variant (the kernels it keeps on),
     each variant its own trainer on the same batches, toggled per block."""
-    serves = {"relu2": relu2_cpu.serves, "rope": attention_cpu.rotates, "gelu": gelu_tanh_cpu.serves}
-    off = {"relu2": lambda x: False, "rope": lambda x, cos: False, "gelu": lambda x: False}
-    homes = {"relu2": relu2_cpu, "rope": attention_cpu, "gelu": gelu_tanh_cpu}
-    names = {"relu2": "serves", "rope": "rotates", "gelu": "serves"}
+    serves = {"relu2": relu2_cpu.serves, "rope": attention_cpu.rotates, "gelu_tanh": gelu_tanh_cpu.serves}
+    off = {"relu2": lambda x: False, "rope": lambda x, cos: False, "gelu_tanh": lambda x: False}
+    homes = {"relu2": relu2_cpu, "rope": attention_cpu, "gelu_tanh": gelu_tanh_cpu}
+    names = {"relu2": "serves", "rope": "rotates", "gelu_tanh": "serves"}
     tmp = tempfile.mkdtemp(prefix="tformer-kernels-")
     trainers = {}
     for name, on in variants.items():
