@@ -31,7 +31,12 @@ ROOT = Path(__file__).resolve().parents[2]          # the repository
 RESULTS = ROOT / "benchmarks" / "results"
 RECORD_MARK = "<!-- recorded by benchmarks/common/record.py -->"
 BUSY_CORES = 0.3      # more than this much of a core used by others: the figures are noisy, and the record says so
-ENV_THAT_MATTERS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "TFORMER_DECODE_KERNEL", "PYTHONPATH")
+# Variables that change what a run measures: threads, the kernels chosen, and the instruction sets the
+# libraries may use (the AVX2 holds that emulate an AVX2-only CPU on a wider one); PYTHONPATH for what it
+# puts before src (e.g. a llama.cpp built for AVX2 only, benchmarks/common/llama_cpp_avx2.sh).
+ENV_THAT_MATTERS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "TFORMER_DECODE_KERNEL",
+                    "TFORMER_QGEMV_PATH", "TFORMER_GEMV_PATH", "TFORMER_NO_EXTENSION", "ONEDNN_MAX_CPU_ISA",
+                    "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "PYTHONPATH")
 
 
 def results_dir(topic: str) -> Path:
@@ -69,7 +74,12 @@ def command(argv: list[str] | None = None) -> str:
     except ValueError:
         pass
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in ENV_THAT_MATTERS if k in os.environ and k != "PYTHONPATH"]
-    return " ".join(env + ["PYTHONPATH=src", "python", shlex.quote(str(script))] + [shlex.quote(a) for a in argv[1:]])
+    src = str(ROOT / "src")
+    before = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+              if p and Path(p).resolve() != Path(src).resolve() and p != "src"]
+    path = os.pathsep.join([*before, "src"])                 # what came before the repository's src, then src
+    return " ".join(env + [f"PYTHONPATH={shlex.quote(path)}", "python", shlex.quote(str(script))]
+                    + [shlex.quote(a) for a in argv[1:]])
 
 
 class Run:

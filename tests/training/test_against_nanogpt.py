@@ -14,39 +14,17 @@ steps at lr 1e-3 (measured: weights 5e-7 apart with tformer's kernel, 4e-8 with 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from tformer.interop.nanogpt import state_from_nanogpt
 from tformer.training.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[2]
-NANOGPT = next((p / "peers" / "nanoGPT" for p in (ROOT.parent / "shared", ROOT.parent.parent / "shared")
-                if (p / "peers" / "nanoGPT" / "model.py").is_file()), None)
-pytestmark = pytest.mark.skipif(NANOGPT is None, reason="../shared/peers/nanoGPT is not here")
+from tests.peers import nanogpt_model, needs_nanogpt
+
+pytestmark = needs_nanogpt
 
 SHAPE = dict(n_layers=2, n_heads=4, d_model=64, context_length=32, batch_size=4)
-
-
-def _nanogpt_module():
-    spec = importlib.util.spec_from_file_location("nanogpt_model", NANOGPT / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _names(n_layers: int) -> dict[str, str]:
-    """tformer's parameter name -> nanoGPT's (both keep Linear's (out, in) layout; the qkv projection
-    is one [q; k; v] matrix in both; the head is tied to the token embedding in both)."""
-    names = {"tok_emb.weight": "transformer.wte.weight", "pos_emb.weight": "transformer.wpe.weight",
-             "final_norm.weight": "transformer.ln_f.weight"}
-    for i in range(n_layers):
-        for ours, theirs in (("attn_norm", "ln_1"), ("attn.qkv_proj", "attn.c_attn"), ("attn.out_proj", "attn.c_proj"),
-                             ("ffn_norm", "ln_2"), ("ffn.up", "mlp.c_fc"), ("ffn.down", "mlp.c_proj")):
-            names[f"blocks.{i}.{ours}.weight"] = f"transformer.h.{i}.{theirs}.weight"
-    return names
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])     # tformer's CPU attention kernel, and PyTorch's
@@ -58,18 +36,12 @@ def test_the_classic_step_follows_nanogpts_trajectory(tmp_path, backend):
                          "threads": 1, "sample_tokens": 0, "progress": False, "attention_backend": backend,
                          "data": str(tmp_path / "corpus.txt"), "out_dir": str(tmp_path / "run"),
                          "cache_dir": str(tmp_path / "cache")}, log=lambda m: None)
-    model = _nanogpt_module()
+    model = nanogpt_model()
     torch.manual_seed(1337)
     nano = model.GPT(model.GPTConfig(block_size=SHAPE["context_length"], vocab_size=tr.corpus.tokenizer.vocab_size,
                                      n_layer=SHAPE["n_layers"], n_head=SHAPE["n_heads"], n_embd=SHAPE["d_model"],
                                      dropout=0.0, bias=False))
-    names, theirs = _names(SHAPE["n_layers"]), dict(nano.named_parameters())
-    theirs["transformer.wte.weight"] = nano.transformer.wte.weight      # tied to lm_head, listed once
-    ours = dict(tr.model.named_parameters())
-    assert sorted(ours) == sorted(names), "tformer's classic model and nanoGPT's differ in their parameters"
-    with torch.no_grad():
-        for name, p in ours.items():
-            p.copy_(theirs[names[name]])
+    tr.model.load_state_dict(state_from_nanogpt(nano.state_dict(), tr.model.config), strict=True)
     opt = nano.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
     for step in range(6):
         (_, (x, y), _), = list(tr.task.pieces(tr.step, tr.dist))           # the batch tformer's step will take
@@ -81,5 +53,6 @@ def test_the_classic_step_follows_nanogpts_trajectory(tmp_path, backend):
         mean = tr._train_step(1e-3)
         tr.step += 1
         assert mean == pytest.approx(loss.item(), abs=1e-5), f"step {step}"
-    moved = max((p - theirs[names[name]]).abs().max().item() for name, p in ours.items())
+    theirs = state_from_nanogpt(nano.state_dict(), tr.model.config)
+    moved = max((p - theirs[name]).abs().max().item() for name, p in tr.model.state_dict().items())
     assert moved < 1e-5                                  # measured: 5e-7 (auto), 4e-8 (torch)

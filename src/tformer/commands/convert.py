@@ -5,6 +5,7 @@
     tformer convert --to-gguf CKPT_DIR --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0]   # -> llama.cpp
     tformer convert --from-gguf MODEL.gguf --out CKPT_DIR   # llama.cpp file -> tformer (float32, tokenizer,
                                                             # chat template)
+    tformer convert --from-nanogpt ckpt.pt --out CKPT_DIR   # nanoGPT's train.py checkpoint -> tformer
 
 A non-empty --out is refused unless --force is given, and then replaced whole: the new folder is
 written beside it under a hidden name and swapped in by two renames once complete, so no file of
@@ -41,6 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--to-hf", metavar="CKPT", help="tformer checkpoint folder to export")
     src.add_argument("--from-gguf", metavar="FILE", help="GGUF file to import (llama, qwen2, gpt2; dequantised to "
                                                          "float32, with its tokenizer and chat template)")
+    src.add_argument("--from-nanogpt", metavar="FILE", help="a ckpt.pt written by nanoGPT's train.py to import "
+                                                            "(weights and shape; its tokenizer is not in the file)")
     src.add_argument("--to-gguf", metavar="CKPT", help="tformer checkpoint folder to export as one GGUF file "
                                                        "(llama.cpp; GPT-2 and Llama layouts)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be empty or new); "
@@ -70,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         return to_gguf(args)
     if args.from_gguf:
         return from_gguf(args)
+    if args.from_nanogpt:
+        return from_nanogpt(args)
     if args.model_type is not None and args.model_type not in FAMILIES:
         raise InputError(f"--model-type {args.model_type} is not supported; choose one of {', '.join(FAMILIES)}.")
     source_arg, out = Path(args.from_hf or args.to_hf), Path(args.out)
@@ -128,6 +133,24 @@ def from_gguf(args: argparse.Namespace) -> int:
     print(f"{type(m).__name__} ({c.name}): {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads "
           f"({c.n_kv_heads} kv), {sum(p.numel() for p in m.parameters()):,} parameters, float32"
           f"{', with ' + ' and '.join(extras) if extras else ''} -> {out}")
+    return 0
+
+
+def from_nanogpt(args: argparse.Namespace) -> int:
+    """``--from-nanogpt``: a checkpoint folder with nanoGPT's model (no tokenizer: nanoGPT keeps its
+    vocabulary outside the checkpoint)."""
+    from tformer.checkpoint import save_model
+    from tformer.interop.nanogpt import load_nanogpt
+
+    out = Path(args.out)
+    check_target(out, args.force)
+    model = load_nanogpt(args.from_nanogpt)
+    with replacing(out) as stage:
+        save_model(stage, model)
+    c = model.config
+    print(f"{type(model).__name__} (nanoGPT): {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads, "
+          f"context {c.context_length}, vocabulary {c.vocab_size}, {sum(p.numel() for p in model.parameters()):,} "
+          f"parameters, float32, no tokenizer (token ids in and out) -> {out}")
     return 0
 
 
