@@ -264,9 +264,11 @@ def main() -> int:
 
 def run_large(data: str, tmp: str, nano_dir: Path | None, steps: int) -> dict:
     """s/step of the 6L/384 config, alternated step by step in one process on the same batches:
-    nanoGPT's model.py (fp32, its train.py's step) and tformer fp32 and bf16 autocast."""
+    nanoGPT's model.py (fp32, its train.py's step) and tformer fp32 and bf16 autocast, every tformer model
+    starting from nanoGPT's initial weights (``tformer.interop.nanogpt``)."""
     import torch
 
+    from tformer.interop.nanogpt import state_from_nanogpt
     from tformer.training.data import get_batch
     from tformer.machine import bf16_supported
     from tformer.training.trainer import Trainer
@@ -288,6 +290,8 @@ def run_large(data: str, tmp: str, nano_dir: Path | None, steps: int) -> dict:
         nano = GPT(GPTConfig(block_size=256, vocab_size=corpus.tokenizer.vocab_size, n_layer=6, n_head=6,
                              n_embd=384, dropout=0.2, bias=False))
         opt = nano.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+        for tr in trs.values():                # one initialisation for all: the curves differ by dropout masks only
+            tr.model.load_state_dict(state_from_nanogpt(nano.state_dict(), tr.model.config), strict=True)
 
         def nano_step(i):
             x, y = batch(i)
@@ -312,7 +316,7 @@ def run_large(data: str, tmp: str, nano_dir: Path | None, steps: int) -> dict:
             losses[name].append(loss)
     out = {"steps": steps, "threads": threads, "busy": busy_cores(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "commit": commit(), "isa_env": {k: os.environ[k] for k in AVX2_ENV if k in os.environ}, "s_per_step": {k: statistics.median(v) for k, v in times.items()},
-           "losses": losses}
+           "losses": losses, "same_init": nano_dir is not None}
     print("large: " + ", ".join(f"{k} {v:.2f} s/step" for k, v in out["s_per_step"].items()), flush=True)
     return out
 
@@ -401,7 +405,10 @@ def write_report(state: dict, nano_cmd: str) -> None:
             rise = max(b - a for a, b in zip(ls, ls[1:]))
             lines.append(f"| {k} | {v:.2f} | {f'{ref / v:.2f}x' if ref else '-'} | {ls[0]:.3f} / {ls[-1]:.3f} | {rise:.2f} |")
         lines += ["", "All contenders take lr 1e-3 from the first step (no warmup), so single-step spikes are expected "
-                      "in so few steps; compare the curves' ends."]
+                      "in so few steps; compare the curves' ends. "
+                      + ("Every tformer model starts from nanoGPT's initial weights: the curves differ by the dropout "
+                         "masks and the order of float32 sums." if big.get("same_init") else
+                         "The initialisations differ (each program's own at seed 1337).")]
         _plot_losses(big["losses"])
         lines += ["", f"Loss curves: {NAME}_large.png."]
     lines += ["", "Reproduce (one contender per exclusive hold; runs merge into the .json by (round, system, seed)): "
