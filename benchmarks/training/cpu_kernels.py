@@ -11,7 +11,7 @@
    turned off in turn (the attention kernel, RoPE's one-pass rotation, ReLU²'s), each variant its own
    trainer on the same batches, toggled per block.
 3. nanoGPT's recipe (``recipe=classic``: exact GELU, learned positions) the same way, with the
-   attention kernel turned off; then with GPT-2's tanh GELU, with its kernel (ops/gelu_tanh_cpu.cpp)
+   attention kernel turned off; then with GPT-2's tanh GELU, with its kernel (ops/activation_cpu.cpp)
    turned off. And that kernel alone against ``F.gelu(approximate="tanh")`` at 768 x 512.
 4. nanoGPT's own training step (``../shared/peers/nanoGPT/model.py``, where it is) against tformer's
    ``recipe=classic`` step, alternated in one process, beside the step's 51 GEMMs alone: the floor
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.record import Run, results_dir  # noqa: E402
-from tformer.ops import attention_cpu, gelu_tanh_cpu, relu2_cpu  # noqa: E402
+from tformer.ops import activation_cpu, attention_cpu  # noqa: E402
 from tformer.training.trainer import Trainer  # noqa: E402
 
 SHAPES = [(12, 4, 64, 32), (16, 6, 128, 64), (4, 8, 512, 64), (2, 8, 1024, 64)]
@@ -80,10 +80,7 @@ def step_times(data: str, threads: int, blocks: int, steps: int, settings: dict,
                variants: dict[str, tuple[str, ...]]) -> dict[str, float]:
     """Median seconds of a training step under ``settings`` for each variant (the kernels it keeps on),
     each variant its own trainer on the same batches, toggled per block."""
-    serves = {"relu2": relu2_cpu.serves, "rope": attention_cpu.rotates, "gelu_tanh": gelu_tanh_cpu.serves}
-    off = {"relu2": lambda x: False, "rope": lambda x, cos: False, "gelu_tanh": lambda x: False}
-    homes = {"relu2": relu2_cpu, "rope": attention_cpu, "gelu_tanh": gelu_tanh_cpu}
-    names = {"relu2": "serves", "rope": "rotates", "gelu_tanh": "serves"}
+    serves, rotates = activation_cpu.serves, attention_cpu.rotates
     tmp = tempfile.mkdtemp(prefix="tformer-kernels-")
     trainers = {}
     for name, on in variants.items():
@@ -96,8 +93,9 @@ def step_times(data: str, threads: int, blocks: int, steps: int, settings: dict,
         trainers[name] = tr
 
     def use(name):
-        for k in serves:
-            setattr(homes[k], names[k], serves[k] if k in variants[name] else off[k])
+        on = variants[name]
+        activation_cpu.serves = lambda x, kernel: kernel in on and serves(x, kernel)
+        attention_cpu.rotates = rotates if "rope" in on else (lambda x, cos: False)
 
     times = {name: [] for name in variants}
     try:
@@ -115,8 +113,23 @@ def step_times(data: str, threads: int, blocks: int, steps: int, settings: dict,
                     tr.step += 1
                 times[name].append((time.perf_counter() - t) / steps)
     finally:
-        for k in serves:
-            setattr(homes[k], names[k], serves[k])
+        activation_cpu.serves, attention_cpu.rotates = serves, rotates
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def alternated(calls: dict, rounds: int, reps: int, warm: int) -> dict[str, float]:
+    """Median seconds of one call of each of ``calls``, timed ``reps`` at a time, alternated over
+    ``rounds`` (after ``warm`` untimed calls each)."""
+    times = {name: [] for name in calls}
+    for f in calls.values():
+        for _ in range(warm):
+            f()
+    for _ in range(rounds):
+        for name, f in calls.items():
+            t = time.perf_counter()
+            for _ in range(reps):
+                f()
+            times[name].append((time.perf_counter() - t) / reps)
     return {name: statistics.median(v) for name, v in times.items()}
 
 
@@ -124,21 +137,11 @@ def gelu_tanh_times(rounds: int) -> dict[str, float]:
     """Median seconds of the tanh GELU forward and backward at the 4L/128 MLP's activation (768 x 512),
     PyTorch's and the kernel's, alternated."""
     x, g = torch.randn(768, 512), torch.randn(768, 512)
-    op = gelu_tanh_cpu.load()
+    op = activation_cpu.load()
     calls = {"torch forward": lambda: F.gelu(x, approximate="tanh"), "kernel forward": lambda: op.gelu_tanh(x),
              "torch backward": lambda: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
              "kernel backward": lambda: op.gelu_tanh_backward(g, x)}
-    times = {name: [] for name in calls}
-    for f in calls.values():
-        for _ in range(20):
-            f()
-    for _ in range(rounds):
-        for name, f in calls.items():
-            t = time.perf_counter()
-            for _ in range(200):
-                f()
-            times[name].append((time.perf_counter() - t) / 200)
-    return {name: statistics.median(v) for name, v in times.items()}
+    return alternated(calls, rounds, reps=200, warm=20)
 
 
 def nanogpt_step_times(data: str, threads: int, blocks: int, steps: int, nanogpt: Path) -> dict[str, float]:
@@ -179,18 +182,9 @@ def nanogpt_step_times(data: str, threads: int, blocks: int, steps: int, nanogpt
             torch.mm(a, b)
 
     calls = {"nanoGPT": nano, "tformer": ours, "the step's GEMMs alone": products}
-    times = {name: [] for name in calls}
-    for f in calls.values():
-        for _ in range(10):
-            f()
-    for _ in range(blocks):
-        for name, f in calls.items():
-            t = time.perf_counter()
-            for _ in range(steps):
-                f()
-            times[name].append((time.perf_counter() - t) / steps)
+    times = alternated(calls, blocks, reps=steps, warm=10)
     flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in gemms)
-    return {**{name: statistics.median(v) for name, v in times.items()}, "gemm_flops": flops}
+    return {**times, "gemm_flops": flops}
 
 
 def main() -> int:
@@ -205,9 +199,9 @@ def main() -> int:
     ap.add_argument("--tag", default="", help="suffix of the results file (e.g. avx2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if attention_cpu.load() is None or relu2_cpu.load() is None or gelu_tanh_cpu.load() is None:
+    if attention_cpu.load() is None or activation_cpu.load() is None:
         print(f"error: the kernels are not built here ({attention_cpu.STATUS.get('state')}; "
-              f"{relu2_cpu.STATUS.get('state')}; {gelu_tanh_cpu.STATUS.get('state')})", file=sys.stderr)
+              f"{activation_cpu.STATUS.get('state')})", file=sys.stderr)
         return 2
     run = Run()
     held = {k: os.environ[k] for k in ISA_ENV if k in os.environ}

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tformer.config import TransformerConfig
 from tformer.nn.markers import mark_residual
-from tformer.ops import gelu_tanh_cpu, relu2_cpu
+from tformer.ops import activation_cpu
 
 Tensor = torch.Tensor
 
@@ -46,14 +46,23 @@ def relu_squared(x: Tensor) -> Tensor:
     (one pass each way; the same floats bit for bit, since ×2 is exact): inside a 4L/128 training step
     (fp32, torch held to AVX2) 0.4-2.4 ms a step less than the four passes of :class:`_ReLUSquared`
     (three A/B runs, benchmarks/training/cpu_kernels.py and by hand)."""
-    if relu2_cpu.serves(x):
-        return relu2_cpu.ReLUSquared.apply(x)
+    if activation_cpu.serves(x, "relu2"):
+        return activation_cpu.Pointwise.apply(x, "relu2")
     return _ReLUSquared.apply(x)
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GELU's tanh form (GPT-2's): in training on a CPU in float32 tformer's kernel (one pass each way;
+    :mod:`tformer.ops.activation_cpu`), elsewhere ``F.gelu(x, approximate="tanh")``, which inference
+    keeps so its floats are PyTorch's."""
+    if x.requires_grad and torch.is_grad_enabled() and activation_cpu.serves(x, "gelu_tanh"):
+        return activation_cpu.Pointwise.apply(x, "gelu_tanh")
+    return F.gelu(x, approximate="tanh")
 
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),                      # exact erf form (BERT, Vaswani-era GELU)
-    "gelu_tanh": lambda x: gelu_tanh_cpu.gelu_tanh(x),  # GPT-2's approximation (the CPU kernel in training)
+    "gelu_tanh": lambda x: gelu_tanh(x),              # GPT-2's approximation (the CPU kernel in training)
     "relu": F.relu,
     "silu": F.silu,
     "relu2": lambda x: relu_squared(x),

@@ -1,6 +1,6 @@
 // e^x for 8 floats in AVX2 registers: shared by the fused decode layer (quant/qgemv.cpp: softmax over
 // the cache, SiLU, GELU), the short-context attention kernel (ops/attention_cpu.cpp) and the training
-// tanh GELU (ops/gelu_tanh_cpu.cpp).
+// tanh GELU (ops/activation_cpu.cpp).
 //
 // x = n ln2 + r, |r| <= ln2 / 2, with n = round(x / ln2), ln2 split in two parts so n ln2 is exact
 // enough; e^r by its degree-7 Taylor-like polynomial 1 + r + r^2 (c2 + c3 r + ...) with Cephes'

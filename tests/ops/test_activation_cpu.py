@@ -1,0 +1,94 @@
+"""The one-pass activation kernels (ops/activation_cpu.cpp): ReLU² against the formula in float64 and,
+bit for bit, against the PyTorch Function it replaces (max then square; ×2 is exact); GELU's tanh form
+against PyTorch's formula in float64 (libm's tanh) and against ``F.gelu(approximate="tanh")`` in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tformer.nn.feed_forward import ACTIVATIONS, _ReLUSquared, gelu_tanh, relu_squared
+from tformer.ops import activation_cpu
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if activation_cpu.load() is None:
+        pytest.skip(f"the CPU activation kernels are {activation_cpu.STATUS.get('state')}")
+
+
+# ---------------------------------------------------------------- ReLU²
+@pytest.mark.parametrize("shape", [(12, 64, 512), (3, 7), (1,), (2, 5, 33)])   # vector body and scalar tails
+def test_relu2_matches_the_formula_and_the_torch_function_bit_for_bit(shape):
+    torch.manual_seed(len(shape))
+    x = torch.randn(*shape, requires_grad=True)
+    g = torch.randn(*shape)
+    y = relu_squared(x)
+    y.backward(g)
+    xd = x.detach().double()
+    assert torch.allclose(y.double(), xd.clamp_min(0) ** 2, rtol=1.2e-7, atol=0)          # one float32 rounding
+    assert torch.allclose(x.grad.double(), 2 * xd.clamp_min(0) * g.double(), rtol=1.2e-7, atol=0)
+    x2 = x.detach().clone().requires_grad_()
+    y2 = _ReLUSquared.apply(x2)
+    y2.backward(g)
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+
+
+def test_relu2_takes_float32_on_the_cpu_only_and_non_contiguous_input():
+    assert activation_cpu.serves(torch.randn(3), "relu2")
+    assert not activation_cpu.serves(torch.randn(3, dtype=torch.float64), "relu2")
+    assert not activation_cpu.serves(torch.randn(3), "gelu")                # not a kernel here
+    x = torch.randn(8, 6).t().requires_grad_()                        # a transposed view
+    relu_squared(x).sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach().clamp_min(0))
+
+
+# ---------------------------------------------------------------- GELU, tanh form
+def _inputs(shape, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(*shape) * 3
+    tails = torch.tensor([-30.0, -10.0, -6.0, -3.0, -1e-3, 0.0, 1e-3, 3.0, 6.0, 10.0, 30.0])
+    flat = x.view(-1)
+    n = min(len(tails), flat.numel())
+    flat[:n] = tails[:n]                          # the far tails (e^-2u clamped), 0 and tiny values
+    return x
+
+
+@pytest.mark.parametrize("shape", [(12, 64, 512), (3, 7), (1,), (2, 5, 33)])   # vector body and scalar tails
+def test_gelu_tanh_and_its_derivative_match_float64(shape):
+    x = _inputs(shape, len(shape)).requires_grad_()
+    g = torch.randn(*shape)
+    y = activation_cpu.Pointwise.apply(x, "gelu_tanh")
+    (dx,) = torch.autograd.grad(y, x, g)
+    xd = x.detach().double().requires_grad_()
+    yd = F.gelu(xd, approximate="tanh")
+    (dxd,) = torch.autograd.grad(yd, xd, g.double())
+    # float32 rounding of y (|y| <= 30 here: 2e-6 is about one ulp there) and of the derivative;
+    # 1 - s as e^-2u s keeps the derivative's tail (where s rounds to 1) from being off by 6e-8 |x| du
+    assert (y.double() - yd).abs().max() < 4e-6
+    assert (dx.double() - dxd).abs().max() < 1e-6 * g.abs().max()
+    big = yd.abs() > 1e-2
+    if big.any():
+        assert ((y.double() - yd)[big] / yd[big]).abs().max() < 1e-6
+    assert (y - F.gelu(x.detach(), approximate="tanh")).abs().max() < 4e-6
+    assert torch.isfinite(dx).all()
+
+
+def test_the_mlp_takes_the_tanh_gelu_kernel_in_training_only():
+    x = torch.randn(4, 8, requires_grad=True)
+    assert type(ACTIVATIONS["gelu_tanh"](x).grad_fn).__name__ == "PointwiseBackward"      # not GeluBackward0
+    assert ACTIVATIONS["gelu_tanh"](x.detach()).grad_fn is None
+    with torch.no_grad():
+        assert torch.equal(ACTIVATIONS["gelu_tanh"](x), F.gelu(x, approximate="tanh"))   # inference: PyTorch's
+    assert type(ACTIVATIONS["gelu"](x).grad_fn).__name__ == "GeluBackward0"               # the erf form: F.gelu
+    x64 = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert type(ACTIVATIONS["gelu_tanh"](x64).grad_fn).__name__ == "GeluBackward0"
+
+
+def test_a_non_contiguous_input():
+    x = torch.randn(8, 6).t().requires_grad_()                        # a transposed view
+    gelu_tanh(x).sum().backward()
+    xd = x.detach().double().requires_grad_()
+    F.gelu(xd, approximate="tanh").sum().backward()
+    assert torch.allclose(x.grad.double(), xd.grad, atol=1e-6, rtol=0)
