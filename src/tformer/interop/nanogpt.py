@@ -36,7 +36,11 @@ MODEL_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 
 def config_from_nanogpt(model_args: dict) -> TransformerConfig:
     """The :class:`TransformerConfig` of nanoGPT's ``model_args`` (its ``GPTConfig`` fields); dropout
-    is a training setting and is left at 0."""
+    is a training setting and is left at 0.
+
+    Raises:
+        CheckpointError: a field the shape needs is missing.
+    """
     missing = [k for k in MODEL_ARGS if k not in model_args]
     if missing:
         raise CheckpointError(f"the checkpoint's model_args lack {', '.join(missing)}; is this a ckpt.pt written "
@@ -50,7 +54,12 @@ def config_from_nanogpt(model_args: dict) -> TransformerConfig:
 
 
 def state_from_nanogpt(state: dict[str, torch.Tensor], c: TransformerConfig) -> dict[str, torch.Tensor]:
-    """tformer's state dict from nanoGPT's ``model.state_dict()`` (refusing any tensor left over)."""
+    """tformer's state dict from nanoGPT's ``model.state_dict()``.
+
+    Raises:
+        CheckpointError: a tensor the config needs is missing, a tensor is left over (named), or the
+            head differs from the token embedding it is tied to.
+    """
     state = {(k[len(COMPILED):] if k.startswith(COMPILED) else k): v for k, v in state.items()}
     src = TensorSource(state, prefix=PREFIX)
     src.drop(*[f"h.{i}.attn.bias" for i in range(c.n_layers)])       # the causal mask buffer (no flash attention)
@@ -67,7 +76,12 @@ def state_from_nanogpt(state: dict[str, torch.Tensor], c: TransformerConfig) -> 
 
 
 def model_from_nanogpt(model_args: dict, state: dict[str, torch.Tensor]) -> DecoderLM:
-    """A tformer :class:`DecoderLM` (eval mode, float32) holding nanoGPT's weights."""
+    """A tformer :class:`DecoderLM` (eval mode, float32) holding nanoGPT's weights.
+
+    Raises:
+        CheckpointError: as :func:`config_from_nanogpt` and :func:`state_from_nanogpt`, or a tensor
+            whose shape ``model_args`` does not give.
+    """
     config = config_from_nanogpt(model_args)
     weights = state_from_nanogpt(state, config)
     model = DecoderLM(config)
