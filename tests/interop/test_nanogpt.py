@@ -85,3 +85,53 @@ def test_bad_files_are_refused_in_one_sentence(tmp_path, capsys):
         load_nanogpt(tmp_path / "extra.pt")
     with pytest.raises(CheckpointError, match="is not a file"):
         load_nanogpt(tmp_path / "missing.pt")
+
+
+def test_a_character_model_generates_through_the_cli_as_nanogpt_does(tmp_path, capsys):
+    """With --vocab-text the folder carries nanoGPT's character vocabulary (sorted distinct characters of
+    the text, as its prepare.py builds it), so `tformer generate` continues a prompt; greedy, the text
+    equals what nanoGPT's own generate() gives with top_k=1 on ids encoded as prepare.py encodes them."""
+    text = "".join(f"to be, or not {i}; that is the question {i * 3 % 7}.\n" for i in range(40))
+    (tmp_path / "input.txt").write_text(text)
+    chars = sorted(set(text))                                   # nanoGPT's prepare.py
+    stoi = {c: i for i, c in enumerate(chars)}
+    nano = nanogpt_model()
+    torch.manual_seed(5)
+    args = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, bias=False, vocab_size=len(chars), dropout=0.0)
+    model = nano.GPT(nano.GPTConfig(**args))
+    opt = model.configure_optimizers(0.0, 3e-3, (0.9, 0.99), "cpu")
+    data = torch.tensor([stoi[c] for c in text])
+    for step in range(60):                                      # enough that greedy text is not one letter
+        i = torch.randint(0, len(data) - 33, (8,))
+        x = torch.stack([data[j:j + 32] for j in i])
+        y = torch.stack([data[j + 1:j + 33] for j in i])
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+    torch.save({"model": model.state_dict(), "model_args": args}, tmp_path / "ckpt.pt")
+    assert main(["convert", "--from-nanogpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "out"),
+                 "--vocab-text", str(tmp_path / "input.txt")]) == 0
+    assert f"a {len(chars)}-character tokenizer" in capsys.readouterr().out
+    prompt = "to be, or"
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([[stoi[c] for c in prompt]]), 20, top_k=1)[0].tolist()
+    theirs = "".join(chars[i] for i in ids)
+    assert main(["generate", "--ckpt", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "20",
+                 "--temperature", "0", "--ignore-eos"]) == 0
+    ours = capsys.readouterr().out                              # the continuation, then print's newline
+    assert ours.endswith("\n") and prompt + ours[:-1] == theirs, (ours, theirs)
+    assert len(set(theirs[len(prompt):])) > 2
+
+
+def test_vocab_text_must_fit_the_model(tmp_path, capsys):
+    _checkpoint(tmp_path / "ckpt.pt", bias=False)                       # vocabulary 50
+    (tmp_path / "few.txt").write_text("abc")
+    assert main(["convert", "--from-nanogpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "o"),
+                 "--vocab-text", str(tmp_path / "few.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "3 distinct characters but the model's vocabulary is 50" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    assert main(["convert", "--from-hf", str(tmp_path), "--out", str(tmp_path / "o2"),
+                 "--vocab-text", str(tmp_path / "few.txt")]) == 2
+    assert "--vocab-text applies to --from-nanogpt only" in capsys.readouterr().err

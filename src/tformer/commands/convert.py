@@ -5,7 +5,9 @@
     tformer convert --to-gguf CKPT_DIR --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0]   # -> llama.cpp
     tformer convert --from-gguf MODEL.gguf --out CKPT_DIR   # llama.cpp file -> tformer (float32, tokenizer,
                                                             # chat template)
-    tformer convert --from-nanogpt ckpt.pt --out CKPT_DIR   # nanoGPT's train.py checkpoint -> tformer
+    tformer convert --from-nanogpt ckpt.pt --out CKPT_DIR [--vocab-text input.txt]   # nanoGPT's train.py
+                                                            # checkpoint -> tformer (a character model's
+                                                            # vocabulary rebuilt from its text)
 
 A non-empty --out is refused unless --force is given, and then replaced whole: the new folder is
 written beside it under a hidden name and swapped in by two renames once complete, so no file of
@@ -51,6 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--type", default="f32", choices=["f32", "f16", "bf16", "q8_0", "q4_0"],
                    help="with --to-gguf: type of the weight matrices (norms and biases stay f32)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
+    p.add_argument("--vocab-text", metavar="FILE", default=None,
+                   help="with --from-nanogpt: the text a character model's data was prepared from (e.g. "
+                        "data/shakespeare_char/input.txt); its sorted distinct characters are the vocabulary, "
+                        "saved as tokenizer.json")
     p.add_argument("--model-type", default=None,
                    help="with --to-hf: HF model_type (e.g. gpt2, llama, bert, bart; an unknown one is refused "
                         "with the list); default inferred from the config")
@@ -65,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_shard_mb is not None:
         if not args.to_hf:
-            raise InputError(f"--max-shard-mb applies to --to-hf only (a .gguf file and a tformer checkpoint are "
-                             f"one file); leave it out.")
+            raise InputError("--max-shard-mb applies to --to-hf only (a .gguf file and a tformer checkpoint are "
+                             "one file); leave it out.")
         if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb > 0):
             raise InputError(f"--max-shard-mb {args.max_shard_mb} must be > 0 and finite.")
     if args.to_gguf:
@@ -75,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
         return from_gguf(args)
     if args.from_nanogpt:
         return from_nanogpt(args)
+    if args.vocab_text is not None:
+        raise InputError("--vocab-text applies to --from-nanogpt only (the other sources carry their tokenizer); "
+                         "leave it out.")
     if args.model_type is not None and args.model_type not in FAMILIES:
         raise InputError(f"--model-type {args.model_type} is not supported; choose one of {', '.join(FAMILIES)}.")
     source_arg, out = Path(args.from_hf or args.to_hf), Path(args.out)
@@ -137,20 +146,26 @@ def from_gguf(args: argparse.Namespace) -> int:
 
 
 def from_nanogpt(args: argparse.Namespace) -> int:
-    """``--from-nanogpt``: a checkpoint folder with nanoGPT's model (no tokenizer: nanoGPT keeps its
-    vocabulary outside the checkpoint)."""
+    """``--from-nanogpt``: a checkpoint folder with nanoGPT's model, and with ``--vocab-text`` its
+    character vocabulary (nanoGPT keeps its vocabulary outside the checkpoint)."""
     from tformer.checkpoint import save_model
-    from tformer.interop.nanogpt import load_nanogpt
+    from tformer.interop.nanogpt import char_tokenizer, load_nanogpt
+    from tformer.tokenizers import TOKENIZER
 
     out = Path(args.out)
     check_target(out, args.force)
     model = load_nanogpt(args.from_nanogpt)
+    tok = char_tokenizer(args.vocab_text, model.config.vocab_size) if args.vocab_text else None
     with replacing(out) as stage:
         save_model(stage, model)
+        if tok is not None:
+            tok.save(stage / TOKENIZER)
     c = model.config
+    vocab = (f"a {tok.vocab_size}-character tokenizer" if tok else
+             "no tokenizer (token ids in and out; --vocab-text for a character model)")
     print(f"{type(model).__name__} (nanoGPT): {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads, "
           f"context {c.context_length}, vocabulary {c.vocab_size}, {sum(p.numel() for p in model.parameters()):,} "
-          f"parameters, float32, no tokenizer (token ids in and out) -> {out}")
+          f"parameters, float32, {vocab} -> {out}")
     return 0
 
 

@@ -8,8 +8,11 @@ without the Conv1D transpose), and the model is tformer's ``recipe=classic`` dec
 
 The file is read with ``torch.load(weights_only=True)`` (tensors, numbers, strings and containers
 only; nothing in it is executed). A ``torch.compile``'d run saves its names under ``_orig_mod.``;
-that prefix is removed. The tokenizer is not in the checkpoint (nanoGPT keeps a character vocabulary
-in ``meta.pkl``, a pickle tformer does not unpickle, or uses GPT-2's BPE): ids in, ids out.
+that prefix is removed. The tokenizer is not in the checkpoint: nanoGPT keeps a character vocabulary
+in ``meta.pkl``, a pickle tformer does not unpickle, or uses GPT-2's BPE. A character model's
+vocabulary is the sorted distinct characters of its training text (nanoGPT's ``prepare.py``), which is
+exactly :class:`~tformer.tokenizers.CharTokenizer`'s, so :func:`char_tokenizer` rebuilds it from that
+text; otherwise the model takes and gives token ids.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from pathlib import Path
 import torch
 
 from tformer.config import TransformerConfig
-from tformer.errors import CheckpointError
+from tformer.errors import CheckpointError, InputError
 from tformer.interop.gpt2 import LAYER as GPT2_LAYER
 from tformer.interop.loader import TensorSource
 from tformer.models.decoder import DecoderLM
+from tformer.tokenizers import CharTokenizer
 
 PREFIX = "transformer."
 COMPILED = "_orig_mod."                   # torch.compile's wrapper module, in a compiled run's names
@@ -112,3 +116,24 @@ def load_nanogpt(path: str | Path) -> DecoderLM:
         raise CheckpointError(f"{path} has no 'model' and 'model_args' entries; pass the ckpt.pt that nanoGPT's "
                               f"train.py wrote.")
     return model_from_nanogpt(ckpt["model_args"], ckpt["model"])
+
+
+def char_tokenizer(text_path: str | Path, vocab_size: int) -> CharTokenizer:
+    """The character vocabulary of a nanoGPT character model, rebuilt from the text it was prepared
+    from (``data/shakespeare_char/input.txt`` for nanoGPT's shakespeare_char).
+
+    Raises:
+        InputError: the file cannot be read as UTF-8 text, or its distinct characters are not
+            ``vocab_size`` (not the text the model was trained on).
+    """
+    try:
+        text = Path(text_path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read {text_path} as UTF-8 text ({e.__class__.__name__}); pass the text the "
+                         f"model's data was prepared from.") from e
+    tok = CharTokenizer.train(text)
+    if tok.vocab_size != vocab_size:
+        raise InputError(f"{text_path} has {tok.vocab_size} distinct characters but the model's vocabulary is "
+                         f"{vocab_size}; pass the text its data was prepared from (e.g. data/shakespeare_char/"
+                         f"input.txt).")
+    return tok
