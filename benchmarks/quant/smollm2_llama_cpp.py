@@ -11,10 +11,12 @@ format; q8_0 greedy tokens agree with the float32 import on >= 95% of 32.
 Per round and format: tformer prefill (128 random ids) and decode (64 greedy tokens; the fused
 decode layer of ``tformer.quant.fused_decode``, one C++ call per layer); tformer's module path
 (``TFORMER_FUSED_DECODE=0``: every op from Python, as before the fused layer), decode only; llama.cpp the
-same with weight repacking off (``repack=False``: llama-cpp-python 0.3.36 crashes with repacking on
-batches of more than one token on this Xeon); and llama.cpp with repacking on (its default), decode
-only (the prompt fed one token at a time, not timed as prefill). Medians over rounds; ratios are
-medians of per-round ratios. Accuracy (untimed): the largest |logit error| over a 14-token prompt and
+same with weight repacking off (``repack=False``: llama-cpp-python 0.3.36 built for this Xeon crashes in
+its AMX-INT8 path with repacking on and batches of more than one token); and llama.cpp with repacking on
+(its default): with AMX in the build its prompt is fed one token at a time and only its decode counts;
+a build without AMX (``benchmarks/common/llama_cpp_avx2.sh``) takes that prompt as one batch, and
+prefill is then compared with the faster of llama.cpp's two rows in each round. Medians over rounds;
+ratios are medians of per-round ratios. Accuracy (untimed): the largest |logit error| over a 14-token prompt and
 the share of 32 greedy tokens (a chat prompt) equal to the float32 import's, position by position.
 The bandwidth column: bytes of the GGUF's tensors (all but the token table, of which decode reads one row, plus the tied
 head that reads it whole) x decode tok/s, over ``read_bandwidth()``.
@@ -23,7 +25,8 @@ head that reads it whole) x decode tok/s, over ``read_bandwidth()``.
         .venv/bin/python benchmarks/quant/smollm2_llama_cpp.py --threads 1 --rounds 3
 
 ``--kernel-path avx2`` forces tformer's AVX2 path (what an AVX2-only CPU runs); llama.cpp keeps the
-build's own choice for this CPU, so that row is not AVX2 against AVX2.
+build's own choice, so that is AVX2 against AVX2 only with llama.cpp built for AVX2 first on
+``PYTHONPATH`` (the header records which build ran).
 
 Writes benchmarks/results/quant/smollm2_llama_cpp[-TAG].md and .json.
 """
@@ -155,25 +158,29 @@ def main() -> None:
     ids = np.random.default_rng(0).integers(0, 49152, args.prompt).tolist()
     cpp = {f: LlamaCpp(paths[f], n_ctx=args.prompt + args.new + 8, threads=args.threads, repack=False,
                        n_batch=args.prompt) for f in FORMATS}
+    one_by_one = "AMX" in build_info()              # the repacked rows' prompt: see the docstring
     cpp_rp = {f: LlamaCpp(paths[f], n_ctx=args.prompt + args.new + 8, threads=args.threads, repack=True,
-                          n_batch=1) for f in FORMATS}
+                          n_batch=1 if one_by_one else args.prompt) for f in FORMATS}
     for f in FORMATS:                                  # warm-up: tiles made, caches touched
         tformer_speed(models[f], ids[:16], 4)
         llama_speed(cpp[f], ids[:16], 4, False)
-        llama_speed(cpp_rp[f], ids[:4], 4, True)
+        llama_speed(cpp_rp[f], ids[:4], 4, one_by_one)
     rows = {f: {"tformer": [], "module": [], "llama": [], "llama_repack": []} for f in FORMATS}
     for _ in range(args.rounds):
         for f in FORMATS:
             rows[f]["tformer"].append(tformer_speed(models[f], ids, args.new))
             rows[f]["module"].append(module_speed(models[f], ids, args.new))
             rows[f]["llama"].append(llama_speed(cpp[f], ids, args.new, False))
-            rows[f]["llama_repack"].append(llama_speed(cpp_rp[f], ids, args.new, True))
+            rows[f]["llama_repack"].append(llama_speed(cpp_rp[f], ids, args.new, one_by_one))
     bw = read_bandwidth()
     med = lambda xs: statistics.median(xs)  # noqa: E731
+    prefill_peer = ("its repack-off row (in a build with AMX the repacked one takes the prompt token by token)"
+                    if one_by_one else "the faster of its two rows in each round (both take the prompt as one batch)")
     lines = [f"# SmolLM2-135M in GGUF blocks: tformer vs llama.cpp, same files ({args.threads} thread(s))", "",
              f"tformer kernel path: {qgemv.path()}; {build_info()}; "
              f"{args.prompt}-token prefill, {args.new} decoded tokens, {args.rounds} alternated rounds; "
              f"measured read bandwidth {bw:.1f} GB/s (`read_bandwidth()`, best of 9).", "",
+             f"llama.cpp's prefill: {prefill_peer}.", "",
              "| format | tformer prefill tok/s | llama.cpp prefill | × | tformer decode tok/s | llama.cpp decode "
              "(no repack) | × | llama.cpp decode (repack) | × | tformer module path decode | fused × module | "
              "tformer GB/s (share) | greedy = fp32 (of 32) | max logit err |",
@@ -182,11 +189,13 @@ def main() -> None:
     for f in FORMATS:
         r = rows[f]
         tp, td = med([a[0] for a in r["tformer"]]), med([a[1] for a in r["tformer"]])
-        lp, ld = med([a[0] for a in r["llama"]]), med([a[1] for a in r["llama"]])
+        # prefill's peer per round: the faster of llama.cpp's rows whose prompt went in as one batch
+        peer = [a[0] if one_by_one else max(a[0], b[0]) for a, b in zip(r["llama"], r["llama_repack"])]
+        lp, ld = med(peer), med([a[1] for a in r["llama"]])
         rd = med([a[1] for a in r["llama_repack"]])
         md = med(r["module"])
         xm = med([a[1] / b for a, b in zip(r["tformer"], r["module"])])
-        xp = med([a[0] / b[0] for a, b in zip(r["tformer"], r["llama"])])
+        xp = med([a[0] / b for a, b in zip(r["tformer"], peer)])
         xd = med([a[1] / b[1] for a, b in zip(r["tformer"], r["llama"])])
         xr = med([a[1] / b[1] for a, b in zip(r["tformer"], r["llama_repack"])])
         gbs = decode_bytes(paths[f]) * td / 1e9
