@@ -45,7 +45,7 @@ def relu_squared(x: Tensor) -> Tensor:
     continuous, unlike ReLU's step, and it is sparse like ReLU. float32 on a CPU takes tformer's kernel
     (one pass each way; the same floats bit for bit, since ×2 is exact): inside a 4L/128 training step
     (fp32, torch held to AVX2) 0.4-2.4 ms a step less than the four passes of :class:`_ReLUSquared`
-    (three A/B runs, benchmarks/training/cpu_kernels.py and by hand)."""
+    (four A/B runs, benchmarks/training/cpu_kernels.py and by hand)."""
     if activation_cpu.serves(x, "relu2"):
         return activation_cpu.Pointwise.apply(x, "relu2")
     return _ReLUSquared.apply(x)

@@ -10,7 +10,7 @@
 // Why: PyTorch's ops take two passes forward and two backward for ReLU^2 (relu, then the square), each
 // over an activation of batch x context x 4d floats that has left the cache by then (at tformer's CPU
 // training shape 768 x 512 floats, 1.5 MB a layer); and ATen's kernels for GELU's tanh form are several
-// times slower than one pass when it runs its AVX2 code (0.63 / 0.71 ms forward / backward for
+// times slower than one pass when it runs its AVX2 code (0.56 / 0.64 ms forward / backward for
 // 768 x 512, 2 threads, against 0.17 / 0.25 here: benchmarks/training/cpu_kernels.py). ReLU^2 gives the
 // same floats bit for bit as the PyTorch Function it replaces (x2 is exact). In the tanh form 1 - s is
 // computed as e^-2u s: where s rounds to 1, 1 - s in float would be 0 or 6e-8, not the e^-2u it is. The

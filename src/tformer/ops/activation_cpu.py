@@ -7,9 +7,9 @@
 - ``gelu_tanh`` (GPT-2's GELU): ``y = x·s``, ``s = 1/(1 + e^(-2u))`` = ``(1 + tanh u)/2``,
   ``u = √(2/π)(x + 0.044715x³)``; ``dx = (s + 2x·s(1-s)·√(2/π)(1 + 3·0.044715x²))·g``, within 1e-6 of
   PyTorch's formula in float64 (the tests). With torch held to AVX2 (benchmarks/training/cpu_kernels.py,
-  results cpu_kernels-avx2.md, 2 threads): forward / backward at 768 x 512 172 / 254 µs against
-  ``F.gelu``'s 626 / 712; a 4L/128 training step (``recipe=classic`` with this activation, fp32) 48.6
-  against 52.3 ms. The feed-forward layer takes it in training only (under autograd), so inference
+  results cpu_kernels-avx2.md, 2 threads): forward / backward at 768 x 512 169 / 250 µs against
+  ``F.gelu``'s 562 / 643; a 4L/128 training step (``recipe=classic`` with this activation, fp32) 38.9
+  against 41.8 ms. The feed-forward layer takes it in training only (under autograd), so inference
   keeps ``F.gelu``'s floats, which the interop tests compare with transformers'. The exact erf form
   keeps ``F.gelu``: ATen's AVX2 kernel for it is already one pass of an Abramowitz & Stegun erf, and a
   kernel for it measured 48.9 against 48.6 ms a step (by hand, 8 alternated blocks of 25 steps).
