@@ -18,4 +18,7 @@ off="$off -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON $off
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   "$python" -m pip install --no-deps --no-binary llama-cpp-python --target "$target" "llama-cpp-python==${LLAMA_CPP_VERSION:-0.3.36}"
+# Its one requirement that a dev venv may lack (numpy, jinja2 and typing-extensions come with torch and tformer):
+# pure Python, into the same folder, so the folder works first on any venv's PYTHONPATH.
+"$python" -m pip install --no-deps --target "$target" "diskcache>=5.6"
 PYTHONPATH="$target" "$python" -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"

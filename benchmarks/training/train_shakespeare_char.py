@@ -345,9 +345,12 @@ def write_report(state: dict, nano_cmd: str) -> None:
     runs = state.get("runs", [])
     cpu = cpu_info()
     lines = ["# Training benchmark: tinyshakespeare, character level, tformer and nanoGPT in the same run", "",
-             f"CPU: {cpu.model} ({', '.join(cpu.instruction_sets)}), {os.cpu_count()} cores. The issue's AVX2-only "
-             "AMD EPYC was not at hand: its path (fp32, no native bf16, AVX2 kernels) is emulated here as `default-fp32` "
-             "(precision forced, oneDNN and ATen held to AVX2); an AMD core's speed is not. Goals (issue 26), stated before the runs: tformer's default reaches val <= "
+             f"CPU: {cpu.model} ({', '.join(cpu.instruction_sets)}), {os.cpu_count()} cores. "
+             + ("No AVX-512 and no native bf16 here: `default` is the path such a CPU runs (fp32, AVX2 kernels), "
+                "nothing emulated. " if "AVX-512" not in cpu.instruction_sets else
+                "The AVX2-only path (fp32, no native bf16, AVX2 kernels) is emulated here as `default-fp32` "
+                "(precision forced, oneDNN and ATen held to AVX2); an AVX2-only core's speed is not. ")
+             + "Goals (issue 26), stated before the runs: tformer's default reaches val <= "
              f"{TARGET} in <= 0.5x nanoGPT's whole-command wall (median of 3 alternated rounds, 3 seeds each); "
              "nanoGPT's recipe in tformer (`same`) <= 0.7x nanoGPT's wall; 6L/384 fp32 >= 1.3x nanoGPT's step speed.", ""]
     if runs:
@@ -388,6 +391,9 @@ def write_report(state: dict, nano_cmd: str) -> None:
         lines += ["", "The ratio is the default's median time to the target, or (nanoGPT, same) the median whole wall, "
                       "over nanoGPT's median whole wall; below 1 = tformer faster."]
         lines += [f"\nLeft out: {why}" for why in state.get("excluded", [])]
+        if _plot_val(runs):
+            lines += ["", f"Validation loss against seconds since each command started (every run, the target dashed): "
+                          f"{NAME}_val.png."]
     for big in state.get("large", []):
         sps = big["s_per_step"]
         ref = sps.get("nanoGPT fp32")
@@ -419,6 +425,34 @@ def write_report(state: dict, nano_cmd: str) -> None:
                   "`--report` rewrites this file from the .json."]
     RUN.write(RESULTS / f"{NAME}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _plot_val(runs: list[dict]) -> bool:
+    """Every run's evaluations as val loss against seconds since its command started, one colour per system,
+    nanoGPT's target as a dashed line: time to the target read off the picture. False when nothing to plot."""
+    runs = [r for r in runs if r.get("evals")]
+    if not runs:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours = dict(zip(SYSTEMS, ("black", "tab:blue", "tab:red", "tab:orange")))
+    for r in sorted(runs, key=lambda r: (SYSTEMS.index(r["system"]), r["round"])):
+        t = [e[2] for e in r["evals"]]
+        v = [e[1] for e in r["evals"]]
+        first = r["round"] == min(q["round"] for q in runs if q["system"] == r["system"])
+        ax.plot(t, v, marker=".", color=colours[r["system"]], alpha=0.8, label=r["system"] if first else None)
+    ax.axhline(TARGET, color="grey", linestyle="--", linewidth=1, label=f"nanoGPT's final val {TARGET}")
+    ax.set_xlabel("seconds since the command started (start-up, evaluations, checkpoints included)")
+    ax.set_ylabel("validation loss")
+    ax.set_ylim(top=min(3.0, max(e[1] for r in runs for e in r["evals"]) + 0.05))
+    ax.set_title(f"4L/128 tinyshakespeare: {cpu_info().model}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{NAME}_val.png", dpi=110)
+    plt.close(fig)
+    return True
 
 
 def _plot_losses(losses: dict) -> None:
