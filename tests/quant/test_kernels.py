@@ -224,12 +224,15 @@ def test_int4_linear_one_row_equals_the_dequantised_reference_with_either_kernel
     assert bool(((layer(x).double() - ref).abs() <= 4 * ULP[torch.bfloat16] * mag).all())
 
 
-# ------------------------------------------------------------------ several rows at bf16 / fp16
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kernel", ["native", "fp32"])
+# ------------------------------------------------------------------ several rows (prefill)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", ["native", "fp32", "tiles"])
 def test_prefill_products_match_float64_reference(dtype, kernel):
-    """Either several-row product is the float64 product up to float32-class sums (accumulated in
-    float32 by both: oneDNN's bf16 GEMM accumulates in float32 too) and one rounding to the dtype."""
+    """Every several-row product is the float64 product up to float32-class sums (accumulated in
+    float32 by all: oneDNN's bf16 GEMM accumulates in float32 too) and one rounding to the dtype.
+    K = 200 leaves a tail after the 8-lane steps and M = 9, N = 96 leave partial register tiles."""
+    if kernel == "tiles" and gemv.load_gemm() is None:
+        pytest.skip(f"the extension is unavailable: {gemv.STATUS.get('state')}")
     g = torch.Generator().manual_seed(7)
     w, x, b = (torch.randn(96, 200, generator=g).to(dtype), torch.randn(9, 200, generator=g).to(dtype),
                torch.randn(96, generator=g).to(dtype))
@@ -249,14 +252,28 @@ def test_prefill_choice_is_measured_once_stored_and_forced(monkeypatch, tmp_path
     monkeypatch.setattr(kernels, "measure_prefill", lambda kind: calls.append(kind) or real(kind, rows=4, copies=1,
                                                                                             rounds=1, d=64))
     first = kernels.choose_prefill("bf16")
-    assert first in ("native", "fp32") and calls == ["bf16"]
+    have = set(kernels.prefill_available("bf16"))
+    assert first in have and calls == ["bf16"] and {"native", "fp32"} <= have
     stored = kernels.chosen()["bf16-prefill"]
-    assert stored["kernel"] == first and set(stored["seconds"]) == {"native", "fp32"}
+    assert stored["kernel"] == first and set(stored["seconds"]) == have
     monkeypatch.setattr(kernels, "_CHOSEN", {})
     assert kernels.choose_prefill("bf16") == first and calls == ["bf16"]          # read back, not measured again
-    assert kernels.choose_prefill("fp32") == "native"
+    assert kernels.choose_prefill("int8") == "native"                             # nothing to choose
     monkeypatch.setenv(kernels.PREFILL_FORCED, "fp32")
     assert kernels.choose_prefill("bf16") == "fp32"
+
+
+def test_a_stored_prefill_choice_is_measured_again_when_the_candidates_change(monkeypatch, tmp_path):
+    """A choice stored before a candidate existed (``tiles``) is not kept: the new set is measured."""
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.PREFILL_FORCED, raising=False)
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(kernels, "prefill_available", lambda kind: ("native", "fp32", "tiles"))
+    (tmp_path / "kernels.json").write_text(json.dumps(
+        {kernels.machine_key(): {"fp16-prefill": {"kernel": "fp32", "seconds": {"native": 2.0, "fp32": 1.0}}}}))
+    monkeypatch.setattr(kernels, "measure_prefill", lambda kind: {"native": 3.0, "fp32": 2.0, "tiles": 1.0})
+    assert kernels.choose_prefill("fp16") == "tiles"
+    assert kernels.chosen()["fp16-prefill"]["kernel"] == "tiles"
 
 
 def test_decode_linear_runs_several_rows_through_the_chosen_prefill_product(monkeypatch):
@@ -281,3 +298,27 @@ def test_a_choice_under_an_isa_limit_is_stored_apart(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     held = kernels.machine_key()
     assert held != plain and held.startswith(plain) and "ONEDNN_MAX_CPU_ISA=AVX2" in held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mkn", [(1, 8, 3), (7, 13, 5), (4, 1030, 9), (130, 520, 7)])
+def test_several_row_gemm_matches_float64_and_leaves_its_bias_alone(dtype, mkn):
+    """gemv.cpp's ``gemm`` (the 4 × 3 register tiles): every tile shape at the edges (M % 4, N % 3),
+    a K tail after the 8-lane steps, K over one cache block (1030 > 512); float32 sums of at most K
+    terms, so within 1e-5 of Σ|x w| against float64. One row with a bias once handed the bias back as
+    its output and added into it: the bias must come out untouched."""
+    op = gemv.load_gemm()
+    if op is None:
+        pytest.skip(f"the extension is unavailable: {gemv.STATUS.get('state')}")
+    M, K, N = mkn
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    w, x, b = torch.randn(N, K, generator=g).to(dtype), torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    kept = b.clone()
+    y = op(w, x, b)
+    ref = x.double() @ w.double().T + b.double()
+    mag = x.double().abs() @ w.double().abs().T + b.double().abs()
+    assert y.shape == (M, N) and y.dtype == torch.float32 and torch.equal(b, kept)
+    assert bool(((y.double() - ref).abs() <= 1e-5 * mag).all())
+    assert bool(((op(w, x).double() - (ref - b.double())).abs() <= 1e-5 * mag).all())
+    y16 = op(w, x.to(torch.bfloat16))                                  # x in another dtype: the result in it
+    assert y16.dtype == torch.bfloat16

@@ -52,11 +52,15 @@ def relu_squared(x: Tensor) -> Tensor:
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
-    """GELU's tanh form (GPT-2's): in training on a CPU in float32 tformer's kernel (one pass each way;
-    :mod:`tformer.ops.activation_cpu`), elsewhere ``F.gelu(x, approximate="tanh")``, which inference
-    keeps so its floats are PyTorch's."""
-    if x.requires_grad and torch.is_grad_enabled() and activation_cpu.serves(x, "gelu_tanh"):
-        return activation_cpu.Pointwise.apply(x, "gelu_tanh")
+    """GELU's tanh form (GPT-2's): on a CPU in float32 tformer's kernel (one pass each way;
+    :mod:`tformer.ops.activation_cpu`), elsewhere ``F.gelu(x, approximate="tanh")``. Inference takes the
+    kernel too: ATen's tanh form costs 853 µs on a 128 × 3072 prompt activation against the kernel's
+    208 (2-core AMD EPYC, AVX2; alternated, 30 rounds), 7.7 ms of a GPT-2 124M prompt of 128 tokens. Its
+    values are within 4e-6 of PyTorch's (tests), under the tolerance every interop test holds."""
+    if activation_cpu.serves(x, "gelu_tanh"):
+        if x.requires_grad and torch.is_grad_enabled():
+            return activation_cpu.Pointwise.apply(x, "gelu_tanh")
+        return activation_cpu.load().gelu_tanh(x.contiguous())
     return F.gelu(x, approximate="tanh")
 
 

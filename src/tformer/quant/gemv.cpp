@@ -15,9 +15,11 @@
 // its own target attribute, so one build serves both and __builtin_cpu_supports says which run here.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -181,6 +183,97 @@ at::Tensor gemv_q4(const at::Tensor& packed, const at::Tensor& x, const at::Tens
   return y;
 }
 
+// Several rows at once (a prompt): y (M, N) = x (M, K) . W (N, K)^T [+ bias], W float32, bfloat16 or
+// float16 as stored, widened in registers as the one-row loops do, x float32. A register tile of RM
+// rows of x by RN rows of W keeps RM x RN eight-lane accumulators along K (4 x 3 = 12 of AVX2's 16
+// registers, with three for W and one for x): per eight k, RM + RN loads feed RM x RN FMAs, so the
+// loop is bound by the FMA units, not by loads, and W is never copied (a widened copy of a
+// 768 x 3072 float16 matrix is 9.4 MB written and read again per product). The horizontal sums come
+// once per tile and K block. Cache blocking: K in blocks of KC (RM rows of x, 4 x 512 floats = 8 KB,
+// stay in L1 while a panel of W rows streams past them), each thread a contiguous range of W rows,
+// walked in panels of about 192 KB (in L2, reused by every tile of x rows). The same products in
+// float32 as F.linear up to the order of the sums.
+constexpr int64_t KC = 512;
+
+template <int RM, int RN, typename T>
+T_256 void tile256(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kb, int64_t ke, float* y,
+                   int64_t ldy) {
+  __m256 acc[RM][RN];
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t k8 = kb + (ke - kb) / 8 * 8;
+  for (int64_t k = kb; k < k8; k += 8) {
+    __m256 wv[RN];
+    for (int j = 0; j < RN; ++j) wv[j] = float_rows::load8(w + j * ldw + k);
+    for (int i = 0; i < RM; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float s = hsum8(acc[i][j]);
+      for (int64_t k = k8; k < ke; ++k) s += x[i * ldx + k] * float_rows::scalar(w[j * ldw + k]);
+      y[i * ldy + j] += s;
+    }
+}
+
+// Rows [n0, n1) of W against all M rows of x, RN at a time (fewer at the end); y's columns n0..n1.
+template <int RM, typename T>
+T_256 void rows_of_x(const float* x, int64_t ldx, const T* W, int64_t K, int64_t n0, int64_t n1, int64_t kb,
+                     int64_t ke, float* y, int64_t N) {
+  int64_t n = n0;
+  for (; n + 3 <= n1; n += 3) tile256<RM, 3>(x, ldx, W + n * K, K, kb, ke, y + n, N);
+  if (n1 - n == 2) tile256<RM, 2>(x, ldx, W + n * K, K, kb, ke, y + n, N);
+  else if (n1 - n == 1) tile256<RM, 1>(x, ldx, W + n * K, K, kb, ke, y + n, N);
+}
+
+template <typename T>
+void gemm256(const float* x, int64_t M, const T* W, int64_t N, int64_t K, float* y) {
+  const int64_t panel = std::max<int64_t>(3, (196608 / std::max<int64_t>(1, K * int64_t(sizeof(T)))) / 3 * 3);
+  at::parallel_for(0, (N + 2) / 3, 1, [&](int64_t g0, int64_t g1) {
+    const int64_t lo = 3 * g0, hi = std::min(N, 3 * g1);
+    for (int64_t p0 = lo; p0 < hi; p0 += panel) {
+      const int64_t p1 = std::min(hi, p0 + panel);
+      for (int64_t kb = 0; kb < K; kb += KC) {
+        const int64_t ke = std::min(K, kb + KC);
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) rows_of_x<4>(x + m * K, K, W, K, p0, p1, kb, ke, y + m * N, N);
+        const float* xr = x + m * K;
+        float* yr = y + m * N;
+        if (M - m == 3) rows_of_x<3>(xr, K, W, K, p0, p1, kb, ke, yr, N);
+        else if (M - m == 2) rows_of_x<2>(xr, K, W, K, p0, p1, kb, ke, yr, N);
+        else if (M - m == 1) rows_of_x<1>(xr, K, W, K, p0, p1, kb, ke, yr, N);
+      }
+    }
+  });
+}
+
+// The op: weight (N, K) float32 | bfloat16 | float16 contiguous, x (M, K) (any float dtype; computed
+// in float32), optional float32 bias (N,). Returns y (M, N) in x's dtype. AVX2 + FMA + F16C only.
+at::Tensor gemm(const at::Tensor& weight, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(runs(AVX2), "gemm: this CPU lacks AVX2, FMA or F16C");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
+              "gemm: weight must be a contiguous CPU (N, K) matrix");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "gemm: x must be (M, K)");
+  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "gemm: bias must be contiguous float32 (N,)");
+  at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  // y starts as the bias (a fresh tensor: expand + contiguous would hand back the bias itself when M == 1)
+  at::Tensor y = at::zeros({M, N}, xf.options());
+  if (bias.has_value()) y.copy_(bias->reshape({1, N}).expand({M, N}));
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  switch (weight.scalar_type()) {
+    case at::kFloat: gemm256(xp, M, weight.data_ptr<float>(), N, K, yp); break;
+    case at::kBFloat16: gemm256(xp, M, weight.data_ptr<at::BFloat16>(), N, K, yp); break;
+    case at::kHalf: gemm256(xp, M, weight.data_ptr<at::Half>(), N, K, yp); break;
+    default: TORCH_CHECK(false, "gemm: weight dtype must be float32, bfloat16 or float16");
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 // The paths this CPU runs (1 avx2, 2 avx512), best last.
 std::vector<int64_t> paths() {
   std::vector<int64_t> out;
@@ -194,11 +287,13 @@ std::vector<int64_t> paths() {
 TORCH_LIBRARY(tformer_gemv, m) {
   m.def("gemv(Tensor weight, Tensor x, Tensor? scales=None, Tensor? bias=None, int path=0) -> Tensor");
   m.def("gemv_q4(Tensor packed, Tensor x, Tensor scales, Tensor offsets, Tensor? bias=None, int path=0) -> Tensor");
+  m.def("gemm(Tensor weight, Tensor x, Tensor? bias=None) -> Tensor");
   m.def("paths() -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(tformer_gemv, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("gemv_q4", &gemv_q4);
+  m.impl("gemm", &gemm);
 }
 TORCH_LIBRARY_IMPL(tformer_gemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); }

@@ -45,6 +45,10 @@ def _build():
     @torch.library.register_fake("tformer_gemv::gemv")
     def _shape(weight, x, scales=None, bias=None, path=0):      # lets torch.compile trace through the op
         return x.new_empty(weight.shape[0])
+
+    @torch.library.register_fake("tformer_gemv::gemm")
+    def _rows(weight, x, bias=None):
+        return x.new_empty(x.shape[0], weight.shape[0])
     return op
 
 
@@ -71,6 +75,14 @@ def load_q4():
     :func:`path`, or ``None``."""
     op = build_once(_build, _OP, _LOCK, STATUS)
     return None if op is None else functools.partial(op.gemv_q4, path=PATHS.index(path()))
+
+
+def load_gemm():
+    """The several-row ``gemm(weight, x, bias=None)`` op: ``y (M, N) = x (M, K) Wᵀ + b`` for ``W`` float32,
+    bfloat16 or float16 as stored (widened in registers, a 4 × 3 register tile; AVX2 + FMA + F16C),
+    ``x`` in any float dtype (computed in float32, returned in ``x``'s); ``None`` without the extension."""
+    op = build_once(_build, _OP, _LOCK, STATUS)
+    return None if op is None else op.gemm
 
 
 def pack_int4(q: Tensor) -> Tensor:

@@ -106,19 +106,29 @@ def choose(kind: str, make: Callable) -> str:
 
 
 # --------------------------------------------------------------------------- several rows (prefill)
-# A prompt's products at bf16 / fp16: torch's kernel in that dtype (``native``: AMX, AVX512_BF16 or
-# AVX512_FP16 where the CPU has them, an emulation where it does not), or ``fp32``: widen the rows and
-# the weight to float32 for the product and round the result back (the weight's widening is read-once
-# work beside a product of M rows, so it pays whenever the CPU's float32 GEMM is much faster than
-# its bf16 one: a CPU without native bf16, such as Zen 3). Same numbers up to the summation order and
-# the one final rounding; measured like the one-row choice, stored under "<kind>-prefill".
-PREFILL = {"bf16": ("native", "fp32"), "fp16": ("native", "fp32")}
+# A prompt's products: torch's kernel in the weight's dtype (``native``: MKL / oneDNN for float32; AMX,
+# AVX512_BF16 or AVX512_FP16 for bf16 / fp16 where the CPU has them, an emulation where it does not);
+# ``fp32``: widen the rows and the weight to float32 for torch's float32 GEMM and round the result back
+# (the weight's widening is read-once work beside a product of M rows); or ``tiles``: tformer's own
+# several-row kernel (gemv.cpp ``gemm``: a 4 x 3 register tile, the weight widened in registers, never
+# copied; AVX2). Same numbers up to the summation order and the one final rounding; measured like the
+# one-row choice, stored under "<kind>-prefill". On the 2-core AMD EPYC (Zen 3, AVX2 only), where MKL's
+# float32 GEMM and a widened copy both cost, the tiles won for the GPT-2 shape's prompt (docs/inference.md).
+PREFILL = {"fp32": ("native", "tiles"), "bf16": ("native", "fp32", "tiles"), "fp16": ("native", "fp32", "tiles")}
 PREFILL_ROWS = 64                     # rows of the timed product: a short prompt
 PREFILL_FORCED = "TFORMER_PREFILL_KERNEL"
 
 
+def prefill_available(kind: str) -> tuple[str, ...]:
+    """The several-row candidates for ``kind`` that can run here (``tiles`` only when the extension builds)."""
+    return tuple(c for c in PREFILL.get(kind, ("native",)) if c != "tiles" or gemv.load_gemm() is not None)
+
+
 def prefill_product(kernel: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``x (M, K) @ weight (N, K)ᵀ + bias`` in ``x``'s dtype through ``kernel`` (see :data:`PREFILL`)."""
+    """``x (M, K) @ weight (N, K)ᵀ + bias`` in ``x``'s dtype through ``kernel`` (see :data:`PREFILL`).
+    ``tiles`` has no backward: callers under autograd take ``native``."""
+    if kernel == "tiles":
+        return gemv.load_gemm()(weight, x, None if bias is None else bias.float())
     if kernel == "fp32":
         y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
         return y.to(x.dtype)
@@ -134,7 +144,7 @@ def measure_prefill(kind: str, rows: int = PREFILL_ROWS, copies: int = 2, rounds
     dtype = DTYPES[kind]
     weights = [random_linear(n, k, g).weight.detach().to(dtype) for n, k in [(4 * d, d), (d, 4 * d)] * copies]
     x = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (d, 4 * d)}
-    times = {c: [] for c in PREFILL[kind]}
+    times = {c: [] for c in prefill_available(kind)}
     for r in range(rounds + 1):
         for c in times:
             t = time.perf_counter()
@@ -146,15 +156,16 @@ def measure_prefill(kind: str, rows: int = PREFILL_ROWS, copies: int = 2, rounds
 
 
 def choose_prefill(kind: str) -> str:
-    """The faster several-row product for ``kind`` (bf16, fp16) here, measured once per machine and
+    """The fastest several-row product for ``kind`` (fp32, bf16, fp16) here, measured once per machine and
     cached beside the one-row choice; ``native`` for other kinds. ``$TFORMER_PREFILL_KERNEL``
-    (native | fp32) overrides it."""
-    if kind not in PREFILL:
+    (native | fp32 | tiles) overrides it where that candidate runs."""
+    have = prefill_available(kind)
+    if len(have) < 2:
         return "native"
     forced = os.environ.get(PREFILL_FORCED)
-    if forced in PREFILL[kind]:
+    if forced in have:
         return forced
-    return _chosen(f"{kind}-prefill", PREFILL[kind], lambda: measure_prefill(kind))
+    return _chosen(f"{kind}-prefill", have, lambda: measure_prefill(kind))
 
 
 def _chosen(entry_kind: str, allowed, timings: Callable[[], dict[str, float]]) -> str:
@@ -167,7 +178,8 @@ def _chosen(entry_kind: str, allowed, timings: Callable[[], dict[str, float]]) -
     except (OSError, ValueError):
         cached = {}
     entry = cached.get(key, {}).get(entry_kind)
-    if entry is None or entry.get("kernel") not in allowed:
+    # measured again when the candidates changed (a new kernel, or one that no longer builds)
+    if entry is None or entry.get("kernel") not in allowed or set(entry.get("seconds", ())) != set(allowed):
         times = timings()
         entry = {"kernel": min(times, key=times.get), "seconds": times}
         cached.setdefault(key, {})[entry_kind] = entry

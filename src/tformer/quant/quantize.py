@@ -128,9 +128,9 @@ class DecodeLinear(nn.Module):
     For one row (a decode step) the kernel is the one :func:`tformer.quant.kernels.choose`
     measured fastest for the weight's dtype on this machine: ``F.linear``, ``torch.mv``, ``x @ Wᵀ``
     with ``Wᵀ`` stored ``(K, N)`` (float32), or tformer's own loop (``ext``, AVX-512 or AVX2). Several
-    rows (the prefill) run ``F.linear`` (``addmm`` on ``Wᵀ`` for ``mm_t``), at bf16 / fp16 in that dtype
-    or widened to float32 for the product, whichever :func:`tformer.quant.kernels.choose_prefill`
-    measured faster here (float32 wins on a CPU without native bf16). Same numbers up to the float32
+    rows (the prefill) run ``F.linear`` (``addmm`` on ``Wᵀ`` for ``mm_t``), at bf16 / fp16 in that dtype,
+    widened to float32 for the product, or tformer's several-row tiles (``gemv.cpp``), whichever
+    :func:`tformer.quant.kernels.choose_prefill` measured fastest here (under autograd ``F.linear``). Same numbers up to the float32
     summation order and the final rounding, different kernels.
 
     Args:
@@ -175,8 +175,8 @@ class DecodeLinear(nn.Module):
         elif x2.shape[0] == 1 and self.kernel == "mv":
             y = torch.mv(self.weight, x2[0]).unsqueeze(0)
             y = y if self.bias is None else y + self.bias
-        elif self.prefill == "fp32" and x2.shape[0] > 1:
-            y = kernels.prefill_product("fp32", x2, self.weight, self.bias)       # widened for the product
+        elif self.prefill != "native" and x2.shape[0] > 1 and not (x2.requires_grad and torch.is_grad_enabled()):
+            y = kernels.prefill_product(self.prefill, x2, self.weight, self.bias)   # widened, or tformer's tiles
         else:
             y = torch.nn.functional.linear(x2, self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)

@@ -30,7 +30,8 @@ def linear_kernel(m: torch.nn.Module) -> str | None:
     if isinstance(m, DecodeLinear):
         name = KERNEL_NAMES[m.kernel] + (f" {gemv.path()}" if m.kernel == "ext" else "")
         tail = "" if m.kernel in ("linear", "mm_t") else \
-            " (F.linear for prefill" + (", widened to float32)" if m.prefill == "fp32" else ")")
+            {"fp32": " (F.linear for prefill, widened to float32)", "tiles": " (gemv.cpp tiles for prefill)"}.get(
+                m.prefill, " (F.linear for prefill)")
         return f"{name} {str(m.weight.dtype)[6:]}{tail}"
     if isinstance(m, torch.nn.Linear):
         return f"F.linear (nn.Linear) {str(m.weight.dtype)[6:]}"
