@@ -322,3 +322,19 @@ def test_several_row_gemm_matches_float64_and_leaves_its_bias_alone(dtype, mkn):
     assert bool(((op(w, x).double() - (ref - b.double())).abs() <= 1e-5 * mag).all())
     y16 = op(w, x.to(torch.bfloat16))                                  # x in another dtype: the result in it
     assert y16.dtype == torch.bfloat16
+
+
+def test_a_choice_stored_while_another_is_measured_is_kept(monkeypatch, tmp_path):
+    """Timing the one-row kernels builds DecodeLinears, which choose (and store) their prefill product
+    meanwhile; storing the one-row choice must not write back the file as it was before and drop that."""
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.FORCED, raising=False)
+    monkeypatch.delenv(kernels.PREFILL_FORCED, raising=False)
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+
+    def timings():                     # the nested choice, made while the outer one is being measured
+        kernels._chosen("fp16-prefill", ("native", "fp32"), lambda: {"native": 2.0, "fp32": 1.0})
+        return {"linear": 1.0, "ext": 2.0}
+    assert kernels._chosen("fp16", ("linear", "ext"), timings) == "linear"
+    stored = kernels.chosen()
+    assert stored["fp16"]["kernel"] == "linear" and stored["fp16-prefill"]["kernel"] == "fp32"

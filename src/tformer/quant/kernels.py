@@ -182,6 +182,12 @@ def _chosen(entry_kind: str, allowed, timings: Callable[[], dict[str, float]]) -
     if entry is None or entry.get("kernel") not in allowed or set(entry.get("seconds", ())) != set(allowed):
         times = timings()
         entry = {"kernel": min(times, key=times.get), "seconds": times}
+        # read again: the measurement may have stored other choices (timing the one-row layers builds
+        # DecodeLinears, which choose their prefill product), and writing the copy read above would drop them
+        try:
+            cached = json.loads(_path().read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            cached = {}
         cached.setdefault(key, {})[entry_kind] = entry
         try:
             _path().parent.mkdir(parents=True, exist_ok=True)
