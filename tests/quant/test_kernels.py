@@ -338,3 +338,23 @@ def test_a_choice_stored_while_another_is_measured_is_kept(monkeypatch, tmp_path
     assert kernels._chosen("fp16", ("linear", "ext"), timings) == "linear"
     stored = kernels.chosen()
     assert stored["fp16"]["kernel"] == "linear" and stored["fp16-prefill"]["kernel"] == "fp32"
+
+
+def test_decode_linear_with_the_tiles_prefill_agrees_and_falls_back_under_autograd(monkeypatch):
+    """Several rows through ``tiles`` equal the float64 product within float32 sums; under autograd the
+    layer takes F.linear (the op has no backward), so a gradient still reaches the input."""
+    if gemv.load_gemm() is None:
+        pytest.skip(f"the extension is unavailable: {gemv.STATUS.get('state')}")
+    monkeypatch.setenv(kernels.PREFILL_FORCED, "tiles")
+    torch.manual_seed(4)
+    lin = nn.Linear(64, 48)
+    layer = DecodeLinear(lin)
+    assert layer.prefill == "tiles"
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        y = layer(x)
+    ref = x.double() @ lin.weight.double().T + lin.bias.double()
+    assert (y.double() - ref).abs().max() < 1e-5 * (x.double().abs() @ lin.weight.double().abs().T).max()
+    xg = x.clone().requires_grad_()
+    layer(xg).sum().backward()
+    assert xg.grad is not None and torch.allclose(xg.grad, lin.weight.detach().sum(0).expand(2, 5, 64), atol=1e-5)
