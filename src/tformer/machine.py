@@ -70,6 +70,17 @@ def bf16_supported(device: str = "cpu") -> bool:
         return False
 
 
+def half_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes ``dtype`` (bfloat16 or float16) natively (AVX-512-BF16 / AMX, AVX512-FP16),
+    as oneDNN sees it; where not, torch emulates it in float32 lane by lane, often slower than float32."""
+    try:
+        check = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype)
+        return bool(check()) if check else False
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def matmul_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024,
                       seconds: float = 0.3) -> float:
     """FLOP/s of the fastest of repeated ``(n, n) @ (n, n)`` products: the peak MFU is measured against.

@@ -94,3 +94,17 @@ def test_a_non_contiguous_input():
     xd = x.detach().double().requires_grad_()
     F.gelu(xd, approximate="tanh").sum().backward()
     assert torch.allclose(x.grad.double(), xd.grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_activation_in_inference_is_the_float32_kernel_rounded_once(dtype):
+    """Inference in bf16 / fp16 on a CPU: the float32 kernel on the widened input, rounded back once, so
+    within one rounding of the dtype of PyTorch's float64 value; under autograd ``F.gelu`` keeps it."""
+    x = (torch.randn(6, 40) * 3).to(dtype)
+    with torch.no_grad():
+        y = ACTIVATIONS["gelu_tanh"](x)
+    ref = F.gelu(x.double(), approximate="tanh")
+    ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]      # half an ulp: one rounding
+    assert y.dtype == dtype and bool(((y.double() - ref).abs() <= ulp * ref.abs() + 1e-6).all())
+    xg = x.clone().requires_grad_()
+    assert type(ACTIVATIONS["gelu_tanh"](xg).grad_fn).__name__ == "GeluBackward0"

@@ -211,3 +211,19 @@ def test_sliding_window_matches_explicit_band(n, m, window, causal, backend):
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
     out = sdpa(q, k, v, causal=causal, window=window, backend=backend)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_prompt_on_a_cpu_without_native_support_attends_in_float32(dtype, monkeypatch):
+    """Where the CPU emulates the 16-bit type, a prompt's attention runs on float32 copies and is rounded
+    back once: the float32 result of the same (rounded) inputs to within one rounding of the dtype. Decode
+    steps (one query row) keep the dtype."""
+    import tformer.ops.sdpa as sdpa_module
+    monkeypatch.setattr(sdpa_module, "half_native", lambda dt: False)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 9, 16, generator=g).to(dtype) for _ in range(3))
+    out = sdpa(q, k, v, causal=True, backend="torch")
+    ref = sdpa(q.float(), k.float(), v.float(), causal=True, backend="torch")
+    assert out.dtype == dtype and torch.equal(out, ref.to(dtype))
+    one = sdpa(q[:, :, -1:], k, v, causal=True, backend="torch")
+    assert one.dtype == dtype
