@@ -64,10 +64,7 @@ def bf16_supported(device: str = "cpu") -> bool:
     """Whether bf16 autocast runs natively: a CUDA GPU with bf16, or a CPU with AVX-512-BF16 / AMX."""
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return half_native(torch.bfloat16)
 
 
 def half_native(dtype: torch.dtype) -> bool:

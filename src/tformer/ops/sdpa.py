@@ -247,23 +247,22 @@ def _torch_attention(q, k, v, mask, bias, causal, window, scale, dropout_p):
     if q.device.type == "cpu" and dropout_p > 0 and plain and groups == 1 and q.dim() == 4:
         # PyTorch's CPU kernel has no dropout (it falls back to a slow math path): see attention/dropout.py
         return dropout_attention(q, k, v, p=dropout_p, scale=scale, causal=causal)
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.requires_grad \
-            and torch.is_grad_enabled():
-        # PyTorch 2.13's CPU flash kernel is slower in bf16 than in fp32 once its backward counts (measured
-        # fwd+bwd at (12, 4, 64, 32): 7.5 ms against 1.6 ms; docs/training.md): train it in fp32.
+    training = q.requires_grad and torch.is_grad_enabled()
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) \
+            and (training or (n > 1 and not half_native(q.dtype))):
+        # 16-bit attention on a CPU runs on float32 copies, rounded back once, (a) in training: PyTorch 2.13's
+        # CPU flash kernel is slower in bf16 than in fp32 once its backward counts (fwd+bwd at (12, 4, 64, 32):
+        # 7.5 ms against 1.6 ms; docs/training.md), and (b) for a prompt where the CPU emulates the type: at
+        # GPT-2's 128-token prompt on the 2-core AMD EPYC (AVX2; torch.profiler) PyTorch's kernel took 2.5 ms a
+        # layer in float16 and 0.87 in bfloat16, on float32 copies 0.65-0.66 and 0.57-0.77 (two profiles). Decode
+        # steps keep the dtype.
         with torch.autocast("cpu", enabled=False):
             args = [t.float() for t in (q, k, v)]
             fbias = None if bias is None else bias.float()
-            if attention_cpu.preferred(*args, mask=mask, bias=bias, causal=causal, window=window, dropout_p=dropout_p):
+            if training and attention_cpu.preferred(*args, mask=mask, bias=bias, causal=causal, window=window,
+                                                    dropout_p=dropout_p):
                 return attention_cpu.short_attention(*args, None, None, causal, None, scale, 0.0).to(q.dtype)
             return _torch_attention(*args, mask, fbias, causal, window, scale, dropout_p).to(q.dtype)
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and n > 1 and not half_native(q.dtype):
-        # A prompt's attention in a 16-bit type the CPU emulates: PyTorch's kernel took 2.5 ms a layer in float16
-        # and 0.87 in bfloat16 against 0.66 in float32 for GPT-2's 128-token prompt (2-core AMD EPYC, AVX2;
-        # torch.profiler); in float32, with the three casts, it is the float32 kernel's time. Rounded back once.
-        args = [t.float() for t in (q, k, v)]
-        return _torch_attention(*args, mask, None if bias is None else bias.float(), causal, window, scale,
-                                dropout_p).to(q.dtype)
     # The fused kernel's own is_causal is top-left aligned: only use it when that is the same thing.
     if mask is None and bias is None and window is None and causal and n == m:
         if groups > 1:

@@ -260,9 +260,10 @@ at::Tensor gemm(const at::Tensor& weight, const at::Tensor& x, const c10::option
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "gemm: bias must be contiguous float32 (N,)");
   at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
-  // y starts as the bias (a fresh tensor: expand + contiguous would hand back the bias itself when M == 1)
-  at::Tensor y = at::zeros({M, N}, xf.options());
-  if (bias.has_value()) y.copy_(bias->reshape({1, N}).expand({M, N}));
+  // the tiles add into y: it starts as a fresh copy of the bias (clone: expand + contiguous hands back the
+  // bias itself when M == 1), or zeros
+  at::Tensor y = bias.has_value() ? bias->expand({M, N}).clone(at::MemoryFormat::Contiguous)
+                                  : at::zeros({M, N}, xf.options());
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   switch (weight.scalar_type()) {

@@ -112,8 +112,9 @@ def choose(kind: str, make: Callable) -> str:
 # (the weight's widening is read-once work beside a product of M rows); or ``tiles``: tformer's own
 # several-row kernel (gemv.cpp ``gemm``: a 4 x 3 register tile, the weight widened in registers, never
 # copied; AVX2). Same numbers up to the summation order and the one final rounding; measured like the
-# one-row choice, stored under "<kind>-prefill". On the 2-core AMD EPYC (Zen 3, AVX2 only), where MKL's
-# float32 GEMM and a widened copy both cost, the tiles won for the GPT-2 shape's prompt (docs/inference.md).
+# one-row choice, stored under "<kind>-prefill". On the 2-core AMD EPYC (Zen 3, AVX2 only), 64 rows over
+# GPT-2's matrices: at bf16 / fp16 the tiles won in every run (12.3 against 14.2-15.6 ms widened and 52-62
+# native), at fp32 the choice went either way from run to run (docs/inference.md).
 PREFILL = {"fp32": ("native", "tiles"), "bf16": ("native", "fp32", "tiles"), "fp16": ("native", "fp32", "tiles")}
 PREFILL_ROWS = 64                     # rows of the timed product: a short prompt
 PREFILL_FORCED = "TFORMER_PREFILL_KERNEL"
@@ -168,32 +169,39 @@ def choose_prefill(kind: str) -> str:
     return _chosen(f"{kind}-prefill", have, lambda: measure_prefill(kind))
 
 
+def _stored() -> dict:
+    """Every machine's stored choices (``kernels.json``), or ``{}`` when it is missing or unreadable."""
+    try:
+        return json.loads(_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(cached: dict) -> None:
+    """Write ``cached`` as ``kernels.json`` atomically; a read-only home keeps the choices in this process only."""
+    try:
+        _path().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(_path(), lambda tmp: Path(tmp).write_text(json.dumps(cached, indent=1), encoding="utf-8"))
+    except OSError:
+        pass
+
+
 def _chosen(entry_kind: str, allowed, timings: Callable[[], dict[str, float]]) -> str:
-    """The stored choice for ``entry_kind`` on this machine, or measure it (``timings()``) and store it."""
+    """The stored choice for ``entry_kind`` on this machine, or measure it (``timings()``) and store it.
+    A stored choice whose candidates differ from ``allowed`` (a new kernel, or one that no longer builds)
+    is measured again."""
     if entry_kind in _CHOSEN:
         return _CHOSEN[entry_kind]
     key = machine_key()
-    try:
-        cached = json.loads(_path().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        cached = {}
-    entry = cached.get(key, {}).get(entry_kind)
-    # measured again when the candidates changed (a new kernel, or one that no longer builds)
+    entry = _stored().get(key, {}).get(entry_kind)
     if entry is None or entry.get("kernel") not in allowed or set(entry.get("seconds", ())) != set(allowed):
         times = timings()
         entry = {"kernel": min(times, key=times.get), "seconds": times}
-        # read again: the measurement may have stored other choices (timing the one-row layers builds
-        # DecodeLinears, which choose their prefill product), and writing the copy read above would drop them
-        try:
-            cached = json.loads(_path().read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            cached = {}
+        # read after measuring: timing the one-row layers builds DecodeLinears, which store their prefill
+        # choice meanwhile; a copy read before the measurement would drop it
+        cached = _stored()
         cached.setdefault(key, {})[entry_kind] = entry
-        try:
-            _path().parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(_path(), lambda tmp: Path(tmp).write_text(json.dumps(cached, indent=1), encoding="utf-8"))
-        except OSError:
-            pass                                                             # a read-only home: measure per process
+        _store(cached)
     _CHOSEN[entry_kind] = entry["kernel"]
     return _CHOSEN[entry_kind]
 
@@ -202,17 +210,11 @@ def forget() -> None:
     """Drop this machine's stored choices (this key only), so the next :func:`choose` measures again:
     for a benchmark that must choose on a quiet machine."""
     _CHOSEN.clear()
-    try:
-        cached = json.loads(_path().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
+    cached = _stored()
     if cached.pop(machine_key(), None) is not None:
-        atomic_write(_path(), lambda tmp: Path(tmp).write_text(json.dumps(cached, indent=1), encoding="utf-8"))
+        _store(cached)
 
 
 def chosen() -> dict[str, dict]:
     """This machine's stored choices: kind -> {"kernel", "seconds" per candidate}."""
-    try:
-        return json.loads(_path().read_text(encoding="utf-8")).get(machine_key(), {})
-    except (OSError, ValueError):
-        return {}
+    return _stored().get(machine_key(), {})
