@@ -50,6 +50,13 @@ def build_once(build, held: list, lock: threading.Lock, status: dict[str, str]):
     return held[0]
 
 
+def source_digest(files: list[Path], flags: tuple[str, ...] = ("-O3", "-fopenmp")) -> str:
+    """12 hex digits of the files' bytes, torch's version and the compiler flags: what a built library
+    (and a speed measured with it) depends on."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files) + torch.__version__.encode()
+                          + " ".join(flags).encode()).hexdigest()[:12]
+
+
 def compile_library(name: str, sources: list[Path], headers: list[Path], what: str, *, needs: set[str] = frozenset(),
                     flags: tuple[str, ...] = ("-O3", "-fopenmp")):
     """``torch.ops.<name>``: the library built from ``sources`` (and the ``headers`` they include) in
@@ -67,8 +74,7 @@ def compile_library(name: str, sources: list[Path], headers: list[Path], what: s
         raise RuntimeError(f"this CPU has no {', '.join(sorted(missing))}")
     from torch.utils import cpp_extension       # imports setuptools: only when a build is due
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*sources, *headers]) + torch.__version__.encode()
-                            + " ".join(flags).encode()).hexdigest()[:12]
+    digest = source_digest([*sources, *headers], flags)
     short = name.removeprefix("tformer_")
     build = cache_dir() / f"{short}-{digest}"
     build.mkdir(parents=True, exist_ok=True)

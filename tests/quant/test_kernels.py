@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tformer.quant import gemv, kernels
+from tformer.quant import gemv, kernels, qgemv
 from tformer.quant.quantize import (DecodeLinear, decode_layer, Int4Linear, Int8Linear, quantize_weight, quantize_weight_int4,
                                         set_precision)
 
@@ -304,7 +304,7 @@ def test_a_choice_under_an_isa_limit_is_stored_apart(monkeypatch):
 @pytest.mark.parametrize("mkn", [(1, 8, 3), (7, 13, 5), (4, 1030, 9), (130, 520, 7)])
 def test_several_row_gemm_matches_float64_and_leaves_its_bias_alone(dtype, mkn):
     """gemv.cpp's ``gemm`` (the 4 × 3 register tiles): every tile shape at the edges (M % 4, N % 3),
-    a K tail after the 8-lane steps, K over one cache block (1030 > 512); float32 sums of at most K
+    a K tail after the 8-lane steps, a long K (1030: each tile runs the whole of K); float32 sums of at most K
     terms, so within 1e-5 of Σ|x w| against float64. One row with a bias once handed the bias back as
     its output and added into it: the bias must come out untouched."""
     op = gemv.load_gemm()
@@ -358,3 +358,13 @@ def test_decode_linear_with_the_tiles_prefill_agrees_and_falls_back_under_autogr
     xg = x.clone().requires_grad_()
     layer(xg).sum().backward()
     assert xg.grad is not None and torch.allclose(xg.grad, lin.weight.detach().sum(0).expand(2, 5, 64), atol=1e-5)
+
+
+def test_a_choice_measured_with_other_kernel_sources_is_not_reused(monkeypatch):
+    """The stored key names a digest of gemv.cpp, qgemv.cpp and their headers: after an edit of a
+    kernel (a new tile loop, say) the machine measures its choice again instead of keeping one made
+    with the old code."""
+    now = kernels.machine_key()
+    assert f"kernels {kernels.source_digest([gemv.SOURCE, gemv.HEADER, qgemv.SOURCE, qgemv.VEC_EXP])}" in now
+    monkeypatch.setattr(kernels, "_DIGEST", ["000000000000"])
+    assert kernels.machine_key() != now

@@ -188,21 +188,19 @@ at::Tensor gemv_q4(const at::Tensor& packed, const at::Tensor& x, const at::Tens
 // rows of x by RN rows of W keeps RM x RN eight-lane accumulators along K (4 x 3 = 12 of AVX2's 16
 // registers, with three for W and one for x): per eight k, RM + RN loads feed RM x RN FMAs, so the
 // loop is bound by the FMA units, not by loads, and W is never copied (a widened copy of a
-// 768 x 3072 float16 matrix is 9.4 MB written and read again per product). The horizontal sums come
-// once per tile and K block. Cache blocking: K in blocks of KC (RM rows of x, 4 x 512 floats = 8 KB,
-// stay in L1 while a panel of W rows streams past them), each thread a contiguous range of W rows,
-// walked in panels of about 192 KB (in L2, reused by every tile of x rows). The same products in
-// float32 as F.linear up to the order of the sums.
-constexpr int64_t KC = 512;
-
+// 768 x 3072 float16 matrix is 9.4 MB written and read again per product). Each tile runs the whole of
+// K at once, so its horizontal sums and its write of y come once: blocks of 512 k (4 x 512 floats of x,
+// 8 KB, kept in L1) took 1.16-1.22x as long at 16, 64 and 128 rows over GPT-2's four float16 matrices on
+// the 2-core AMD EPYC (Zen 3, 2 threads, 15 alternated rounds), blocks of 768 or 1536 in between.
+// Each thread takes a contiguous range of W rows, walked in panels of about 192 KB (in L2, reused by
+// every tile of x rows). The same products in float32 as F.linear up to the order of the sums.
 template <int RM, int RN, typename T>
-T_256 void tile256(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kb, int64_t ke, float* y,
-                   int64_t ldy) {
+T_256 void tile256(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, float* y, int64_t ldy) {
   __m256 acc[RM][RN];
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
-  const int64_t k8 = kb + (ke - kb) / 8 * 8;
-  for (int64_t k = kb; k < k8; k += 8) {
+  const int64_t k8 = K / 8 * 8;
+  for (int64_t k = 0; k < k8; k += 8) {
     __m256 wv[RN];
     for (int j = 0; j < RN; ++j) wv[j] = float_rows::load8(w + j * ldw + k);
     for (int i = 0; i < RM; ++i) {
@@ -213,19 +211,18 @@ T_256 void tile256(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) {
       float s = hsum8(acc[i][j]);
-      for (int64_t k = k8; k < ke; ++k) s += x[i * ldx + k] * float_rows::scalar(w[j * ldw + k]);
+      for (int64_t k = k8; k < K; ++k) s += x[i * ldx + k] * float_rows::scalar(w[j * ldw + k]);
       y[i * ldy + j] += s;
     }
 }
 
 // Rows [n0, n1) of W against all M rows of x, RN at a time (fewer at the end); y's columns n0..n1.
 template <int RM, typename T>
-T_256 void rows_of_x(const float* x, int64_t ldx, const T* W, int64_t K, int64_t n0, int64_t n1, int64_t kb,
-                     int64_t ke, float* y, int64_t N) {
+T_256 void rows_of_x(const float* x, const T* W, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N) {
   int64_t n = n0;
-  for (; n + 3 <= n1; n += 3) tile256<RM, 3>(x, ldx, W + n * K, K, kb, ke, y + n, N);
-  if (n1 - n == 2) tile256<RM, 2>(x, ldx, W + n * K, K, kb, ke, y + n, N);
-  else if (n1 - n == 1) tile256<RM, 1>(x, ldx, W + n * K, K, kb, ke, y + n, N);
+  for (; n + 3 <= n1; n += 3) tile256<RM, 3>(x, K, W + n * K, K, K, y + n, N);
+  if (n1 - n == 2) tile256<RM, 2>(x, K, W + n * K, K, K, y + n, N);
+  else if (n1 - n == 1) tile256<RM, 1>(x, K, W + n * K, K, K, y + n, N);
 }
 
 template <typename T>
@@ -235,16 +232,13 @@ void gemm256(const float* x, int64_t M, const T* W, int64_t N, int64_t K, float*
     const int64_t lo = 3 * g0, hi = std::min(N, 3 * g1);
     for (int64_t p0 = lo; p0 < hi; p0 += panel) {
       const int64_t p1 = std::min(hi, p0 + panel);
-      for (int64_t kb = 0; kb < K; kb += KC) {
-        const int64_t ke = std::min(K, kb + KC);
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) rows_of_x<4>(x + m * K, K, W, K, p0, p1, kb, ke, y + m * N, N);
-        const float* xr = x + m * K;
-        float* yr = y + m * N;
-        if (M - m == 3) rows_of_x<3>(xr, K, W, K, p0, p1, kb, ke, yr, N);
-        else if (M - m == 2) rows_of_x<2>(xr, K, W, K, p0, p1, kb, ke, yr, N);
-        else if (M - m == 1) rows_of_x<1>(xr, K, W, K, p0, p1, kb, ke, yr, N);
-      }
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) rows_of_x<4>(x + m * K, W, K, p0, p1, y + m * N, N);
+      const float* xr = x + m * K;
+      float* yr = y + m * N;
+      if (M - m == 3) rows_of_x<3>(xr, W, K, p0, p1, yr, N);
+      else if (M - m == 2) rows_of_x<2>(xr, W, K, p0, p1, yr, N);
+      else if (M - m == 1) rows_of_x<1>(xr, W, K, p0, p1, yr, N);
     }
   });
 }

@@ -5,8 +5,9 @@ one AVX-512 machine ``torch.mv`` beat ``F.linear`` for bfloat16 by 1.4×, on ano
 constant decides; :func:`choose` times every candidate for a weight dtype on GPT-2-sized weights
 (768×3072 and 3072×768, eight of each, ~19-75 MB: streamed from memory as in a real decode step),
 alternating them, and keeps the one with the smallest median. The choice is stored in
-``<cache_dir>/kernels.json`` under a key naming the CPU, torch's version and the thread count, so
-each machine measures once (~0.1-0.5 s per dtype); delete the file to measure again.
+``<cache_dir>/kernels.json`` under a key naming the CPU, torch's version, the thread count and a digest
+of tformer's kernel sources, so each machine measures once (~0.1-0.5 s per dtype) and again after its
+kernels change; delete the file to measure again.
 
 Candidates (all give the same numbers up to float32 summation order, which tests/quant/test_kernels.py
 checks against a float64 reference):
@@ -32,8 +33,8 @@ import torch
 
 from tformer.io import atomic_write
 from tformer.machine import cpu_info
-from tformer.extensions import cache_dir
-from tformer.quant import gemv
+from tformer.extensions import cache_dir, source_digest
+from tformer.quant import gemv, qgemv
 
 Tensor = torch.Tensor
 CANDIDATES = {"fp32": ("linear", "mm_t", "ext"), "bf16": ("linear", "mv", "ext"), "fp16": ("linear", "mv", "ext"),
@@ -50,11 +51,22 @@ ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTI
 
 
 def machine_key() -> str:
-    """CPU model name, torch version and thread count: what a kernel choice depends on."""
+    """CPU model name, torch version, thread count and the kernels' sources: what a kernel choice
+    depends on (a choice measured with an older ``gemv.cpp`` is not one for the new)."""
     forced = os.environ.get(gemv.FORCED)               # a forced GEMV path measures (and is stored) apart
     limits = [f"{k}={os.environ[k]}" for k in ISA_LIMITS if os.environ.get(k)]
-    return f"{cpu_info().model} | torch {torch.__version__} | {torch.get_num_threads()} threads" + \
+    return f"{cpu_info().model} | torch {torch.__version__} | {torch.get_num_threads()} threads | kernels {_sources()}" + \
         (f" | gemv {forced}" if forced else "") + "".join(f" | {lim}" for lim in limits)
+
+
+def _sources() -> str:
+    """The digest of every source a candidate runs (gemv.cpp, qgemv.cpp and their headers), read once."""
+    if not _DIGEST:
+        _DIGEST.append(source_digest([gemv.SOURCE, gemv.HEADER, qgemv.SOURCE, qgemv.VEC_EXP]))
+    return _DIGEST[0]
+
+
+_DIGEST: list[str] = []
 
 
 def random_linear(n: int, k: int, g: torch.Generator) -> torch.nn.Linear:
