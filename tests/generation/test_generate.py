@@ -297,6 +297,20 @@ def test_non_finite_logits_stop_generation_with_one_sentence():
         generate(model, torch.tensor([[1, 2]]), 4, temperature=0)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_finite_check_finds_one_bad_logit_and_keeps_huge_finite_ones(bad):
+    """The per-step check sums the logits (one vectorised pass) and falls back to the element-wise test
+    when the sum is not finite: one NaN or inf among 50,257 logits is caught, and finite logits whose sum
+    overflows float32 still pass."""
+    from tformer.generation.generate import _finite
+
+    logits = torch.randn(2, 50257)
+    assert _finite(logits)
+    logits[1, 31337] = bad
+    assert not _finite(logits)
+    assert _finite(torch.full((1, 8), 3e38))                  # the sum is inf, every logit finite
+
+
 def test_a_temperature_below_the_floor_is_greedy():
     """Issue 29: dividing logits by a denormal temperature (1e-45) made them inf and the softmax NaN.
     Below MIN_TEMPERATURE (1e-6) sampling takes the argmax; at the floor it still samples finitely."""

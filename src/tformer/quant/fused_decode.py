@@ -40,6 +40,7 @@ import weakref
 
 import torch
 
+from tformer.mixers.kv_cache import KVCache, RowWriter, StaticKVCache
 from tformer.quant import qgemv
 from tformer.quant.block_linear import BlockLinear
 from tformer.quant.quantize import DecodeLinear
@@ -201,8 +202,6 @@ def reason(model) -> str | None:
 
 def _caches_fit(state, B: int) -> bool:
     """Every layer of a static state is a float32 StaticKVCache of ``B`` rows the kernel can read."""
-    from tformer.mixers.kv_cache import StaticKVCache
-
     return all(type(s) is StaticKVCache and _float_cache(s) and s.k.shape[0] == B for s in state.layers)
 
 
@@ -305,8 +304,6 @@ def forward(model, ids: Tensor, state, *, last_index: Tensor | None = None, last
     long prompt is faster through the module path's attention kernel, its per-op cost then amortised.
     :func:`decode` on an eager state is this with one token.
     """
-    from tformer.mixers.kv_cache import KVCache, RowWriter
-
     if state is None or ids.dim() != 2 or not 1 <= ids.shape[1] <= MAX_TOKENS or not state.layers:
         return None
     p = _usable(model)
@@ -327,9 +324,10 @@ def forward(model, ids: Tensor, state, *, last_index: Tensor | None = None, last
     if pos and not bool(state.valid[:, :pos].all()):
         return None                                      # held padding: the module path's masks
     _ensure_rope(p, max(pos + T, caches[0][0].shape[2]))
-    where = torch.arange(pos, pos + T).repeat(B)                                   # (B T,) index = position
+    where = torch.arange(pos, pos + T)
+    where = where.repeat(B) if B > 1 else where                                     # (B T,) index = position
     x = _embed(model, p, ids.reshape(B * T), where)                                # (B T, C)
-    run_layers(p, x, caches, where, where, None, slots.repeat_interleave(T).contiguous())
+    run_layers(p, x, caches, where, where, None, slots.repeat_interleave(T).contiguous() if T > 1 else slots)
     state.valid[:, pos:pos + T] = True
     state.advance(pos + T)
     x = x.view(B, T, -1)
