@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from tformer.extensions import cpu_flags
+from tformer.extensions import cpu_flags, find_ninja
 from tformer.ops import activation_cpu, attention_cpu
 from tformer.quant import gemv, qgemv
 
@@ -31,6 +31,6 @@ def test_each_kernel_library_builds_where_it_can(source):
         pytest.skip("TFORMER_NO_EXTENSION is set: the kernels are off by request")
     if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
         pytest.skip(f"this CPU cannot run {source} ({platform.machine()}; needs {sorted(needs)})")
-    if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
+    if shutil.which(os.environ.get("CXX", "c++")) is None or find_ninja() is None:
         pytest.skip("no C++ compiler or no ninja here: torch's kernels stand in, by design")
     assert load() is not None, f"{source} did not build: {status.get('state')}"

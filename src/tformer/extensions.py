@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -50,6 +51,13 @@ def build_once(build, held: list, lock: threading.Lock, status: dict[str, str]):
     return held[0]
 
 
+def find_ninja() -> str | None:
+    """The ninja binary torch's builds need: on PATH, or the one beside this Python (a venv's, from the
+    ``ninja`` wheel); ``None`` where there is neither."""
+    beside = Path(sys.executable).with_name("ninja")
+    return shutil.which("ninja") or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
+
+
 def source_digest(files: list[Path], flags: tuple[str, ...] = ("-O3", "-fopenmp")) -> str:
     """12 hex digits of the files' bytes, torch's version and the compiler flags: what a built library
     (and a speed measured with it) depends on."""
@@ -73,6 +81,12 @@ def compile_library(name: str, sources: list[Path], headers: list[Path], what: s
     if missing:
         raise RuntimeError(f"this CPU has no {', '.join(sorted(missing))}")
     from torch.utils import cpp_extension       # imports setuptools: only when a build is due
+
+    ninja = find_ninja()
+    if ninja is not None and shutil.which("ninja") is None:
+        # the ninja wheel (a dev dependency) puts its binary beside the venv's python, which is not on PATH
+        # when the venv's python is run by its path (as `make test` does); torch looks for it on PATH
+        os.environ["PATH"] = f"{os.path.dirname(ninja)}{os.pathsep}{os.environ.get('PATH', '')}"
 
     digest = source_digest([*sources, *headers], flags)
     short = name.removeprefix("tformer_")
