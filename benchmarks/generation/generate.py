@@ -181,6 +181,12 @@ def gpt2_contenders(args, parity_rows: list) -> dict:
     return out
 
 
+def paired(row: dict, peer: dict, key: str) -> float:
+    """The median over rounds of ``row``'s rate over ``peer``'s in the same round (``key``: the per-round
+    rates); on a guest whose speed drifts between minutes it varies less than the ratio of the medians."""
+    return statistics.median(a / b for a, b in zip(row[key], peer[key]))
+
+
 def run_contenders(contenders: dict, repeats: int, bandwidth: float, prompt: int) -> list[dict]:
     """Alternate the contenders ``repeats`` times (one whole generation each, then its prefill alone);
     per round, decode tok/s = (n - 1) / (whole - prefill); medians and the range over rounds."""
@@ -203,8 +209,9 @@ def run_contenders(contenders: dict, repeats: int, bandwidth: float, prompt: int
         row = dict(name=name, e2e=n / total, bytes=nbytes)
         if prefill[name]:
             dec = [(n - 1) / max(t - p, 1e-9) for t, p in zip(times[name], prefill[name])]
-            row.update(decode=statistics.median(dec), decode_range=(min(dec), max(dec)),
-                       prefill=prompt / statistics.median(prefill[name]))
+            row.update(decode=statistics.median(dec), decode_range=(min(dec), max(dec)), decode_rounds=dec,
+                       prefill=prompt / statistics.median(prefill[name]),
+                       prefill_rounds=[prompt / p for p in prefill[name]])
             row["roofline"] = nbytes * row["decode"] / (bandwidth * 1e9)
         else:
             row["roofline"] = nbytes * row["e2e"] / (bandwidth * 1e9)
@@ -352,6 +359,9 @@ def main() -> None:
         lines += [f"## GPT-2 124M shape (random weights, the same in every contender), batch 1, prompt {args.prompt}, "
                   f"{args.new_tokens} new tokens, greedy; median of {args.repeats} alternated rounds "
                   f"(decode: range over rounds; no cache: {args.nocache_tokens} new tokens, 1 run)\n",
+                  "Each ratio is the ratio of the medians, and in brackets the median of the per-round ratios (each "
+                  "round runs every contender once, one after the other, so a round's pair shares the machine's state "
+                  "of that minute).\n",
                   "| contender | MB read per token | prefill tok/s | decode tok/s (range) | decode share of read bw | "
                   "decode x llama.cpp same type (its default) | prefill x llama.cpp (its faster row with the "
                   "prompt batched) | end-to-end x HF | kernel |",
@@ -364,8 +374,10 @@ def main() -> None:
             off = by.get(f"llama.cpp {MATCH.get(kind, '-')}{REPACK_OFF}") if peer else None
             fed = [c for c in (peer, off) if c and "prefill" in c and not one_by_one_of(c)]
             batched = max(fed, key=lambda c: c["prefill"]) if fed else None
-            ratio_dec = f"{r['decode'] / peer['decode']:.2f}" if peer and "decode" in r else "-"
-            ratio_pre = f"{r['prefill'] / batched['prefill']:.2f}" if batched and "prefill" in r else "-"
+            ratio_dec = (f"{r['decode'] / peer['decode']:.2f} ({paired(r, peer, 'decode_rounds'):.2f})"
+                         if peer and "decode" in r else "-")
+            ratio_pre = (f"{r['prefill'] / batched['prefill']:.2f} ({paired(r, batched, 'prefill_rounds'):.2f})"
+                         if batched and "prefill" in r else "-")
             dec = f"{r['decode']:.1f} ({r['decode_range'][0]:.1f}-{r['decode_range'][1]:.1f})" if "decode" in r else "-"
             pre = f"{r['prefill']:.0f}" if "prefill" in r else "-"
             lines.append(f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {pre} | {dec} | {r['roofline']:.0%} | {ratio_dec} | "
