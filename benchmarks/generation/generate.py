@@ -385,8 +385,10 @@ def main() -> None:
                          f"| {r['name']} | {r['bytes'] / 1e6:.0f} | {pre} | {dec} | {r['roofline']:.0%} | {ratio_dec} | "
                          f"{ratio_pre} | - | {RAN.get(r['name'], '-')} |")
         chosen = kernels.chosen()
-        times = lambda keys: "; ".join(f"{k}: " + ", ".join(f"{c} {t * 1e3:.2f}" for c, t in chosen[k]["seconds"].items())  # noqa: E731
-                                       + f" (chose {chosen[k]['kernel']})" for k in keys)
+
+        def times(keys) -> str:
+            return "; ".join(f"{k}: " + ", ".join(f"{c} {t * 1e3:.2f}" for c, t in chosen[k]["seconds"].items())
+                             + f" (chose {chosen[k]['kernel']})" for k in keys)
         lines.append("Kernel choice measured at the start of this run (tformer.quant.kernels), one row, ms per pass "
                      "over 8 x (768x3072, 3072x768) weights: " + times(k for k in chosen if not k.endswith("-prefill"))
                      + f"; several rows (prefill), ms per pass of {kernels.PREFILL_ROWS} rows over 2 x (768x3072, "

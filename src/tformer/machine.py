@@ -4,6 +4,7 @@ processes keep busy, and the memory still available."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -67,15 +68,24 @@ def bf16_supported(device: str = "cpu") -> bool:
     return half_native(torch.bfloat16)
 
 
+@functools.cache
 def half_native(dtype: torch.dtype) -> bool:
     """Whether this CPU computes ``dtype`` (bfloat16 or float16) natively (AVX-512-BF16 / AMX, AVX512-FP16),
-    as oneDNN sees it; where not, torch emulates it in float32 lane by lane, often slower than float32."""
+    as oneDNN sees it; where not, torch emulates it in float32 lane by lane, often slower than float32.
+    Asked once per dtype (the CPU does not change)."""
     try:
         check = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
                  torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype)
         return bool(check()) if check else False
     except (AttributeError, RuntimeError):
         return False
+
+
+def emulates_half(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a bfloat16 / float16 tensor on a CPU that computes its type only by emulation: the
+    one rule by which a 16-bit prompt's attention (ops/sdpa.py) and GELU (nn/feed_forward.py) run on float32
+    copies, rounded back once (docs/inference.md has the figures)."""
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and not half_native(t.dtype)
 
 
 def matmul_peak_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024,

@@ -97,9 +97,12 @@ def test_a_non_contiguous_input():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_16_bit_activation_in_inference_is_the_float32_kernel_rounded_once(dtype):
-    """Inference in bf16 / fp16 on a CPU: the float32 kernel on the widened input, rounded back once, so
-    within one rounding of the dtype of PyTorch's float64 value; under autograd ``F.gelu`` keeps it."""
+def test_a_16_bit_activation_in_inference_is_the_float32_kernel_rounded_once(dtype, monkeypatch):
+    """A bf16 / fp16 prompt on a CPU that emulates the type: the float32 kernel on the widened input,
+    rounded back once, so within one rounding of the dtype of PyTorch's float64 value; one row (a decode
+    step), a CPU with the type native, and autograd keep ``F.gelu``."""
+    import tformer.machine as machine
+    monkeypatch.setattr(machine, "half_native", lambda dt: False)     # as on the AVX2 EPYC, on any CPU
     x = (torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     with torch.no_grad():
         y = ACTIVATIONS["gelu_tanh"](x)
@@ -107,5 +110,11 @@ def test_a_16_bit_activation_in_inference_is_the_float32_kernel_rounded_once(dty
     ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]      # half an ulp: one rounding
     assert y.dtype == dtype and bool(((y.double() - ref).abs() <= ulp * ref.abs() + 1e-6).all())
     assert torch.equal(y, activation_cpu.load().gelu_tanh(x.float()).to(dtype))        # the kernel's path, not ATen's
+    with torch.no_grad():
+        aten = F.gelu(x, approximate="tanh")
+        assert not torch.equal(aten[:1], y[:1])                  # the two paths differ here, so the checks can fail
+        assert torch.equal(ACTIVATIONS["gelu_tanh"](x[:1]), aten[:1])                            # one row
+        monkeypatch.setattr(machine, "half_native", lambda dt: True)
+        assert torch.equal(ACTIVATIONS["gelu_tanh"](x), aten)                                    # native type
     xg = x.clone().requires_grad_()
     assert type(ACTIVATIONS["gelu_tanh"](xg).grad_fn).__name__ == "GeluBackward0"

@@ -218,12 +218,18 @@ def test_a_16_bit_prompt_on_a_cpu_without_native_support_attends_in_float32(dtyp
     """Where the CPU emulates the 16-bit type, a prompt's attention runs on float32 copies and is rounded
     back once: the float32 result of the same (rounded) inputs to within one rounding of the dtype. Decode
     steps (one query row) keep the dtype."""
-    import tformer.ops.sdpa as sdpa_module
-    monkeypatch.setattr(sdpa_module, "half_native", lambda dt: False)
+    import tformer.machine as machine
+    monkeypatch.setattr(machine, "half_native", lambda dt: False)     # as on the AVX2 EPYC, on any CPU
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 4, 9, 16, generator=g).to(dtype) for _ in range(3))
     out = sdpa(q, k, v, causal=True, backend="torch")
     ref = sdpa(q.float(), k.float(), v.float(), causal=True, backend="torch")
     assert out.dtype == dtype and torch.equal(out, ref.to(dtype))
-    one = sdpa(q[:, :, -1:], k, v, causal=True, backend="torch")
-    assert one.dtype == dtype
+    q1 = q[:, :, -1:]                                               # one query row: a decode step
+    widened = sdpa(q1.float(), k.float(), v.float(), causal=True, backend="torch").to(dtype)
+    one = sdpa(q1, k, v, causal=True, backend="torch")
+    monkeypatch.setattr(machine, "half_native", lambda dt: True)   # a CPU with the type native: no copies
+    native = sdpa(q1, k, v, causal=True, backend="torch")
+    assert not torch.equal(widened, native)                         # the two paths differ here, so this can fail
+    assert one.dtype == dtype and torch.equal(one, native)
+    assert not torch.equal(sdpa(q, k, v, causal=True, backend="torch"), out)   # the prompt: native differs too

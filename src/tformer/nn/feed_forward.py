@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tformer.config import TransformerConfig
+from tformer.machine import emulates_half
 from tformer.nn.markers import mark_residual
 from tformer.ops import activation_cpu
 
@@ -60,10 +61,10 @@ def gelu_tanh(x: Tensor) -> Tensor:
     training = x.requires_grad and torch.is_grad_enabled()
     if activation_cpu.serves(x, "gelu_tanh"):
         return activation_cpu.Pointwise.apply(x, "gelu_tanh") if training else activation_cpu.load().gelu_tanh(x.contiguous())
-    if not training and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" \
-            and activation_cpu.load() is not None:
-        # a 16-bit prompt on a CPU: ATen's GELU in float16 / bfloat16 took 862 / 796 µs a call at 128 × 3072 on
-        # the AMD EPYC, this (the kernel on the widened activation, rounded once, as ATen's) 313-406 / 162-189 µs
+    if not training and x.numel() > x.shape[-1] and emulates_half(x) and activation_cpu.load() is not None:
+        # a 16-bit prompt (several rows; a decode step keeps ATen's, as attention does) on a CPU that emulates
+        # the type: ATen's GELU in float16 / bfloat16 took 862 / 796 µs a call at 128 × 3072 on the AMD EPYC,
+        # this (the kernel on the widened activation, rounded once, as ATen's) 313-406 / 162-189 µs
         # (torch.profiler over GPT-2 prompts, two profiles)
         return activation_cpu.load().gelu_tanh(x.float()).to(x.dtype)
     return F.gelu(x, approximate="tanh")

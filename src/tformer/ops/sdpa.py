@@ -31,7 +31,7 @@ import tformer.ops.attention_cpu as attention_cpu
 from tformer.ops.flash import flash_backend
 from tformer.ops.masks import causal_mask, sliding_window_mask
 from tformer.errors import InputError
-from tformer.machine import half_native
+from tformer.machine import emulates_half
 from tformer.ops.alibi import alibi_bias
 
 Tensor = torch.Tensor
@@ -248,8 +248,8 @@ def _torch_attention(q, k, v, mask, bias, causal, window, scale, dropout_p):
         # PyTorch's CPU kernel has no dropout (it falls back to a slow math path): see attention/dropout.py
         return dropout_attention(q, k, v, p=dropout_p, scale=scale, causal=causal)
     training = q.requires_grad and torch.is_grad_enabled()
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) \
-            and (training or (n > 1 and not half_native(q.dtype))):
+    if (training and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)) \
+            or (n > 1 and emulates_half(q)):
         # 16-bit attention on a CPU runs on float32 copies, rounded back once, (a) in training: PyTorch 2.13's
         # CPU flash kernel is slower in bf16 than in fp32 once its backward counts (fwd+bwd at (12, 4, 64, 32):
         # 7.5 ms against 1.6 ms; docs/training.md), and (b) for a prompt where the CPU emulates the type: at

@@ -113,8 +113,8 @@ FR_256 inline float hsum8(__m256 v) {
 // The AVX2 loop goes one row at a time, 32 weights a step into four accumulators, with no software
 // prefetch: each thread then reads one sequential stream, which the hardware prefetcher follows on its
 // own. On the 2-core AMD EPYC (Zen 3, 2 threads; a whole GPT-2 decode step's weights, 495 MB at fp32,
-// 248 MB at fp16/bf16, 21-31 alternated rounds, four runs) it took 0.91-1.00x the time of rows512's
-// four-row groups with prefetch at 8 lanes (median of per-round ratios: fp32 0.91 / 0.99 / 0.98,
+// 248 MB at fp16/bf16, 21-31 alternated rounds, four runs) it took 0.91-1.00x the time of the AVX2 loop
+// before it, rows512's four-row groups and prefetch at 8 lanes (median of per-round ratios: fp32 0.91 / 0.99 / 0.98,
 // fp16 0.91 / 0.95 / 1.00, bf16 1.00), and two rows at a time 1.08-1.36x. K need not be a multiple of 8.
 template <typename T>
 FR_256 void rows256(const T* W, const float* x, float* y, int64_t K, int64_t n0, int64_t n1) {

@@ -191,28 +191,28 @@ at::Tensor gemv_q4(const at::Tensor& packed, const at::Tensor& x, const at::Tens
 // loop is bound by the FMA units, not by loads, and W is never copied (a widened copy of a
 // 768 x 3072 float16 matrix is 9.4 MB written and read again per product). Each tile runs the whole of
 // K at once, so its horizontal sums and its write of y come once: blocks of 512 k (4 x 512 floats of x,
-// 8 KB, kept in L1) took 1.16-1.22x as long at 16, 64 and 128 rows over GPT-2's four float16 matrices on
+// 8 KB, kept in L1) took 1.16-1.21x as long at 16, 64 and 128 rows over GPT-2's four float16 matrices on
 // the 2-core AMD EPYC (Zen 3, 2 threads, 15 alternated rounds), blocks of 768 or 1536 in between.
 // Each thread takes a contiguous range of W rows, walked in panels of about 192 KB (in L2, reused by
 // every tile of x rows). The same products in float32 as F.linear up to the order of the sums.
 template <int RM, int RN, typename T>
-T_256 void tile256(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, float* y, int64_t ldy) {
+T_256 void tile256(const float* x, const T* w, int64_t K, float* y, int64_t ldy) {   // x, w: rows K apart
   __m256 acc[RM][RN];
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t k8 = K / 8 * 8;
   for (int64_t k = 0; k < k8; k += 8) {
     __m256 wv[RN];
-    for (int j = 0; j < RN; ++j) wv[j] = float_rows::load8(w + j * ldw + k);
+    for (int j = 0; j < RN; ++j) wv[j] = float_rows::load8(w + j * K + k);
     for (int i = 0; i < RM; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+      const __m256 xv = _mm256_loadu_ps(x + i * K + k);
       for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) {
       float s = hsum8(acc[i][j]);
-      for (int64_t k = k8; k < K; ++k) s += x[i * ldx + k] * float_rows::scalar(w[j * ldw + k]);
+      for (int64_t k = k8; k < K; ++k) s += x[i * K + k] * float_rows::scalar(w[j * K + k]);
       y[i * ldy + j] += s;
     }
 }
@@ -221,9 +221,9 @@ T_256 void tile256(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t
 template <int RM, typename T>
 T_256 void rows_of_x(const float* x, const T* W, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N) {
   int64_t n = n0;
-  for (; n + 3 <= n1; n += 3) tile256<RM, 3>(x, K, W + n * K, K, K, y + n, N);
-  if (n1 - n == 2) tile256<RM, 2>(x, K, W + n * K, K, K, y + n, N);
-  else if (n1 - n == 1) tile256<RM, 1>(x, K, W + n * K, K, K, y + n, N);
+  for (; n + 3 <= n1; n += 3) tile256<RM, 3>(x, W + n * K, K, y + n, N);
+  if (n1 - n == 2) tile256<RM, 2>(x, W + n * K, K, y + n, N);
+  else if (n1 - n == 1) tile256<RM, 1>(x, W + n * K, K, y + n, N);
 }
 
 template <typename T>

@@ -22,6 +22,7 @@ checks against a float64 reference):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -59,14 +60,10 @@ def machine_key() -> str:
         (f" | gemv {forced}" if forced else "") + "".join(f" | {lim}" for lim in limits)
 
 
+@functools.cache
 def _sources() -> str:
     """The digest of every source a candidate runs (gemv.cpp, qgemv.cpp and their headers), read once."""
-    if not _DIGEST:
-        _DIGEST.append(source_digest([gemv.SOURCE, gemv.HEADER, qgemv.SOURCE, qgemv.VEC_EXP]))
-    return _DIGEST[0]
-
-
-_DIGEST: list[str] = []
+    return source_digest(list(dict.fromkeys([*gemv.FILES, *qgemv.FILES])))      # float_rows.h once
 
 
 def random_linear(n: int, k: int, g: torch.Generator) -> torch.nn.Linear:
@@ -125,8 +122,9 @@ def choose(kind: str, make: Callable) -> str:
 # several-row kernel (gemv.cpp ``gemm``: a 4 x 3 register tile, the weight widened in registers, never
 # copied; AVX2). Same numbers up to the summation order and the one final rounding; measured like the
 # one-row choice, stored under "<kind>-prefill". On the 2-core AMD EPYC (Zen 3, AVX2 only), 64 rows over
-# GPT-2's matrices: at bf16 / fp16 the tiles won in every run (12.3 against 14.2-15.6 ms widened and 52-62
-# native), at fp32 the choice went either way from run to run (docs/inference.md).
+# GPT-2's matrices, five runs after the tiles took the whole of K: the tiles won at every type in every run
+# (fp32 8.6-19.6 against MKL's 10.3-25.1 ms; bf16 / fp16 7.7-12.0 against 11.9-23.1 widened and 46-106
+# native; generate_llama_cpp-epyc5..9.md).
 PREFILL = {"fp32": ("native", "tiles"), "bf16": ("native", "fp32", "tiles"), "fp16": ("native", "fp32", "tiles")}
 PREFILL_ROWS = 64                     # rows of the timed product: a short prompt
 PREFILL_FORCED = "TFORMER_PREFILL_KERNEL"

@@ -43,6 +43,7 @@ from tformer.quant import blocks, gemv
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 VEC_EXP = SOURCE.parent.parent / "ops" / "vec_exp.h"     # e^x in registers, shared with the attention kernel
+FILES = (SOURCE, gemv.HEADER, VEC_EXP)                   # what the built library depends on
 PATHS = ("scalar", "avx2", "avx512vnni")      # index = the op's path number
 FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 FORCED = "TFORMER_QGEMV_PATH"
@@ -54,7 +55,7 @@ _PATHS: list = []                              # paths() once computed: the CPU 
 
 
 def _build():
-    op = compile_library("tformer_qgemv", [SOURCE], [gemv.HEADER, VEC_EXP], "the block-quantised kernels")
+    op = compile_library("tformer_qgemv", [SOURCE], list(FILES[1:]), "the block-quantised kernels")
 
     @torch.library.register_fake("tformer_qgemv::qgemm")
     def _shape(blocks, fmt, x, bias, path):             # lets torch.compile trace through the op
