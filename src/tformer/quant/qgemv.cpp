@@ -1234,6 +1234,28 @@ void decode_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Ten
   for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 }
 
+// Every layer of a step in one call (one dispatch instead of one per layer, ~20 us each from Python):
+// norms / mats / biases / fmts hold each layer's decode_layer lists one layer after another, and
+// k_caches / v_caches one cache per layer; x, the indices, the mask and the rotary tables are shared.
+void decode_layers(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
+                   const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef fmts, at::IntArrayRef dims,
+                   at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& write_index,
+                   const at::Tensor& positions, const c10::optional<at::Tensor>& valid,
+                   const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cos,
+                   const c10::optional<at::Tensor>& sin, int64_t path) {
+  const size_t layers = k_caches.size();
+  TORCH_CHECK(layers > 0 && v_caches.size() == layers && norms.size() % layers == 0 && mats.size() % layers == 0 &&
+                  biases.size() == mats.size() && fmts.size() == mats.size(),
+              "decode_layers: one k and v cache per layer, and the same count of norms and of products in every layer");
+  const size_t nn = norms.size() / layers, nm = mats.size() / layers;
+  for (size_t l = 0; l < layers; ++l) {
+    c10::List<c10::optional<at::Tensor>> b;
+    for (size_t i = 0; i < nm; ++i) b.push_back(biases.get(l * nm + i));
+    decode_layer(x, norms.slice(l * nn, nn), eps, mats.slice(l * nm, nm), b, fmts.slice(l * nm, nm), dims,
+                 k_caches[l], v_caches[l], write_index, positions, valid, rows, cos, sin, path);
+  }
+}
+
 int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT_NS.load(); }
 
 }  // namespace
@@ -1246,6 +1268,9 @@ TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("decode_layer(Tensor(a!) x, Tensor[] norms, float eps, Tensor[] mats, Tensor?[] biases, int[] fmts, "
         "int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor write_index, Tensor positions, Tensor? valid, "
         "Tensor? rows, Tensor? cos, Tensor? sin, int path) -> ()");
+  m.def("decode_layers(Tensor(a!) x, Tensor[] norms, float eps, Tensor[] mats, Tensor?[] biases, int[] fmts, "
+        "int[] dims, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor write_index, Tensor positions, Tensor? valid, "
+        "Tensor? rows, Tensor? cos, Tensor? sin, int path) -> ()");
   m.def("tile_passes(Tensor[] mats, int[] fmts, int[] ns, Tensor x, int path, int reps) -> float");
   m.def("product_ns(bool reset) -> int");
 }
@@ -1255,6 +1280,7 @@ TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
   m.impl("repack", &repack);
   m.impl("qgemm_tiles", &qgemm_tiles);
   m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
   m.impl("tile_passes", &tile_passes);
 }
 TORCH_LIBRARY_IMPL(tformer_qgemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); m.impl("product_ns", &product_ns); }
