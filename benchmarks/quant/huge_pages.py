@@ -1,9 +1,10 @@
-"""Decode weights on 2 MB pages against 4 KB pages: GPT-2 124M decode and prefill, A/B in one run.
+"""Float decode weights on 2 MB pages against 4 KB pages: GPT-2 124M decode and prefill, A/B in one run.
 
-For each precision, two copies of the same model: one whose fused-decode plan moved the weights a
-step streams into a huge-page arena (``tformer.quant.huge_pages``, the default), one made with
-``TFORMER_HUGE_PAGES=0`` (the weights where torch allocated them, 4 KB pages on a kernel whose THP
-setting is ``madvise``). Each round runs one generation on each, alternated; decode tok/s =
+For each float precision, two copies of the same model: one whose fused-decode plan copied the weights
+a step streams into qgemv's arenas of 2 MB pages, in the step's order (``fused_decode._stream``, the
+default), one made with ``TFORMER_FLOAT_ARENA=0`` (the weights where torch allocated them: 4 KB pages
+on a kernel whose THP setting is ``madvise``). Block formats are not compared: their tiles have been
+made in those arenas since they exist. Each round runs one generation on each, alternated; decode tok/s =
 (n - 1) / (whole - prefill). Criterion, stated before the run: the arena is worth its copy at the
 first step if the median of per-round decode-time ratios (arena / plain) is <= 0.97 at fp32 and fp16,
 with the same tokens from both copies.
@@ -27,7 +28,7 @@ import torch
 
 from tformer import DecoderLM, TransformerConfig
 from tformer.generation.generate import generate
-from tformer.quant import fused_decode, huge_pages
+from tformer.quant import fused_decode, qgemv
 from tformer.quant.quantize import set_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
@@ -37,22 +38,22 @@ from common.record import Run, load_note, results_dir  # noqa: E402
 
 def planned(model: DecoderLM, ids: torch.Tensor, arena: bool) -> DecoderLM:
     """``model`` after its first generation made its plan with the arena on or off."""
-    before = os.environ.get(huge_pages.SWITCH)
-    os.environ[huge_pages.SWITCH] = "1" if arena else "0"
+    before = os.environ.get(fused_decode.FLOAT_ARENA)
+    os.environ[fused_decode.FLOAT_ARENA] = "1" if arena else "0"
     try:
         generate(model, ids, 2, temperature=0)
     finally:
         if before is None:
-            del os.environ[huge_pages.SWITCH]
+            del os.environ[fused_decode.FLOAT_ARENA]
         else:
-            os.environ[huge_pages.SWITCH] = before
+            os.environ[fused_decode.FLOAT_ARENA] = before
     return model
 
 
 def _huge_mb(model: DecoderLM) -> float:
     """MB on 2 MB pages in the mapping that holds the first layer's first streamed matrix."""
     plan = fused_decode.plan(model)
-    return (huge_pages.huge_bytes(plan.layers[0][1][0]) or 0) / 2**20 if plan is not None else float("nan")
+    return (qgemv.huge_page_bytes(plan.layers[0][1][0]) or 0) / 2**20 if plan is not None else float("nan")
 
 
 def timed(fn) -> float:
@@ -89,7 +90,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
-    p.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "bf16", "q8_0", "q4_0"])
+    p.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "bf16"])
     p.add_argument("--tag", default="")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -108,7 +109,7 @@ def main() -> None:
         print(f"  arena {r['arena_ms']:.2f} ms, plain {r['plain_ms']:.2f} ms a token: {r['ratio']:.3f}", file=sys.stderr)
     record.finish()
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    lines = ["# Decode weights on 2 MB pages (an arena) against 4 KB pages, GPT-2 124M\n",
+    lines = ["# Float decode weights on 2 MB pages (qgemv's arenas) against 4 KB pages, GPT-2 124M\n",
              f"Measured read bandwidth {bw:.1f} GB/s at the start. THP setting: "
              f"`{thp.read_text().strip() if thp.exists() else 'no such file'}`. Prompt {args.prompt}, "
              f"{args.new} new tokens, greedy; {args.rounds} rounds, the two copies alternated in each. Ratio: "

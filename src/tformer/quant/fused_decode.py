@@ -41,12 +41,13 @@ import weakref
 import torch
 
 from tformer.mixers.kv_cache import KVCache, RowWriter, StaticKVCache
-from tformer.quant import huge_pages, qgemv
+from tformer.quant import qgemv
 from tformer.quant.block_linear import BlockLinear
 from tformer.quant.quantize import DecodeLinear
 
 Tensor = torch.Tensor
 SWITCH = "TFORMER_FUSED_DECODE"
+FLOAT_ARENA = "TFORMER_FLOAT_ARENA"         # 0: float weights stay where torch allocated them (see _stream)
 # new tokens per row above which forward() leaves a prompt to the module path, whose attention kernel
 # wins on long prompts: SmolLM2 q4_1, 2 threads, fused / module prefill time 0.68 (32 tokens), 0.82
 # (128), 0.95 (256), 1.07 (512)
@@ -146,9 +147,9 @@ class Plan:
         self.eps = float(first.attn_norm.eps)
         self.layers = []
         products = [_products(b) for b in model.blocks]
-        # what a step streams, layer by layer and then the head, on 2 MB pages in that order
+        # what a step streams, layer by layer and then the head, end to end on 2 MB pages in that order
         streamed = iter(_stream(model, [(lin, _matrix(lin, path)) for lins in products for lin in lins]
-                                + _head_matrix(model, path), path))
+                                + _head_matrix(model, path)))
         for b, lins in zip(model.blocks, products):
             mats = [next(streamed) for _ in lins]
             fmts = [qgemv.FMT[lin.fmt] if isinstance(lin, BlockLinear) else FLOAT_FMT[lin.weight.dtype] for lin in lins]
@@ -189,25 +190,27 @@ def _head_matrix(model, path: str) -> list[tuple]:
     return [(head, head.weight)] if type(head) is DecodeLinear else []
 
 
-def _stream(model, pairs: list[tuple], path: str) -> list[Tensor]:
-    """The matrices of ``(layer, matrix)`` pairs, moved in this order into one arena of 2 MB pages
-    (:mod:`tformer.quant.huge_pages`: 0.88-0.93x the time of the same products on 4 KB pages on the
-    EPYC), the layers then reading them there: a BlockLinear's tiles for ``path``, a DecodeLinear's
-    weight and every parameter or buffer of ``model`` that is the same tensor (a tied embedding).
-    ``pairs`` is emptied front to back, so each old copy is freed as soon as the new one is held (the
-    peak is the weights and one matrix, not twice the weights). The matrices as they were where
-    there is no arena."""
+def _stream(model, pairs: list[tuple]) -> list[Tensor]:
+    """The matrices of ``(layer, matrix)`` pairs, in this order, where a step streams them from: a
+    BlockLinear's tiles are already in qgemv's arenas of 2 MB pages, made in this order; a float
+    DecodeLinear's weight is copied into the same arenas here (:func:`qgemv.arena_copy`), and the layer
+    and every parameter or buffer of ``model`` that is the same tensor (a tied embedding) then hold
+    the copy. On 4 KB pages the GPT-2 124M fp32 / fp16 / bf16 decode took 1.03x the time
+    (benchmarks/quant/huge_pages.py). ``pairs`` is emptied front to back, so each old weight is freed
+    once its copy is held (the peak is the weights and one matrix). ``TFORMER_FLOAT_ARENA=0`` leaves
+    the float weights where they are (A/B runs)."""
+    if os.environ.get(FLOAT_ARENA, "1") == "0":
+        return [m for _, m in pairs]
+    owners = None
+    mats = []
     with torch.inference_mode(False), torch.no_grad():     # no inference tensors: the model may run under autograd after
-        arena = huge_pages.arena([m for _, m in pairs])
-        if arena is None:
-            return [m for _, m in pairs]
-        owners = _owners(model)
-        mats = []
         while pairs:
             lin, old = pairs.pop(0)
-            new = arena.put(old)
-            if isinstance(lin, BlockLinear) and lin._tiled.get(path) is old:
-                lin._tiled[path] = new
+            if isinstance(lin, BlockLinear):
+                mats.append(old)
+                continue
+            owners = owners if owners is not None else _owners(model)
+            new = qgemv.arena_copy(old)
             for module, name, is_param in owners.get(_alias_key(old), ()):
                 if is_param:
                     getattr(module, name).data = new

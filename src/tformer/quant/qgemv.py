@@ -109,6 +109,34 @@ def tiles(packed: Tensor, fmt: str, kernel_path: str) -> Tensor | None:
     return op.repack(packed, FMT[fmt], TILE_ROWS[kernel_path])
 
 
+def arena_copy(t: Tensor) -> Tensor | None:
+    """A copy of ``t`` (same shape and dtype, contiguous) in the same arenas of 2 MB pages, right
+    after what went in before it (the fused decode lays float weights in a step's order with it), or
+    ``None`` where the library is not built."""
+    op = load()
+    return None if op is None else op.arena_copy(t)
+
+
+def huge_page_bytes(t: Tensor) -> int | None:
+    """Bytes of the mapping holding ``t``'s first element that Linux backs with 2 MB pages
+    (``AnonHugePages`` in ``/proc/self/smaps``: the check that an arena got them), or ``None``
+    where that file is not there."""
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    addr, inside = t.data_ptr(), False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and not head.endswith(":"):                     # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None,
           tiled: Tensor | None = None) -> Tensor:
     """``x (M, K) · Wᵀ + bias`` for ``packed (N, K/32 · bytes)`` ``fmt`` blocks: ``(M, N)`` in x's dtype.
