@@ -41,8 +41,8 @@ def test_the_kernel_backs_an_arena_with_2mb_pages():
     """Where THP is 'always' or 'madvise', the advised arena takes 2 MB pages at its first touch (the
     kernel may still fall back to 4 KB pages when memory is too fragmented to find one)."""
     big = qgemv.arena_copy(torch.ones(2 << 20))                                     # 8 MB
-    assert qgemv.huge_page_bytes(big) >= HUGE
-    assert qgemv.huge_page_bytes(torch.zeros(10)) is not None                      # smaps read for any tensor
+    assert qgemv.huge_page_bytes([big]) >= HUGE
+    assert qgemv.huge_page_bytes([torch.zeros(10)]) is not None                     # smaps read for any tensor
 
 
 @pytest.mark.parametrize("fmt,shape", [("fp32", "gpt2"), ("fp16", "gpt2"), ("bf16", "llama"), ("q8_0", "gpt2")])

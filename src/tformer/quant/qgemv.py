@@ -117,24 +117,25 @@ def arena_copy(t: Tensor) -> Tensor | None:
     return None if op is None else op.arena_copy(t)
 
 
-def huge_page_bytes(t: Tensor) -> int | None:
-    """Bytes of the mapping holding ``t``'s first element that Linux backs with 2 MB pages
-    (``AnonHugePages`` in ``/proc/self/smaps``: the check that an arena got them), or ``None``
-    where that file is not there."""
+def huge_page_bytes(tensors: list[Tensor]) -> int | None:
+    """Bytes that Linux backs with 2 MB pages in the mappings holding the tensors' first elements
+    (``AnonHugePages`` in ``/proc/self/smaps``, each mapping once: the check that the arenas got
+    them), or ``None`` where that file is not there."""
     try:
         with open("/proc/self/smaps") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    addr, inside = t.data_ptr(), False
+    addrs = [t.data_ptr() for t in tensors]
+    total, inside = 0, False
     for line in lines:
         head = line.split()[0] if line else ""
         if "-" in head and not head.endswith(":"):                     # a mapping's first line: "start-end perms ..."
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
+            inside = any(lo <= a < hi for a in addrs)
         elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return None
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None,
