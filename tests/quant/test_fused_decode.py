@@ -472,3 +472,31 @@ def test_a_weight_laid_back_by_the_plan_still_trains_through_autograd(monkeypatc
     x = model.tok_emb(torch.tensor([[1, 2, 3]])).detach().requires_grad_(True)
     model.blocks[0](x).sum().backward()              # no "inference tensors cannot be saved for backward"
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_decode_layers_is_decode_layer_per_layer():
+    """One call over every layer's lists equals one decode_layer call per layer (same x and caches after),
+    and lists that do not split evenly into layers are refused in one sentence."""
+    if qgemv.path() not in qgemv.TILE_ROWS:
+        pytest.skip("no SIMD tile path on this CPU")
+    model = set_precision(tiny(), "q8_0")
+    plan = fused_decode.plan(model)
+    assert plan is not None, fused_decode.reason(model)
+    states = [model.new_state(1, 16) for _ in range(2)]
+    torch.manual_seed(1)
+    x0 = torch.randn(1, model.config.d_model)
+    write = at = torch.tensor([0])
+    cos, sin = plan.rotary()
+    xs = [x0.clone(), x0.clone()]
+    fused_decode.run_layers(plan, xs[0], [(s.k, s.v) for s in states[0].layers], write, at, None, None)
+    for (norms, mats, biases, fmts), s in zip(plan.layers, states[1].layers):
+        torch.ops.tformer_qgemv.decode_layer(xs[1], norms, plan.eps, mats, biases, fmts, plan.dims, s.k, s.v,
+                                             write, at, None, None, cos, sin, plan.path_id)
+    assert torch.equal(xs[0], xs[1]) and not torch.equal(xs[0], x0)
+    for a, b in zip(states[0].layers, states[1].layers):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    norms, mats, biases, fmts = plan.flat
+    k = [s.k for s in states[0].layers]
+    with pytest.raises(RuntimeError, match="one k and v cache per layer"):
+        torch.ops.tformer_qgemv.decode_layers(xs[0], norms[:-1], plan.eps, mats, biases, fmts, plan.dims, k, k,
+                                              write, at, None, None, cos, sin, plan.path_id)

@@ -47,7 +47,6 @@ from tformer.quant.quantize import DecodeLinear
 
 Tensor = torch.Tensor
 SWITCH = "TFORMER_FUSED_DECODE"
-FLOAT_ARENA = "TFORMER_FLOAT_ARENA"         # 0: float weights stay where torch allocated them (see _stream)
 # new tokens per row above which forward() leaves a prompt to the module path, whose attention kernel
 # wins on long prompts: SmolLM2 q4_1, 2 threads, fused / module prefill time 0.68 (32 tokens), 0.82
 # (128), 0.95 (256), 1.07 (512)
@@ -146,12 +145,9 @@ class Plan:
         self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, first.ffn.up.out_features, mlp]
         self.eps = float(first.attn_norm.eps)
         self.layers = []
-        products = [_products(b) for b in model.blocks]
-        # what a step streams, layer by layer and then the head, end to end on 2 MB pages in that order
-        streamed = iter(_stream(model, [(lin, _matrix(lin, path)) for lins in products for lin in lins]
-                                + _head_matrix(model, path)))
-        for b, lins in zip(model.blocks, products):
-            mats = [next(streamed) for _ in lins]
+        for b in model.blocks:
+            lins = _products(b)
+            mats = [_matrix(lin, path) for lin in lins]
             fmts = [qgemv.FMT[lin.fmt] if isinstance(lin, BlockLinear) else FLOAT_FMT[lin.weight.dtype] for lin in lins]
             biases = [_bias(lin) for lin in lins]
             self.layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm), mats, biases, fmts))
@@ -179,61 +175,6 @@ def _matrix(lin, path: str) -> Tensor:
     if t is None:
         t = lin._tiled[path] = qgemv.tiles(lin.blocks, lin.fmt, path)
     return t
-
-
-def _head_matrix(model, path: str) -> list[tuple]:
-    """The LM head's (layer, matrix) when it is a BlockLinear's tiles or a float DecodeLinear's weight
-    (in whatever layout its kernel reads), else nothing: the last piece of a step's stream."""
-    head = model.lm_head
-    if isinstance(head, BlockLinear) and path in qgemv.TILE_ROWS:
-        return [(head, _matrix(head, path))]
-    return [(head, head.weight)] if type(head) is DecodeLinear else []
-
-
-def _stream(model, pairs: list[tuple]) -> list[Tensor]:
-    """The matrices of ``(layer, matrix)`` pairs, in this order, where a step streams them from: a
-    BlockLinear's tiles are already in qgemv's arenas of 2 MB pages, made in this order; a float
-    DecodeLinear's weight is copied into the same arenas here (:func:`qgemv.arena_copy`), and the layer
-    and every parameter or buffer of ``model`` that is the same tensor (a tied embedding) then hold
-    the copy. On 4 KB pages the GPT-2 124M fp32 / fp16 / bf16 decode took 1.03x the time
-    (benchmarks/quant/huge_pages.py). ``pairs`` is emptied front to back, so each old weight is freed
-    once its copy is held (the peak is the weights and one matrix). ``TFORMER_FLOAT_ARENA=0`` leaves
-    the float weights where they are (A/B runs)."""
-    if os.environ.get(FLOAT_ARENA, "1") == "0":
-        return [m for _, m in pairs]
-    owners = None
-    mats = []
-    with torch.inference_mode(False), torch.no_grad():     # no inference tensors: the model may run under autograd after
-        while pairs:
-            lin, old = pairs.pop(0)
-            if isinstance(lin, BlockLinear):
-                mats.append(old)
-                continue
-            owners = owners if owners is not None else _owners(model)
-            new = qgemv.arena_copy(old)
-            for module, name, is_param in owners.get(_alias_key(old), ()):
-                if is_param:
-                    getattr(module, name).data = new
-                else:
-                    setattr(module, name, new)
-            mats.append(new)
-            del old
-    return mats
-
-
-def _alias_key(t: Tensor) -> tuple:
-    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-
-
-def _owners(model) -> dict[tuple, list[tuple]]:
-    """Tensor (by address, dtype, shape and strides) -> the (module, name, is_parameter) that hold it."""
-    out: dict[tuple, list[tuple]] = {}
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            out.setdefault(_alias_key(p), []).append((module, name, True))
-        for name, b in module.named_buffers(recurse=False):
-            out.setdefault(_alias_key(b), []).append((module, name, False))
-    return out
 
 
 def _bias(lin) -> Tensor | None:

@@ -401,16 +401,6 @@ at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts
 at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts) { return at::zeros({rows, cols}, opts); }
 #endif
 
-// A copy of any contiguous tensor in the arenas, right after what went in before it: the float
-// weights a fused decode step streams (DecodeLinear's), laid in the step's order as the tiles are.
-at::Tensor arena_copy(const at::Tensor& t) {
-  const at::Tensor src = t.contiguous();
-  const int64_t n = src.numel() * int64_t(src.element_size());
-  at::Tensor out = arena_zeros(1, std::max<int64_t>(n, 1), src.options().dtype(at::kByte));
-  if (n) std::memcpy(out.data_ptr(), src.data_ptr(), size_t(n));
-  return out.view({-1}).narrow(0, 0, n).view(src.scalar_type()).view(src.sizes());
-}
-
 at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R) {
   TORCH_CHECK(fmt >= 0 && fmt <= 2 && (R == 8 || R == 16), "repack: fmt 0..2 and R 8 or 16");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
@@ -1274,7 +1264,6 @@ TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("qgemm(Tensor blocks, int fmt, Tensor x, Tensor? bias, int path) -> Tensor");
   m.def("paths() -> int[]");
   m.def("repack(Tensor blocks, int fmt, int R) -> Tensor");
-  m.def("arena_copy(Tensor t) -> Tensor");
   m.def("qgemm_tiles(Tensor tiles, int fmt, int N, Tensor x, Tensor? bias, int path) -> Tensor");
   m.def("decode_layer(Tensor(a!) x, Tensor[] norms, float eps, Tensor[] mats, Tensor?[] biases, int[] fmts, "
         "int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor write_index, Tensor positions, Tensor? valid, "
@@ -1289,7 +1278,6 @@ TORCH_LIBRARY(tformer_qgemv, m) {
 TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
   m.impl("qgemm", &qgemm);
   m.impl("repack", &repack);
-  m.impl("arena_copy", &arena_copy);
   m.impl("qgemm_tiles", &qgemm_tiles);
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_layers", &decode_layers);

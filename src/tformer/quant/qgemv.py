@@ -109,35 +109,6 @@ def tiles(packed: Tensor, fmt: str, kernel_path: str) -> Tensor | None:
     return op.repack(packed, FMT[fmt], TILE_ROWS[kernel_path])
 
 
-def arena_copy(t: Tensor) -> Tensor | None:
-    """A copy of ``t`` (same shape and dtype, contiguous) in the same arenas of 2 MB pages, right
-    after what went in before it (the fused decode lays float weights in a step's order with it), or
-    ``None`` where the library is not built."""
-    op = load()
-    return None if op is None else op.arena_copy(t)
-
-
-def huge_page_bytes(tensors: list[Tensor]) -> int | None:
-    """Bytes that Linux backs with 2 MB pages in the mappings holding the tensors' first elements
-    (``AnonHugePages`` in ``/proc/self/smaps``, each mapping once: the check that the arenas got
-    them), or ``None`` where that file is not there."""
-    try:
-        with open("/proc/self/smaps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    addrs = [t.data_ptr() for t in tensors]
-    total, inside = 0, False
-    for line in lines:
-        head = line.split()[0] if line else ""
-        if "-" in head and not head.endswith(":"):                     # a mapping's first line: "start-end perms ..."
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = any(lo <= a < hi for a in addrs)
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1]) * 1024
-    return total
-
-
 def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None,
           tiled: Tensor | None = None) -> Tensor:
     """``x (M, K) · Wᵀ + bias`` for ``packed (N, K/32 · bytes)`` ``fmt`` blocks: ``(M, N)`` in x's dtype.
