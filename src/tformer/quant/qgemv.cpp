@@ -1234,7 +1234,8 @@ void decode_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Ten
   for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 }
 
-// Every layer of a step in one call (one dispatch instead of one per layer, ~20 us each from Python):
+// Every layer of a step in one call (one dispatch and no Python loop instead of one call per layer: a
+// 12-layer model of width 64, caches hot, spent 0.19 instead of 0.25 ms a token in its layers):
 // norms / mats / biases / fmts hold each layer's decode_layer lists one layer after another, and
 // k_caches / v_caches one cache per layer; x, the indices, the mask and the rotary tables are shared.
 void decode_layers(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
