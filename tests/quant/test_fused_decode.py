@@ -474,11 +474,10 @@ def test_a_weight_laid_back_by_the_plan_still_trains_through_autograd(monkeypatc
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
+@needs_tiles
 def test_decode_layers_is_decode_layer_per_layer():
     """One call over every layer's lists equals one decode_layer call per layer (same x and caches after),
     and lists that do not split evenly into layers are refused in one sentence."""
-    if qgemv.path() not in qgemv.TILE_ROWS:
-        pytest.skip("no SIMD tile path on this CPU")
     model = set_precision(tiny(), "q8_0")
     plan = fused_decode.plan(model)
     assert plan is not None, fused_decode.reason(model)

@@ -40,7 +40,7 @@ import weakref
 
 import torch
 
-from tformer.mixers.kv_cache import KVCache, RowWriter, StaticKVCache
+from tformer.mixers.kv_cache import KVCache, RowWriter
 from tformer.quant import qgemv
 from tformer.quant.block_linear import BlockLinear
 from tformer.quant.quantize import DecodeLinear
@@ -204,11 +204,6 @@ def reason(model) -> str | None:
     return cached[2] if cached is not None else None
 
 
-def _caches_fit(state, B: int) -> bool:
-    """Every layer of a static state is a float32 StaticKVCache of ``B`` rows the kernel can read."""
-    return all(type(s) is StaticKVCache and _float_cache(s) and s.k.shape[0] == B for s in state.layers)
-
-
 def _float_cache(s) -> bool:
     return s.k.dtype in FLOAT_FMT and s.k.stride(3) == 1 and s.k.stride() == s.v.stride() and s.v.dtype == s.k.dtype
 
@@ -274,8 +269,9 @@ def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
         return None if logits is None else logits[:, -1]
     p = _usable(model)
     B = tokens.shape[0]
-    if p is None or not state.layers or not _caches_fit(state, B):
-        return None
+    layout = _layout(state, B) if p is not None and state.layers else None
+    if layout is None or layout[2]:
+        return None                                      # no plan, or caches the kernel cannot read, or a writer
     L = state.layers[0].k.shape[2]
     index = state.index                                                             # (B,)
     if int(index.max()) >= L:
@@ -286,25 +282,27 @@ def decode(model, tokens: Tensor, state, positions: Tensor | None = None,
     _ensure_rope(p, max(L, state.max_len))
     at = at.long().contiguous()
     x = _embed(model, p, tokens.reshape(B), at)                                     # (B, C)
-    run_layers(p, x, [(s.k, s.v) for s in state.layers], index.contiguous(), at, state.valid, None)
+    run_layers(p, x, layout[0], index.contiguous(), at, state.valid, None)
     state.index.add_(1)
     logits = _head(model, x[:, None])                                               # (B, 1, vocab)
     return logits[:, -1]
 
 
-def _layout(state, B: int) -> tuple[list, Tensor] | None:
-    """The caches ``(k, v)`` per layer that :func:`forward` writes for ``state`` and the cache row of
-    each of its ``B`` rows, or ``None`` where the kernel cannot read them. Asked once per state and
-    batch, not per token (a KVCache keeps its tensors for its life; a new list of layers asks again)."""
+def _layout(state, B: int) -> tuple[list, Tensor, bool] | None:
+    """What the kernel reads for ``state``'s ``B`` rows: the caches ``(k, v)`` per layer, the cache row
+    of each row, and whether the layers are a pool writer's (``state.writer``: rows of a larger cache,
+    which only :func:`forward` serves); ``None`` where the kernel cannot read the caches. Asked once
+    per state and batch, not per token (:func:`decode` on the server's pool and :func:`forward` both
+    ask; a KVCache keeps its tensors for its life, and a new list of layers asks again)."""
     known = _LAYOUTS.get(state)
     if known is not None and known[0] is state.layers and known[1] == B:
         return known[2]
     layers = state.layers
     if all(isinstance(s, KVCache) and s.k.shape[0] == B and _float_cache(s) for s in layers):
-        layout = [(s.k, s.v) for s in layers], torch.arange(B)
+        layout = [(s.k, s.v) for s in layers], torch.arange(B), False
     elif all(type(s) is RowWriter and isinstance(s.cache, KVCache) and _float_cache(s.cache)
              and s.slots is layers[0].slots for s in layers):
-        layout = [(s.cache.k, s.cache.v) for s in layers], layers[0].slots.long()
+        layout = [(s.cache.k, s.cache.v) for s in layers], layers[0].slots.long(), True
     else:
         layout = None
     _LAYOUTS[state] = (layers, B, layout)
@@ -339,7 +337,7 @@ def forward(model, ids: Tensor, state, *, last_index: Tensor | None = None, last
     layout = _layout(state, B)
     if layout is None:
         return None
-    caches, slots = layout
+    caches, slots, _ = layout
     if pos and not bool(state.valid[:, :pos].all()):
         return None                                      # held padding: the module path's masks
     _ensure_rope(p, max(pos + T, caches[0][0].shape[2]))
