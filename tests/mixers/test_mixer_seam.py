@@ -156,6 +156,20 @@ def test_static_decode_step_compiles_without_graph_breaks():
         assert ex.graph_break_count == 0 and ex.graph_count == 1, (positions, ex.break_reasons)
 
 
+def test_a_training_forward_and_backward_compile_without_graph_breaks():
+    """``compile=true`` captures nanoGPT's recipe (learned positions, exact GELU) and the fast one (RoPE,
+    ReLU²) whole in training mode, with tformer's CPU kernels in the graph where they build."""
+    from tformer.ops import activation_cpu, attention_cpu
+
+    attention_cpu.load(), activation_cpu.load()                 # as the loop does before it compiles
+    for extra in ({}, {"positions": "rope", "activation": "relu2"}):
+        c = TransformerConfig(vocab_size=61, context_length=16, n_layers=2, d_model=32, n_heads=4, **extra)
+        m = DecoderLM(c).train()
+        ids = torch.randint(0, 61, (2, 16))
+        ex = torch._dynamo.explain(lambda x, y: m(x, y)[1])(ids, ids)
+        assert ex.graph_break_count == 0 and ex.graph_count == 1, (extra, ex.break_reasons)
+
+
 def test_unknown_mixer_and_bad_pattern_are_one_sentence():
     from tformer.errors import ConfigError
 

@@ -1,6 +1,7 @@
 """The one-pass activation kernels (ops/activation_cpu.cpp): ReLU² against the formula in float64 and,
 bit for bit, against the PyTorch Function it replaces (max then square; ×2 is exact); GELU's tanh form
-against PyTorch's formula in float64 (libm's tanh) and against ``F.gelu(approximate="tanh")`` in float32."""
+against PyTorch's formula in float64 (libm's tanh) and against ``F.gelu(approximate="tanh")`` in float32;
+the exact GELU (value and saved derivative) against the erf formula in float64 (libm's erf)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tformer.nn.feed_forward import ACTIVATIONS, _ReLUSquared, gelu_tanh, relu_squared
+from tformer.nn.feed_forward import ACTIVATIONS, _ReLUSquared, gelu, gelu_tanh, relu_squared
 from tformer.ops import activation_cpu
 
 
@@ -38,7 +39,7 @@ def test_relu2_matches_the_formula_and_the_torch_function_bit_for_bit(shape):
 def test_relu2_takes_float32_on_the_cpu_only_and_non_contiguous_input():
     assert activation_cpu.serves(torch.randn(3), "relu2")
     assert not activation_cpu.serves(torch.randn(3, dtype=torch.float64), "relu2")
-    assert not activation_cpu.serves(torch.randn(3), "gelu")                # not a kernel here
+    assert not activation_cpu.serves(torch.randn(3), "silu")                # not a kernel here
     x = torch.randn(8, 6).t().requires_grad_()                        # a transposed view
     relu_squared(x).sum().backward()
     assert torch.equal(x.grad, 2 * x.detach().clamp_min(0))
@@ -83,7 +84,9 @@ def test_the_mlp_takes_the_tanh_gelu_kernel_in_training_and_inference():
         y = ACTIVATIONS["gelu_tanh"](x)
         assert torch.equal(y, activation_cpu.load().gelu_tanh(x.detach().contiguous()))
         assert (y - F.gelu(x, approximate="tanh")).abs().max() < 4e-6
-    assert type(ACTIVATIONS["gelu"](x).grad_fn).__name__ == "GeluBackward0"               # the erf form: F.gelu
+    assert type(ACTIVATIONS["gelu"](x).grad_fn).__name__ == "GeluErfBackward"             # the erf form's kernel
+    with torch.no_grad():
+        assert torch.equal(ACTIVATIONS["gelu"](x), F.gelu(x))                              # inference: F.gelu
     x64 = torch.randn(3, dtype=torch.float64, requires_grad=True)
     assert type(ACTIVATIONS["gelu_tanh"](x64).grad_fn).__name__ == "GeluBackward0"
 
@@ -118,3 +121,34 @@ def test_a_16_bit_activation_in_inference_is_the_float32_kernel_rounded_once(dty
         assert torch.equal(ACTIVATIONS["gelu_tanh"](x), aten)                                    # native type
     xg = x.clone().requires_grad_()
     assert type(ACTIVATIONS["gelu_tanh"](xg).grad_fn).__name__ == "GeluBackward0"
+
+
+# ---------------------------------------------------------------- GELU, exact (erf) form
+@pytest.mark.parametrize("shape", [(12, 64, 512), (3, 7), (1,), (2, 5, 33)])   # vector body and scalar tails
+def test_exact_gelu_and_its_saved_derivative_match_float64(shape):
+    """Tolerances: Φ within 3.5e-7 (the A&S erf's own error, 1.5e-7, plus its evaluation in float32; ATen's
+    float32 GELU, the same formula, measured 2.7e-7 here), so y within 3.5e-7·|x| and a float32 rounding;
+    the derivative Φ + xφ within 5e-7 (ATen's backward: 2.6e-7)."""
+    x = _inputs(shape, len(shape)).requires_grad_()
+    g = torch.randn(*shape)
+    y = gelu(x)
+    assert type(y.grad_fn).__name__ == "GeluErfBackward"
+    (dx,) = torch.autograd.grad(y, x, g)
+    xd = x.detach().double()
+    cdf = 0.5 * torch.special.erfc(-xd / 2 ** 0.5)
+    yd = xd * cdf
+    dydx = cdf + xd * torch.exp(-0.5 * xd * xd) / (2 * torch.pi) ** 0.5
+    assert ((y.double() - yd).abs() <= 3.5e-7 * xd.abs() + 1.2e-7 * yd.abs() + 1e-30).all()
+    assert ((dx.double() - dydx * g.double()).abs() <= 5e-7 * g.double().abs() * (1 + 1.2e-7) + 1e-30).all()
+    assert (y - F.gelu(x.detach())).abs().max() < 4e-6                 # and PyTorch's own float32 value
+    assert torch.isfinite(dx).all()
+
+
+def test_exact_gelu_on_a_non_contiguous_input_and_not_twice_differentiable():
+    x = torch.randn(8, 6).t().requires_grad_()                        # a transposed view
+    gelu(x).sum().backward()
+    xd = x.detach().double().requires_grad_()
+    F.gelu(xd).sum().backward()
+    assert torch.allclose(x.grad.double(), xd.grad, atol=1e-6, rtol=0)
+    x64 = torch.randn(3, dtype=torch.float64, requires_grad=True)     # other dtypes keep F.gelu
+    assert type(gelu(x64).grad_fn).__name__ == "GeluBackward0"

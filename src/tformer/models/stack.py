@@ -194,7 +194,9 @@ class TransformerStack(nn.Module):
             step = self._static_step(ids, attention_mask, positions, state)
         else:
             step = self._step(T, state.length if state is not None else 0, attention_mask, positions, state)
-        step.dropout = self.training and not torch.is_inference_mode_enabled()
+        # dynamo cannot trace is_inference_mode_enabled() (a graph break per forward): a compiled forward
+        # is never in inference mode, so it is asked only outside a compile
+        step.dropout = self.training and (torch.compiler.is_compiling() or not torch.is_inference_mode_enabled())
         step.return_weights = return_weights
         step.hooks = self.hooks
         if global_attention_mask is not None:

@@ -70,8 +70,17 @@ def gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def gelu(x: Tensor) -> Tensor:
+    """The exact (erf) GELU, ``x·Φ(x)``: in a float32 CPU training step tformer's kernel (the forward
+    also writes the derivative, so the backward is one multiply: :class:`~tformer.ops.activation_cpu.GeluErf`),
+    elsewhere ``F.gelu``."""
+    if x.requires_grad and torch.is_grad_enabled() and activation_cpu.serves(x, "gelu"):
+        return activation_cpu.GeluErf.apply(x)
+    return F.gelu(x)
+
+
 ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),                      # exact erf form (BERT, Vaswani-era GELU)
+    "gelu": lambda x: gelu(x),                        # exact erf form (BERT, Vaswani-era GELU; nanoGPT's)
     "gelu_tanh": lambda x: gelu_tanh(x),              # GPT-2's approximation (the CPU kernel in training)
     "relu": F.relu,
     "silu": F.silu,

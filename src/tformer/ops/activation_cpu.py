@@ -10,9 +10,11 @@
   results cpu_kernels-avx2.md, 2 threads): forward / backward at 768 x 512 169 / 250 µs against
   ``F.gelu``'s 562 / 643; a 4L/128 training step (``recipe=classic`` with this activation, fp32) 38.9
   against 41.8 ms. The feed-forward layer takes it in inference too (its forward alone): on the 2-core AMD
-  EPYC (AVX2) ATen's tanh form took 853 µs on a 128 × 3072 prompt activation against 208. The exact erf form
-  keeps ``F.gelu``: ATen's AVX2 kernel for it is already one pass of an Abramowitz & Stegun erf, and a
-  kernel for it measured 48.9 against 48.6 ms a step (by hand, 8 alternated blocks of 25 steps).
+  EPYC (AVX2) ATen's tanh form took 853 µs on a 128 × 3072 prompt activation against 208.
+- ``gelu`` (the exact erf form; training only, :class:`GeluErf`): the forward writes ``y = x·Φ(x)`` and
+  its derivative ``Φ(x) + x·φ(x)`` in one pass (the Abramowitz & Stegun erf that ATen's AVX2 kernel also
+  evaluates needs ``e^(-x²/2)``, which is ``φ``'s exponential), and saves the derivative instead of ``x``;
+  the backward is one multiply instead of ATen's second erf and exponential. Inference keeps ``F.gelu``.
 
 Where the library cannot be built (no compiler, no AVX2; :data:`STATUS` says why) the callers keep
 their PyTorch forms.
@@ -30,7 +32,7 @@ from tformer.extensions import build_once, compile_library
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("activation_cpu.cpp")
 HEADERS = [SOURCE.with_name("vec_exp.h")]
-NAMES = ("relu2", "gelu_tanh")
+NAMES = ("relu2", "gelu_tanh", "gelu")
 STATUS: dict[str, str] = {}           # "state": "built" | "unavailable: <why>" (after the first load())
 _LOCK = threading.Lock()
 _OP: list = []
@@ -38,9 +40,10 @@ _OP: list = []
 
 def _build():
     op = compile_library("tformer_activation", [SOURCE], HEADERS, "the CPU activation kernels", needs={"avx2", "fma"})
-    for name in NAMES:                                    # let torch.compile trace through the ops
+    for name in ("relu2", "gelu_tanh"):                   # let torch.compile trace through the ops
         torch.library.register_fake(f"tformer_activation::{name}")(lambda x: torch.empty_like(x))
         torch.library.register_fake(f"tformer_activation::{name}_backward")(lambda g, x: torch.empty_like(x))
+    torch.library.register_fake("tformer_activation::gelu_and_grad")(lambda x: (torch.empty_like(x), torch.empty_like(x)))
     return op
 
 
@@ -72,3 +75,21 @@ class Pointwise(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         (x,) = ctx.saved_tensors
         return getattr(load(), f"{ctx.name}_backward")(g.contiguous(), x), None
+
+
+class GeluErf(torch.autograd.Function):
+    """The exact GELU by the kernel: the forward returns ``y`` and saves ``dy/dx`` (computed in the same
+    pass), so the backward is ``g · dy/dx``. Saves one activation-sized tensor, as ``F.gelu`` saves ``x``.
+    Not twice differentiable (nothing in tformer asks)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        y, dydx = load().gelu_and_grad(x.contiguous())
+        ctx.save_for_backward(dydx)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        (dydx,) = ctx.saved_tensors
+        return torch.mul(g, dydx)

@@ -33,6 +33,7 @@ import torch
 
 from tformer.errors import ConfigError
 from tformer.machine import bf16_supported
+from tformer.ops import activation_cpu, attention_cpu
 from tformer.training import dist_checkpoint, distributed
 from tformer.training.config import AUTO_BF16_MIN_WIDTH, TrainConfig
 from tformer.training.optim import build_optimizer
@@ -82,7 +83,9 @@ class Loop:
         self.model = model.to(self.device)
         self.forward = self.dist.wrap(self.model, cfg.strategy, self.device)   # the model, DDP, or FSDP-sharded
         self.optimizer = self._new_optimizer(self.model)
-        self.forward = torch.compile(self.forward) if cfg.compile else self.forward
+        if cfg.compile:           # build the training kernels now: a first build inside the trace breaks the graph
+            attention_cpu.load(), activation_cpu.load()
+            self.forward = torch.compile(self.forward)
         width = getattr(getattr(model, "config", None), "d_model", 0)
         self.dtype = resolve_dtype(cfg.precision, self.device.split(":")[0], width)
         self.step, self.tokens_seen, self.elapsed = 0, 0, 0.0
