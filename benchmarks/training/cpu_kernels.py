@@ -11,7 +11,7 @@
    turned off in turn (the attention kernel, RoPE's one-pass rotation, ReLU²'s), each variant its own
    trainer on the same batches, toggled per block.
 3. nanoGPT's recipe (``recipe=classic``: exact GELU, learned positions) the same way, with the
-   attention kernel turned off; then with GPT-2's tanh GELU, with its kernel (ops/activation_cpu.cpp)
+   attention kernel, the exact GELU's kernel (its derivative saved by the forward), and both turned off; then with GPT-2's tanh GELU, with its kernel (ops/activation_cpu.cpp)
    turned off. And that kernel alone against ``F.gelu(approximate="tanh")`` at 768 x 512.
 4. nanoGPT's own training step (``../shared/peers/nanoGPT/model.py``, where it is) against tformer's
    ``recipe=classic`` step, alternated in one process, beside the step's 51 GEMMs alone: the floor
@@ -68,12 +68,18 @@ def attention_times(shape, rounds: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-KERNELS = ("relu2", "attention", "rope", "gelu_tanh")
-FAST_VARIANTS = {"all kernels": KERNELS, "no ReLU² kernel": ("attention", "rope", "gelu_tanh"),
-                 "no attention kernel": ("relu2", "rope", "gelu_tanh"), "no one-pass RoPE": ("relu2", "attention", "gelu_tanh"),
-                 "no kernel": ()}
-CLASSIC_VARIANTS = {"all kernels": KERNELS, "no attention kernel": ("relu2", "rope", "gelu_tanh")}
-TANH_VARIANTS = {"all kernels": KERNELS, "no tanh-GELU kernel": ("relu2", "attention", "rope")}
+KERNELS = ("relu2", "attention", "rope", "gelu_tanh", "gelu")
+
+
+def without(*names: str) -> tuple[str, ...]:
+    return tuple(k for k in KERNELS if k not in names)
+
+
+FAST_VARIANTS = {"all kernels": KERNELS, "no ReLU² kernel": without("relu2"), "no attention kernel": without("attention"),
+                 "no one-pass RoPE": without("rope"), "no kernel": ()}
+CLASSIC_VARIANTS = {"all kernels": KERNELS, "no attention kernel": without("attention"),
+                    "no exact-GELU kernel": without("gelu"), "no kernel": ()}
+TANH_VARIANTS = {"all kernels": KERNELS, "no tanh-GELU kernel": without("gelu_tanh")}
 
 
 def step_times(data: str, threads: int, blocks: int, steps: int, settings: dict,
@@ -141,6 +147,17 @@ def gelu_tanh_times(rounds: int) -> dict[str, float]:
     calls = {"torch forward": lambda: F.gelu(x, approximate="tanh"), "kernel forward": lambda: op.gelu_tanh(x),
              "torch backward": lambda: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
              "kernel backward": lambda: op.gelu_tanh_backward(g, x)}
+    return alternated(calls, rounds, reps=200, warm=20)
+
+
+def gelu_exact_times(rounds: int) -> dict[str, float]:
+    """Median seconds of the exact GELU's forward and backward at 768 x 512: ATen's (``F.gelu``, then
+    ``gelu_backward`` from x) against the kernel's (value and derivative in one pass, then one multiply)."""
+    x, g = torch.randn(768, 512), torch.randn(768, 512)
+    op = activation_cpu.load()
+    _, d = op.gelu_and_grad(x)
+    calls = {"torch forward": lambda: F.gelu(x), "kernel forward": lambda: op.gelu_and_grad(x),
+             "torch backward": lambda: torch.ops.aten.gelu_backward(g, x), "kernel backward": lambda: torch.mul(g, d)}
     return alternated(calls, rounds, reps=200, warm=20)
 
 
@@ -222,6 +239,13 @@ def main() -> int:
     for p in ("forward", "backward"):
         lines.append(f"| {p} | {1e6 * gt['torch ' + p]:.0f} | {1e6 * gt['kernel ' + p]:.0f} | "
                      f"{gt['kernel ' + p] / gt['torch ' + p]:.2f}x |")
+    print("\n".join(lines[-4:]), flush=True)
+    ge = gelu_exact_times(args.rounds)
+    lines += ["", f"## The exact (erf) GELU at 768 x 512, float32 ({args.rounds} alternated rounds of 200 calls, medians)", "",
+              "| pass | ATen (µs) | kernel (µs) | ratio |", "|---|---:|---:|---:|"]
+    for p in ("forward", "backward"):
+        lines.append(f"| {p} | {1e6 * ge['torch ' + p]:.0f} | {1e6 * ge['kernel ' + p]:.0f} | "
+                     f"{ge['kernel ' + p] / ge['torch ' + p]:.2f}x |")
     print("\n".join(lines[-4:]), flush=True)
     for title, settings, variants in (("The fast recipe's step, 4L/128, fp32, RoPE", STEP, FAST_VARIANTS),
                                       ("nanoGPT's recipe (`recipe=classic`: exact GELU, learned positions), 4L/128, fp32",

@@ -17,9 +17,12 @@ from tformer.training.config import TrainConfig
 from tformer.training.data import Corpus, get_batch
 from tformer.training.tasks.base import Task
 
-# Evaluation stacks its fixed batches into forwards of up to this many tokens: one pass of 15,360
-# tokens costs less than 20 passes of 768 at nanoGPT's CPU configuration (see docs/training.md).
-EVAL_TOKENS_PER_PASS = 16384
+# Evaluation stacks its fixed batches into forwards of up to this many tokens: fewer, larger products,
+# while a pass's activations still fit the caches. At nanoGPT's CPU configuration (4L/128, 20 batches of
+# 12 x 64 a split) on the 2-core AMD EPYC, one evaluation (both splits) took 464 ms in passes of <= 4,096
+# tokens (5 batches), 505 in passes of one batch and 538-550 in one pass of 15,360 (2 threads, medians
+# of 6 alternated rounds, two runs).
+EVAL_TOKENS_PER_PASS = 4096
 
 
 class LanguageModelling(Task):
