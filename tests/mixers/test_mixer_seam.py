@@ -156,7 +156,7 @@ def test_static_decode_step_compiles_without_graph_breaks():
         assert ex.graph_break_count == 0 and ex.graph_count == 1, (positions, ex.break_reasons)
 
 
-def test_a_training_forward_and_backward_compile_without_graph_breaks():
+def test_a_training_forward_compiles_without_graph_breaks():
     """``compile=true`` captures nanoGPT's recipe (learned positions, exact GELU) and the fast one (RoPE,
     ReLU²) whole in training mode, with tformer's CPU kernels in the graph where they build."""
     from tformer.ops import activation_cpu, attention_cpu
