@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <tuple>
 
+#include "flush_denormal.h"
 #include "vec_exp.h"
 
 namespace {
@@ -146,7 +147,7 @@ Tensor forward(const Tensor& x) {
   Tensor y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, x.numel(), GRAIN, [&](int64_t b, int64_t e) { forward_range<F>(xp, yp, b, e); });
+  flush_denormal::parallel_for(0, x.numel(), GRAIN, [&](int64_t b, int64_t e) { forward_range<F>(xp, yp, b, e); });
   return y;
 }
 
@@ -158,7 +159,7 @@ Tensor backward(const Tensor& g, const Tensor& x) {
   Tensor dx = at::empty_like(x);
   const float* gp = g.data_ptr<float>(); const float* xp = x.data_ptr<float>();
   float* dp = dx.data_ptr<float>();
-  at::parallel_for(0, x.numel(), GRAIN, [&](int64_t b, int64_t e) { backward_range<F>(gp, xp, dp, b, e); });
+  flush_denormal::parallel_for(0, x.numel(), GRAIN, [&](int64_t b, int64_t e) { backward_range<F>(gp, xp, dp, b, e); });
   return dx;
 }
 
@@ -178,7 +179,7 @@ std::tuple<Tensor, Tensor> gelu_and_grad(const Tensor& x) {
   Tensor y = at::empty_like(x), d = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>(); float* dp = d.data_ptr<float>();
-  at::parallel_for(0, x.numel(), GRAIN, [&](int64_t b, int64_t e) { gelu_range(xp, yp, dp, b, e); });
+  flush_denormal::parallel_for(0, x.numel(), GRAIN, [&](int64_t b, int64_t e) { gelu_range(xp, yp, dp, b, e); });
   return {y, d};
 }
 

@@ -32,6 +32,7 @@
 #include <tuple>
 #include <vector>
 
+#include "flush_denormal.h"
 #include "vec_exp.h"
 
 namespace {
@@ -231,7 +232,7 @@ std::tuple<Tensor, Tensor> attend(const Tensor& q, const Tensor& k, const Tensor
   const float* qp = q.data_ptr<float>(); const float* kp = k.data_ptr<float>(); const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>(); float* lp = lse.data_ptr<float>();
   const int64_t G = s.Hq / s.Hkv, ldo = s.Hq * s.D;
-  at::parallel_for(0, s.B * s.Hkv, 1, [&](int64_t begin, int64_t end) {
+  flush_denormal::parallel_for(0, s.B * s.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kt(s.D * s.m8), sa(s.m8), sb(s.m8), oa(s.D), ob(s.D), zeros(s.D, 0.0f);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.Hkv, kh = task % s.Hkv;
@@ -289,7 +290,7 @@ std::tuple<Tensor, Tensor, Tensor> attend_backward(const Tensor& dout, const Ten
   float* dqp = dq.data_ptr<float>(); float* dkp = dk.data_ptr<float>(); float* dvp = dv.data_ptr<float>();
   const int64_t G = s.Hq / s.Hkv, ldq = s.Hq * s.D, ldk = s.Hkv * s.D;
   const float fscale = float(scale);
-  at::parallel_for(0, s.B * s.Hkv, 1, [&](int64_t begin, int64_t end) {
+  flush_denormal::parallel_for(0, s.B * s.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kt(s.D * s.m8), vt(s.D * s.m8), P(s.n * s.m8), dS(s.n * s.m8);
     std::vector<float> zeros(s.D, 0.0f), scratch(s.D), ka(s.D), kb(s.D), va(s.D), vb(s.D);
     for (int64_t task = begin; task < end; ++task) {

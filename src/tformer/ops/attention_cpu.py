@@ -11,8 +11,9 @@ It serves a request when :func:`serves` says so (float32 on the CPU, no mask, bi
 dropout; causal with ``n <= m`` or full; a head size that is a multiple of 8, at most
 :data:`MAX_HEAD`; at most :data:`MAX_KEYS` keys) and the library builds here (AVX2 + FMA, a C++
 compiler; :data:`STATUS` says why not). ``"auto"`` in :func:`~tformer.ops.sdpa.choose_backend`
-takes it for such requests under autograd (a training step) up to :data:`AUTO_MAX_KEYS` keys, where it
-was measured faster than PyTorch's fused kernel (docs/training.md); inference keeps PyTorch's.
+takes it for such requests under autograd (a training step) up to :func:`auto_max_keys` keys, where it
+was measured faster than PyTorch's fused kernel on CPUs of the same vector width (512 keys where PyTorch
+runs AVX2, 128 where it runs AVX-512; docs/training.md); inference keeps PyTorch's.
 """
 
 from __future__ import annotations
@@ -28,20 +29,34 @@ from tformer.extensions import build_once, compile_library
 
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
-HEADER = SOURCE.with_name("vec_exp.h")
+HEADERS = [SOURCE.with_name("vec_exp.h"), SOURCE.with_name("flush_denormal.h")]
 STATUS: dict[str, str] = {}           # "state": "built" | "unavailable: <why>" (after the first load())
 _LOCK = threading.Lock()
 _OP: list = []
 MAX_KEYS = 1024                       # per-task row buffers; above this the tiled kernels fit better
 MAX_HEAD = 256
-# ``auto`` takes the kernel up to this many keys: fwd+bwd against PyTorch's fused kernel, 2 threads, held to
-# AVX2: 0.84x its time at (64, 6, 256, 64), 0.84x at (4, 8, 512, 64), 0.99x at (4, 8, 512, 128), but 2.06x
-# at (2, 8, 1024, 64), where a head's rows no longer fit the caches whole.
-AUTO_MAX_KEYS = 512
+# ``auto`` takes the kernel up to this many keys, by the vector width PyTorch's own fused kernel runs at
+# (``torch.backends.cpu.get_cpu_capability()``): the kernel is AVX2 on every CPU, PyTorch's is as wide as
+# the CPU. Forward + backward against PyTorch's, causal, 2 threads (benchmarks/training/cpu_kernels.py):
+# - "AVX2" (the AMD EPYC; a Xeon with torch held to AVX2): 0.64x its time at (16, 6, 128, 64), 0.80x at
+#   (4, 8, 512, 64), but 1.74x at (2, 8, 1024, 64), where a head's rows no longer fit the caches whole.
+# - "AVX512" (a Xeon with AVX-512): 0.93x at (16, 6, 128, 64), but 1.05x at (16, 6, 192, 64), 1.14x at
+#   (64, 6, 256, 64), 1.27x at (4, 8, 512, 64).
+# Any other capability (no AVX2: the kernel cannot run; another architecture) keeps PyTorch's.
+AUTO_MAX_KEYS = {"AVX2": 512, "AVX512": 128}
+# read once: ATen fixes its capability when it starts (ATEN_CPU_CAPABILITY), and a compiled training step
+# must not call out to ask (a graph break)
+CAPABILITY = torch.backends.cpu.get_cpu_capability()
+
+
+def auto_max_keys() -> int:
+    """The most keys ``auto`` gives the kernel on this CPU (0: never): :data:`AUTO_MAX_KEYS` of the
+    capability PyTorch's own kernels run at here (:data:`CAPABILITY`)."""
+    return AUTO_MAX_KEYS.get(CAPABILITY, 0)
 
 
 def _build():
-    op = compile_library("tformer_attention", [SOURCE], [HEADER], "the CPU attention kernel", needs={"avx2", "fma"})
+    op = compile_library("tformer_attention", [SOURCE], HEADERS, "the CPU attention kernel", needs={"avx2", "fma"})
 
     @torch.library.register_fake("tformer_attention::attend")
     def _attend_shape(q, k, v, causal, scale):          # lets torch.compile trace through the op
@@ -87,8 +102,9 @@ def serves(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, causal: boo
 
 def preferred(q: Tensor, k: Tensor, v: Tensor, **request) -> bool:
     """Whether ``auto`` should take the kernel for this request: it :func:`serves` it, at most
-    :data:`AUTO_MAX_KEYS` keys (where it measured faster), and the library is built here."""
-    return serves(q, k, v, **request) is None and k.shape[-2] <= AUTO_MAX_KEYS and load() is not None
+    :func:`auto_max_keys` keys (where it measured faster on CPUs of this vector width), and the library is
+    built here."""
+    return serves(q, k, v, **request) is None and k.shape[-2] <= auto_max_keys() and load() is not None
 
 
 class _Attend(torch.autograd.Function):
