@@ -13,7 +13,10 @@
 3. nanoGPT's recipe (``recipe=classic``: exact GELU, learned positions) the same way, with the
    attention kernel, the exact GELU's kernel (its derivative saved by the forward), and both turned off; then with GPT-2's tanh GELU, with its kernel (ops/activation_cpu.cpp)
    turned off. And that kernel alone against ``F.gelu(approximate="tanh")`` at 768 x 512.
-4. nanoGPT's own training step (``../shared/peers/nanoGPT/model.py``, where it is) against tformer's
+4. Where ``auto`` stops: the fast recipe's step at 192 to 512 keys with ``auto``'s choice, the attention kernel
+   forced on, and PyTorch's: the limit is set by whole steps (the kernel also saves the layout copies around
+   attention, which the attention-alone timing in 1 does not see).
+5. nanoGPT's own training step (``../shared/peers/nanoGPT/model.py``, where it is) against tformer's
    ``recipe=classic`` step, alternated in one process, beside the step's 51 GEMMs alone: the floor
    the same-recipe comparison shares.
 
@@ -80,6 +83,10 @@ FAST_VARIANTS = {"all kernels": KERNELS, "no ReLU² kernel": without("relu2"), "
 CLASSIC_VARIANTS = {"all kernels": KERNELS, "no attention kernel": without("attention"),
                     "no exact-GELU kernel": without("gelu"), "no kernel": ()}
 TANH_VARIANTS = {"all kernels": KERNELS, "no tanh-GELU kernel": without("gelu_tanh")}
+# where ``auto`` should stop taking the attention kernel: its own choice against the kernel forced on and off
+LIMIT_VARIANTS = {"all kernels": KERNELS, "attention kernel forced": (*KERNELS, "forced"),
+                  "no attention kernel": without("attention")}
+LIMIT_SHAPES = [(192, 128, 4, 12), (256, 128, 4, 12), (256, 256, 4, 12), (512, 128, 4, 6)]   # keys, width, heads, batch
 
 
 def step_times(data: str, threads: int, blocks: int, steps: int, settings: dict,
@@ -92,10 +99,10 @@ def step_times(data: str, threads: int, blocks: int, steps: int, settings: dict,
     for name, on in variants.items():
         tr = Trainer.create({**settings, "threads": threads, "data": data, "cache_dir": f"{tmp}/cache",
                              "out_dir": f"{tmp}/{len(trainers)}"}, log=lambda m: None)
-        if "attention" not in on:
+        if "attention" not in on or "forced" in on:
             for m in tr.model.modules():
                 if isinstance(getattr(m, "backend", None), str):
-                    m.backend = "torch"
+                    m.backend = "short" if "forced" in on else "torch"
         trainers[name] = tr
 
     def use(name):
@@ -253,6 +260,19 @@ def main() -> int:
         for name, v in steps.items():
             lines.append(f"| {name} | {1e3 * v:.1f} | {1e3 * (v - base):+.1f} ms |")
         print("\n".join(lines[-len(steps) - 4:]), flush=True)
+    limit_steps = max(3, args.steps // 4)
+    lines += ["", f"## Where `auto` stops taking the attention kernel: the fast recipe's step, 4 layers, fp32, "
+                  f"`auto` (it takes the kernel up to {attention_cpu.auto_max_keys()} keys here) against the kernel "
+                  f"forced on and off ({args.blocks} alternated blocks of {limit_steps} steps, medians)", "",
+              "| keys | width / heads (head size) | batch | `auto` (ms) | kernel forced (ms) | PyTorch's (ms) | kernel / PyTorch's |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
+    for keys, width, heads, batch in LIMIT_SHAPES:
+        settings = {**STEP, "context_length": keys, "d_model": width, "n_heads": heads, "batch_size": batch}
+        t = step_times(args.data, args.threads, args.blocks, limit_steps, settings, LIMIT_VARIANTS)
+        short, torch_ = t["attention kernel forced"], t["no attention kernel"]
+        lines.append(f"| {keys} | {width} / {heads} ({width // heads}) | {batch} | {1e3 * t['all kernels']:.1f} | "
+                     f"{1e3 * short:.1f} | {1e3 * torch_:.1f} | {short / torch_:.3f}x |")
+        print(lines[-1], flush=True)
     nanogpt = Path(args.data).parents[1] / "peers" / "nanoGPT"
     if (nanogpt / "model.py").exists():
         t = nanogpt_step_times(args.data, args.threads, args.blocks, args.steps, nanogpt)

@@ -13,7 +13,7 @@ dropout; causal with ``n <= m`` or full; a head size that is a multiple of 8, at
 compiler; :data:`STATUS` says why not). ``"auto"`` in :func:`~tformer.ops.sdpa.choose_backend`
 takes it for such requests under autograd (a training step) up to :func:`auto_max_keys` keys, where it
 was measured faster than PyTorch's fused kernel on CPUs of the same vector width (512 keys where PyTorch
-runs AVX2, 128 where it runs AVX-512; docs/training.md); inference keeps PyTorch's.
+runs AVX2, 256 where it runs AVX-512; docs/training.md); inference keeps PyTorch's.
 """
 
 from __future__ import annotations
@@ -37,13 +37,16 @@ MAX_KEYS = 1024                       # per-task row buffers; above this the til
 MAX_HEAD = 256
 # ``auto`` takes the kernel up to this many keys, by the vector width PyTorch's own fused kernel runs at
 # (``torch.backends.cpu.get_cpu_capability()``): the kernel is AVX2 on every CPU, PyTorch's is as wide as
-# the CPU. Forward + backward against PyTorch's, causal, 2 threads (benchmarks/training/cpu_kernels.py):
-# - "AVX2" (the AMD EPYC; a Xeon with torch held to AVX2): 0.64x its time at (16, 6, 128, 64), 0.80x at
-#   (4, 8, 512, 64), but 1.74x at (2, 8, 1024, 64), where a head's rows no longer fit the caches whole.
-# - "AVX512" (a Xeon with AVX-512): 0.93x at (16, 6, 128, 64), but 1.05x at (16, 6, 192, 64), 1.14x at
-#   (64, 6, 256, 64), 1.27x at (4, 8, 512, 64).
+# the CPU. Measured by whole training steps, 2 threads (benchmarks/training/cpu_kernels.py; the kernel also
+# saves the layout copies around attention, so a step favours it more than attention alone does):
+# - "AVX2" (the AMD EPYC; a Xeon with torch held to AVX2): attention alone 0.64x PyTorch's time at
+#   (16, 6, 128, 64), 0.80x at (4, 8, 512, 64), but 1.74x at (2, 8, 1024, 64), where a head's rows no
+#   longer fit the caches whole.
+# - "AVX512" (a Xeon with AVX-512): 4-layer fp32 steps, kernel / PyTorch's: 0.994 at 192 keys (head 32),
+#   0.968 / 0.995 / 1.026 at 256 (heads of 32 / 64 / 64), 1.044 / 1.089 at 512; attention alone is
+#   harsher (1.02-1.14x at 256 keys, 1.18-1.27x at 512).
 # Any other capability (no AVX2: the kernel cannot run; another architecture) keeps PyTorch's.
-AUTO_MAX_KEYS = {"AVX2": 512, "AVX512": 128}
+AUTO_MAX_KEYS = {"AVX2": 512, "AVX512": 256}
 # read once: ATen fixes its capability when it starts (ATEN_CPU_CAPABILITY), and a compiled training step
 # must not call out to ask (a graph break)
 CAPABILITY = torch.backends.cpu.get_cpu_capability()
