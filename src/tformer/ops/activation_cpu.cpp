@@ -35,6 +35,7 @@
 #include <tuple>
 
 #include "flush_denormal.h"
+#include "vec_erf.h"
 #include "vec_exp.h"
 
 namespace {
@@ -96,24 +97,13 @@ struct GELUTanh {
 struct GELUErf {
   static constexpr float R2 = 0.7071067811865476f;       // 1 / sqrt 2
   static constexpr float R2PI = 0.3989422804014327f;     // 1 / sqrt(2 pi)
-  static constexpr float P = 0.3275911f, A1 = 0.254829592f, A2 = -0.284496736f, A3 = 1.421413741f,
-                         A4 = -1.453152027f, A5 = 1.061405429f;
 
-  // y = x Phi(x) and *d = Phi(x) + x phi(x)
+  // y = x Phi(x) and *d = Phi(x) + x phi(x) (vec_erf.h: Phi and phi's exponential from one e^x)
   T_256 static __m256 value_and_grad(__m256 x, __m256* d) {
-    const __m256 az = _mm256_mul_ps(_mm256_set1_ps(R2), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x));  // |x| / sqrt 2
-    const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_set1_ps(P), az, _mm256_set1_ps(1.0f)));
-    __m256 poly = _mm256_fmadd_ps(_mm256_set1_ps(A5), t, _mm256_set1_ps(A4));
-    poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(A3));
-    poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(A2));
-    poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(A1));
-    poly = _mm256_mul_ps(poly, t);
-    const __m256 e = vec_exp::exp8(_mm256_mul_ps(_mm256_set1_ps(-0.5f), _mm256_mul_ps(x, x)));    // e^(-x^2/2)
-    const __m256 q = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), poly), e);                   // the tail mass
-    const __m256 right = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
-    const __m256 phi_cdf = _mm256_blendv_ps(q, _mm256_sub_ps(_mm256_set1_ps(1.0f), q), right);
-    *d = _mm256_fmadd_ps(_mm256_mul_ps(x, _mm256_set1_ps(R2PI)), e, phi_cdf);
-    return _mm256_mul_ps(x, phi_cdf);
+    __m256 e;
+    const __m256 cdf = vec_erf::phi_cdf8(x, &e);
+    *d = _mm256_fmadd_ps(_mm256_mul_ps(x, _mm256_set1_ps(R2PI)), e, cdf);
+    return _mm256_mul_ps(x, cdf);
   }
   static float value_and_grad1(float x, float* d) {
     const float cdf = 0.5f * std::erfc(-x * R2);

@@ -35,7 +35,7 @@ from tformer.extensions import build_once, compile_library
 
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("activation_cpu.cpp")
-HEADERS = [SOURCE.with_name("vec_exp.h"), SOURCE.with_name("flush_denormal.h")]
+HEADERS = [SOURCE.with_name(h) for h in ("vec_exp.h", "vec_erf.h", "flush_denormal.h")]
 NAMES = ("relu2", "gelu_tanh", "gelu")
 STATUS: dict[str, str] = {}           # "state": "built" | "unavailable: <why>" (after the first load())
 _LOCK = threading.Lock()

@@ -40,6 +40,7 @@
 #include <immintrin.h>
 #define TFORMER_X86 1
 #include "float_rows.h"
+#include "../ops/vec_erf.h"
 #include "../ops/vec_exp.h"
 #endif
 
@@ -855,29 +856,13 @@ T_ATT void silu(float* v, int64_t n) {
   for (; i < n; ++i) v[i] = silu1(v[i]);
 }
 
-// v <- GELU's exact form 0.5 v (1 + erf(v / sqrt 2)), in place, with erf(z) for z >= 0 from
-// Abramowitz & Stegun 7.1.26: 1 - t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) e^-z^2, t = 1 / (1 + p z),
-// absolute error <= 1.5e-7 (float32's own rounding near 1), and erf(-z) = -erf(z)
+// v <- GELU's exact form v Phi(v), in place (Phi by Abramowitz & Stegun 7.1.26: ../ops/vec_erf.h)
 T_ATT void gelu_erf(float* v, int64_t n) {
-  const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), rs2 = _mm256_set1_ps(0.7071067811865476f);
-  const __m256 sign = _mm256_set1_ps(-0.0f), p = _mm256_set1_ps(0.3275911f);
-  const __m256 a1 = _mm256_set1_ps(0.254829592f), a2 = _mm256_set1_ps(-0.284496736f), a3 = _mm256_set1_ps(1.421413741f);
-  const __m256 a4 = _mm256_set1_ps(-1.453152027f), a5 = _mm256_set1_ps(1.061405429f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_loadu_ps(v + i);
-    const __m256 zs = _mm256_mul_ps(x, rs2);
-    const __m256 z = _mm256_andnot_ps(sign, zs);                                     // |x| / sqrt 2
-    const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(p, z, one));
-    __m256 poly = _mm256_fmadd_ps(a5, t, a4);
-    poly = _mm256_fmadd_ps(poly, t, a3);
-    poly = _mm256_fmadd_ps(poly, t, a2);
-    poly = _mm256_fmadd_ps(poly, t, a1);
-    poly = _mm256_mul_ps(poly, t);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(z, z)));
-    __m256 erf = _mm256_fnmadd_ps(poly, e, one);                                     // erf(|z|)
-    erf = _mm256_or_ps(erf, _mm256_and_ps(zs, sign));                                // the sign of x
-    _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, erf)));
+    __m256 e;
+    _mm256_storeu_ps(v + i, _mm256_mul_ps(x, vec_erf::phi_cdf8(x, &e)));
   }
   for (; i < n; ++i) v[i] = gelu_erf1(v[i]);
 }

@@ -43,7 +43,8 @@ from tformer.quant import blocks, gemv
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 VEC_EXP = SOURCE.parent.parent / "ops" / "vec_exp.h"     # e^x in registers, shared with the attention kernel
-FILES = (SOURCE, gemv.HEADER, VEC_EXP)                   # what the built library depends on
+VEC_ERF = VEC_EXP.with_name("vec_erf.h")                 # the normal CDF, shared with the training GELU
+FILES = (SOURCE, gemv.HEADER, VEC_EXP, VEC_ERF)          # what the built library depends on
 PATHS = ("scalar", "avx2", "avx512vnni")      # index = the op's path number
 FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 FORCED = "TFORMER_QGEMV_PATH"

@@ -84,7 +84,8 @@ class Loop:
         self.forward = self.dist.wrap(self.model, cfg.strategy, self.device)   # the model, DDP, or FSDP-sharded
         self.optimizer = self._new_optimizer(self.model)
         if cfg.compile:           # build the training kernels now: a first build inside the trace breaks the graph
-            attention_cpu.load(), activation_cpu.load()
+            attention_cpu.load()
+            activation_cpu.load()
             self.forward = torch.compile(self.forward)
         width = getattr(getattr(model, "config", None), "d_model", 0)
         self.dtype = resolve_dtype(cfg.precision, self.device.split(":")[0], width)
