@@ -161,7 +161,8 @@ def test_a_training_forward_compiles_without_graph_breaks():
     ReLU²) whole in training mode, with tformer's CPU kernels in the graph where they build."""
     from tformer.ops import activation_cpu, attention_cpu
 
-    attention_cpu.load(), activation_cpu.load()                 # as the loop does before it compiles
+    attention_cpu.load()                                         # as the loop does before it compiles
+    activation_cpu.load()
     for extra in ({}, {"positions": "rope", "activation": "relu2"}):
         c = TransformerConfig(vocab_size=61, context_length=16, n_layers=2, d_model=32, n_heads=4, **extra)
         m = DecoderLM(c).train()

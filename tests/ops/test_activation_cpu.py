@@ -158,7 +158,7 @@ def test_exact_gelu_on_a_non_contiguous_input_and_not_twice_differentiable():
 
 
 # ---------------------------------------------------------------- subnormal floats
-def _subnormal(t: Tensor) -> int:
+def _subnormal(t: torch.Tensor) -> int:
     return int(((t.abs() < torch.finfo(torch.float32).tiny) & (t != 0)).sum())
 
 

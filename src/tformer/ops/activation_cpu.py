@@ -36,7 +36,8 @@ from tformer.extensions import build_once, compile_library
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("activation_cpu.cpp")
 HEADERS = [SOURCE.with_name(h) for h in ("vec_exp.h", "vec_erf.h", "flush_denormal.h")]
-NAMES = ("relu2", "gelu_tanh", "gelu")
+POINTWISE = ("relu2", "gelu_tanh")    # ops x -> y with a backward (g, x) -> dx (:class:`Pointwise`)
+NAMES = (*POINTWISE, "gelu")           # and the exact GELU, whose forward also writes dy/dx (:class:`GeluErf`)
 STATUS: dict[str, str] = {}           # "state": "built" | "unavailable: <why>" (after the first load())
 _LOCK = threading.Lock()
 _OP: list = []
@@ -44,7 +45,7 @@ _OP: list = []
 
 def _build():
     op = compile_library("tformer_activation", [SOURCE], HEADERS, "the CPU activation kernels", needs={"avx2", "fma"})
-    for name in ("relu2", "gelu_tanh"):                   # let torch.compile trace through the ops
+    for name in POINTWISE:                                # let torch.compile trace through the ops
         torch.library.register_fake(f"tformer_activation::{name}")(lambda x: torch.empty_like(x))
         torch.library.register_fake(f"tformer_activation::{name}_backward")(lambda g, x: torch.empty_like(x))
     torch.library.register_fake("tformer_activation::gelu_and_grad")(lambda x: (torch.empty_like(x), torch.empty_like(x)))
