@@ -20,11 +20,11 @@
 //              multiply. Why: ATen's AVX2 GELU is already one pass forward, but its backward evaluates
 //              erf and e^x again; and erf's own formula (Abramowitz & Stegun 7.1.26, which ATen also
 //              uses) needs e^(-z^2) at z = x / sqrt 2, which is e^(-x^2/2), phi's exponential: the
-//              derivative costs the forward a multiply-add and a store. With Q = 0.5 t P(t) e^(-x^2/2),
-//              t = 1 / (1 + p |z|), Phi = 1 - Q for x >= 0 and Q for x < 0 (no cancellation in the
-//              left tail). |erf error| <= 1.5e-7 (A&S).
+//              derivative costs the forward a multiply-add and a store. Phi and e^(-x^2/2) come from
+//              ops/vec_erf.h (shared with the decode layer's GELU in quant/qgemv.cpp).
 //
-// float32, contiguous; AVX2 + FMA (ops/vec_exp.h for e^x), split over torch's threads.
+// float32, contiguous; AVX2 + FMA (ops/vec_exp.h for e^x), split over torch's threads, subnormals flushed
+// inside each task (ops/flush_denormal.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
