@@ -20,6 +20,10 @@
 5. nanoGPT's own training step (``../shared/peers/nanoGPT/model.py``, where it is) against tformer's
    ``recipe=classic`` step, alternated in one process, beside the step's 51 GEMMs alone: the floor
    the same-recipe comparison shares.
+6. The float32 GEMM libraries in this environment at those 51 products: MKL (what torch's ``mm`` and
+   so both programs use), OpenBLAS (numpy's) and oneDNN. GEMMs are ~60% of an fp32 step, so which
+   library is fastest on a CPU matters more than any kernel above; ``--only-gemm`` runs this alone
+   (with ``OPENBLAS_CORETYPE=Haswell`` as well for the AVX2 emulation).
 
 Criterion stated before the run: a kernel stays the default where it is not slower than what it
 replaces (ratio <= 1.00 here); ``auto`` takes the attention kernel up to ``auto_max_keys()`` keys (by PyTorch's CPU capability).
@@ -36,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -169,6 +174,66 @@ def gelu_exact_times(rounds: int) -> dict[str, float]:
     return alternated(calls, rounds, reps=200, warm=20)
 
 
+def step_gemms() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(a, b) of every product ``a @ b`` in a 4L/128 training step at batch 12 x 64 (768 rows): per layer
+    the q/k/v, output, up and down projections, each forward, input gradient and weight gradient; then
+    the head (65 tokens). 51 products, 3.66 GFLOP."""
+    gemms = []
+    for fan_in, fan_out, n in ((128, 384, 4), (128, 128, 4), (128, 512, 4), (512, 128, 4), (128, 65, 1)):
+        gemms += [(torch.randn(768, fan_in), torch.randn(fan_in, fan_out)),       # forward
+                  (torch.randn(768, fan_out), torch.randn(fan_out, fan_in)),      # input gradient
+                  (torch.randn(fan_out, 768), torch.randn(768, fan_in))] * n      # weight gradient
+    return gemms
+
+
+def gemm_library_times(rounds: int, reps: int) -> dict[str, dict]:
+    """Seconds of each distinct product of :func:`step_gemms`, and of the whole step's 51, through each
+    float32 GEMM library in this environment: MKL (``torch.mm``, what every tformer and nanoGPT step
+    uses), OpenBLAS (numpy's ``matmul``, into a preallocated output; its own threads, as many as the CPU
+    has), oneDNN (``torch.ops.mkldnn._linear_pointwise``, the weight transposed once). Alternated per
+    round, medians. Which library is fastest at these shapes depends on the CPU (MKL's own kernels on
+    Intel; on AMD it is worth asking), which is why this is measured, not assumed."""
+    gemms = step_gemms()
+    shapes = sorted({(a.shape[0], a.shape[1], b.shape[1]) for a, b in gemms})
+    data = {s: (torch.randn(s[0], s[1]), torch.randn(s[1], s[2])) for s in shapes}
+    count = {s: sum(1 for a, b in gemms if (a.shape[0], a.shape[1], b.shape[1]) == s) for s in shapes}
+
+    def calls(lib, a, b):
+        if lib == "MKL (torch.mm)":
+            return lambda: torch.mm(a, b)
+        if lib == "OpenBLAS (numpy)":
+            an, bn, out = a.numpy(), b.numpy(), np.empty((a.shape[0], b.shape[1]), np.float32)
+            return lambda: np.matmul(an, bn, out=out)
+        wt = b.t().contiguous()
+        return lambda: torch.ops.mkldnn._linear_pointwise(a, wt, None, "none", [], "")
+
+    libs = ["MKL (torch.mm)", "OpenBLAS (numpy)", "oneDNN (mkldnn linear)"]
+    fns = {}
+    for lib in libs:
+        try:
+            fns[lib] = {s: calls(lib, *data[s]) for s in shapes}
+            for f in fns[lib].values():
+                f()
+        except (RuntimeError, AttributeError) as e:                # a torch built without oneDNN, say
+            print(f"{lib}: not available here ({str(e).splitlines()[0]})", flush=True)
+            fns.pop(lib, None)
+    times = {lib: {s: [] for s in shapes} for lib in fns}
+    for r in range(rounds):
+        for lib in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+            for s, f in fns[lib].items():
+                for _ in range(3):
+                    f()
+                t = time.perf_counter()
+                for _ in range(reps):
+                    f()
+                times[lib][s].append((time.perf_counter() - t) / reps)
+    out = {}
+    for lib in fns:
+        per = {s: statistics.median(v) for s, v in times[lib].items()}
+        out[lib] = {"per_shape": per, "step": sum(per[s] * count[s] for s in shapes)}
+    return {"libraries": out, "shapes": shapes, "count": count}
+
+
 def nanogpt_step_times(data: str, threads: int, blocks: int, steps: int, nanogpt: Path) -> dict[str, float]:
     """Median seconds of nanoGPT's own training step (its ``model.py``, its AdamW groups, clipping at
     1.0) against tformer's ``recipe=classic`` step at 4L/128, alternated per block in one process, and
@@ -196,11 +261,7 @@ def nanogpt_step_times(data: str, threads: int, blocks: int, steps: int, nanogpt
         tr._train_step(1e-3)
         tr.step += 1
 
-    gemms = []                                                      # (a, b) of every product in a step
-    for fan_in, fan_out, n in ((128, 384, 4), (128, 128, 4), (128, 512, 4), (512, 128, 4), (128, 65, 1)):
-        gemms += [(torch.randn(768, fan_in), torch.randn(fan_in, fan_out)),       # forward
-                  (torch.randn(768, fan_out), torch.randn(fan_out, fan_in)),      # input gradient
-                  (torch.randn(fan_out, 768), torch.randn(768, fan_in))] * n      # weight gradient
+    gemms = step_gemms()
 
     def products():
         for a, b in gemms:
@@ -210,6 +271,28 @@ def nanogpt_step_times(data: str, threads: int, blocks: int, steps: int, nanogpt
     times = alternated(calls, blocks, reps=steps, warm=10)
     flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in gemms)
     return {**times, "gemm_flops": flops}
+
+
+def gemm_lines(args) -> list[str]:
+    """Section 6: :func:`gemm_library_times` as a table, per distinct product and for the whole step."""
+    reps = max(10, 5 * args.steps)
+    g = gemm_library_times(args.rounds * 2, reps)
+    libs = list(g["libraries"])
+    held = {k: os.environ[k] for k in (*ISA_ENV, "OPENBLAS_CORETYPE") if k in os.environ}
+    lines = [f"## GEMM libraries at the step's shapes, float32, {args.threads} threads "
+             f"({2 * args.rounds} alternated rounds of {reps} calls, medians; GFLOP/s; ISA held: {held or 'no'})", "",
+             "| a @ b: (m x k) (k x n) | in a step | " + " | ".join(libs) + " |",
+             "|---|---:|" + "---:|" * len(libs)]
+    for s in g["shapes"]:
+        flops = 2 * s[0] * s[1] * s[2]
+        lines.append(f"| ({s[0]} x {s[1]}) ({s[1]} x {s[2]}) | {g['count'][s]} | "
+                     + " | ".join(f"{flops / g['libraries'][lib]['per_shape'][s] / 1e9:.0f}" for lib in libs) + " |")
+    base = g["libraries"][libs[0]]["step"]
+    lines.append("| **the step's 51 products (ms)** | 51 | "
+                 + " | ".join(f"**{1e3 * g['libraries'][lib]['step']:.2f}** ({g['libraries'][lib]['step'] / base:.2f}x)"
+                              for lib in libs) + " |")
+    print("\n".join(lines), flush=True)
+    return lines
 
 
 def main() -> int:
@@ -222,8 +305,17 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=4, help="alternated blocks per step variant (default 4)")
     ap.add_argument("--steps", type=int, default=40, help="steps per block (default 40)")
     ap.add_argument("--tag", default="", help="suffix of the results file (e.g. avx2)")
+    ap.add_argument("--only-gemm", action="store_true",
+                    help="only the GEMM libraries at the step's shapes (section 6; a minute), into cpu_kernels-gemm[-TAG].md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.only_gemm:
+        run = Run()
+        lines = ["# The float32 GEMM libraries at a 4L/128 training step's shapes", "", *gemm_lines(args)]
+        name = "cpu_kernels-gemm" + (f"-{args.tag}" if args.tag else "")
+        run.write(results_dir("training") / f"{name}.md", "\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     if attention_cpu.load() is None or activation_cpu.load() is None:
         print(f"error: the kernels are not built here ({attention_cpu.STATUS.get('state')}; "
               f"{activation_cpu.STATUS.get('state')})", file=sys.stderr)
@@ -286,6 +378,7 @@ def main() -> int:
                       f"{t['gemm_flops'] / t['the step' + chr(39) + 's GEMMs alone'] / 1e9:.0f} GFLOP/s, hot in cache; "
                       "both programs run the same products through the same library."]
         print("\n".join(lines[-7:]), flush=True)
+    lines += ["", *gemm_lines(args)]
     name = "cpu_kernels" + (f"-{args.tag}" if args.tag else "")
     run.write(results_dir("training") / f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
