@@ -181,14 +181,56 @@ def test_a_model_trains_the_same_through_the_kernels_and_through_torch(monkeypat
         assert (a.grad - b.grad).abs().max() < TOL, name
 
 
-def test_bf16_training_attention_runs_the_kernel_in_float32(monkeypatch):
-    """Under bf16 (autocast's inputs) a training call upcasts to float32 and takes the kernel there;
-    the result, rounded to bf16, is the float64 reference's to bf16's resolution."""
-    calls = []
+def test_bf16_training_attention_runs_the_kernel_on_bf16_itself(monkeypatch):
+    """Under bf16 (autocast's inputs) a training call takes the kernel with the bf16 tensors themselves
+    (no float32 copies in between) and returns bf16 values and gradients."""
+    seen = []
     monkeypatch.setattr(attention_cpu._Attend, "apply",
-                        (lambda f: lambda *a: calls.append(1) or f(*a))(attention_cpu._Attend.apply))
+                        (lambda f: lambda q, k, v, *a: seen.append(q.dtype) or f(q, k, v, *a))(attention_cpu._Attend.apply))
     q, k, v = (torch.randn(2, 4, 32, 16).bfloat16().requires_grad_() for _ in range(3))
     out = scaled_dot_product_attention(q, k, v, causal=True)
     out.float().sum().backward()
-    assert calls and out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
-    assert (out.double() - reference(q, k, v, True, 0.25)).abs().max() < 2e-2
+    assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
+    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,n,m,D,causal", [
+    (2, 4, 4, 64, 64, 32, True),       # tformer's CPU training shape
+    (3, 6, 2, 37, 37, 16, True),       # grouped-query heads (their dk, dv summed before one rounding)
+    (2, 4, 4, 5, 19, 64, True),        # fewer queries than keys
+    (1, 2, 1, 33, 50, 40, False),
+])
+def test_bf16_forward_and_gradients_match_float64(B, Hq, Hkv, n, m, D, causal):
+    """bf16 in and out against the float64 reference on the same (bf16-valued) inputs: within bf16's
+    resolution, 1/128 of the largest value of each result (an 8-bit significand rounds by <= 1/256)."""
+    torch.manual_seed(n * 100 + m + 1)
+    q = torch.randn(B, n, Hq, D).bfloat16().transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(B, Hkv, m, D).bfloat16().requires_grad_() for _ in range(2))
+    out = scaled_dot_product_attention(q, k, v, causal=causal, backend="short")
+    g = torch.randn(out.shape).bfloat16()
+    out.backward(g)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference(*ref_in, causal, 1 / math.sqrt(D))
+    ref.backward(g.double())
+    assert out.dtype == torch.bfloat16
+    for got, want in ((out, ref), *((t.grad, r.grad) for t, r in zip((q, k, v), ref_in))):
+        assert got.dtype == torch.bfloat16
+        assert (got.double() - want).abs().max() <= want.abs().max().clamp(min=1.0) / 128
+
+
+def test_bf16_output_is_the_float32_kernel_s_rounded_once_to_nearest_even():
+    """The kernel widens bf16 rows exactly and rounds each result once, to nearest even, as
+    ``Tensor.to(torch.bfloat16)`` does: its bf16 output equals its float32 output on the widened inputs,
+    rounded, bit for bit. With q = 0 every visible key weighs the same, so causal row 1 is exactly
+    (v_0 + v_1) / 2: pairs whose mean falls halfway between two bf16 values show the ties going to the
+    even one (1 + 2^-8 -> 1, 1 + 3·2^-8 -> 1 + 2^-6)."""
+    torch.manual_seed(3)
+    q = torch.zeros(2, 4, 24, 16, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4, 24, 16).bfloat16() for _ in range(2))
+    v[0, 0, :2, 0] = torch.tensor([1.0, 1 + 2 ** -7])
+    v[0, 0, :2, 1] = torch.tensor([1 + 2 ** -7, 1 + 2 ** -6])
+    op = attention_cpu.load()
+    o16, l16 = op.attend(q, k, v, True, 0.25)
+    o32, l32 = op.attend(q.float(), k.float(), v.float(), True, 0.25)
+    assert torch.equal(o16, o32.bfloat16()) and torch.equal(l16, l32)
+    assert o16[0, 0, 1, :2].tolist() == [1.0, 1 + 2 ** -6]

@@ -17,12 +17,14 @@
 //   backward: p_j = e^(s_j - lse_i);  D_i = dout_i . out_i;  ds_j = scale p_j (dout_i . v_j - D_i)
 //             dq_i = sum_j ds_j k_j;  dk_j += ds_j q_i;  dv_j += p_j dout_i
 // A row with no visible key (causal, n > m) gets out = 0 and lse = -inf, and no gradient.
-// Accumulation is float32 throughout; inputs float32 with unit stride in the head dimension (any
-// other strides), head size a multiple of 8. Built at first use by tformer/ops/attention_cpu.py;
+// Accumulation is float32 throughout; inputs float32, or bfloat16 (widened per task, results rounded
+// once: see "bfloat16 in and out"), with unit stride in the head dimension (any other strides), head
+// size a multiple of 8; lse is float32 either way. Built at first use by tformer/ops/attention_cpu.py;
 // AVX2 + FMA only (the x86 baseline of this project: every kernel here must be fast without AVX-512).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -30,6 +32,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "flush_denormal.h"
@@ -179,8 +182,8 @@ struct Shape {
 
 void check(const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be (B, H, T, D)");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "attend: float32 only");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && k.scalar_type() == q.scalar_type()
+              && v.scalar_type() == q.scalar_type(), "attend: q, k, v all float32 or all bfloat16");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attend: unit stride in the head dimension");
   TORCH_CHECK(q.size(3) % 8 == 0 && k.size(3) == q.size(3) && v.size(3) == q.size(3), "attend: head size a multiple of 8");
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "attend: query heads a multiple of key heads");
@@ -190,6 +193,72 @@ Shape shape_of(const Tensor& q, const Tensor& k, bool causal) {
   const int64_t m = k.size(2);
   return Shape{q.size(0), q.size(1), k.size(1), q.size(2), m, q.size(3), (m + 7) / 8 * 8, causal};
 }
+
+// ---------------------------------------------------------------- bfloat16 in and out
+// The maths below reads float32 rows (a pointer and a row stride). A float32 tensor's rows are read
+// where they are; a bfloat16 tensor's (a training step under autocast) are widened by each task into a
+// float32 buffer first (exact: a bfloat16 is a float32's top half), and its results are rounded once,
+// to nearest even, as they are stored. So the floats are those of the kernel run on float32 copies and
+// rounded after, without the copies (five casts a layer forward and backward, on strided views).
+struct Rows {
+  const float* p;
+  int64_t ld;
+};
+
+T_256 void widen_rows(const at::BFloat16* src, int64_t ld, int64_t rows, int64_t D, float* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; d += 8) {                 // D is a multiple of 8
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * ld + d));
+      _mm256_storeu_ps(dst + r * D + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+}
+
+// float32 -> bfloat16, round to nearest even (NaN -> 0x7FC0, as c10::BFloat16 rounds)
+T_256 inline __m128i round_bf16(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+T_256 void narrow_rows(const float* src, int64_t rows, int64_t D, at::BFloat16* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; d += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + r * ld + d), round_bf16(_mm256_loadu_ps(src + r * D + d)));
+}
+
+// head h of batch b of t (B, H, rows, D) as float32 rows: its own (float32) or widened into buf (bfloat16)
+template <class T>
+Rows rows_of(const Tensor& t, int64_t b, int64_t h, int64_t rows, std::vector<float>& buf) {
+  const T* p = t.data_ptr<T>() + b * t.stride(0) + h * t.stride(1);
+  if constexpr (std::is_same_v<T, float>) {
+    return {p, t.stride(2)};
+  } else {
+    const int64_t D = t.size(3);
+    buf.resize(rows * D);
+    widen_rows(p, t.stride(2), rows, D, buf.data());
+    return {buf.data(), D};
+  }
+}
+
+// Where a head's float32 results go: rows of the output tensor at `at` (row stride ld) for float32; for
+// bfloat16 a float32 buffer (row stride D) that `store` rounds into the tensor.
+template <class T>
+struct Out {
+  T* at;
+  int64_t ld, D;
+  std::vector<float>& buf;
+  float* rows(int64_t n) {
+    if constexpr (std::is_same_v<T, float>) return at;
+    buf.resize(n * D);
+    return buf.data();
+  }
+  int64_t stride() const { return std::is_same_v<T, float> ? ld : D; }
+  void store(int64_t n) {
+    if constexpr (!std::is_same_v<T, float>) narrow_rows(buf.data(), n, D, at, ld);
+  }
+};
 
 // kt[d][j] = mult * rows[j][d] for j < m, 0 up to m8: a (D, m8) transposed copy of one head's keys/values
 // (rows (m, D) with row stride ld), by 8 x 8 blocks in registers.
@@ -223,38 +292,40 @@ T_256 void transpose_into(float* kt, const float* rows, int64_t ld, const Shape&
   }
 }
 
-// (out, lse): out (B, Hq, n, D) stored as (B, n, Hq, D); lse (B, Hq, n).
-std::tuple<Tensor, Tensor> attend(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
-  check(q, k, v);
+// (out, lse): out (B, Hq, n, D) stored as (B, n, Hq, D), q's type; lse (B, Hq, n) float32.
+template <class T>
+std::tuple<Tensor, Tensor> attend_as(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
   const Shape s = shape_of(q, k, causal);
   Tensor out = at::empty({s.B, s.n, s.Hq, s.D}, q.options());
-  Tensor lse = at::empty({s.B, s.Hq, s.n}, q.options());
-  const float* qp = q.data_ptr<float>(); const float* kp = k.data_ptr<float>(); const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>(); float* lp = lse.data_ptr<float>();
+  Tensor lse = at::empty({s.B, s.Hq, s.n}, q.options().dtype(at::kFloat));
+  T* op = out.data_ptr<T>(); float* lp = lse.data_ptr<float>();
   const int64_t G = s.Hq / s.Hkv, ldo = s.Hq * s.D;
   flush_denormal::parallel_for(0, s.B * s.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kt(s.D * s.m8), sa(s.m8), sb(s.m8), oa(s.D), ob(s.D), zeros(s.D, 0.0f);
+    std::vector<float> kw, vw, qw, ow;                 // bfloat16's float32 rows
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.Hkv, kh = task % s.Hkv;
-      const float* kr = kp + b * k.stride(0) + kh * k.stride(1);
-      const float* vr = vp + b * v.stride(0) + kh * v.stride(1);
-      transpose_into(kt.data(), kr, k.stride(2), s, float(scale));
+      const Rows kr = rows_of<T>(k, b, kh, s.m, kw), vr = rows_of<T>(v, b, kh, s.m, vw);
+      transpose_into(kt.data(), kr.p, kr.ld, s, float(scale));
       for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-        const float* qh = qp + b * q.stride(0) + h * q.stride(1);
+        const Rows qh = rows_of<T>(q, b, h, s.n, qw);
+        Out<T> dst{op + b * s.n * ldo + h * s.D, ldo, s.D, ow};
+        float* orow = dst.rows(s.n);
+        const int64_t ldw = dst.stride();
         for (int64_t i = 0; i < s.n; i += 2) {
           const bool two = i + 1 < s.n;
           const int64_t la = s.lim(i), lb = two ? s.lim(i + 1) : 0, L = std::max(la, lb);
-          float* o0 = op + (b * s.n + i) * ldo + h * s.D;
-          float* o1 = two ? o0 + ldo : ob.data();
+          float* o0 = orow + i * ldw;
+          float* o1 = two ? o0 + ldw : ob.data();
           float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0.0f, 0.0f};
           if (L > 0) {
             const int64_t L8 = (L + 7) / 8 * 8;
-            dots2(qh + i * q.stride(2), two ? qh + (i + 1) * q.stride(2) : zeros.data(), kt.data(), s.m8, s.D, L8,
+            dots2(qh.p + i * qh.ld, two ? qh.p + (i + 1) * qh.ld : zeros.data(), kt.data(), s.m8, s.D, L8,
                   sa.data(), sb.data());
             mx[0] = mx[1] = std::numeric_limits<float>::quiet_NaN();
             sum[0] = la > 0 ? exp_row(sa.data(), la, L8, mx[0]) : (std::fill(sa.begin(), sa.begin() + L8, 0.0f), 0.0f);
             sum[1] = lb > 0 ? exp_row(sb.data(), lb, L8, mx[1]) : (std::fill(sb.begin(), sb.begin() + L8, 0.0f), 0.0f);
-            combine2(sa.data(), sb.data(), 1, vr, v.stride(2), s.D, L, oa.data(), o1);
+            combine2(sa.data(), sb.data(), 1, vr.p, vr.ld, s.D, L, oa.data(), o1);
           } else {
             std::fill(oa.begin(), oa.end(), 0.0f);
             std::fill(o1, o1 + s.D, 0.0f);
@@ -266,52 +337,62 @@ std::tuple<Tensor, Tensor> attend(const Tensor& q, const Tensor& k, const Tensor
           l[0] = la > 0 ? mx[0] + std::log(sum[0]) : NEG_INF;
           if (two) l[1] = lb > 0 ? mx[1] + std::log(sum[1]) : NEG_INF;
         }
+        dst.store(s.n);
       }
     }
   });
   return {out.permute({0, 2, 1, 3}), lse};
 }
 
+std::tuple<Tensor, Tensor> attend(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
+  check(q, k, v);
+  return q.scalar_type() == at::kFloat ? attend_as<float>(q, k, v, causal, scale)
+                                       : attend_as<at::BFloat16>(q, k, v, causal, scale);
+}
+
 // (dq, dk, dv) of attend's output gradient dout; dq stored as (B, n, Hq, D), dk and dv as (B, m, Hkv, D).
 // Per head, first the query rows: P and dS rows into (n, m8) buffers, dq_i = sum_j dS_ij k_j; then the
 // key rows: dk_j = sum_i dS_ij q_i and dv_j = sum_i P_ij dout_i, reading columns of those buffers, so
-// every sum runs in registers.
-std::tuple<Tensor, Tensor, Tensor> attend_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                                   const Tensor& out, const Tensor& lse, bool causal, double scale) {
-  check(q, k, v);
-  check(dout, out, out);
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && lse.is_contiguous(), "attend_backward: shapes");
+// every sum runs in registers. The heads of a group add into their key head's dk and dv (in float32:
+// a bfloat16 result is rounded once, after the group).
+template <class T>
+std::tuple<Tensor, Tensor, Tensor> attend_backward_as(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                                      const Tensor& out, const Tensor& lse, bool causal, double scale) {
   const Shape s = shape_of(q, k, causal);
   Tensor dq = at::empty({s.B, s.n, s.Hq, s.D}, q.options());
   Tensor dk = at::empty({s.B, s.m, s.Hkv, s.D}, q.options());
   Tensor dv = at::empty({s.B, s.m, s.Hkv, s.D}, q.options());
-  const float* qp = q.data_ptr<float>(); const float* kp = k.data_ptr<float>(); const float* vp = v.data_ptr<float>();
-  const float* gp = dout.data_ptr<float>(); const float* op = out.data_ptr<float>(); const float* lp = lse.data_ptr<float>();
-  float* dqp = dq.data_ptr<float>(); float* dkp = dk.data_ptr<float>(); float* dvp = dv.data_ptr<float>();
+  const float* lp = lse.data_ptr<float>();
+  T* dqp = dq.data_ptr<T>(); T* dkp = dk.data_ptr<T>(); T* dvp = dv.data_ptr<T>();
   const int64_t G = s.Hq / s.Hkv, ldq = s.Hq * s.D, ldk = s.Hkv * s.D;
   const float fscale = float(scale);
   flush_denormal::parallel_for(0, s.B * s.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kt(s.D * s.m8), vt(s.D * s.m8), P(s.n * s.m8), dS(s.n * s.m8);
     std::vector<float> zeros(s.D, 0.0f), scratch(s.D), ka(s.D), kb(s.D), va(s.D), vb(s.D);
+    std::vector<float> kw, vw, qw, gw, ow, dqw, dkw, dvw;      // bfloat16's float32 rows
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.Hkv, kh = task % s.Hkv;
-      const float* kr = kp + b * k.stride(0) + kh * k.stride(1);
-      const float* vr = vp + b * v.stride(0) + kh * v.stride(1);
-      transpose_into(kt.data(), kr, k.stride(2), s, fscale);
-      transpose_into(vt.data(), vr, v.stride(2), s, 1.0f);
+      const Rows kr = rows_of<T>(k, b, kh, s.m, kw), vr = rows_of<T>(v, b, kh, s.m, vw);
+      transpose_into(kt.data(), kr.p, kr.ld, s, fscale);
+      transpose_into(vt.data(), vr.p, vr.ld, s, 1.0f);
+      Out<T> dkd{dkp + b * s.m * ldk + kh * s.D, ldk, s.D, dkw}, dvd{dvp + b * s.m * ldk + kh * s.D, ldk, s.D, dvw};
+      float* dkr = dkd.rows(s.m);
+      float* dvr = dvd.rows(s.m);
+      const int64_t ldkw = dkd.stride();
       for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-        const float* qh = qp + b * q.stride(0) + h * q.stride(1);
-        const float* gh = gp + b * dout.stride(0) + h * dout.stride(1);
-        const float* oh = op + b * out.stride(0) + h * out.stride(1);
+        const Rows qh = rows_of<T>(q, b, h, s.n, qw), gh = rows_of<T>(dout, b, h, s.n, gw), oh = rows_of<T>(out, b, h, s.n, ow);
         const float* lh = lp + (b * s.Hq + h) * s.n;
+        Out<T> dqd{dqp + b * s.n * ldq + h * s.D, ldq, s.D, dqw};
+        float* dqr = dqd.rows(s.n);
+        const int64_t ldqw = dqd.stride();
         for (int64_t i = 0; i < s.n; i += 2) {                                   // query rows
           const bool two = i + 1 < s.n;
           const int64_t la = s.lim(i), lb = two ? s.lim(i + 1) : 0, L = std::max(la, lb);
           const int64_t L8 = (L + 7) / 8 * 8;
           float *pa = P.data() + i * s.m8, *pb = two ? pa + s.m8 : nullptr;
           float *ta = dS.data() + i * s.m8, *tb = two ? ta + s.m8 : nullptr;
-          float* dq0 = dqp + (b * s.n + i) * ldq + h * s.D;
-          float* dq1 = two ? dq0 + ldq : scratch.data();
+          float* dq0 = dqr + i * ldqw;
+          float* dq1 = two ? dq0 + ldqw : scratch.data();
           if (L == 0) {
             std::fill(pa, pa + (two ? 2 : 1) * s.m8, 0.0f);
             std::fill(ta, ta + (two ? 2 : 1) * s.m8, 0.0f);
@@ -321,12 +402,12 @@ std::tuple<Tensor, Tensor, Tensor> attend_backward(const Tensor& dout, const Ten
           }
           float rowb[2][1024 + 8];                                               // the missing second row's
           if (!two) { pb = rowb[0]; tb = rowb[1]; }                              // scores land here (m8 <= 1032)
-          const float* q0 = qh + i * q.stride(2);
-          const float* q1 = two ? q0 + q.stride(2) : zeros.data();
-          const float* g0 = gh + i * dout.stride(2);
-          const float* g1 = two ? g0 + dout.stride(2) : zeros.data();
-          const float* o0 = oh + i * out.stride(2);
-          const float* o1 = two ? o0 + out.stride(2) : zeros.data();
+          const float* q0 = qh.p + i * qh.ld;
+          const float* q1 = two ? q0 + qh.ld : zeros.data();
+          const float* g0 = gh.p + i * gh.ld;
+          const float* g1 = two ? g0 + gh.ld : zeros.data();
+          const float* o0 = oh.p + i * oh.ld;
+          const float* o1 = two ? o0 + oh.ld : zeros.data();
           dots2(q0, q1, kt.data(), s.m8, s.D, L8, pa, pb);                       // scores
           dots2(g0, g1, vt.data(), s.m8, s.D, L8, ta, tb);                       // dout . v_j
           float sh0 = lh[i], sh1 = two ? lh[i + 1] : 0.0f;
@@ -336,16 +417,17 @@ std::tuple<Tensor, Tensor, Tensor> attend_backward(const Tensor& dout, const Ten
           ds_row(tb, pb, dot(g1, o1, s.D), fscale, L8);
           std::fill(pa + L8, pa + s.m8, 0.0f); std::fill(pb + L8, pb + s.m8, 0.0f);    // keys no row here sees
           std::fill(ta + L8, ta + s.m8, 0.0f); std::fill(tb + L8, tb + s.m8, 0.0f);
-          combine2(ta, tb, 1, kr, k.stride(2), s.D, L, dq0, dq1);                 // dq = sum ds_j k_j
+          combine2(ta, tb, 1, kr.p, kr.ld, s.D, L, dq0, dq1);                     // dq = sum ds_j k_j
         }
+        dqd.store(s.n);
         for (int64_t j = 0; j < s.m; j += 2) {                                   // key rows
           const bool two = j + 1 < s.m;
           // the first query that sees key j (causal: i + 1 + m - n > j); rows before it hold zeros
           const int64_t i0 = s.causal ? std::max<int64_t>(0, j - (s.m - s.n)) : 0;
-          float* dk0 = dkp + (b * s.m + j) * ldk + kh * s.D;
-          float* dv0 = dvp + (b * s.m + j) * ldk + kh * s.D;
-          float* dk1 = two ? dk0 + ldk : scratch.data();
-          float* dv1 = two ? dv0 + ldk : scratch.data();
+          float* dk0 = dkr + j * ldkw;
+          float* dv0 = dvr + j * ldkw;
+          float* dk1 = two ? dk0 + ldkw : scratch.data();
+          float* dv1 = two ? dv0 + ldkw : scratch.data();
           const bool first = h == kh * G;                                        // later heads of the group add
           float *ka0 = first ? dk0 : ka.data(), *kb0 = first ? dk1 : kb.data();
           float *va0 = first ? dv0 : va.data(), *vb0 = first ? dv1 : vb.data();
@@ -356,19 +438,30 @@ std::tuple<Tensor, Tensor, Tensor> attend_backward(const Tensor& dout, const Ten
             // columns j and j + 1 of dS and P from row i0 (a lone last key: column j twice, the copy unused)
             const float* ds0 = dS.data() + i0 * s.m8 + j;
             const float* p0 = P.data() + i0 * s.m8 + j;
-            combine2(ds0, two ? ds0 + 1 : ds0, s.m8, qh + i0 * q.stride(2), q.stride(2), s.D,
-                     s.n - i0, ka0, kb0);
-            combine2(p0, two ? p0 + 1 : p0, s.m8, gh + i0 * dout.stride(2), dout.stride(2), s.D,
-                     s.n - i0, va0, vb0);
+            combine2(ds0, two ? ds0 + 1 : ds0, s.m8, qh.p + i0 * qh.ld, qh.ld, s.D, s.n - i0, ka0, kb0);
+            combine2(p0, two ? p0 + 1 : p0, s.m8, gh.p + i0 * gh.ld, gh.ld, s.D, s.n - i0, va0, vb0);
           }
           if (!first) {
             for (int64_t d = 0; d < s.D; ++d) { dk0[d] += ka0[d]; dk1[d] += kb0[d]; dv0[d] += va0[d]; dv1[d] += vb0[d]; }
           }
         }
       }
+      dkd.store(s.m);
+      dvd.store(s.m);
     }
   });
   return {dq.permute({0, 2, 1, 3}), dk.permute({0, 2, 1, 3}), dv.permute({0, 2, 1, 3})};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attend_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                                   const Tensor& out, const Tensor& lse, bool causal, double scale) {
+  check(q, k, v);
+  check(dout, out, out);
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "attend_backward: dout and out in q's type");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && lse.is_contiguous()
+              && lse.scalar_type() == at::kFloat, "attend_backward: shapes");
+  return q.scalar_type() == at::kFloat ? attend_backward_as<float>(dout, q, k, v, out, lse, causal, scale)
+                                       : attend_backward_as<at::BFloat16>(dout, q, k, v, out, lse, causal, scale);
 }
 
 // RoPE's rotation (the "rotate half" pairing): each pair (a, b) = (x[i], x[i + D/2]) of a row at
