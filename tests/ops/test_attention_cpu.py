@@ -132,20 +132,22 @@ def test_an_explicit_request_it_cannot_serve_names_why(why):
         scaled_dot_product_attention(q, q, q, causal=True, backend="short", **why)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_row", [False, True])
-def test_rope_rotation_and_its_gradient_match_the_formula(per_row, monkeypatch):
+def test_rope_rotation_and_its_gradient_match_the_formula(per_row, dtype, monkeypatch):
     """The fused rotation against x cos + rotate_half(x) sin in float64, tables (T, D) and (B, T, D)
-    (positions per row), through RotaryEmbedding, which must have taken the kernel."""
+    (positions per row), through RotaryEmbedding, which must have taken the kernel; bfloat16 (autocast's
+    q and k) rotated in float32 and rounded once: within half a bf16 step of |x| <= 8 (2^-6)."""
     calls = []
     monkeypatch.setattr(attention_cpu._Rotate, "apply",
                         (lambda f: lambda *a: calls.append(1) or f(*a))(attention_cpu._Rotate.apply))
     torch.manual_seed(3)
     B, H, T, D = 2, 3, 10, 32
     rope = RotaryEmbedding(D, 64)
-    x = strided(B, H, T, D)
+    x = torch.randn(B, T, H, D).to(dtype).transpose(1, 2).requires_grad_()
     positions = torch.randint(0, 60, (B, T)) if per_row else torch.arange(T)
     y = rope(x, positions)
-    g = torch.randn_like(y)
+    g = torch.randn(y.shape).to(dtype)
     y.backward(g)
     xd = x.detach().double().requires_grad_()
     cos, sin = rope.cos[positions].double(), rope.sin[positions].double()
@@ -154,8 +156,9 @@ def test_rope_rotation_and_its_gradient_match_the_formula(per_row, monkeypatch):
     half = D // 2
     want = xd * cos + torch.cat([-xd[..., half:], xd[..., :half]], -1) * sin
     want.backward(g.double())
-    assert calls == [1]
-    assert (y.double() - want).abs().max() < TOL and (x.grad.double() - xd.grad).abs().max() < TOL
+    tol = TOL if dtype == torch.float32 else 2.0 ** -6
+    assert calls == [1] and y.dtype == x.grad.dtype == dtype
+    assert (y.double() - want).abs().max() < tol and (x.grad.double() - xd.grad).abs().max() < tol
 
 
 def test_a_model_trains_the_same_through_the_kernels_and_through_torch(monkeypatch):

@@ -468,7 +468,8 @@ std::tuple<Tensor, Tensor, Tensor> attend_backward(const Tensor& dout, const Ten
 // position t becomes (a c - b s, b c + a s), c, s = cos and sin of the row's angle i (the tables hold
 // them twice, (T, D) like tformer's RotaryEmbedding, or (B, T, D) for per-row positions). A rotation's
 // transpose is the rotation by -angle, so the backward is this with `inverse` (s -> -s).
-// x (B, H, T, D) with unit stride in D; the result is contiguous.
+// x (B, H, T, D) with unit stride in D, float32 or bfloat16 (each row widened, rotated in float32 with the
+// float32 tables, rounded once); the result is contiguous, in x's type.
 T_256 void rotate_row(const float* x, const float* c, const float* sn, float* out, int64_t half, float sign) {
   const __m256 sg = _mm256_set1_ps(sign);
   int64_t i = 0;
@@ -486,24 +487,33 @@ T_256 void rotate_row(const float* x, const float* c, const float* sn, float* ou
 }
 
 Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse) {
-  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && x.stride(3) == 1 && x.size(3) % 2 == 0,
-              "rotate: x must be float32 (B, H, T, D) with unit stride in D, D even");
+  TORCH_CHECK(x.dim() == 4 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.stride(3) == 1
+              && x.size(3) % 2 == 0, "rotate: x must be float32 or bfloat16 (B, H, T, D) with unit stride in D, D even");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat
               && (cos.dim() == 2 || cos.dim() == 3) && cos.size(-1) == x.size(3) && cos.size(-2) == x.size(2),
               "rotate: cos and sin must be contiguous float32 (T, D) or (B, T, D)");
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
   TORCH_CHECK(cos.dim() == 2 || cos.size(0) == B, "rotate: (B, T, D) tables need the batch size of x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || D % 8 == 0, "rotate: bfloat16 rows need D a multiple of 8");
   Tensor out = at::empty({B, H, T, D}, x.options());
-  const float* xp = x.data_ptr<float>(); const float* cp = cos.data_ptr<float>(); const float* sp = sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>(); const float* sp = sin.data_ptr<float>();
   const int64_t per_b = cos.dim() == 3 ? T * D : 0;
   const float sign = inverse ? -1.0f : 1.0f;
+  const bool wide = x.scalar_type() == at::kFloat;
   at::parallel_for(0, B * H, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> in(wide ? 0 : D), res(wide ? 0 : D);    // bfloat16: a row widened, rotated, rounded once
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      for (int64_t t = 0; t < T; ++t)
-        rotate_row(xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2), cp + b * per_b + t * D,
-                   sp + b * per_b + t * D, op + (bh * T + t) * D, D / 2, sign);
+      const int64_t b = bh / H, h = bh % H, at_x = b * x.stride(0) + h * x.stride(1);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* c = cp + b * per_b + t * D; const float* sn = sp + b * per_b + t * D;
+        if (wide) {
+          rotate_row(x.data_ptr<float>() + at_x + t * x.stride(2), c, sn, out.data_ptr<float>() + (bh * T + t) * D, D / 2, sign);
+        } else {
+          widen_rows(x.data_ptr<at::BFloat16>() + at_x + t * x.stride(2), 0, 1, D, in.data());
+          rotate_row(in.data(), c, sn, res.data(), D / 2, sign);
+          narrow_rows(res.data(), 1, D, out.data_ptr<at::BFloat16>() + (bh * T + t) * D, 0);
+        }
+      }
     }
   });
   return out;
