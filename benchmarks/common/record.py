@@ -36,7 +36,8 @@ BUSY_CORES = 0.3      # more than this much of a core used by others: the figure
 # puts before src (e.g. a llama.cpp built for AVX2 only, benchmarks/common/llama_cpp_avx2.sh).
 ENV_THAT_MATTERS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "TFORMER_DECODE_KERNEL",
                     "TFORMER_QGEMV_PATH", "TFORMER_GEMV_PATH", "TFORMER_NO_EXTENSION", "ONEDNN_MAX_CPU_ISA",
-                    "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "PYTHONPATH")
+                    "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS",
+                    "PYTHONPATH")
 
 
 def results_dir(topic: str) -> Path:
