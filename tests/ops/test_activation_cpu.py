@@ -103,7 +103,8 @@ def test_a_non_contiguous_input():
 def test_a_16_bit_activation_in_inference_is_the_float32_kernel_rounded_once(dtype, monkeypatch):
     """A bf16 / fp16 prompt on a CPU that emulates the type: the float32 kernel on the widened input,
     rounded back once, so within one rounding of the dtype of PyTorch's float64 value; one row (a decode
-    step), a CPU with the type native, and autograd keep ``F.gelu``."""
+    step) and a CPU with the type native keep ``F.gelu``; under autograd bf16 takes the kernel in bf16
+    itself (:func:`test_bf16_training_activations_round_the_float32_kernel_once`), fp16 keeps ``F.gelu``."""
     import tformer.machine as machine
     monkeypatch.setattr(machine, "half_native", lambda dt: False)     # as on the AVX2 EPYC, on any CPU
     x = (torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
@@ -123,7 +124,37 @@ def test_a_16_bit_activation_in_inference_is_the_float32_kernel_rounded_once(dty
         monkeypatch.setattr(machine, "half_native", lambda dt: True)
         assert torch.equal(ACTIVATIONS["gelu_tanh"](x), aten)                                    # native type
     xg = x.clone().requires_grad_()
-    assert type(ACTIVATIONS["gelu_tanh"](xg).grad_fn).__name__ == "GeluBackward0"
+    want = "PointwiseBackward" if dtype == torch.bfloat16 else "GeluBackward0"
+    assert type(ACTIVATIONS["gelu_tanh"](xg).grad_fn).__name__ == want
+
+
+@pytest.mark.parametrize("shape", [(12, 64, 512), (2, 5, 33)])   # vector body and scalar tails
+def test_bf16_training_activations_round_the_float32_kernel_once(shape):
+    """In a bf16 training step (autocast's activations) ReLU² and the tanh GELU take their kernels in bf16:
+    widened, computed in float32, rounded once to nearest even. So ReLU² gives ATen's bf16 ops' floats bit
+    for bit (relu is exact, and r·r, 2·r·g round once either way), and the tanh GELU is within half a bf16
+    step of float64, forward and backward; the exact GELU keeps ATen's bf16 GELU (measured faster)."""
+    torch.manual_seed(7)
+    x0, g = (torch.randn(*shape) * 3).bfloat16(), torch.randn(*shape).bfloat16()
+    x = x0.clone().requires_grad_()
+    y = relu_squared(x)
+    y.backward(g)
+    assert type(y.grad_fn).__name__ == "PointwiseBackward" and y.dtype == x.grad.dtype == torch.bfloat16
+    r = torch.relu(x0)
+    assert torch.equal(y, r * r) and torch.equal(x.grad, torch.mul(g, r).mul_(2.0))
+    x = x0.clone().requires_grad_()
+    y = gelu_tanh(x)
+    y.backward(g)
+    xd = x0.double().requires_grad_()
+    ref = F.gelu(xd, approximate="tanh")
+    ref.backward(g.double())
+    # half a bf16 step (relative) for the one rounding, plus the float32 kernel's own error (within 4e-6 of
+    # the formula: test_gelu_tanh_and_its_derivative_match_float64)
+    tol = 2.0 ** -8 + 1e-5
+    assert type(y.grad_fn).__name__ == "PointwiseBackward" and x.grad.dtype == torch.bfloat16
+    assert bool(((y.double() - ref).abs() <= tol * ref.abs() + 1e-6).all())
+    assert bool(((x.grad.double() - xd.grad).abs() <= tol * xd.grad.abs() + 1e-5).all())
+    assert type(gelu(x0.clone().requires_grad_()).grad_fn).__name__ == "GeluBackward0"
 
 
 # ---------------------------------------------------------------- GELU, exact (erf) form

@@ -23,8 +23,9 @@
 //              derivative costs the forward a multiply-add and a store. Phi and e^(-x^2/2) come from
 //              ops/vec_erf.h (shared with the decode layer's GELU in quant/qgemv.cpp).
 //
-// float32, contiguous; AVX2 + FMA (ops/vec_exp.h for e^x), split over torch's threads, subnormals flushed
-// inside each task (ops/flush_denormal.h).
+// float32, or bfloat16 for ReLU^2 and the tanh GELU (a training step under autocast: widened, computed in
+// float32, rounded once), contiguous; AVX2 + FMA (ops/vec_exp.h for e^x), split over
+// torch's threads, subnormals flushed inside each task (ops/flush_denormal.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
@@ -35,6 +36,7 @@
 #include <tuple>
 
 #include "flush_denormal.h"
+#include "vec_bf16.h"
 #include "vec_erf.h"
 #include "vec_exp.h"
 
@@ -113,47 +115,68 @@ struct GELUErf {
 };
 
 // ---------------------------------------------------------------- drivers
-template <class F>
-T_256 void forward_range(const float* x, float* y, int64_t begin, int64_t end) {
+// 8 values (or one) in the tensor's type: float32 as they are; bfloat16 (a training step under autocast)
+// widened exactly and rounded once, to nearest even, when stored (ops/vec_bf16.h), so a bfloat16 result
+// is the float32 kernel's on the widened input, rounded
+T_256 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+T_256 inline __m256 load8(const at::BFloat16* p) { return vec_bf16::load8(p); }
+T_256 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+T_256 inline void store8(at::BFloat16* p, __m256 v) { vec_bf16::store8(p, v); }
+
+template <class F, class T>
+T_256 void forward_range(const T* x, T* y, int64_t begin, int64_t end) {
   int64_t i = begin;
-  for (; i + 8 <= end; i += 8) _mm256_storeu_ps(y + i, F::value(_mm256_loadu_ps(x + i)));
-  for (; i < end; ++i) y[i] = F::value1(x[i]);
+  for (; i + 8 <= end; i += 8) store8(y + i, F::value(load8(x + i)));
+  for (; i < end; ++i) y[i] = F::value1(float(x[i]));
 }
 
-template <class F>
-T_256 void backward_range(const float* g, const float* x, float* dx, int64_t begin, int64_t end) {
+template <class F, class T>
+T_256 void backward_range(const T* g, const T* x, T* dx, int64_t begin, int64_t end) {
   int64_t i = begin;
-  for (; i + 8 <= end; i += 8) _mm256_storeu_ps(dx + i, F::grad(_mm256_loadu_ps(x + i), _mm256_loadu_ps(g + i)));
-  for (; i < end; ++i) dx[i] = F::grad1(x[i], g[i]);
+  for (; i + 8 <= end; i += 8) store8(dx + i, F::grad(load8(x + i), load8(g + i)));
+  for (; i < end; ++i) dx[i] = F::grad1(float(x[i]), float(g[i]));
 }
 
 void check(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "activation: ", name, " must be contiguous float32");
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.is_contiguous(),
+              "activation: ", name, " must be contiguous float32 or bfloat16");
+}
+
+template <class F, class T>
+Tensor forward_as(const Tensor& x) {
+  Tensor y = at::empty_like(x);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  flush_denormal::parallel_for(0, x.numel(), GRAIN, [&](int64_t b, int64_t e) { forward_range<F, T>(xp, yp, b, e); });
+  return y;
 }
 
 template <class F>
 Tensor forward(const Tensor& x) {
   check(x, "x");
-  Tensor y = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  flush_denormal::parallel_for(0, x.numel(), GRAIN, [&](int64_t b, int64_t e) { forward_range<F>(xp, yp, b, e); });
-  return y;
+  return x.scalar_type() == at::kFloat ? forward_as<F, float>(x) : forward_as<F, at::BFloat16>(x);
+}
+
+template <class F, class T>
+Tensor backward_as(const Tensor& g, const Tensor& x) {
+  Tensor dx = at::empty_like(x);
+  const T* gp = g.data_ptr<T>(); const T* xp = x.data_ptr<T>();
+  T* dp = dx.data_ptr<T>();
+  flush_denormal::parallel_for(0, x.numel(), GRAIN, [&](int64_t b, int64_t e) { backward_range<F, T>(gp, xp, dp, b, e); });
+  return dx;
 }
 
 template <class F>
 Tensor backward(const Tensor& g, const Tensor& x) {
   check(g, "g");
   check(x, "x");
-  TORCH_CHECK(g.sizes() == x.sizes(), "activation backward: g and x must have one shape");
-  Tensor dx = at::empty_like(x);
-  const float* gp = g.data_ptr<float>(); const float* xp = x.data_ptr<float>();
-  float* dp = dx.data_ptr<float>();
-  flush_denormal::parallel_for(0, x.numel(), GRAIN, [&](int64_t b, int64_t e) { backward_range<F>(gp, xp, dp, b, e); });
-  return dx;
+  TORCH_CHECK(g.sizes() == x.sizes() && g.scalar_type() == x.scalar_type(),
+              "activation backward: g and x must have one shape and one type");
+  return x.scalar_type() == at::kFloat ? backward_as<F, float>(g, x) : backward_as<F, at::BFloat16>(g, x);
 }
 
-// (y, dy/dx) of the exact GELU in one pass
+// (y, dy/dx) of the exact GELU in one pass, float32 only: in bfloat16 ATen's own GELU (AVX-512 where the CPU
+// has it) measured faster in whole steps (4L/128 on the Xeon: 1.064x slower with this kernel widening)
 T_256 void gelu_range(const float* x, float* y, float* d, int64_t begin, int64_t end) {
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
@@ -165,7 +188,7 @@ T_256 void gelu_range(const float* x, float* y, float* d, int64_t begin, int64_t
 }
 
 std::tuple<Tensor, Tensor> gelu_and_grad(const Tensor& x) {
-  check(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "gelu_and_grad: x must be contiguous float32");
   Tensor y = at::empty_like(x), d = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>(); float* dp = d.data_ptr<float>();

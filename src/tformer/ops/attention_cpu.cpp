@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "flush_denormal.h"
+#include "vec_bf16.h"
 #include "vec_exp.h"
 
 namespace {
@@ -199,7 +200,8 @@ Shape shape_of(const Tensor& q, const Tensor& k, bool causal) {
 // where they are; a bfloat16 tensor's (a training step under autocast) are widened by each task into a
 // float32 buffer first (exact: a bfloat16 is a float32's top half), and its results are rounded once,
 // to nearest even, as they are stored. So the floats are those of the kernel run on float32 copies and
-// rounded after, without the copies (five casts a layer forward and backward, on strided views).
+// rounded after, without the copies (eight casts a layer, four each way, on strided views). The
+// conversions are ops/vec_bf16.h's.
 struct Rows {
   const float* p;
   int64_t ld;
@@ -207,25 +209,12 @@ struct Rows {
 
 T_256 void widen_rows(const at::BFloat16* src, int64_t ld, int64_t rows, int64_t D, float* dst) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d = 0; d < D; d += 8) {                 // D is a multiple of 8
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * ld + d));
-      _mm256_storeu_ps(dst + r * D + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-    }
-}
-
-// float32 -> bfloat16, round to nearest even (NaN -> 0x7FC0, as c10::BFloat16 rounds)
-T_256 inline __m128i round_bf16(__m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + r * D + d, vec_bf16::load8(src + r * ld + d));   // D = 8k
 }
 
 T_256 void narrow_rows(const float* src, int64_t rows, int64_t D, at::BFloat16* dst, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d = 0; d < D; d += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + r * ld + d), round_bf16(_mm256_loadu_ps(src + r * D + d)));
+    for (int64_t d = 0; d < D; d += 8) vec_bf16::store8(dst + r * ld + d, _mm256_loadu_ps(src + r * D + d));
 }
 
 // head h of batch b of t (B, H, rows, D) as float32 rows: its own (float32) or widened into buf (bfloat16)

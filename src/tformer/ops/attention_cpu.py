@@ -37,7 +37,7 @@ from tformer.extensions import build_once, compile_library
 
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
-HEADERS = [SOURCE.with_name("vec_exp.h"), SOURCE.with_name("flush_denormal.h")]
+HEADERS = [SOURCE.with_name(h) for h in ("vec_exp.h", "vec_bf16.h", "flush_denormal.h")]
 STATUS: dict[str, str] = {}           # "state": "built" | "unavailable: <why>" (after the first load())
 _LOCK = threading.Lock()
 _OP: list = []
