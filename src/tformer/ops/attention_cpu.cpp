@@ -475,6 +475,34 @@ T_256 void rotate_row(const float* x, const float* c, const float* sn, float* ou
   }
 }
 
+// rotate's loop over the rows of x (B, H, T, D) in its type T: float32 rows rotated where they are,
+// bfloat16 rows widened into a buffer, rotated, rounded once into out
+template <class T>
+void rotate_as(const Tensor& x, const float* cp, const float* sp, int64_t per_b, float sign, Tensor& out) {
+  const int64_t H = x.size(1), T_ = x.size(2), D = x.size(3);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, x.size(0) * H, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> in, res;
+    if constexpr (!std::is_same_v<T, float>) { in.resize(D); res.resize(D); }
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      for (int64_t t = 0; t < T_; ++t) {
+        const T* row = xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
+        const float* c = cp + b * per_b + t * D; const float* sn = sp + b * per_b + t * D;
+        T* dst = op + (bh * T_ + t) * D;
+        if constexpr (std::is_same_v<T, float>) {
+          rotate_row(row, c, sn, dst, D / 2, sign);
+        } else {
+          widen_rows(row, 0, 1, D, in.data());
+          rotate_row(in.data(), c, sn, res.data(), D / 2, sign);
+          narrow_rows(res.data(), 1, D, dst, 0);
+        }
+      }
+    }
+  });
+}
+
 Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse) {
   TORCH_CHECK(x.dim() == 4 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.stride(3) == 1
               && x.size(3) % 2 == 0, "rotate: x must be float32 or bfloat16 (B, H, T, D) with unit stride in D, D even");
@@ -485,26 +513,10 @@ Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& sin, bool invers
   TORCH_CHECK(cos.dim() == 2 || cos.size(0) == B, "rotate: (B, T, D) tables need the batch size of x");
   TORCH_CHECK(x.scalar_type() == at::kFloat || D % 8 == 0, "rotate: bfloat16 rows need D a multiple of 8");
   Tensor out = at::empty({B, H, T, D}, x.options());
-  const float* cp = cos.data_ptr<float>(); const float* sp = sin.data_ptr<float>();
   const int64_t per_b = cos.dim() == 3 ? T * D : 0;
   const float sign = inverse ? -1.0f : 1.0f;
-  const bool wide = x.scalar_type() == at::kFloat;
-  at::parallel_for(0, B * H, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> in(wide ? 0 : D), res(wide ? 0 : D);    // bfloat16: a row widened, rotated, rounded once
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H, at_x = b * x.stride(0) + h * x.stride(1);
-      for (int64_t t = 0; t < T; ++t) {
-        const float* c = cp + b * per_b + t * D; const float* sn = sp + b * per_b + t * D;
-        if (wide) {
-          rotate_row(x.data_ptr<float>() + at_x + t * x.stride(2), c, sn, out.data_ptr<float>() + (bh * T + t) * D, D / 2, sign);
-        } else {
-          widen_rows(x.data_ptr<at::BFloat16>() + at_x + t * x.stride(2), 0, 1, D, in.data());
-          rotate_row(in.data(), c, sn, res.data(), D / 2, sign);
-          narrow_rows(res.data(), 1, D, out.data_ptr<at::BFloat16>() + (bh * T + t) * D, 0);
-        }
-      }
-    }
-  });
+  if (x.scalar_type() == at::kFloat) rotate_as<float>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), per_b, sign, out);
+  else rotate_as<at::BFloat16>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), per_b, sign, out);
   return out;
 }
 

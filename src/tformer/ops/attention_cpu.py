@@ -188,5 +188,6 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x cos + rotate_half(x) sin`` for ``x (B, H, T, D)`` and tables ``(T, D)`` or ``(B, T, D)`` in one
     pass each way (where :func:`rotates` holds; differentiable in ``x``). In bfloat16 it replaces five bf16
     ops (neg, cat, two multiplies, an add) and two table casts a call: whole 4L/128 bf16 steps of the fast recipe on the Xeon (AMX, 2
-    threads, 16 alternated blocks of 40 steps) 20.82 against 22.46 ms (0.927)."""
+    threads, 16 alternated blocks of 40 steps, against those ops; two runs): 18.2 against 20.4 ms (0.891),
+    18.6 against 21.0 (0.885). The rotation alone at (12, 4, 64, 32): 27 µs in bf16, 15 in float32."""
     return _Rotate.apply(x, cos.contiguous(), sin.contiguous())
