@@ -217,19 +217,10 @@ def gemm_library_times(rounds: int, reps: int) -> dict[str, dict]:
         except (RuntimeError, AttributeError) as e:                # a torch built without oneDNN, say
             print(f"{lib}: not available here ({str(e).splitlines()[0]})", flush=True)
             fns.pop(lib, None)
-    times = {lib: {s: [] for s in shapes} for lib in fns}
-    for r in range(rounds):
-        for lib in (list(fns) if r % 2 == 0 else list(reversed(fns))):
-            for s, f in fns[lib].items():
-                for _ in range(3):
-                    f()
-                t = time.perf_counter()
-                for _ in range(reps):
-                    f()
-                times[lib][s].append((time.perf_counter() - t) / reps)
+    t = alternated({(lib, s): f for lib in fns for s, f in fns[lib].items()}, rounds, reps, warm=3)
     out = {}
     for lib in fns:
-        per = {s: statistics.median(v) for s, v in times[lib].items()}
+        per = {s: t[lib, s] for s in shapes}
         out[lib] = {"per_shape": per, "step": sum(per[s] * count[s] for s in shapes)}
     return {"libraries": out, "shapes": shapes, "count": count}
 
