@@ -1,5 +1,6 @@
-"""Where one training step's time goes, op by op, and how much of it is overhead: nanoGPT's recipe at its CPU
-configuration (``recipe=classic``, 4L/4H/128, context 64, batch 12), the trainer's own ``_train_step``.
+"""Where one training step's time goes, op by op, and how much of it is overhead: nanoGPT's CPU configuration
+(4L/4H/128, context 64, batch 12) with its recipe (``recipe=classic``, the default here) or tformer's
+(``--recipe fast``), the trainer's own ``_train_step``.
 
     flock -w 900 /tmp/tformer-bench.lock timeout 300 env PYTHONPATH=src python benchmarks/training/step_ops.py
     (with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 in front and --tag avx2
@@ -35,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/,
 from common.record import Run, results_dir  # noqa: E402
 from tformer.training.trainer import Trainer  # noqa: E402
 
-CLASSIC = dict(n_layers=4, n_heads=4, d_model=128, context_length=64, dropout=0.0, bias=False, batch_size=12,
-               eval_interval=10**6, sample_tokens=0, progress=False, device="cpu", recipe="classic")
-TINY = {**CLASSIC, "n_heads": 1, "d_model": 8, "context_length": 8, "batch_size": 1}
+SHAPE = dict(n_layers=4, n_heads=4, d_model=128, context_length=64, dropout=0.0, bias=False, batch_size=12,
+               eval_interval=10**6, sample_tokens=0, progress=False, device="cpu")
+TINY = {**SHAPE, "n_heads": 1, "d_model": 8, "context_length": 8, "batch_size": 1}
 GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 
 
@@ -106,7 +107,7 @@ def report(args, times: dict, plain: float, timed: float, tiny: dict[str, float]
     per = sorted(((k, sum(v) / n, len(v) / n, statistics.median(v)) for k, v in times.items()), key=lambda r: -r[1])
     total = sum(r[1] for r in per)
     gemm = sum(r[1] for r in per if r[0] in GEMMS)
-    lines = [f"# One `recipe=classic` training step, op by op ({args.precision}, 4L/4H/128, context 64, batch 12)", "",
+    lines = [f"# One `recipe={args.recipe}` training step, op by op ({args.precision}, 4L/4H/128, context 64, batch 12)", "",
              f"ATen's CPU capability: `{torch.backends.cpu.get_cpu_capability()}`; {args.threads} threads.", "",
              f"Plain steps: **{1e3 * plain:.2f} ms** a step (median of 3 runs of {n}); under the timing mode "
              f"{1e3 * timed:.2f} ms, of which the ops themselves {1e3 * total:.2f} ms. The GEMMs "
@@ -133,6 +134,7 @@ def main() -> int:
     ap.add_argument("--data", default=str(shared / "data" / "tinyshakespeare.txt"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--recipe", choices=("classic", "fast"), default="classic")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     ap.add_argument("--warmup", type=int, default=50, help="untimed steps first (default 50)")
     ap.add_argument("--tiny-steps", type=int, default=250, help="steps of the d = 8 model (default 250)")
@@ -144,9 +146,10 @@ def main() -> int:
         return 2
     run = Run()
     tmp = tempfile.mkdtemp(prefix="tformer-step-ops-")
-    big = trainer({**CLASSIC, "precision": args.precision}, args.data, args.threads, tmp, "classic")
+    kind = {"precision": args.precision, "recipe": args.recipe}
+    big = trainer({**SHAPE, **kind}, args.data, args.threads, tmp, "big")
     times, plain, timed = op_table(big, args.steps, args.warmup)
-    small = trainer({**TINY, "precision": args.precision}, args.data, args.threads, tmp, "tiny")
+    small = trainer({**TINY, **kind}, args.data, args.threads, tmp, "tiny")
     tiny = phases(small, args.tiny_steps)
     text = report(args, times, plain, timed, tiny)
     path = results_dir("training") / f"step_ops{'-' + args.tag if args.tag else ''}.md"
