@@ -130,7 +130,7 @@ def tformer_cmd(data: str, out: str, steps: int, cache: str) -> list[str]:
 TARGET = 1.8857                                   # nanoGPT's own val loss at iteration 2000 of this configuration
 SYSTEMS = ("nanoGPT", "same", "default", "default-fp32")
 # What tformer's default recipe runs for time to the target: max_steps (the target is checked at nanoGPT's
-# eval_interval and at max_steps), chosen by screening runs before the timed rounds (docs/training.md): at 875
+# eval_interval and at max_steps), chosen by screening runs before the timed rounds (docs/training-speed-log.md): at 875
 # steps the fast recipe reached 1.8188 / 1.8470 / 1.8616 on seeds 1 / 2 / 3 (fp32, AVX2-held).
 DEFAULT_STEPS = 875
 

@@ -252,7 +252,7 @@ def _torch_attention(q, k, v, mask, bias, causal, window, scale, dropout_p):
             or (n > 1 and emulates_half(q)):
         # 16-bit attention on a CPU runs on float32 copies, rounded back once, (a) in training: PyTorch 2.13's
         # CPU flash kernel is slower in bf16 than in fp32 once its backward counts (fwd+bwd at (12, 4, 64, 32):
-        # 7.5 ms against 1.6 ms; docs/training.md; a bf16 step that tformer's kernel takes never gets here:
+        # 7.5 ms against 1.6 ms; docs/training-speed-log.md; a bf16 step that tformer's kernel takes never gets here:
         # choose_backend gives it "short", which reads and writes bf16 itself), and (b) for a prompt where
         # the CPU emulates the type: at
         # GPT-2's 128-token prompt on the 2-core AMD EPYC (AVX2; torch.profiler) PyTorch's kernel took 2.5 ms a

@@ -22,7 +22,7 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 STRATEGIES = ("ddp", "fsdp")                 # how a run under torchrun spreads over its ranks
 # On CPU, bf16 autocast pays for its casts only when the matmuls are wide enough. Measured on a 2-core
-# Xeon with AMX (benchmarks/training/train_shakespeare_char.py, docs/training.md): once the fused attention
+# Xeon with AMX (benchmarks/training/train_shakespeare_char.py, docs/training-speed-log.md): once the fused attention
 # kernel runs in fp32 under autocast (its bf16 backward is slow), d_model=128 steps in bf16 took about
 # 0.65x the fp32 time and d_model=384 less still. So ``auto`` picks bf16 on CPU from this width up.
 AUTO_BF16_MIN_WIDTH = 128
