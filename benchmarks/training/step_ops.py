@@ -81,16 +81,19 @@ def op_table(tr: Trainer, n: int, warm: int) -> tuple[dict[str, list[float]], fl
 
 
 def phases(tr: Trainer, n: int) -> dict[str, float]:
-    """Median seconds of each phase of a step, over ``n`` steps after 50 untimed ones."""
+    """Median seconds of each phase of a step, over ``n`` steps after 50 untimed ones: the phases of
+    ``Loop._train_step`` (autocast as it sets it, its clipping), timed apart on one batch."""
     (_, batch, _), = list(tr.task.pieces(0, tr.dist))
     out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "clipping", "AdamW", "zero_grad")}
     for i in range(n + 50):
         t0 = time.perf_counter()
-        loss = tr.task.loss(tr.forward, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tr.dtype == torch.bfloat16):
+            loss = tr.task.loss(tr.forward, batch)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(tr.model.parameters(), 1.0, foreach=True)
+        if tr.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(tr.model.parameters(), tr.cfg.grad_clip, foreach=True)
         t3 = time.perf_counter()
         tr.optimizer.step()
         t4 = time.perf_counter()
