@@ -24,7 +24,7 @@ LAYERS = [
     ["models", "accounting"],
     ["checkpoint", "quant", "generation"],
     ["tokenizers"],
-    ["training", "interop", "interp"],
+    ["training", "interop", "interp", "inference"],
     ["serve", "scaling", "claims"],
     ["commands"],
     ["cli", "__main__"],

