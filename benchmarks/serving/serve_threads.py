@@ -30,10 +30,10 @@ from common.record import Run, results_dir  # noqa: E402
 def child(dtype: str) -> None:
     import torch
     torch.set_num_threads(2)
-    from tformer.interop.builtin import load_model_as
+    from tformer.inference import open_model
     from tformer.serve.pool import KVPool
 
-    model = load_model_as("smollm2", dtype)[0]
+    model = open_model("smollm2", dtype).model
     pool = KVPool(model, 4, 1024)
     prompt = list(range(100, 400))
 

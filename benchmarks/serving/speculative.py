@@ -9,7 +9,7 @@ each, the speed-up, the acceptance rate and tokens per verification forward.
 
 In bf16 a forward over k+1 tokens rounds differently from a one-token step, so a near-tie can flip
 the greedy token (the table says where); fp32 (``--dtype fp32 --name speculative-fp32``) is exact.
-``--dtype q4_1`` serves the GGUF's own Q4_1 blocks (``load_model_as``, what ``tformer serve --dtype q4_1``
+``--dtype q4_1`` serves the GGUF's own Q4_1 blocks (``open_model``, what ``tformer serve --dtype q4_1``
 loads): integer block products per row with each row's activations quantised on their own, and the
 rest in fp32, so a k+1-row forward should give each row what a one-row step gives (the table checks it).
 
@@ -61,25 +61,13 @@ def main() -> None:
     args = ap.parse_args()
     run = Run()
     from tformer import generate
-    from tformer.checkpoint import load_model
     from tformer.generation.speculative import generate_speculative
-    from tformer.interop.builtin import resolve_model
-    from tformer.quant.quantize import set_precision
-    from tformer.tokenizers import load_chat_template, load_tokenizer
+    from tformer.inference import open_model
 
-    from tformer.interop.builtin import load_model_as
-    from tformer.quant.quantize import BLOCK_PRECISIONS
-
-    folder = resolve_model("smollm2")
-    if args.dtype in BLOCK_PRECISIONS:
-        model = load_model_as("smollm2", args.dtype)[0]           # the file's blocks (Q4_1 for SmolLM2's file)
-    else:
-        model = set_precision(load_model(folder).eval(), args.dtype)
-    draft = None
-    if args.draft:
-        draft = (load_model_as("smollm2", args.draft)[0] if args.draft in BLOCK_PRECISIONS
-                 else set_precision(load_model(folder).eval(), args.draft))
-    tok, template = load_tokenizer(folder), load_chat_template(folder)
+    opened = open_model("smollm2", args.dtype)                    # the file's blocks where it stores that format
+    model = opened.model
+    draft = open_model("smollm2", args.draft).model if args.draft else None
+    tok, template = opened.tokenizer, opened.template
     rows = []
     for name in args.prompts.split(","):
         ids = torch.tensor([template.encode(tok, [{"role": "user", "content": PROMPTS[name]}])])

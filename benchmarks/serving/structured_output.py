@@ -28,11 +28,11 @@ def main() -> None:
     record = Run()
     from serve_util import Running
     from structured_util import MAX_TOKENS, SCHEMAS, ask, valid
-    from tformer.commands.serve import build_server
+    from tformer.serve.build import build_server
     from tformer.serve.app import build_app
 
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 50
-    server = build_server(None, slots=16, max_queue=64, model="smollm2", max_model_len=512)
+    server = build_server("smollm2", slots=16, max_queue=64, max_model_len=512)
     running = Running(build_app(server, api_key="sk-bench"))
     rows, examples = [], []
     try:

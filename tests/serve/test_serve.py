@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from serve_util import Running, tiny_checkpoint
-from tformer.commands.serve import build_server
+from tformer.serve.build import build_server
 from tformer.generation.text import generate_text
 from tformer.serve.app import build_app
 from tformer.serve.openai_api import chat_prompt

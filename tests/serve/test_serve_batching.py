@@ -19,7 +19,7 @@ import torch
 from tformer.generation.generate import generate
 
 from serve_util import Running, tiny_checkpoint
-from tformer.commands.serve import build_server
+from tformer.serve.build import build_server
 from tformer.serve.app import build_app
 from tformer.serve.scheduler import Params, Scheduler, Sequence, Token
 

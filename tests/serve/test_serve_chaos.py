@@ -16,7 +16,7 @@ import json
 import httpx
 
 from serve_util import Running, tiny_checkpoint
-from tformer.commands.serve import build_server
+from tformer.serve.build import build_server
 from tformer.generation.text import generate_text
 from tformer.serve.app import build_app
 

@@ -24,7 +24,7 @@ import torch
 
 from serve_util import Running, tiny_checkpoint
 from tformer.cli import main
-from tformer.commands.serve import build_server
+from tformer.serve.build import build_server
 from tformer.serve.app import build_app
 from tformer.serve.scheduler import Params, Scheduler, Sequence, Token
 

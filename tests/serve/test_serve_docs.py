@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from serve_util import Running, tiny_checkpoint
-from tformer.commands.serve import build_server
+from tformer.serve.build import build_server
 from tformer.serve.app import build_app
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from serve_util import CHARS, Running, tiny_checkpoint
-from tformer.commands.serve import build_server
+from tformer.serve.build import build_server
 from tformer.errors import ConfigError
 from tformer.generation.text import generate_text
 from tformer.serve.app import build_app

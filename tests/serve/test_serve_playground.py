@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from serve_util import Running, tiny_checkpoint
-from tformer.commands.serve import build_server
+from tformer.serve.build import build_server
 from tformer.serve.app import build_app
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

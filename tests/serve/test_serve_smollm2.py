@@ -7,17 +7,17 @@ import httpx
 import torch
 
 from serve_util import Running
-from tformer.commands.serve import build_server
+from tformer.serve.build import build_server
 from tformer.generation.generate import generate
 from tformer.serve.app import build_app
 
 
 def test_chat_completions_use_the_models_chat_template(smollm2):
-    server = build_server(None, slots=1, model="smollm2")
+    server = build_server("smollm2", slots=1)
     assert server.name == "smollm2" and server.chat_template is not None
     running = Running(build_app(server))
     try:
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
         r = httpx.post(running.url + "/v1/chat/completions", timeout=300,
                        json={"model": "smollm2", "messages": messages, "max_tokens": 12, "temperature": 0})
         assert r.status_code == 200, r.text

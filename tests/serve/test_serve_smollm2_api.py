@@ -17,7 +17,8 @@ import pytest
 
 import structured_util as structured
 from serve_util import Running
-from tformer.commands.serve import build_server, end_of_turn_ids
+from tformer.inference import end_of_turn_ids
+from tformer.serve.build import build_server
 from tformer.serve.app import build_app
 
 openai = pytest.importorskip("openai")
@@ -29,7 +30,7 @@ N = 12                                     # requests per schema here; the scrip
 
 @pytest.fixture(scope="module")
 def served(smollm2):
-    server = build_server(None, slots=16, max_queue=64, model="smollm2", max_model_len=512)
+    server = build_server("smollm2", slots=16, max_queue=64, max_model_len=512)
     running = Running(build_app(server, api_key="sk-test"))
     yield server, running
     running.stop()

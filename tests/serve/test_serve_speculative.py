@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from serve_util import Running, run_alone, tiny_checkpoint
-from tformer.commands.serve import build_server
+from tformer.serve.build import build_server
 from tformer.serve.app import build_app
 from tformer.serve.scheduler import Scheduler
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from serve_util import run_alone, tiny_checkpoint
-from tformer.commands.serve import build_server
+from tformer.serve.build import build_server
 from tformer.generation.generate import generate
 from tformer.quant.block_linear import BlockLinear
 from tformer.serve.openai_api import on_model_thread
@@ -69,7 +69,7 @@ def test_block_dtypes_serve_the_tokens_generate_gives(tmp_path, one_thread, fmt)
 
 
 def test_smollm2_q4_1_is_served_from_the_files_blocks(smollm2, one_thread):
-    server = build_server(None, slots=2, dtype="q4_1", model="smollm2", max_model_len=512)
+    server = build_server("smollm2", slots=2, dtype="q4_1", max_model_len=512)
     try:
         layers = [m for m in server.model.blocks.modules() if isinstance(m, BlockLinear)]
         assert len(layers) >= 4 * len(server.model.blocks) and {m.fmt for m in layers} == {"q4_1"}   # as in the file
@@ -85,19 +85,18 @@ def test_auto_dtype_serves_a_gguf_from_its_own_blocks_and_a_checkpoint_in_fp32(s
     """`tformer serve`'s default --dtype auto: SmolLM2's Q4_1 file is served from its q4_1 blocks (as
     llama.cpp serves it), a tformer checkpoint in fp32; the command line's default is auto."""
     from tformer.cli import build_parser
-    from tformer.interop.builtin import file_precision
 
     assert build_parser().parse_args(["serve"]).dtype == "auto"
-    assert file_precision("smollm2") == "q4_1"
-    server = build_server(None, slots=1, dtype="auto", model="smollm2", max_model_len=64)
+    server = build_server("smollm2", slots=1, dtype="auto", max_model_len=64)
     try:
+        assert server.opened.dtype == "q4_1" and "own q4_1 blocks" in server.opened.dtype_reason
         assert isinstance(server.model.blocks[0].ffn.up, BlockLinear)
     finally:
         server.close()
     tiny_checkpoint(tmp_path, context=32)
-    assert file_precision(str(tmp_path)) is None
     server = build_server(str(tmp_path), slots=1, dtype="auto")
     try:
+        assert server.opened.dtype == "fp32"
         assert not any(isinstance(m, BlockLinear) for m in server.model.modules())
         assert next(server.model.parameters()).dtype == torch.float32
     finally:

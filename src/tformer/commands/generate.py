@@ -13,20 +13,24 @@ from tformer.errors import CheckpointError, InputError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a checkpoint (KV-cached)",
-                       description="Continue --prompt with the model in --ckpt. The text goes to stdout; "
-                                   "the speed (tokens/s) to stderr.")
+    from tformer.inference import AUTO
+    from tformer.quant.quantize import PRECISIONS
+
+    p = sub.add_parser("generate", help="generate text from a model (KV-cached)",
+                       description="Continue --prompt with the model named by --model (or --ckpt). The text goes to "
+                                   "stdout; the speed (tokens/s) to stderr.")
     add_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text is cut before it")
     p.add_argument("--stream", action="store_true", help="print the text as it is produced")
     p.add_argument("--ignore-eos", action="store_true",
-                   help="do not stop at the end-of-sequence token saved with the checkpoint")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8", "int4", "q8_0", "q4_0", "q4_1"],
-                   help="weights: fp32, bf16, fp16, int8 / int4 weight-only linears, or GGUF's q8_0 / q4_0 / q4_1 "
-                        "blocks with integer kernels; a GGUF --model stored in the format asked for keeps its "
-                        "blocks as they are (SmolLM2: q4_1) (default: fp32)")
+                   help="do not stop at the end-of-sequence (or end-of-turn) token the model names")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *PRECISIONS],
+                   help="weights: auto (a GGUF's own block format, e.g. q4_1 for smollm2; float32 otherwise), fp32, "
+                        "bf16, fp16, int8 / int4 weight-only linears, or GGUF's q8_0 / q4_0 / q4_1 blocks with "
+                        "integer kernels (a GGUF stored in that format keeps its blocks) (default: auto)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole window every token (slow)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--verbose", action="store_true", help="say which weights and path run, and why")
     p.set_defaults(func=run)
 
 
@@ -36,16 +40,20 @@ def add_arguments(p: argparse.ArgumentParser, prompt_default: str | None = None,
     which.add_argument("--ckpt", metavar="DIR",
                        help="run folder (--out of tformer train) or checkpoint folder "
                             "(tformer_config.json, model.safetensors, tokenizer.json)")
-    which.add_argument("--model", metavar="NAME|FILE",
-                       help="a built-in model (smollm2: SmolLM2-135M-Instruct) or a .gguf file, converted once "
-                            "and cached")
+    which.add_argument("--model", metavar="NAME|FILE|DIR",
+                       help="a built-in model (smollm2: SmolLM2-135M-Instruct), a .gguf file (read as it is), or a "
+                            "checkpoint folder")
     p.add_argument("--prompt", required=prompt_default is None, default=prompt_default,
                    help="the text to continue" + (f" (default: {prompt_default!r})" if prompt_default else ""))
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="most tokens to generate (default: 200)")
-    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=top_k_default, metavar="K",
-                   help=f"sample among the K most likely tokens (default: {top_k_default or 'all'})")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="0 = greedy (default: the model file's recommendation, else 0.8)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help=f"sample among the K most likely tokens (default: the file's recommendation, else "
+                        f"{top_k_default or 'all'})")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass in (0, 1] (default: the file's recommendation, else 1)")
+    p.set_defaults(fallback={"temperature": 0.8, "top_k": top_k_default, "top_p": None})
     p.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling")
 
 
@@ -73,36 +81,39 @@ def check_options(args: argparse.Namespace) -> None:
         raise InputError(f"--seed {args.seed} is out of range; pass an integer between 0 and 2**63 - 1.")
 
 
+def sampling_options(args: argparse.Namespace, file_defaults: dict, fallback: dict) -> dict:
+    """Temperature, top-k, top-p and seed: as given on the command line, else as the model's file recommends
+    (a GGUF's ``general.sampling.*``), else the command's ``fallback``; checked (naming the option)."""
+    chosen = {k: getattr(args, k) if getattr(args, k) is not None else file_defaults.get(k, fallback[k])
+              for k in ("temperature", "top_k", "top_p")}
+    check_options(argparse.Namespace(**{**vars(args), **chosen}))
+    return {**chosen, "seed": args.seed}
+
+
 def run(args: argparse.Namespace, echo: bool = False) -> int:
     """Generate; with ``echo`` the prompt is printed before its continuation."""
-    from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
     from tformer.generation.text import generate_text, stream_text
-    from tformer.interop.builtin import load_model_as
-    from tformer.quant.quantize import QUANT_WIDTH, set_precision
-    from tformer.tokenizers import load_tokenizer
+    from tformer.inference import AUTO, open_model
+    from tformer.quant.quantize import QUANT_WIDTH
 
-    threads, dtype, use_cache = getattr(args, "threads", None), getattr(args, "dtype", "fp32"), not getattr(args, "no_cache", False)
-    check_options(args)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if getattr(args, "model", None):       # a GGUF in the block format asked for keeps its blocks
-        model, folder = load_model_as(args.model, dtype)
-    else:
-        folder = resolve_checkpoint(args.ckpt)
-        model = set_precision(load_model(folder).eval(), dtype)
-    if dtype in QUANT_WIDTH:
-        say_float_linears(model, dtype)
-    if not model.config.causal:
-        raise InputError(f"{folder} holds a {type(model).__name__}, which does not generate text; pass the "
+    dtype, use_cache = getattr(args, "dtype", AUTO), not getattr(args, "no_cache", False)
+    sampling_options(args, {}, args.fallback)        # what was given, checked before anything loads
+    opened = open_model(args.model or args.ckpt, dtype, getattr(args, "threads", None))
+    model, tokenizer = opened.model, opened.tokenizer
+    if getattr(args, "verbose", False):
+        print(opened.describe(), file=sys.stderr, flush=True)
+    if opened.dtype in QUANT_WIDTH:
+        say_float_linears(model, opened.dtype)
+    if not getattr(model.config, "causal", False) or not hasattr(model, "lm_head"):
+        raise InputError(f"{opened.source} holds a {type(model).__name__}, which does not generate text; pass the "
                          f"checkpoint of a causal language model (tformer train, or a converted GPT-2/Llama).")
-    tokenizer = load_tokenizer(folder)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise CheckpointError(f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                         f"{model.config.vocab_size}; the checkpoint is inconsistent; use another checkpoint.")
-    eos = [] if getattr(args, "ignore_eos", False) else load_generation_defaults(folder).get("eos_token_id", [])
+    if tokenizer is None:
+        raise CheckpointError(f"{opened.source} has no tokenizer; pass a checkpoint that holds tokenizer.json or a "
+                              f"GGUF with its vocabulary.")
+    eos = [] if getattr(args, "ignore_eos", False) else opened.stop_ids
     stats: dict = {}
-    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   stop=getattr(args, "stop", []), stop_tokens=eos or None, use_cache=use_cache, stats=stats)
+    options = dict(**sampling_options(args, opened.defaults, args.fallback), stop=getattr(args, "stop", []),
+                   stop_tokens=eos or None, use_cache=use_cache, stats=stats)
     start = time.perf_counter()
     if echo:
         sys.stdout.write(args.prompt)
@@ -116,8 +127,8 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     elapsed = time.perf_counter() - start
     n = stats.get("new_tokens", 0)
     print(f"{n} tokens in {elapsed:.2f} s: {n / max(elapsed, 1e-9):.1f} tokens/s "
-          f"({dtype}, {_state_kind(model) if use_cache else 'no cache'}, {torch.get_num_threads()} threads)",
-          file=sys.stderr)
+          f"({opened.dtype}, {_state_kind(model) if use_cache else 'no cache'}, {opened.path} path, "
+          f"{torch.get_num_threads()} threads)", file=sys.stderr)
     return 0
 
 

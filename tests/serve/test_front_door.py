@@ -1,0 +1,75 @@
+"""One front door: ``tformer chat``, ``tformer generate`` and ``tformer serve`` open a model through the one
+loader (:func:`tformer.inference.open_model`), so at temperature 0 they answer one prompt with the same tokens
+at every weight format, and they stop at the same token, the chat template's end-of-turn, even for a
+checkpoint whose end-of-sequence id is another token.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import httpx
+import pytest
+
+from serve_util import Running
+from tformer.cli import main
+from tformer.inference import open_model
+from tformer.serve.app import build_app
+from tformer.serve.build import build_server
+
+PROMPT = "Name three colours."
+N = 24
+
+
+def served_answer(spec: str, dtype: str, messages: list[dict], max_tokens: int) -> dict:
+    server = build_server(spec, slots=1, dtype=dtype, max_model_len=256)
+    running = Running(build_app(server))
+    try:
+        r = httpx.post(running.url + "/v1/chat/completions", timeout=300,
+                       json={"model": server.name, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+    finally:
+        running.stop()
+        server.close()
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp32", "q8_0"])
+def test_chat_generate_and_serve_answer_alike(smollm2, dtype, capsys):
+    opened = open_model("smollm2", dtype)
+    assert opened.dtype == ("q4_1" if dtype == "auto" else dtype)
+    messages = [{"role": "user", "content": PROMPT}]
+    common = ["--model", "smollm2", "--temperature", "0", "--max-new-tokens", str(N), "--dtype", dtype]
+    assert main(["chat", "--prompt", PROMPT, *common]) == 0
+    chat = capsys.readouterr().out.removesuffix("\n")
+    rendered = opened.template.render(messages)              # generate continues the same rendered prompt
+    assert main(["generate", "--prompt", rendered, *common]) == 0
+    generated = capsys.readouterr().out.removesuffix("\n")
+    served = served_answer("smollm2", dtype, messages, N)["message"]["content"]
+    assert chat and chat == generated == served, (chat, generated, served)
+
+
+def test_chat_and_serve_stop_at_the_end_of_turn_when_eos_is_another_token(smollm2, tmp_path):
+    """A checkpoint whose eos is ``<|endoftext|>`` (0) while its template ends turns with ``<|im_end|>`` (2):
+    chat used to stop at eos only and ran on past the end of its turn; now both stop at 2."""
+    from tformer.commands.chat import Chat
+
+    _, folder = smollm2
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in folder.iterdir():
+        (ckpt / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, ckpt / f.name)
+    meta = json.loads((ckpt / "tformer_config.json").read_text(encoding="utf-8"))
+    meta["generation"] = {"eos_token_id": [0]}
+    (ckpt / "tformer_config.json").write_text(json.dumps(meta), encoding="utf-8")
+
+    opened = open_model(ckpt)
+    assert opened.stop_ids == [0, 2]                      # eos and the template's end-of-turn
+    chat = Chat(opened, None, {"temperature": 0.0}, max_new_tokens=60)
+    out = io.StringIO()
+    r = chat.answer("Say hello in one short sentence.", out)
+    assert r["tokens"] < 60 and "<|im_end|>" not in out.getvalue()    # it ended its turn
+    choice = served_answer(str(ckpt), "auto", [{"role": "user", "content": "Say hello in one short sentence."}], 60)
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == chat.messages[-1]["content"]
