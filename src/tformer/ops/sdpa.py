@@ -5,7 +5,7 @@ Every model in tformer calls :func:`scaled_dot_product_attention`. The ``backend
 
 - ``"math"``: the formula written out; the only backend that can return the attention weights.
 - ``"torch"``: ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch's fused kernels).
-- ``"flash"``: tformer's tiled kernel with O(n) memory (see ``attention/flash.py``).
+- ``"flash"``: tformer's tiled kernel with O(n) memory (see ``ops/flash.py``).
 - ``"auto"``: PyTorch's fused kernel when the request needs no dense ``(n, m)`` mask or bias, flash
   when it would (ALiBi, sliding window, causal with n < m or with key padding, at long lengths),
   math when weights are requested; :func:`choose_backend` says which and why.
@@ -245,7 +245,7 @@ def _torch_attention(q, k, v, mask, bias, causal, window, scale, dropout_p):
     groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() == q.dim() else 1
     plain = mask is None and bias is None and window is None and (not causal or n == m)
     if q.device.type == "cpu" and dropout_p > 0 and plain and groups == 1 and q.dim() == 4:
-        # PyTorch's CPU kernel has no dropout (it falls back to a slow math path): see attention/dropout.py
+        # PyTorch's CPU kernel has no dropout (it falls back to a slow math path): see ops/dropout.py
         return dropout_attention(q, k, v, p=dropout_p, scale=scale, causal=causal)
     training = q.requires_grad and torch.is_grad_enabled()
     if (training and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)) \
