@@ -19,6 +19,10 @@ Read as text only (nothing is imported). What is checked:
 - **Markdown links** in the documents: a relative link's target must exist; an anchor
   (``file.md#heading`` or ``#heading``) must be a heading of the target (GitHub's slugs) or an
   explicit ``<a id=...>``. External links (``scheme:``) are not followed.
+- **No timings in code**: a docstring or comment under ``src/tformer/`` carries no measured time or
+  rate (``0.42 ms``, ``80 tok/s``, ``1 GB/s``, ``0.4 s per run``): those go stale with the machine,
+  so they live in ``docs/`` or ``benchmarks/results/``, and the code keeps the rule, the reason and a
+  pointer there.
 - **Architecture rows**: every source file under ``src/tformer/`` (``.py``, ``.cpp``, ``.h``) is
   matched by a path in the first cell of a row of docs/architecture.md's module tables (a path, a
   glob, or a folder ending in ``/``), and every such path matches at least one file.
@@ -50,6 +54,13 @@ DOCUMENTS = sorted(DOCS.glob("*.md"))
 # here. Each entry must still be found: delete it when its file is fixed or gone.
 PENDING = {
     ("src/tformer/quant/fused_decode.py", "tformer.quant.set_precision"),   # is tformer.set_precision
+}
+
+# Timings still in files other work is rewriting now, as (file, figure); the same rule as PENDING.
+PENDING_FIGURES = {
+    ("src/tformer/machine.py", "0.4 s per run"),
+    ("src/tformer/quant/fused_decode.py", "6 ms"),
+    ("src/tformer/quant/qgemv.cpp", "0.25 ms"),
 }
 
 SOURCE_SUFFIXES = {".py", ".cpp", ".h"}
@@ -271,6 +282,26 @@ def check_text(path: Path, first_line: int, text: str, markdown: bool, own: Path
     return found
 
 
+FIGURE = re.compile(r"\d(?:[\d,.]*\d)?\s?(?:ms|µs|us|ns|tok/s|GB/s|MB/s|GFLOP/s)(?![\w/])"
+                    r"|\d(?:\.\d+)?\s?s (?:a|per) (?:step|token|run|call)\b")
+
+
+def check_figures(path: Path, first_line: int, text: str) -> list[Finding]:
+    """Every measured time or rate in a docstring or comment."""
+    return [Finding(where(path, first_line, text, m.start()), m.group(), "a measured figure belongs in docs/")
+            for m in FIGURE.finditer(text)]
+
+
+def figures_in_code() -> list[Finding]:
+    return [f for path, line, text in texts() if path.is_relative_to(SRC) for f in check_figures(path, line, text)]
+
+
+def split_pending(found: list[Finding], pending: set[tuple[str, str]]) -> tuple[list[Finding], set[tuple[str, str]]]:
+    """(findings not pending, pending entries no longer found)."""
+    key = lambda f: (f.where.rsplit(":", 1)[0], f.what)  # noqa: E731
+    return [f for f in found if key(f) not in pending], pending - {key(f) for f in found}
+
+
 def stale_names() -> list[Finding]:
     out = []
     for path, line, text in texts():
@@ -319,12 +350,16 @@ def architecture_gaps(text: str) -> tuple[list[str], list[str]]:
 
 
 def test_docs_name_only_what_exists():
-    found = stale_names()
-    pending = {f for f in found if (f.where.rsplit(":", 1)[0], f.what) in PENDING}
-    stale = [f for f in found if f not in pending]
+    stale, fixed = split_pending(stale_names(), PENDING)
     assert not stale, "stale names in docs and docstrings:\n" + "\n".join(map(str, stale))
-    fixed = PENDING - {(f.where.rsplit(":", 1)[0], f.what) for f in pending}
     assert not fixed, f"PENDING entries no longer found (fixed or moved): delete {sorted(fixed)} from tests/test_docs.py"
+
+
+def test_no_measured_figures_in_code():
+    found, fixed = split_pending(figures_in_code(), PENDING_FIGURES)
+    assert not found, ("timings in docstrings and comments (move each to docs/ or benchmarks/results/ and leave "
+                       "the rule, the reason and a pointer):\n" + "\n".join(map(str, found)))
+    assert not fixed, f"PENDING_FIGURES entries no longer found: delete {sorted(fixed)} from tests/test_docs.py"
 
 
 def test_every_module_has_a_row_in_architecture():
@@ -367,6 +402,14 @@ def test_the_checker_reports_planted_stale_names(tmp_path):
     found = [f for line, text in python_texts(module) for f in check_text(module, line, text, markdown=False, own=SRC / "ops")]
     assert [(f.what, f.where.rsplit(":", 1)[1]) for f in found] == [("tformer.attention", "1"), ("attention/flash.py", "3")], found
 
+    figures = [f.what for line, text in python_texts(module) for f in check_figures(module, line, text)]
+    assert figures == []
+    timed = tmp_path / "timed.py"
+    timed.write_text('"""One pass: 0.42 against 1.61 ms, 80-81 tok/s, 1 GB/s; 0.4 s per run."""\n'
+                     '# a millisecond, 4 heads, 12 µs\n', encoding="utf-8")
+    figures = [f.what for line, text in python_texts(timed) for f in check_figures(timed, line, text)]
+    assert figures == ["1.61 ms", "81 tok/s", "1 GB/s", "0.4 s per run", "12 µs"], figures
+
     missing, empty = architecture_gaps(
         "## Every module, in one line\n\n| module | purpose |\n|---|---|\n| `ops/*.py`, `gone.py` | x |\n")
     assert "nn/norms.py" in missing and "ops/sdpa.py" not in missing
@@ -374,7 +417,7 @@ def test_the_checker_reports_planted_stale_names(tmp_path):
 
 
 if __name__ == "__main__":
-    for finding in stale_names():
+    for finding in stale_names() + figures_in_code():
         print(finding)
     missing, empty = architecture_gaps(ARCHITECTURE.read_text(encoding="utf-8"))
     print("no row:", *missing, sep="\n  ")
