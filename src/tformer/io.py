@@ -85,7 +85,8 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def file_digest(path: str | os.PathLike) -> str:
-    """SHA-256 of a file, read in 8 MiB blocks (about 1 GB/s on one core: see benchmarks/training/checksum_cost.py)."""
+    """SHA-256 of a file, read in 8 MiB blocks (its cost next to loading the weights:
+    benchmarks/results/training/checksum_cost.md)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(8 << 20):

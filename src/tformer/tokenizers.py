@@ -161,7 +161,7 @@ class HFTokenizer(BPETokenizer):
 # ------------------------------------------------------------------ GGUF vocabularies (llama.cpp)
 # The pre-tokenizer of a byte-level BPE vocabulary, by the name llama.cpp writes in tokenizer.ggml.pre:
 # regular expressions applied in turn, each splitting the pieces of the one before (matches and the
-# text between them become pieces), as llama.cpp's llm_tokenizer_bpe does (src/llama-vocab.cpp).
+# text between them become pieces), as llama.cpp's llm_tokenizer_bpe does (llama.cpp/src/llama-vocab.cpp).
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 LLAMA3_SPLIT = CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

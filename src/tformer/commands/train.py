@@ -73,7 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "train", help="train a language model on a text corpus",
         description="Train a decoder-only language model on a text file, a folder of text files or a glob "
                     "(default: the running Python's standard-library source, no download). Tokenises once into "
-                    "a memory-mapped cache, trains with AdamW + warmup/cosine, evaluates and samples every "
+                    "a memory-mapped cache, trains with the recipe's optimiser and schedule (default: AdamW, warm-up / "
+                    "stable / decay; recipe=classic: nanoGPT's warm-up + cosine), evaluates and samples every "
                     "eval_interval steps, writes atomic checkpoints and metrics.jsonl to --out. "
                     "Ctrl-C or SIGTERM saves a checkpoint and exits; --resume continues exactly.",
         epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,2 +1,3 @@
 """Generation: the prefill / decode-step pair (``step``), token choice (``sampling``), ``generate``
-(ids), ``text`` (strings, stop strings, streaming) and ``beam`` (encoder-decoders)."""
+(ids), ``text`` (strings, stop strings, streaming), ``speculative`` (drafts verified k at a time) and
+``beam`` (encoder-decoders)."""

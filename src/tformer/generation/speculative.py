@@ -22,7 +22,7 @@ forgets the rest (``state.truncate``). Drafts here:
 - :func:`lookup_draft` (prompt lookup, n-gram): the ``k`` tokens that followed the most recent earlier
   occurrence of the sequence's last ``n`` tokens. No second model; it wins where the answer copies
   the prompt (summaries, rewrites, code edits) and costs one wasted slot of the forward elsewhere.
-- a draft *model* (e.g. the same model in a 4-bit format, ``tformer.quant.set_precision(copy,
+- a draft *model* (e.g. the same model in a 4-bit format, ``tformer.set_precision(copy,
   "q4_0")``) through :func:`generate_speculative`'s ``draft_model``, sampling ``q`` itself.
 
 The server (:mod:`tformer.serve.scheduler`) and :func:`generate_speculative` call the same

@@ -6,7 +6,7 @@ The weights go through the HF converters first (``tformer.interop.hf``: the mode
 would hold it), then each HF name is mapped to llama.cpp's name by the ``gguf`` package's own
 ``TensorNameMap`` (``transformer.h.0.attn.c_attn.weight`` -> ``blk.0.attn_qkv.weight``). Two
 layout changes follow llama.cpp's ``convert_hf_to_gguf.py`` (ggml-org/llama.cpp, classes
-``GPT2Model`` and ``LlamaModel``; the metadata keys are those ``src/llama-model.cpp`` reads for
+``GPT2Model`` and ``LlamaModel``; the metadata keys are those ``llama.cpp/src/llama-model.cpp`` reads for
 ``LLM_ARCH_GPT2`` / ``LLM_ARCH_LLAMA``, listed in :data:`REQUIRED_KEYS`):
 
 - GPT-2's ``Conv1D`` weights ``(in, out)`` are transposed back to ``nn.Linear``'s ``(out, in)``.

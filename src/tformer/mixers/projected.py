@@ -102,11 +102,12 @@ class ProjectedAttention(nn.Module):
         ``proj`` replaces ``qkv_proj`` (Longformer's global projections)."""
         B, T, _ = x.shape
         nh, nkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
-        # One matmul for q, k and v, then the heads as views (split_heads written out: this runs per
-        # layer per decoded token, where every Python call counts at small widths). Split before the
-        # transposes, so that in training the split's backward (a cat) writes (B, T, nh+2nkv, hs) rows,
-        # the layout the projection's backward reads: split after them, the cat wrote (B, nh+2nkv, T, hs)
-        # and a copy followed (84 us a layer of a 4L/128 step, 2 threads; +2.5 us a decoded token's layer).
+        # One matmul for q, k and v, then the heads as views (split_heads written out: this runs per layer per
+        # decoded token, where every Python call counts at small widths). Split before the transposes, so that
+        # in training the split's backward (a cat) writes (B, T, nh+2nkv, hs) rows, the layout the
+        # projection's backward reads: split after them, the cat wrote (B, nh+2nkv, T, hs) and a copy
+        # followed, in every training layer and decoded token
+        # (docs/training.md#how-the-cpu-training-step-is-made-fast).
         qkv = (proj or self.qkv_proj)(x).view(B, T, nh + 2 * nkv, hs)                 # (B, T, nh+2nkv, hs)
         q, k, v = (t.transpose(1, 2) for t in qkv.split([nh, nkv, nkv], dim=2))   # (B, nh|nkv, T, hs)
         if self.qk_norm:

@@ -1,4 +1,5 @@
-"""The pieces of a transformer block: normalisation, feed-forward, and the block that joins them.
+"""One transformer block: the residual sub-layers that join a token mixer, an optional cross-attention
+and a feed-forward (the pieces themselves: ``nn/norms.py``, ``nn/feed_forward.py``, ``mixers/``).
 
 A block is two residual sub-layers, a token mixer (tokens talk to each other: attention, or any
 mixer registered in ``tformer.mixers``) then a feed-forward (each token thinks alone). ``norm_placement`` decides where the norm sits:

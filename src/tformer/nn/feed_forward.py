@@ -21,12 +21,10 @@ Tensor = torch.Tensor
 
 class _ReLUSquared(torch.autograd.Function):
     """``r = relu(x)``, ``y = r·r``; backward ``g·2r`` from the saved ``r``: four passes over the
-    activation in all, where ``F.relu(x).square()`` under autograd takes about eight (``pow`` and its
-    generic backward, then ``threshold_backward``): fwd+bwd of a 768×512 activation 0.42 against
-    1.61 ms with everything in cache (2 threads, torch held to AVX2, MKL included); inside a 4L/128
-    training step (``recipe=fast``, fp32), where the activation is cold, 33.0-33.2 against 33.7-34.1 ms
-    a step (A/B with the code before, 2 rounds). Not twice differentiable (``r`` is saved detached):
-    nothing in tformer asks for it."""
+    activation in all, where ``F.relu(x).square()`` under autograd takes about eight (``pow`` and its generic
+    backward, then ``threshold_backward``); a training step's activation is cold, so each pass saved is time
+    (measured: docs/training.md#how-the-cpu-training-step-is-made-fast). Not twice differentiable (``r`` is
+    saved detached): nothing in tformer asks for it."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
@@ -44,9 +42,9 @@ class _ReLUSquared(torch.autograd.Function):
 def relu_squared(x: Tensor) -> Tensor:
     """ReLU(x)² (So et al., 2021, "Primer"): zero for x < 0, x² above; its derivative 2·ReLU(x) is
     continuous, unlike ReLU's step, and it is sparse like ReLU. float32 on a CPU takes tformer's kernel
-    (one pass each way; the same floats bit for bit, since ×2 is exact): inside a 4L/128 training step
-    (fp32, torch held to AVX2) 0.4-2.4 ms a step less than the four passes of :class:`_ReLUSquared`
-    (four A/B runs, benchmarks/training/cpu_kernels.py and by hand)."""
+    (one pass each way; the same floats bit for bit, since ×2 is exact), which measured faster in whole
+    training steps than the four passes of :class:`_ReLUSquared` (benchmarks/training/cpu_kernels.py;
+    figures: docs/training.md#how-the-cpu-training-step-is-made-fast)."""
     if activation_cpu.serves(x, "relu2"):
         return activation_cpu.Pointwise.apply(x, "relu2")
     return _ReLUSquared.apply(x)
@@ -55,17 +53,16 @@ def relu_squared(x: Tensor) -> Tensor:
 def gelu_tanh(x: Tensor) -> Tensor:
     """GELU's tanh form (GPT-2's): on a CPU in float32 tformer's kernel (one pass each way;
     :mod:`tformer.ops.activation_cpu`), elsewhere ``F.gelu(x, approximate="tanh")``. Inference takes the
-    kernel too: ATen's tanh form costs 853 µs on a 128 × 3072 prompt activation against the kernel's
-    208 (2-core AMD EPYC, AVX2; alternated, 30 rounds), 12 × 645 µs of a GPT-2 124M 128-token prompt. Its
-    values are within 4e-6 of PyTorch's (tests), under the tolerance every interop test holds."""
+    kernel too: on a prompt's activation ATen's tanh form measured several times slower than one pass
+    (docs/inference.md#speed-against-llamacpp-and-hf-in-the-same-run). Its values are within 4e-6 of PyTorch's
+    (tests), under the tolerance every interop test holds."""
     training = x.requires_grad and torch.is_grad_enabled()
     if activation_cpu.serves(x, "gelu_tanh"):
         return activation_cpu.Pointwise.apply(x, "gelu_tanh") if training else activation_cpu.load().gelu_tanh(x.contiguous())
     if not training and x.numel() > x.shape[-1] and emulates_half(x) and activation_cpu.load() is not None:
         # a 16-bit prompt (several rows; a decode step keeps ATen's, as attention does) on a CPU that emulates
-        # the type: ATen's GELU in float16 / bfloat16 took 862 / 796 µs a call at 128 × 3072 on the AMD EPYC,
-        # this (the kernel on the widened activation, rounded once, as ATen's) 313-406 / 162-189 µs
-        # (torch.profiler over GPT-2 prompts, two profiles)
+        # the type: ATen's emulated 16-bit GELU measured slower than the float32 kernel on the widened
+        # activation, rounded once as ATen's is (docs/inference.md#speed-against-llamacpp-and-hf-in-the-same-run)
         return activation_cpu.load().gelu_tanh(x.float()).to(x.dtype)
     return F.gelu(x, approximate="tanh")
 

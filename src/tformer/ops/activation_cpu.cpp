@@ -10,8 +10,8 @@
 // Why: PyTorch's ops take two passes forward and two backward for ReLU^2 (relu, then the square), each
 // over an activation of batch x context x 4d floats that has left the cache by then (at tformer's CPU
 // training shape 768 x 512 floats, 1.5 MB a layer); and ATen's kernels for GELU's tanh form are several
-// times slower than one pass when it runs its AVX2 code (0.56 / 0.64 ms forward / backward for
-// 768 x 512, 2 threads, against 0.17 / 0.25 here: benchmarks/training/cpu_kernels.py). ReLU^2 gives the
+// times slower than one pass when it runs its AVX2 code (benchmarks/training/cpu_kernels.py; figures:
+// docs/training.md#how-the-cpu-training-step-is-made-fast). ReLU^2 gives the
 // same floats bit for bit as the PyTorch Function it replaces (x2 is exact). In the tanh form 1 - s is
 // computed as e^-2u s: where s rounds to 1, 1 - s in float would be 0 or 6e-8, not the e^-2u it is.
 //
@@ -176,7 +176,8 @@ Tensor backward(const Tensor& g, const Tensor& x) {
 }
 
 // (y, dy/dx) of the exact GELU in one pass, float32 only: in bfloat16 ATen's own GELU (AVX-512 where the CPU
-// has it) measured faster in whole steps (4L/128 on the Xeon: 1.064x slower with this kernel widening)
+// has it) measured faster in whole steps than this kernel widening
+// (docs/training-speed-log.md#issue-26-the-recipes-the-kernels-and-three-machines)
 T_256 void gelu_range(const float* x, float* y, float* d, int64_t begin, int64_t end) {
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {

@@ -6,19 +6,17 @@
   PyTorch Function it replaces (×2 is exact), so it also serves inference.
 - ``gelu_tanh`` (GPT-2's GELU): ``y = x·s``, ``s = 1/(1 + e^(-2u))`` = ``(1 + tanh u)/2``,
   ``u = √(2/π)(x + 0.044715x³)``; ``dx = (s + 2x·s(1-s)·√(2/π)(1 + 3·0.044715x²))·g``, within 1e-6 of
-  PyTorch's formula in float64 (the tests). With torch held to AVX2 (benchmarks/training/cpu_kernels.py,
-  results cpu_kernels-avx2.md, 2 threads): forward / backward at 768 x 512 169 / 250 µs against
-  ``F.gelu``'s 562 / 643; a 4L/128 training step (``recipe=classic`` with this activation, fp32) 38.9
-  against 41.8 ms. The feed-forward layer takes it in inference too (its forward alone): on the 2-core AMD
-  EPYC (AVX2) ATen's tanh form took 853 µs on a 128 × 3072 prompt activation against 208.
+  PyTorch's formula in float64 (the tests). ATen's AVX2 tanh GELU takes several passes each way, so one
+  pass measured several times faster, alone and in whole steps (benchmarks/training/cpu_kernels.py). The
+  feed-forward layer takes it in inference too (its forward alone).
 - ``gelu`` (the exact erf form; training only, :class:`GeluErf`): the forward writes ``y = x·Φ(x)`` and
   its derivative ``Φ(x) + x·φ(x)`` in one pass (the Abramowitz & Stegun erf that ATen's AVX2 kernel also
   evaluates needs ``e^(-x²/2)``, which is ``φ``'s exponential), and saves the derivative instead of ``x``;
-  the backward is one multiply instead of ATen's second erf and exponential. On the 2-core AMD EPYC at
-  768 x 512, 2 threads: forward 173 against ATen's 183 µs, backward 50 against 259; nanoGPT's recipe step
-  (4L/128, fp32) 37.2 against 38.9 ms (benchmarks/results/training/cpu_kernels-epyc-b.md). Writing ``y``
-  over ``x`` instead (one fresh buffer fewer) measured the same, 36.78 against 36.82 ms (8 alternated blocks
-  of 40 steps, by hand), so it is not done. Inference keeps ``F.gelu``.
+  the backward is one multiply instead of ATen's second erf and exponential. Writing ``y`` over ``x`` instead
+  (one fresh buffer fewer) measured no faster (docs/training.md#measured-and-not-kept), so it is not done.
+  Inference keeps ``F.gelu``.
+
+The figures for all three: docs/training.md#how-the-cpu-training-step-is-made-fast.
 
 In a bf16 training step (autocast's activations) ``relu2`` and ``gelu_tanh`` take bf16 as it is: each
 value widened, computed in float32, rounded once to nearest even (``vec_bf16.h``); :func:`serves` has
@@ -66,10 +64,9 @@ def serves(x: Tensor, name: str) -> bool:
     """Whether the kernel ``name`` (one of :data:`NAMES`) takes ``x``: float32 on the CPU (made
     contiguous if it is not), or for the :data:`POINTWISE` ones bfloat16 in a training step (autocast's
     activations: widened, computed in float32, rounded once; ReLU² then gives ATen's bf16 floats bit for
-    bit), the library built. Whole 4L/128 bf16 steps on the Xeon (AMX, 2 threads, alternated blocks of 40
-    steps, against ATen's bf16 ops): the fast recipe (ReLU²) 0.965x, ``recipe=classic`` with the tanh GELU
-    0.951x; the exact GELU widened this way was 1.064x slower than ATen's bf16 GELU (1.030x with its
-    derivative saved in bf16), so it stays float32."""
+    bit), the library built. In whole bf16 steps against ATen's bf16 ops the two pointwise kernels
+    measured faster and the exact GELU widened this way slower, so it stays float32
+    (docs/training-speed-log.md#issue-26-the-recipes-the-kernels-and-three-machines)."""
     return (name in NAMES and x.device.type == "cpu" and load() is not None
             and (x.dtype == torch.float32
                  or (name in POINTWISE and x.dtype == torch.bfloat16 and x.requires_grad and torch.is_grad_enabled())))

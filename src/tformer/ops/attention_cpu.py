@@ -15,13 +15,11 @@ takes it for such requests under autograd (a training step) up to :func:`auto_ma
 was measured faster than PyTorch's fused kernel on CPUs of the same vector width (512 keys where PyTorch
 runs AVX2, 256 where it runs AVX-512; docs/training.md); inference keeps PyTorch's.
 
-bfloat16 (a training step under autocast) is read and written as it is: each task widens its head's rows
-to float32 (exact) and rounds its results once, to nearest even, so the values are the float32 kernel's
-on widened copies, rounded (the backward's ``D_i = dout_i · out_i`` then reads the bf16 output, as
-PyTorch's bf16 flash kernels do); what it saves is eight casts a layer, four each way, on strided views.
-Whole 4L/128 bf16 steps on the Xeon (AMX, 2 threads, 16 alternated blocks of 40 steps against the
-float32 copies): ``recipe=classic`` 18.77 against 19.61 ms (0.957), the fast recipe 22.21 against 22.85
-(0.972).
+bfloat16 (a training step under autocast) is read and written as it is: each task widens its head's rows to
+float32 (exact) and rounds its results once, to nearest even, so the values are the float32 kernel's on
+widened copies, rounded (the backward's ``D_i = dout_i · out_i`` then reads the bf16 output, as PyTorch's bf16
+flash kernels do); what it saves is eight casts a layer, four each way, on strided views, which measured a few
+percent of a whole bf16 step (docs/training-speed-log.md#issue-26-the-recipes-the-kernels-and-three-machines).
 """
 
 from __future__ import annotations
@@ -45,14 +43,11 @@ MAX_KEYS = 1024                       # per-task row buffers; above this the til
 MAX_HEAD = 256
 # ``auto`` takes the kernel up to this many keys, by the vector width PyTorch's own fused kernel runs at
 # (``torch.backends.cpu.get_cpu_capability()``): the kernel is AVX2 on every CPU, PyTorch's is as wide as
-# the CPU. Measured by whole training steps, 2 threads (benchmarks/training/cpu_kernels.py; the kernel also
-# saves the layout copies around attention, so a step favours it more than attention alone does):
-# - "AVX2" (the AMD EPYC; a Xeon with torch held to AVX2): attention alone 0.64x PyTorch's time at
-#   (16, 6, 128, 64), 0.80x at (4, 8, 512, 64), but 1.74x at (2, 8, 1024, 64), where a head's rows no
-#   longer fit the caches whole.
-# - "AVX512" (a Xeon with AVX-512): 4-layer fp32 steps, kernel / PyTorch's: 0.994 at 192 keys (head 32),
-#   0.968 / 0.995 / 1.026 at 256 (heads of 32 / 64 / 64), 1.044 / 1.089 at 512; attention alone is
-#   harsher (1.02-1.14x at 256 keys, 1.18-1.27x at 512).
+# the CPU. Set where whole training steps stopped favouring the kernel (benchmarks/training/cpu_kernels.py;
+# it also saves the layout copies around attention, so a step favours it more than attention alone does):
+# against AVX2 it wins until a head's rows no longer fit the caches whole (past 512 keys), against
+# AVX-512 from fewer keys (past 256). The figures: benchmarks/results/training/cpu_kernels-epyc-b.md
+# (AVX2) and docs/training-speed-log.md#issue-26-the-recipes-the-kernels-and-three-machines (AVX-512).
 # Any other capability (no AVX2: the kernel cannot run; another architecture) keeps PyTorch's.
 AUTO_MAX_KEYS = {"AVX2": 512, "AVX512": 256}
 # read once: ATen fixes its capability when it starts (ATEN_CPU_CAPABILITY), and a compiled training step
@@ -187,7 +182,6 @@ def rotates(x: Tensor, cos: Tensor) -> bool:
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x cos + rotate_half(x) sin`` for ``x (B, H, T, D)`` and tables ``(T, D)`` or ``(B, T, D)`` in one
     pass each way (where :func:`rotates` holds; differentiable in ``x``). In bfloat16 it replaces five bf16
-    ops (neg, cat, two multiplies, an add) and two table casts a call: whole 4L/128 bf16 steps of the fast recipe on the Xeon (AMX, 2
-    threads, 16 alternated blocks of 40 steps, against those ops; two runs): 18.2 against 20.4 ms (0.891),
-    18.6 against 21.0 (0.885). The rotation alone at (12, 4, 64, 32): 27 µs in bf16, 15 in float32."""
+    ops (neg, cat, two multiplies, an add) and two table casts a call, in float32 eight ops each way;
+    both measured faster in whole steps (docs/training.md#how-the-cpu-training-step-is-made-fast)."""
     return _Rotate.apply(x, cos.contiguous(), sin.contiguous())

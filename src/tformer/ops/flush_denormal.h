@@ -2,13 +2,12 @@
 //
 // A float below 2^-126 (~1.2e-38) is subnormal; an x86 core that meets one as an input or a result of a
 // multiply, add or FMA takes a microcode assist of ~100+ cycles instead of ~4. The kernels' formulas make
-// them from ordinary inputs: e^(-x^2/2) and the erf tail at |x| > ~13 in the exact GELU, e s (1 - s) in
-// the tanh GELU's derivative once x > ~9. Measured on a 2-core Xeon (AVX-512; 768 x 512, 1 thread): the
-// exact GELU's forward 2,859 us on inputs of standard deviation 8 against 302 with subnormals flushed,
-// the tanh GELU's backward 5,886 against 331; at standard deviation 1 none arises and the time is the
-// same. Attention's kernels take the guard too: its backward's P (dP - D) can underflow where a
-// probability near e^-87 meets a small gradient (a case built for it, 16 x 6 x 128 x 64 with scores 8x
-// sharper and gradients of 1e-6, showed no subnormal and the same time either way).
+// them from ordinary inputs: e^(-x^2/2) and the erf tail at |x| > ~13 in the exact GELU, e s (1 - s) in the
+// tanh GELU's derivative once x > ~9. On wide inputs that made the GELU kernels many times slower, and
+// flushing gave the time of unit-scale inputs back (docs/training.md#how-the-cpu-training-step-is-made-fast);
+// where no subnormal arises the time is the same. Attention's kernels take the guard too: its backward's P
+// (dP - D) can underflow where a probability near e^-87 meets a small gradient (a case built for it, 16 x 6 x
+// 128 x 64 with scores 8x sharper and gradients of 1e-6, showed no subnormal and the same time either way).
 //
 // The guard sets MXCSR's FTZ (results flush to zero) and DAZ (inputs read as zero) bits and puts the
 // caller's MXCSR back when it leaves scope: each thread of a parallel_for has its own MXCSR, so the

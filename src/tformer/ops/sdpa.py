@@ -5,7 +5,7 @@ Every model in tformer calls :func:`scaled_dot_product_attention`. The ``backend
 
 - ``"math"``: the formula written out; the only backend that can return the attention weights.
 - ``"torch"``: ``torch.nn.functional.scaled_dot_product_attention`` (PyTorch's fused kernels).
-- ``"flash"``: tformer's tiled kernel with O(n) memory (see ``attention/flash.py``).
+- ``"flash"``: tformer's tiled kernel with O(n) memory (see ``ops/flash.py``).
 - ``"auto"``: PyTorch's fused kernel when the request needs no dense ``(n, m)`` mask or bias, flash
   when it would (ALiBi, sliding window, causal with n < m or with key padding, at long lengths),
   math when weights are requested; :func:`choose_backend` says which and why.
@@ -41,9 +41,8 @@ Tensor = torch.Tensor
 EXTRA_BACKENDS: dict[str, Callable[..., Tensor]] = {"flash": flash_backend, "short": attention_cpu.short_attention}
 
 # "auto" prefers flash over a dense mask/bias only from this many query-key pairs on (about
-# n = m = 1448). Measured fwd+bwd, 8 heads, d 64, causal, 2 cores: at n = m = 1024 the fused kernel
-# with a dense window mask was faster (flash 1.47x its time), at 2048 flash was (0.86x; ALiBi: 0.87x
-# already at 1024); below this the dense tensor is small anyway (docs/flash-attention.md).
+# n = m = 1448): between the lengths where the fused kernel with a dense mask measured faster and where
+# flash did; below this the dense tensor is small anyway (figures: docs/flash-attention.md).
 FLASH_MIN_PAIRS = 2**21
 
 
@@ -245,19 +244,17 @@ def _torch_attention(q, k, v, mask, bias, causal, window, scale, dropout_p):
     groups = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.dim() == q.dim() else 1
     plain = mask is None and bias is None and window is None and (not causal or n == m)
     if q.device.type == "cpu" and dropout_p > 0 and plain and groups == 1 and q.dim() == 4:
-        # PyTorch's CPU kernel has no dropout (it falls back to a slow math path): see attention/dropout.py
+        # PyTorch's CPU kernel has no dropout (it falls back to a slow math path): see ops/dropout.py
         return dropout_attention(q, k, v, p=dropout_p, scale=scale, causal=causal)
     training = q.requires_grad and torch.is_grad_enabled()
     if (training and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)) \
             or (n > 1 and emulates_half(q)):
         # 16-bit attention on a CPU runs on float32 copies, rounded back once, (a) in training: PyTorch 2.13's
-        # CPU flash kernel is slower in bf16 than in fp32 once its backward counts (fwd+bwd at (12, 4, 64, 32):
-        # 7.5 ms against 1.6 ms; docs/training-speed-log.md; a bf16 step that tformer's kernel takes never gets here:
-        # choose_backend gives it "short", which reads and writes bf16 itself), and (b) for a prompt where
-        # the CPU emulates the type: at
-        # GPT-2's 128-token prompt on the 2-core AMD EPYC (AVX2; torch.profiler) PyTorch's kernel took 2.5 ms a
-        # layer in float16 and 0.87 in bfloat16, on float32 copies 0.65-0.66 and 0.57-0.77 (two profiles). Decode
-        # steps keep the dtype.
+        # CPU flash kernel is several times slower in bf16 than in fp32 once its backward counts
+        # (docs/training.md#how-the-cpu-training-step-is-made-fast); a bf16 step that tformer's kernel takes
+        # never gets here: choose_backend gives it "short", which reads and writes bf16 itself; and (b) for a
+        # prompt where the CPU emulates the type, where PyTorch's 16-bit kernel measured slower than float32
+        # copies (docs/inference.md#speed-against-llamacpp-and-hf-in-the-same-run). Decode steps keep the dtype.
         with torch.autocast("cpu", enabled=False):
             args = [t.float() for t in (q, k, v)]
             fbias = None if bias is None else bias.float()

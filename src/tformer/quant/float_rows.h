@@ -17,12 +17,13 @@ namespace float_rows {
 
 #define FR_512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 #define FR_256 __attribute__((target("avx2,fma,f16c")))
-// Software prefetch into L2 (_MM_HINT_T1), PREFETCH_GROUPS four-row groups ahead of the group being
-// read: a decode matrix's rows are short (768-3072 weights) and a group reads four of them side by
-// side, streams too short for the hardware prefetcher to reach its full distance. Measured on the
-// GPT-2 shape's fused decode (2 threads, the Xeon, benchmarks/generation/generate.py's shape):
-// bf16 63-64 -> 80-81 tok/s, fp32 46-47 -> 47-48; 1, 2 and 4 groups ahead within 5% of each other.
-// Past the matrix's end it touches nothing it could fault on (a prefetch never faults).
+// Software prefetch into L2 (_MM_HINT_T1), PREFETCH_GROUPS four-row groups ahead of the group being read: a
+// decode matrix's rows are short (768-3072 weights) and a group reads four of them side by side, streams too
+// short for the hardware prefetcher to reach its full distance. It measured faster on the GPT-2 shape's fused
+// decode (the Xeon), with 1, 2 and 4 groups ahead alike, and no distance stood out on the EPYC; figures:
+// docs/inference.md#one-c-call-per-layer-the-fused-decode-of-block-quantised-models and
+// docs/inference.md#speed-against-llamacpp-and-hf-in-the-same-run. Past the matrix's end it touches nothing
+// it could fault on (a prefetch never faults).
 constexpr int64_t PREFETCH_GROUPS = 4;
 
 // Rows per task of a product over rows of K weights of `bytes` each: ~64 KB of weight, small enough
@@ -110,12 +111,11 @@ FR_256 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The AVX2 loop goes one row at a time, 32 weights a step into four accumulators, with no software
-// prefetch: each thread then reads one sequential stream, which the hardware prefetcher follows on its
-// own. On the 2-core AMD EPYC (Zen 3, 2 threads; a whole GPT-2 decode step's weights, 495 MB at fp32,
-// 248 MB at fp16/bf16, 21-31 alternated rounds, four runs) it took 0.91-1.00x the time of the AVX2 loop
-// before it, rows512's four-row groups and prefetch at 8 lanes (median of per-round ratios: fp32 0.91 / 0.99 / 0.98,
-// fp16 0.91 / 0.95 / 1.00, bf16 1.00), and two rows at a time 1.08-1.36x. K need not be a multiple of 8.
+// The AVX2 loop goes one row at a time, 32 weights a step into four accumulators, with no software prefetch:
+// each thread then reads one sequential stream, which the hardware prefetcher follows on its own. On Zen 3 it
+// measured as fast as or faster than the loop before it (rows512's four-row groups and prefetch at 8 lanes)
+// at every type, and two rows at a time slower
+// (docs/inference.md#speed-against-llamacpp-and-hf-in-the-same-run). K need not be a multiple of 8.
 template <typename T>
 FR_256 void rows256(const T* W, const float* x, float* y, int64_t K, int64_t n0, int64_t n1) {
   const int64_t K32 = K - K % 32, K8 = K - K % 8;

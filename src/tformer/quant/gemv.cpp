@@ -190,11 +190,11 @@ at::Tensor gemv_q4(const at::Tensor& packed, const at::Tensor& x, const at::Tens
 // registers, with three for W and one for x): per eight k, RM + RN loads feed RM x RN FMAs, so the
 // loop is bound by the FMA units, not by loads, and W is never copied (a widened copy of a
 // 768 x 3072 float16 matrix is 9.4 MB written and read again per product). Each tile runs the whole of
-// K at once, so its horizontal sums and its write of y come once: blocks of 512 k (4 x 512 floats of x,
-// 8 KB, kept in L1) took 1.16-1.21x as long at 16, 64 and 128 rows over GPT-2's four float16 matrices on
-// the 2-core AMD EPYC (Zen 3, 2 threads, 15 alternated rounds), blocks of 768 or 1536 in between.
-// Each thread takes a contiguous range of W rows, walked in panels of about 192 KB (in L2, reused by
-// every tile of x rows). The same products in float32 as F.linear up to the order of the sums.
+// K at once, so its horizontal sums and its write of y come once: blocks of 512 k (4 x 512 floats of x, 8 KB,
+// kept in L1) measured slower, blocks of 768 or 1536 in between
+// (docs/inference.md#speed-against-llamacpp-and-hf-in-the-same-run). Each thread takes a contiguous range of
+// W rows, walked in panels of about 192 KB (in L2, reused by every tile of x rows). The same products in
+// float32 as F.linear up to the order of the sums.
 template <int RM, int RN, typename T>
 T_256 void tile256(const float* x, const T* w, int64_t K, float* y, int64_t ldy) {   // x, w: rows K apart
   __m256 acc[RM][RN];

@@ -1,13 +1,13 @@
 """Which one-row (decode) linear kernel to use, chosen by measuring on the machine at hand, once.
 
-The fastest kernel for ``y = W x`` with one row differs between CPUs and between torch builds: on
-one AVX-512 machine ``torch.mv`` beat ``F.linear`` for bfloat16 by 1.4×, on another it lost. So no
-constant decides; :func:`choose` times every candidate for a weight dtype on GPT-2-sized weights
-(768×3072 and 3072×768, eight of each, ~19-75 MB: streamed from memory as in a real decode step),
-alternating them, and keeps the one with the smallest median. The choice is stored in
-``<cache_dir>/kernels.json`` under a key naming the CPU, torch's version, the thread count and a digest
-of tformer's kernel sources, so each machine measures once (~0.1-0.5 s per dtype) and again after its
-kernels change; delete the file to measure again.
+The fastest kernel for ``y = W x`` with one row differs between CPUs and between torch builds: on one AVX-512
+machine ``torch.mv`` beat ``F.linear`` for bfloat16, on another it lost
+(docs/inference.md#lower-precision-and-the-kernels-behind-it). So no constant decides; :func:`choose` times
+every candidate for a weight dtype on GPT-2-sized weights (768×3072 and 3072×768, eight of each, ~19-75 MB:
+streamed from memory as in a real decode step), alternating them, and keeps the one with the smallest median.
+The choice is stored in ``<cache_dir>/kernels.json`` under a key naming the CPU, torch's version, the thread
+count and a digest of tformer's kernel sources, so each machine measures once (a fraction of a second per
+dtype) and again after its kernels change; delete the file to measure again.
 
 Candidates (all give the same numbers up to float32 summation order, which tests/quant/test_kernels.py
 checks against a float64 reference):
@@ -121,10 +121,9 @@ def choose(kind: str, make: Callable) -> str:
 # (the weight's widening is read-once work beside a product of M rows); or ``tiles``: tformer's own
 # several-row kernel (gemv.cpp ``gemm``: a 4 x 3 register tile, the weight widened in registers, never
 # copied; AVX2). Same numbers up to the summation order and the one final rounding; measured like the
-# one-row choice, stored under "<kind>-prefill". On the 2-core AMD EPYC (Zen 3, AVX2 only), 64 rows over
-# GPT-2's matrices, five runs after the tiles took the whole of K: the tiles won at every type in every run
-# (fp32 8.6-19.6 against MKL's 10.3-25.1 ms; bf16 / fp16 7.7-12.0 against 11.9-23.1 widened and 46-106
-# native; generate_llama_cpp-epyc5..9.md).
+# one-row choice, stored under "<kind>-prefill". Which wins depends on the CPU (on an AVX2-only one the
+# tiles won at every type; with AMX the native bf16 product can), so it is measured, not fixed
+# (docs/inference.md#speed-against-llamacpp-and-hf-in-the-same-run).
 PREFILL = {"fp32": ("native", "tiles"), "bf16": ("native", "fp32", "tiles"), "fp16": ("native", "fp32", "tiles")}
 PREFILL_ROWS = 64                     # rows of the timed product: a short prompt
 PREFILL_FORCED = "TFORMER_PREFILL_KERNEL"

@@ -6,11 +6,12 @@ its own scale ``s_j = max_k |W_jk| / 127`` and ``Q_jk = round(W_jk / s_j)`` in [
 layer computes ``y = (x Qᵀ) · s + b``. Activations stay in floating point ("weight-only"), so the
 only error is the rounding of each weight to its row's grid (at most ``s_j / 2``).
 
-Kernels: PyTorch's ``aten._weight_int8pack_mm`` (int8 weights, per-channel scales) is fast with
-bfloat16 activations only (with float32 or float16 ones it read 10x slower on the GPT-2 shapes), so
-the input is cast to bfloat16 and the result cast back. For one row (decode) the kernel is chosen
-by measuring on the machine (:func:`tformer.quant.kernels.choose`): that or tformer's own
-loop (``gemv.cpp``, AVX-512 or AVX2), which widens the int8 weights to float32 and applies the same scales.
+Kernels: PyTorch's ``aten._weight_int8pack_mm`` (int8 weights, per-channel scales) is fast with bfloat16
+activations only (with float32 or float16 ones it measured many times slower:
+docs/inference.md#lower-precision-and-the-kernels-behind-it), so the input is cast to bfloat16 and the result
+cast back. For one row (decode) the kernel is chosen by measuring on the machine
+(:func:`tformer.quant.kernels.choose`): that or tformer's own loop (``gemv.cpp``, AVX-512 or AVX2), which
+widens the int8 weights to float32 and applies the same scales.
 
 Int4 (:class:`Int4Linear`) is weight-only too, in groups of 32 weights along K with a scale and an
 offset per group (asymmetric, 16 levels from the group's min to its max), run by torch's

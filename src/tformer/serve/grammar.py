@@ -12,15 +12,14 @@ Once the JSON value is complete, only the end-of-turn tokens are allowed, so the
 with ``finish_reason: "stop"``. Greedy decoding under the mask is "argmax over the allowed tokens";
 sampling draws from the model's distribution renormalised over them.
 
-The engine is llguidance (PyPI ``llguidance``, the ``grammar`` extra; a Rust library whose token mask
-walks a trie of the vocabulary against the grammar's lexer and Earley parser). The vocabulary is
-compiled once per server (:class:`GrammarEngine`, under a second), a schema once per request (about
-a millisecond). ``benchmarks/serving/grammar_overhead.py`` measured it against xgrammar on SmolLM2's
-49,152-token vocabulary (results/serving/grammar_overhead.md): xgrammar is faster per token (38
-against 49 µs with the mask applied), which the criterion fixed
-before the run would have picked, but the same run found that xgrammar 0.2.9 lets raw control
-characters (U+0000-U+001F) into JSON strings, which RFC 8259 forbids and ``json.loads`` refuses;
-invalid JSON disqualifies it whatever its speed, so llguidance it is.
+The engine is llguidance (PyPI ``llguidance``, the ``grammar`` extra; a Rust library whose token mask walks a
+trie of the vocabulary against the grammar's lexer and Earley parser). The vocabulary is compiled once per
+server (:class:`GrammarEngine`, under a second), a schema once per request (about a millisecond).
+``benchmarks/serving/grammar_overhead.py`` measured it against xgrammar on SmolLM2's 49,152-token vocabulary
+(figures: benchmarks/results/serving/grammar_overhead.md): xgrammar is faster per token, which the criterion
+fixed before the run would have picked, but the same run found that xgrammar 0.2.9 lets raw control characters
+(U+0000-U+001F) into JSON strings, which RFC 8259 forbids and ``json.loads`` refuses; invalid JSON
+disqualifies it whatever its speed, so llguidance it is.
 """
 
 from __future__ import annotations

@@ -137,8 +137,8 @@ class Scheduler:
             scheduler all of them, so that only this thread ever runs a parallel region: each OS thread
             that does gets its own OpenMP team, and once the process holds more OpenMP workers than
             cores, libgomp stops spinning between regions (its throttled spin count), which made every
-            decode step about twice as slow (measured: SmolLM2 q4_1 56.6 -> 26 tok/s, bf16 31.5 -> 19.7
-            tok/s on 2 cores, in the same process before and after a second thread had decoded once).
+            decode step about twice as slow (docs/serving.md, "One thread runs the model";
+            benchmarks/results/serving/serve_threads.md).
     """
 
     def __init__(self, model, n_slots: int = 16, max_len: int | None = None, max_queue: int = 64,

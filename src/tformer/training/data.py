@@ -12,7 +12,7 @@ is the validation split, so the split is deterministic and shares no text with t
 
 Cache: ``<cache_dir>/<key>/`` holds ``tokens.bin`` (uint16 or uint32 ids, read back with
 ``np.memmap`` so corpora larger than memory work), ``tokenizer.json`` and ``meta.json``; ``key``
-hashes the files' contents (SHA-256, about 1 GB/s), the encoding and the tokenizer, so a second run
+hashes the files' contents (SHA-256), the encoding and the tokenizer, so a second run
 with the same corpus starts at once and any edited file is tokenised again, whatever its size and
 modification time say.
 """

@@ -3,7 +3,8 @@
 Under ``torch.autocast(dtype=bf16)`` every ``F.linear`` casts its fp32 weight to bf16 first. Autocast
 keeps that cast only inside one autocast region and only for weights that require a gradient, so a
 frozen base (LoRA) is cast afresh at every forward: on SmolLM2 that is 135 M parameters read in fp32
-and written in bf16 per step, about a fifth of a bf16 LoRA step's time on CPU. A frozen weight does
+and written in bf16 per step, a large share of a bf16 LoRA step's time on CPU (the profile:
+docs/finetune.md#where-a-steps-time-goes-profile). A frozen weight does
 not change between steps, so :class:`FrozenCastLinear` keeps its cast and reuses it while the weight's
 storage and version counter are the same (``load_state_dict`` / ``copy_`` bump the version, so new
 values are cast again). The bf16 values are the ones autocast would make (the same round-to-nearest-

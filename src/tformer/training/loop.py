@@ -1,12 +1,12 @@
-"""The training loop every task runs: a task's batches and loss -> AdamW step, with the schedule,
+"""The training loop every task runs: a task's batches and loss -> optimiser step, with the schedule,
 precision, clipping, evaluation, checkpoints, exact resume, SIGTERM save, the run lock and progress.
 
     for step in range(start, max_steps):
-        lr = lr_at(step)                                 linear warm-up, then cosine (optim.py)
+        lr = schedule_at(cfg, step)                      the run's schedule: wsd or cosine (schedule.py)
         for (last, batch, share) in task.pieces(step):  this rank's share of the step's batch
             loss = task.loss(forward, batch) under autocast;  (loss / share).backward()
         mean loss of the global batch not finite -> stop before the update (the model stays good)
-        clip gradients -> AdamW step
+        clip gradients -> optimiser step                 AdamW, or Muon + AdamW (optim.py)
         every log_interval: progress bar + metrics.jsonl;  every eval_interval: task.evaluate, save
 
 Exact resume: a task draws the batch of step s from a generator seeded with (seed, s), the learning

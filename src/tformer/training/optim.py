@@ -83,8 +83,8 @@ def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float] = (3
 
 class Float32Muon(torch.optim.Muon):
     """``torch.optim.Muon`` with its Newton–Schulz iteration in float32 instead of bf16: for CPUs
-    without native bf16 (AVX2 only), where torch's bf16 matmuls are emulated and its Muon step cost
-    485 ms at the 4L/128 shapes against 20 ms in float32 (measured with oneDNN and ATen held to AVX2).
+    without native bf16 (AVX2 only), where torch's bf16 matmuls are emulated and its Muon step measured
+    over twenty times the float32 one (docs/training.md#recipes-what-a-new-run-gets-by-default).
     Same groups, hyper-parameters and state (``momentum_buffer``) as torch's, so a checkpoint moves
     between the two; the update is torch's: ``B ← μB + (1-μ)g``, ``u = (1-μ)g + μB`` (Nesterov),
     ``W ← W·(1 - lr·wd) - lr·sqrt(max(1, rows/cols))·NS(u)``."""

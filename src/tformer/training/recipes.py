@@ -9,17 +9,17 @@
   1/width above it, as μP scales Adam's hidden rate) with ``beta2=0.95`` (the speedrun's; nanoGPT's 0.99
   averages the squared gradients over more steps than a 1,000-step run has to spare), ReLU² and
   zero-initialised residual projections.
-  RoPE is the largest single gain: at 4L/128, fp32, seeds 1-3, 1,000 steps reached val 1.8279 / 1.8507
-  / 1.8849 with it and 1.8777 / 1.9019 / 1.9091 with learned positions (lr 4e-3 both); 3e-3 then gave
-  1.8138 / 1.8261 / 1.8664, and beta2 0.95 with it 1.7911 / 1.8166 / 1.8362 (at 875 steps 1.8188 / 1.8470 /
-  1.8616). Its rotation, one pass each way (:mod:`tformer.ops.attention_cpu`),
-  costs 34.8 against 34.1 ms a step with learned positions (4.4 ms more as the eight-op formula). With RoPE the model is a GPT-NeoX, not a GPT-2 (``tformer convert --to-hf``
-  writes ``gpt_neox``); ``--set positions=learned`` keeps a GPT-2 (1,250 steps to the target on the
-  previous recipe, against 875 now). Muon (``optimizer=muon``) is not in it: its
-  Newton–Schulz iteration costs about as many FLOPs as the forward and backward at 768 tokens a
-  step, so on a CPU at 4L/128 a step took twice the time, more than the steps it saved. QK-norm and the
-  soft-capped head (``qk_norm``, ``logit_softcap``) are switches a user turns on: at this size they
-  cost about 12% of a step and no HF family expresses them.
+  RoPE is the largest single gain in validation loss at equal steps, and with its rotation in one pass
+  each way (:mod:`tformer.ops.attention_cpu`) a step costs little more than with learned positions; the
+  higher rate and ``beta2=0.95`` each lowered the loss again (the screening runs:
+  docs/training-speed-log.md#issue-26-the-recipes-the-kernels-and-three-machines). With RoPE the model
+  is a GPT-NeoX, not a GPT-2 (``tformer convert --to-hf`` writes ``gpt_neox``); ``--set
+  positions=learned`` keeps a GPT-2, which needs more steps to the target. Muon (``optimizer=muon``) is
+  not in it: its Newton–Schulz iteration costs about as many FLOPs as the forward and backward at 768
+  tokens a step, so on a CPU at 4L/128 a step took far longer, more than the steps it saved. QK-norm and
+  the soft-capped head (``qk_norm``, ``logit_softcap``) are switches a user turns on: at this size they
+  cost a step more than they gave, and no HF family expresses them (figures:
+  docs/training.md#recipes-what-a-new-run-gets-by-default).
 - ``auto`` (the default): ``fast`` for tformer's own training shapes (the presets ``tiny`` and
   ``shakespeare-char``) with attention in every layer, where it was measured; ``classic`` for other
   mixers (untested there) and for the presets that mirror a published model (GPT-2, Llama, Mamba,

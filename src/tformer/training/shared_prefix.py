@@ -16,11 +16,11 @@ depend on tokens ``< P`` only, so they are the same in every row. One forward of
 so rows ``1 .. B`` see exactly the keys and values the full ``(B, T)`` forward gives them, and the
 loss (their targets; row 0 has none) is the same. So are the gradients: the backward of the expand
 sums the B rows' gradients flowing into the one prefix, which is what the B identical copies each
-received, summed in the weights. Cost: ``(B + 1) · L`` positions through every linear instead of
-``B · T`` (the built-in task's batches of 8: 0.60), in one call, so each weight is read once per pass
-(a separate ``(1, P)`` prefix call made its matmuls memory-bound: measured, it cost about twice its
-share of the FLOPs). The masked attention is ``(B+1) · L · (P + L)`` query-key pairs (the
-built-in task: 15 k), fewer than the plain ``B · T²`` (25 k).
+received, summed in the weights. Cost: ``(B + 1) · L`` positions through every linear instead of ``B · T``
+(the built-in task's batches of 8: 0.60), in one call, so each weight is read once per pass (a separate ``(1,
+P)`` prefix call made its matmuls memory-bound: measured, it cost far more than its share of the FLOPs;
+docs/finetune.md#where-a-steps-time-goes-profile). The masked attention is ``(B+1) · L · (P + L)`` query-key
+pairs (the built-in task: 15 k), fewer than the plain ``B · T²`` (25 k).
 
 Used only where it is exact: a decoder whose every layer is attention (a recurrent or ring state
 has no keys to share), no target inside the prefix (the prefix needs no logits; ``P`` is cut at the

@@ -10,8 +10,8 @@ least-squares slope of log t against log n over the measured lengths.
 same data and steps; and, on the trained softmax model's own q and k, FAVOR+'s relative error
 against exact attention (the approximation Performer makes).
 
-This claim was benchmarks/attention/efficient_attention.py and benchmarks/listops.py; their last
-results stay in benchmarks/results/attention/ as this claim's earlier record.
+This claim replaced the benchmark scripts efficient_attention.py and listops.py (since removed); their
+last results stay in benchmarks/results/attention/ as this claim's earlier record.
 """
 
 from __future__ import annotations

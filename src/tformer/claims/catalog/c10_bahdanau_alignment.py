@@ -11,7 +11,7 @@ written to a temporary folder. Then:
   word attends to most; Kendall's τ between target index and that position (1 = a monotone
   alignment, the diagonal of Fig. 3), averaged over pairs.
 
-This claim was benchmarks/seq2seq/seq2seq_compare.py; its last results stay in
+This claim replaced the benchmark script seq2seq_compare.py (since removed); its last results stay in
 benchmarks/results/seq2seq/ as this claim's earlier record.
 """
 

@@ -11,7 +11,7 @@ cosine schedule; the parabola minimum in ln N per budget and N_opt ∝ C^a throu
 (Hoffmann's Approach 2), with a bootstrap interval. With a cache the sweep's folder is kept until the
 claim finishes, so a run stopped by a time limit resumes the sweep where it stopped.
 
-This claim was benchmarks/scaling/scaling_sweep.py; its last results stay in
+This claim replaced the benchmark script scaling_sweep.py (since removed); its last results stay in
 benchmarks/results/scaling/ as this claim's earlier record.
 """
 

@@ -15,9 +15,9 @@ by token; the fastest step is the latency (other processes only ever add time).
 (e) Competitive at moderate scale (§4.2, Fig. 4): validation loss after equal training wall time, the
 same two shapes on the stdlib corpus (characters), taking turns in slices so both see the machine alike.
 
-Tasks and training: :mod:`tformer.training.tasks.mamba` on the library's loop. This claim was
-benchmarks/mamba/mamba_selective_copying.py, mamba_induction.py, mamba_decode.py (d) and mamba_train.py
-(e); their last results stay in benchmarks/results/mamba/ as this claim's earlier record.
+Tasks and training: :mod:`tformer.training.tasks.mamba` on the library's loop. This claim replaced
+the benchmark scripts mamba_selective_copying.py, mamba_induction.py, mamba_decode.py (d) and
+mamba_train.py (e), since removed; their last results stay in benchmarks/results/mamba/ as this claim's earlier record.
 """
 
 from __future__ import annotations

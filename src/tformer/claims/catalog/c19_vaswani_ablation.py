@@ -7,7 +7,7 @@ the same order for the same steps; only the named field changes from the base (d
 encoder and decoder layers). BLEU on held-out pairs with beam search. The h = 8 and pre-norm rows are
 reported, not checked. Each variant is one part: a full run stopped by a time limit resumes at the next.
 
-This claim was benchmarks/seq2seq/seq2seq_ablation.py; its last result (700 steps, 300 test pairs)
+This claim replaced the benchmark script seq2seq_ablation.py (since removed); its last result (700 steps, 300 test pairs)
 stays in benchmarks/results/seq2seq/ as the claim's earlier record.
 """
 

@@ -17,11 +17,9 @@ from tformer.training.config import TrainConfig
 from tformer.training.data import Corpus, get_batch
 from tformer.training.tasks.base import Task
 
-# Evaluation stacks its fixed batches into forwards of up to this many tokens: fewer, larger products,
-# while a pass's activations still fit the caches. At nanoGPT's CPU configuration (4L/128, 20 batches of
-# 12 x 64 a split) on the 2-core AMD EPYC, one evaluation (both splits) took 464 ms in passes of <= 4,096
-# tokens (5 batches), 505 in passes of one batch and 538-550 in one pass of 15,360 (2 threads, medians
-# of 6 alternated rounds, two runs).
+# Evaluation stacks its fixed batches into forwards of up to this many tokens: fewer, larger products, while a
+# pass's activations still fit the caches: at nanoGPT's CPU configuration this measured faster than passes of
+# one batch and than one pass of all 15,360 tokens (docs/training.md#how-the-cpu-training-step-is-made-fast).
 EVAL_TOKENS_PER_PASS = 4096
 
 
