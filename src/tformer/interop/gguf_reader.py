@@ -78,6 +78,29 @@ class _Cursor:
             raise CheckpointError(f"{self.path}: a string at byte {self.pos - len(raw):,} of the header is not "
                                   f"UTF-8; the file is damaged; download it again.") from None
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row: a vocabulary's tokens and merges, ~100k of them, read in one tight
+        loop (the per-string path costs about four times as much)."""
+        data, pos, end, out = self.data, self.pos, len(self.data), []
+        length = struct.Struct("<Q").unpack_from
+        try:
+            for _ in range(count):
+                (n,) = length(data, pos)
+                pos += 8
+                if pos + n > end:
+                    break
+                out.append(str(data[pos:pos + n], "utf-8"))
+                pos += n
+        except struct.error:                                   # the length itself runs past the end
+            pass
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self.path}: a string at byte {pos:,} of the header is not UTF-8; the file is "
+                                  f"damaged; download it again.") from None
+        self.pos = min(pos, end)
+        if len(out) < count:
+            self.take(end - self.pos + 1)                       # refuses: truncated
+        return out
+
     def value(self, kind: int, key: str):
         if kind in SCALARS:
             return self.scalar(SCALARS[kind])
@@ -91,6 +114,8 @@ class _Cursor:
                 fmt = SCALARS[item]
                 raw = self.take(count * struct.calcsize(fmt))
                 return np.frombuffer(raw, dtype=np.dtype(fmt)).tolist()
+            if item == STRING:
+                return self.strings(count)
             return [self.value(item, key) for _ in range(count)]
         raise CheckpointError(f"{self.path}: metadata key {key!r} has value type {kind}, which GGUF does not "
                               f"define; the file is damaged or from an unknown GGUF version.")

@@ -1,0 +1,162 @@
+"""The front door as a newcomer meets it: `tformer chat --prompt` (what `make chat` runs) against
+`tformer generate` at the same settings and llama.cpp on the same file (SmolLM2-135M-Instruct's Q4_1
+GGUF), each in a fresh process, alternated round by round.
+
+Goals (issue 46, stated before the run): chat's decode tok/s >= 0.9x generate's and >= 1.0x llama.cpp's
+(2 threads; the decode rate from the difference of two answer lengths, so prompt and load cancel); the
+first start writes no float checkpoint and opens the model in <= 2x llama.cpp's load time of the same file.
+
+Per round and contender, two runs of the same greedy answer cut at N1 and N2 new tokens:
+rate = (n2 - n1) / (t2 - t1), where t is the time the command itself reports for its answer (chat and
+generate print "n tokens in t s"; llama.cpp is timed around its prompt and decode calls). Load: the
+time to open the model in-process (chat's "model loaded in", i.e. ``open_model``; llama.cpp's
+``Llama(...)`` constructor), after the interpreter and libraries are imported. Peak RSS: the process's
+``ru_maxrss`` at its end (tformer's includes torch's libraries; the llama.cpp process imports no torch). llama.cpp decodes N greedy tokens after the same prompt ids (the chat template
+rendered and encoded by tformer), taking the argmax of its logits (no Python sampler).
+
+    flock -w 900 /tmp/tformer-bench.lock env PYTHONPATH=/path/to/llama_cpp_python:src \\
+        .venv/bin/python benchmarks/generation/front_door.py --rounds 3 --tag epyc
+
+Writes benchmarks/results/generation/front_door[-TAG].md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.record import Run, results_dir  # noqa: E402
+
+PROMPT = "Write a very long story about a dragon who learns to cook, with many chapters."
+CHILD = """
+import json, resource, sys, time
+args = json.loads(sys.argv[1])
+if args["who"] == "llama.cpp":
+    import llama_cpp
+    import numpy as np
+    n_ctx = len(args["ids"]) + args["n"] + 8
+    t1 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=args["path"], n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                          n_threads=args["threads"], n_threads_batch=args["threads"], verbose=False)
+    t2 = time.perf_counter()
+    vocab = llm.n_vocab()
+
+    def last():
+        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(vocab,)).argmax())
+
+    start = time.perf_counter()
+    llm.eval(args["ids"])
+    for _ in range(args["n"] - 1):
+        llm.eval([last()])
+    seconds = time.perf_counter() - start
+    print(json.dumps({"tokens": args["n"], "seconds": seconds, "load": t2 - t1,
+                      "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+else:
+    import contextlib, io, re
+    from tformer.cli import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(args["argv"])
+    assert rc == 0, err.getvalue()
+    text = err.getvalue()
+    m = re.search(r"(\\d+) tokens in ([\\d.]+) s", text)
+    load = re.search(r"opened in ([\\d.]+) s", text)
+    print(json.dumps({"tokens": int(m.group(1)), "seconds": float(m.group(2)), "load": float(load.group(1)),
+                      "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def child(spec: dict, env: dict) -> dict:
+    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True, env=env,
+                       check=False)
+    if r.returncode:
+        raise SystemExit(f"front_door: a {spec['who']} run failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--short", type=int, default=32, help="N1 new tokens (default 32)")
+    ap.add_argument("--long", type=int, default=160, help="N2 new tokens (default 160)")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    run = Run()
+    from tformer.interop.builtin import builtin_path, cache_root
+    from tformer.inference import open_model
+
+    path = builtin_path("smollm2")
+    opened = open_model("smollm2")
+    rendered = opened.template.render([{"role": "user", "content": PROMPT}])
+    ids = opened.template.encode(opened.tokenizer, [{"role": "user", "content": PROMPT}])
+    del opened
+    # a fresh cache holding only the built kernels: what a first start after `make install` finds
+    cache = Path(tempfile.mkdtemp(prefix="tformer-front-door-"))
+    for kernel in cache_root().glob("*-*"):
+        if kernel.is_dir() and not kernel.name.startswith("gguf"):
+            (cache / kernel.name).symlink_to(kernel.resolve())
+    env = {**os.environ, "TFORMER_CACHE": str(cache)}
+    common = ["--temperature", "0", "--threads", str(args.threads), "--verbose"]
+    specs = {
+        "tformer chat": lambda n: {"who": "chat", "argv": ["chat", "--prompt", PROMPT, "--max-new-tokens", str(n), *common]},
+        "tformer generate": lambda n: {"who": "generate", "argv": ["generate", "--model", "smollm2", "--prompt", rendered,
+                                                                   "--max-new-tokens", str(n), *common]},
+        "llama.cpp": lambda n: {"who": "llama.cpp", "path": str(path), "ids": ids, "n": n, "threads": args.threads},
+    }
+    rows = {name: [] for name in specs}
+    for r in range(args.rounds):
+        order = list(specs) if r % 2 == 0 else list(reversed(specs))
+        for name in order:
+            short, long = child(specs[name](args.short), env), child(specs[name](args.long), env)
+            rate = (long["tokens"] - short["tokens"]) / (long["seconds"] - short["seconds"])
+            rows[name].append({"rate": rate, "load": statistics.median([short["load"], long["load"]]),
+                               "rss": max(short["rss"], long["rss"]), "tokens": [short["tokens"], long["tokens"]]})
+            print(f"round {r + 1} {name}: {rate:.1f} tok/s, load {rows[name][-1]['load']:.2f} s, "
+                  f"RSS {rows[name][-1]['rss'] / 2**20:.0f} MiB, tokens {rows[name][-1]['tokens']}", flush=True)
+    converted = sorted(p.name for p in (cache / "gguf").iterdir()) if (cache / "gguf").is_dir() else []
+
+    def med(name, key):
+        return statistics.median(x[key] for x in rows[name])
+
+    def ratio(a, b, key):
+        return statistics.median(x[key] / y[key] for x, y in zip(rows[a], rows[b]))
+
+    summary = {
+        "chat / generate decode": ratio("tformer chat", "tformer generate", "rate"),
+        "chat / llama.cpp decode": ratio("tformer chat", "llama.cpp", "rate"),
+        "chat / llama.cpp load time": ratio("tformer chat", "llama.cpp", "load"),
+        "chat / llama.cpp peak RSS": ratio("tformer chat", "llama.cpp", "rss"),
+        "float checkpoints written by the first start": converted,
+    }
+    lines = ["# The front door: tformer chat vs tformer generate vs llama.cpp, SmolLM2-135M-Instruct Q4_1", "",
+             f"{args.rounds} rounds, {args.threads} threads, greedy, decode rate from {args.short} and {args.long} new "
+             f"tokens; prompt: {len(ids)} tokens (the chat template around {PROMPT!r}).", "",
+             "| contender | decode tok/s (median) | per round | load s (median) | peak RSS MiB |", "|---|---:|---|---:|---:|"]
+    for name in specs:
+        rounds = " / ".join(f"{x['rate']:.1f}" for x in rows[name])
+        lines.append(f"| {name} | {med(name, 'rate'):.1f} | {rounds} | "
+                     f"{med(name, 'load'):.2f} | {med(name, 'rss') / 2**20:.0f} |")
+    lines += ["", "| ratio (median of per-round ratios) | value | goal |", "|---|---:|---|",
+              f"| chat / generate, decode | {summary['chat / generate decode']:.2f} | >= 0.9 |",
+              f"| chat / llama.cpp, decode | {summary['chat / llama.cpp decode']:.2f} | >= 1.0 |",
+              f"| chat / llama.cpp, load time | {summary['chat / llama.cpp load time']:.2f} | <= 2 |",
+              f"| chat / llama.cpp, peak RSS | {summary['chat / llama.cpp peak RSS']:.2f} | (reported) |",
+              "", f"Float checkpoints the first starts wrote into their fresh cache: {converted or 'none'}."]
+    out = results_dir("generation") / f"front_door{'-' + args.tag if args.tag else ''}"
+    run.write(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    run.write_json(out.with_suffix(".json"), {"rows": rows, "summary": summary, "prompt_tokens": len(ids)})
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
