@@ -73,3 +73,19 @@ def test_chat_and_serve_stop_at_the_end_of_turn_when_eos_is_another_token(smollm
     assert r["tokens"] < 60 and "<|im_end|>" not in out.getvalue()    # it ended its turn
     choice = served_answer(str(ckpt), "auto", [{"role": "user", "content": "Say hello in one short sentence."}], 60)
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == chat.messages[-1]["content"]
+
+
+def test_a_gguf_opens_from_the_file_with_nothing_converted(smollm2, monkeypatch, capsys):
+    """Chatting with a GGUF reads it as it is: the float conversion (what `tformer convert` and
+    `resolve_model` write into the cache) is never called."""
+    import tformer.interop.builtin as builtin
+    import tformer.interop.gguf_import as gguf_import
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a float checkpoint was written")
+
+    monkeypatch.setattr(builtin, "cached_conversion", refuse)
+    monkeypatch.setattr(gguf_import, "convert_gguf", refuse)
+    assert main(["chat", "--prompt", "Hi", "--max-new-tokens", "2", "--temperature", "0", "--verbose"]) == 0
+    err = capsys.readouterr().err
+    assert "weights q4_1 (auto: the file's own q4_1 blocks" in err and "whole-layer path" in err, err
