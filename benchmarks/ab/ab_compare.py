@@ -105,6 +105,27 @@ with torch.inference_mode():
     m(ids, attention_mask=mask)
     t = time.perf_counter(); [m(ids, attention_mask=mask) for _ in range(5)]; report(5 * 32 / (time.perf_counter() - t))
 """,
+    "decode SmolLM2-135M Q4_1 blocks (prompt 32, 64 new): tok/s": """
+from tformer.interop.builtin import builtin_path
+from tformer.interop.gguf_import import load_gguf
+m = load_gguf(builtin_path("smollm2"), keep_quant=True); ids = torch.randint(0, 49152, (1, 32))
+generate(m, ids, 4, temperature=0)
+t0 = time.perf_counter(); generate(m, ids, 1, temperature=0); prefill = time.perf_counter() - t0
+t = time.perf_counter(); generate(m, ids, 65, temperature=0); report(64 / (time.perf_counter() - t - prefill))
+""",
+    "serve pool SmolLM2-135M Q4_1 (4 rows, prompt 100, 40 steps): tok/s": """
+from tformer.interop.builtin import builtin_path
+from tformer.interop.gguf_import import load_gguf
+from tformer.serve.pool import KVPool
+m = load_gguf(builtin_path("smollm2"), keep_quant=True); pool = KVPool(m, 4, 512)
+prompts = [list(range(100 + 7 * r, 200 + 7 * r)) for r in range(4)]
+with torch.inference_mode():
+    t = pool.prefill([0, 1, 2, 3], prompts).argmax(-1)
+    start = time.perf_counter()
+    for i in range(40):
+        t = pool.decode(t, 101 + i).argmax(-1); t.tolist()
+report(4 * 40 / (time.perf_counter() - start))
+""",
 }
 COMPILED = {
     "decode GPT-2 124M fp32, eager static step: tok/s": """
