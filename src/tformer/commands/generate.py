@@ -55,7 +55,7 @@ MAX_NEW_TOKENS = 1 << 20
 
 def check_options(args: argparse.Namespace) -> None:
     """Every generation option's range and finiteness, before anything is loaded, naming the option."""
-    from tformer.training.config import available_cores
+    from tformer.machine import available_cores
 
     threads, cores = getattr(args, "threads", None), available_cores()
     if threads is not None and not 1 <= threads <= cores:

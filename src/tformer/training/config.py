@@ -6,7 +6,6 @@ import codecs
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
+from tformer.machine import available_cores
 from tformer.tokenizers import KINDS
 from tformer.training.recipes import RECIPE_NAMES
 
@@ -51,7 +51,8 @@ class TrainConfig:
         target_loss: stop at the first evaluation whose val loss is at most this; 0 = never.
         precision: ``auto`` (bf16 autocast where the hardware has bf16 — on CPU, AVX-512-BF16/AMX — and,
             on CPU, d_model >= 128, where it measured faster; else fp32), ``bf16``, ``fp32``.
-        compile: wrap the model in ``torch.compile``. threads: torch threads (0 = :func:`auto_threads`).
+        compile: wrap the model in ``torch.compile``.
+        threads: torch threads (0 = :func:`tformer.machine.auto_threads`).
         device: ``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``.
         seed: model init, batch order and sampling.
         eval_interval, eval_batches: evaluate (and save, and sample) every so many steps on so many batches.
@@ -107,14 +108,6 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_train_settings(self)
-
-
-def available_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask), the bound for ``threads``."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 # Range of every numeric TrainConfig field: (low, high, low inclusive, high inclusive); None = unbounded.

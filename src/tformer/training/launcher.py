@@ -27,8 +27,9 @@ import threading
 from tformer.checkpoint import read_pointer
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
-from tformer.training.config import (MODEL_KEYS, TRAIN_KEYS, TrainConfig, available_cores, cast_value,
-                                     check_language_model, check_model_settings)
+from tformer.machine import available_cores
+from tformer.training.config import (MODEL_KEYS, TRAIN_KEYS, TrainConfig, cast_value, check_language_model,
+                                     check_model_settings)
 from tformer.training.data import resolve_corpus
 from tformer.training.distributed import Distributed
 

@@ -8,7 +8,6 @@ the run folder's lock) before a step is trained; :meth:`Trainer.fit` logs the mo
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from tformer.checkpoint import load_config, read_pointer, resolve_checkpoint
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError, InputError
 from tformer.generation.generate import generate
-from tformer.machine import busy_cores, cached_matmul_peak_flops
+from tformer.machine import auto_threads, cached_matmul_peak_flops
 from tformer.mixers import check_config as check_mixers
 from tformer.models import build_model
 from tformer.tokenizers import load_tokenizer
@@ -34,8 +33,6 @@ from tformer.training.runs import load_training_state
 from tformer.training.runstate import check_more_steps, check_state, start_metrics
 from tformer.training.tasks.lm import EVAL_TOKENS_PER_PASS, LanguageModelling  # noqa: F401
 
-_DEFAULT_THREADS = torch.get_num_threads()
-
 
 class Trainer(Loop):
     """One language-model run. Build it with :meth:`create` (new or resumed), then call :meth:`fit`."""
@@ -43,7 +40,7 @@ class Trainer(Loop):
     def __init__(self, cfg: TrainConfig, model_config: TransformerConfig, corpus: Corpus, out_dir: Path,
                  preset: str, log=print):
         self.corpus, self.preset = corpus, preset
-        torch.set_num_threads(cfg.threads or auto_threads())
+        torch.set_num_threads(cfg.threads or auto_threads(distributed.local_ranks()))
         distributed.setup(cfg.device, cfg.dist_timeout).check_batch(cfg.batch_size, cfg.grad_accum)
         torch.manual_seed(cfg.seed)
         T = model_config.context_length
@@ -186,20 +183,6 @@ class Trainer(Loop):
     def _ranks(self) -> str:
         d = self.dist
         return f" per rank, {d.world_size} ranks ({self.cfg.strategy}, {d.backend})" if d.active else ""
-
-
-def auto_threads() -> int:
-    """PyTorch's thread count, less the cores other processes keep busy right now; under torchrun,
-    the machine's cores divided by its ranks (each rank gets cores // N, so N ranks do not oversubscribe).
-
-    Intra-op threads that share a busy core wait on each other: on a 2-core machine with a load of
-    4, two threads ran a tiny-model step 4x slower than one thread did.
-    """
-    ranks = distributed.local_ranks()       # torchrun's ranks on this machine share its cores
-    cores = os.cpu_count() or _DEFAULT_THREADS
-    default = _DEFAULT_THREADS if ranks == 1 else cores // ranks
-    busy = round(busy_cores(0.5))
-    return max(1, min(default, (cores - busy) // ranks))
 
 
 def _check_length(corpus: Corpus, context: int) -> None:
