@@ -17,7 +17,7 @@ from tformer.machine import available_cores
 from tformer.tokenizers import KINDS
 from tformer.training.recipes import RECIPE_NAMES
 
-PRECISIONS = ("auto", "bf16", "fp32")
+AUTOCAST_MODES = ("auto", "bf16", "fp32")    # TrainConfig.precision; not inference's weight formats (quant.quantize)
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 STRATEGIES = ("ddp", "fsdp")                 # how a run under torchrun spreads over its ranks
@@ -160,8 +160,8 @@ def check_train_settings(cfg: "TrainConfig") -> None:
                           f"set threads between 1 and {available_cores()} (0 = automatic).")
     if cfg.tokenizer not in KINDS:
         raise ConfigError(f"tokenizer={cfg.tokenizer!r} is not known; choose one of {', '.join(KINDS)}.")
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"precision={cfg.precision!r} is not known; choose one of {', '.join(PRECISIONS)}.")
+    if cfg.precision not in AUTOCAST_MODES:
+        raise ConfigError(f"precision={cfg.precision!r} is not known; choose one of {', '.join(AUTOCAST_MODES)}.")
     if cfg.recipe not in RECIPE_NAMES:
         raise ConfigError(f"recipe={cfg.recipe!r} is not known; choose one of {', '.join(RECIPE_NAMES)}.")
     if cfg.optimizer not in OPTIMIZERS:

@@ -23,7 +23,7 @@ from tformer.mixers import check_config as check_mixers
 from tformer.models import build_model
 from tformer.tokenizers import load_tokenizer
 from tformer.training import distributed
-from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
+from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, TRAIN_KEYS,  # noqa: F401
                                      TrainConfig, cast_value, check_language_model, check_model_settings)
 from tformer.training.data import Corpus, corpus_fingerprint, default_cache_dir, load_corpus, resolve_corpus
 from tformer.training.loop import Loop, Stop  # noqa: F401
