@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import signal
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,7 +37,7 @@ from tformer.training.peft_adapter import save_adapter
 from tformer.training.runlock import RunLock
 from tformer.training.runs import load_training_state
 from tformer.training.runstate import check_more_steps, check_state, start_metrics
-from tformer.training.tasks.finetune import FinetuneTask, answers
+from tformer.training.tasks.finetune import FinetuneTask
 
 METHODS = ("lora", "full")
 UNUSED = ("tokenizer", "bpe_vocab_size", "cache_dir", "sample_tokens", "sample_prompt", "strategy")
@@ -343,34 +341,3 @@ def finish(loop: FinetuneLoop) -> dict:
 def _copy(model: torch.nn.Module) -> torch.nn.Module:
     import copy
     return copy.deepcopy(model)
-
-
-def run_command(args, settings: dict) -> int:
-    """``tformer finetune``'s body (after the argument parsing in :mod:`tformer.commands.finetune`)."""
-    given = set(settings)
-    s = FinetuneSettings.from_strings(settings)
-    loop = prepare(s, log=lambda m: print(m, flush=True), resume=args.resume, given=given)
-    try:
-        summary = loop.fit()
-    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving this step
-        print(f"\naborted; the last complete checkpoint (step {loop.saved_step}) is kept.", file=sys.stderr)
-        return 130
-    if summary["stopped"] in ("int", "term"):
-        return 128 + (signal.SIGTERM if summary["stopped"] == "term" else signal.SIGINT)
-    written = finish(loop)
-    records = [json.loads(line) for line in (loop.out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-               if line.strip()]                             # the whole run's, across resumes
-    last = [r for r in records if "val_loss" in r or "exact_match" in r]
-    first = last[0] if last else {}
-    shown = ", ".join(f"{k.replace('_', ' ')} {first.get(k, float('nan')):.4f} -> {last[-1][k]:.4f}"
-                      for k in ("val_loss", "exact_match") if last and k in last[-1])
-    print(f"\nfine-tuned {summary['step']} steps ({loop.elapsed:.0f} s); {shown}; "
-          + "; ".join(f"{k} in {v}" for k, v in written.items()), flush=True)
-    if loop.task.questions:
-        prompts = loop.task.questions[:3]
-        got = answers(loop.model.eval(), [p for p, _ in prompts], loop.task.stop_ids, loop.task.decode,
-                      loop.task.pad_id, loop.device)
-        for (_, ref), g in zip(prompts, got):
-            print(f"  {g!r} (reference {ref!r})")
-    return 0
-

@@ -21,8 +21,6 @@ import hashlib
 import json
 import math
 import os
-import signal
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +30,7 @@ import torch
 from tformer.checkpoint import CONFIG, POINTER, load_config, load_model, read_pointer, resolve_checkpoint
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, ConfigError, InputError
+from tformer.exits import STOP_SIGNALS
 from tformer.generation.beam import beam_search
 from tformer.io import atomic_write_json
 from tformer.models import build_model
@@ -200,7 +199,7 @@ def train(s: Seq2SeqSettings, log: Callable[[str], None] = print, data: tuple | 
         f"{len(task.train)} training / {len(task.test)} test pairs")
     summary = loop.fit()
     s = loop.cfg
-    if summary["stopped"] in ("int", "term"):
+    if summary["stopped"] in STOP_SIGNALS.values():
         return {"stopped": summary["stopped"], "steps": loop.step}
     losses = [r["loss"] for r in summary["history"] if "loss" in r and r["step"] > loop.step - 50]
     metrics = evaluate(loop.model, task.tokenizer, task.test[: s.eval_max or None], beams=s.beams,
@@ -335,27 +334,3 @@ def scores_by_length(model, tok: WordTokenizer, pairs: list, edges: tuple[int, .
                          "exact": sum(h == r for h, r in sel) / len(sel)})
         lo = hi
     return rows
-
-
-def run_command(args, settings: dict) -> int:
-    """``tformer train --task seq2seq``: the hook the train command calls."""
-    if args.preset:
-        raise ConfigError("--task seq2seq takes no --preset; set the model with --set model=... "
-                          "(encoder-decoder, bahdanau, rnn-encoder-decoder) and sizes with --set d_model=... .")
-    settings.pop("preset", None)
-    for key, value in (("data", args.data), ("out_dir", args.out), ("encoding", getattr(args, "encoding", None))):
-        if value is not None:
-            settings[key] = value
-    s = Seq2SeqSettings.from_strings(settings)
-    given = {"architecture" if k in MODEL_KEYS else k for k in settings}     # on resume, these override the saved
-    try:
-        metrics = train(s, log=lambda m: print(m, flush=True), resume=args.resume, given=given)
-    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving this step
-        print("\naborted; the last complete checkpoint is kept.", file=sys.stderr)
-        return 130
-    if metrics.get("stopped") in ("int", "term"):  # the conventional 128 + signal number
-        return 128 + (signal.SIGTERM if metrics["stopped"] == "term" else signal.SIGINT)
-    for ex in metrics["examples"][:3]:
-        print(f"  {ex['source']!r} -> {ex['output']!r} (reference {ex['reference']!r})")
-    print(f"--- more: tformer translate --ckpt {s.out_dir} \"...\" --beams 4 ---")
-    return 0
