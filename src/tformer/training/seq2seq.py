@@ -37,9 +37,9 @@ from tformer.models import build_model
 from tformer.training import distributed
 from tformer.training.config import MODEL_KEYS, TrainConfig, cast_value, check_model_settings
 from tformer.training.loop import Loop
-from tformer.training.runlock import RunLock
-from tformer.training.runs import TRAINER_STATE, load_training_state
-from tformer.training.runstate import check_more_steps, check_state, start_metrics
+from tformer.training.runlock import check_run_folder, locked_run
+from tformer.training.runs import TRAINER_STATE
+from tformer.training.runstate import read_latest, resumed_settings, start_metrics
 from tformer.training.seq2seq_data import (BOS, EOS, WordTokenizer, make_batch, number_pairs, read_pairs,
                                            split_pairs)
 from tformer.training.tasks.base import Task, step_generator
@@ -185,15 +185,8 @@ def train(s: Seq2SeqSettings, log: Callable[[str], None] = print, data: tuple | 
     if distributed.under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         raise ConfigError("--task seq2seq trains in one process; run it without torchrun.")
     out = Path(s.out_dir or "runs/seq2seq")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file, not a folder; pass a folder for the run.")
-    lock = RunLock(out)
-    try:
-        loop = _resume(out, s, log, given) if resume else _new(out, s, log, data)
-    except BaseException:
-        lock.release()
-        raise
-    loop.lock = lock
+    check_run_folder(out)
+    loop = locked_run(out, lambda: _resume(out, s, log, given) if resume else _new(out, s, log, data))
     task = loop.task
     log(f"{loop.cfg.model}: {loop.model.num_parameters():,} parameters, vocabulary {task.tokenizer.vocab_size}, "
         f"{len(task.train)} training / {len(task.test)} test pairs")
@@ -233,9 +226,7 @@ def _resume(out: Path, s: Seq2SeqSettings, log, given: set[str] | None) -> Loop:
     if not out.is_dir() or read_pointer(out, missing_ok=True) is None:
         raise InputError(f"nothing to resume: {out} holds no seq2seq checkpoint; drop --resume to start a run, "
                          f"or pass the --out folder of an earlier `tformer train --task seq2seq`.")
-    folder = resolve_checkpoint(out)
-    state, opt_state = load_training_state(folder)
-    check_state(state, opt_state, folder)
+    folder, state, opt_state = read_latest(out)
     saved = state["train_config"]
     if "label_smoothing" not in saved:
         raise CheckpointError(f"{out} is a language-model run, not a seq2seq one; resume it without --task seq2seq.")
@@ -244,15 +235,7 @@ def _resume(out: Path, s: Seq2SeqSettings, log, given: set[str] | None) -> Loop:
     given = {k: getattr(s, k) for k in given if k != "out_dir"}
     if "architecture" in given:                              # the keys given, over the saved architecture
         given["architecture"] = {**saved.get("architecture", {}), **given["architecture"]}
-    changed = {k: v for k, v in given.items() if k in RESUME_KEEPS and v != saved.get(k)}
-    if changed:
-        raise ConfigError(f"the checkpoint in {folder} was trained with "
-                          f"{', '.join(f'{k}={saved.get(k)!r}' for k in changed)}, but this run asks for "
-                          f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}; resume with the original "
-                          f"settings or start a new run with another --out.")
-    fields = {f.name for f in dataclasses.fields(Seq2SeqSettings)}
-    s = Seq2SeqSettings(**{**{k: v for k, v in saved.items() if k in fields}, **given, "out_dir": str(out)})
-    check_more_steps(out, state["step"], s.max_steps)
+    s = resumed_settings(Seq2SeqSettings, state, given, RESUME_KEEPS, folder, out)
     train_pairs, test_pairs = load_data(s)
     task = PairsTask(train_pairs, test_pairs, WordTokenizer.load(folder / "tokenizer.json"), s)
     if task.fingerprint != state["corpus_fingerprint"]:

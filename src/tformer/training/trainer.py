@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tformer.accounting import training_flops_per_token
-from tformer.checkpoint import load_config, read_pointer, resolve_checkpoint
+from tformer.checkpoint import load_config, read_pointer
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError, InputError
 from tformer.generation.generate import generate
@@ -28,9 +28,8 @@ from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, TRAIN_KEYS
 from tformer.training.data import Corpus, corpus_fingerprint, default_cache_dir, load_corpus, resolve_corpus
 from tformer.training.loop import Loop, Stop  # noqa: F401
 from tformer.training.recipes import apply_recipe
-from tformer.training.runlock import RunLock
-from tformer.training.runs import load_training_state
-from tformer.training.runstate import check_more_steps, check_state, start_metrics
+from tformer.training.runlock import check_run_folder, locked_run
+from tformer.training.runstate import check_more_steps, read_latest, start_metrics
 from tformer.training.tasks.lm import EVAL_TOKENS_PER_PASS, LanguageModelling  # noqa: F401
 
 
@@ -74,19 +73,12 @@ class Trainer(Loop):
         out_dir = Path(train_kw.get("out_dir") or f"runs/{preset or 'tiny'}")
         dist = distributed.setup(train_kw.get("device", "auto"), train_kw.get("dist_timeout", 600.0))
         log = log if dist.is_main else _quiet     # rank 0 alone logs
-        if out_dir.exists() and not out_dir.is_dir():
-            raise InputError(f"--out {out_dir} is a file, not a folder; pass a folder for the run.")
+        check_run_folder(out_dir)
         if resume and (not out_dir.exists() or not any(p.name != ".lock" for p in out_dir.iterdir())):
             raise InputError(f"nothing to resume: {out_dir} holds no run; drop --resume to start one, "
                              f"or pass the --out folder of an earlier run.")
-        lock = RunLock(out_dir)
-        try:
-            trainer = (cls._resume if resume else cls._new)(out_dir, preset, model_kw, train_kw, log)
-        except BaseException:
-            lock.release()
-            raise
-        trainer.lock = lock
-        return trainer
+        start = cls._resume if resume else cls._new
+        return locked_run(out_dir, lambda: start(out_dir, preset, model_kw, train_kw, log))
 
     @classmethod
     def _new(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
@@ -111,9 +103,7 @@ class Trainer(Loop):
 
     @classmethod
     def _resume(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
-        folder = resolve_checkpoint(out_dir)
-        state, opt_state = load_training_state(folder)
-        check_state(state, opt_state, folder)
+        folder, state, opt_state = read_latest(out_dir)
         saved, _ = load_config(folder)
         asked = {"preset": preset} if preset and preset != saved.name else {}
         asked.update({k: v for k, v in model_kw.items() if getattr(saved, k) != v})
