@@ -16,7 +16,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "tformer"
 
 LAYERS = [
-    ["errors"],
+    ["errors", "exits"],
     ["config", "io"],
     ["machine", "extensions", "ops"],
     ["nn"],

@@ -15,9 +15,11 @@ import argparse
 import errno
 import importlib
 import os
+import signal
 import sys
 
 from tformer.errors import TformerError
+from tformer.exits import exit_code_for_signal
 
 # Subcommand modules, in the order ``tformer --help`` lists them.
 COMMANDS = ["train", "finetune", "sample", "generate", "chat", "count", "convert", "embed", "claims", "plan", "sweep", "serve",
@@ -79,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args.command, message)
 
 
-# The status of a process that a SIGPIPE ended (128 + 13): what `yes | head -1` reports for `yes`.
-PIPE_CLOSED = 141
+# The status of a process that a SIGPIPE ended (141): what `yes | head -1` reports for `yes`.
+PIPE_CLOSED = exit_code_for_signal(signal.SIGPIPE)
 
 
 def _reader_left() -> int:

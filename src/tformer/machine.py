@@ -1,6 +1,6 @@
 """Hardware facts the trainer, the server and the benchmarks measure instead of assuming: the CPU's
-model name and vector instruction sets, bf16 support, the matmul peak, how many cores other
-processes keep busy, and the memory still available."""
+model name and vector instruction sets, bf16 support, the matmul peak, the cores this process may use,
+how many of them other processes keep busy (and so how many threads to run), and the memory still available."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+_DEFAULT_THREADS = torch.get_num_threads()      # torch's own choice, before anyone sets it
 
 
 # The instruction sets a CPU speed depends on, as named in a report -> the /proc/cpuinfo flag that has it.
@@ -158,6 +160,28 @@ def busy_cores(seconds: float = 1.0) -> float:
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0]
     return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask), the bound for a ``threads`` setting."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_threads(ranks: int = 1) -> int:
+    """PyTorch's thread count, less the cores other processes keep busy right now; with ``ranks``
+    processes sharing this machine (torchrun's local ranks), its cores divided by them (each gets
+    cores // N, so N ranks do not oversubscribe).
+
+    Intra-op threads that share a busy core wait on each other: on a 2-core machine with a load of
+    4, two threads ran a tiny-model step 4x slower than one thread did.
+    """
+    cores = os.cpu_count() or _DEFAULT_THREADS
+    default = _DEFAULT_THREADS if ranks == 1 else cores // ranks
+    busy = round(busy_cores(0.5))
+    return max(1, min(default, (cores - busy) // ranks))
 
 
 def available_memory() -> int:

@@ -224,6 +224,27 @@ def test_bad_prompts_raise_their_message():
         list(stream_text(model, TOK, "abc", 3, top_k=0))
 
 
+def test_one_check_of_the_options_names_them_as_the_api_or_the_command_line_does():
+    from tformer.generation.generate import GenerationOptions
+    from tformer.generation.sampling import check_max_new_tokens, check_sampling
+
+    for flags, names in ((False, ("temperature=nan", "top_k=0", "top_p=1.5", "seed=-1", "max_new_tokens=-1")),
+                         (True, ("--temperature nan", "--top-k 0", "--top-p 1.5", "--seed -1", "--max-new-tokens -1"))):
+        bad = [dict(temperature=float("nan")), dict(top_k=0), dict(top_p=1.5), dict(seed=-1)]
+        for kw, name in zip(bad, names):
+            with pytest.raises(ValueError, match=name):
+                check_sampling(**{"temperature": 1.0, "top_k": None, "top_p": None, **kw}, flags=flags)
+        with pytest.raises(ValueError, match=names[-1]):
+            check_max_new_tokens(-1, flags=flags)
+    with pytest.raises(ValueError, match="between 0 and 8"):
+        check_max_new_tokens(9, 8)
+    check_max_new_tokens(8, 8)
+    with pytest.raises(ValueError, match=r"seed=18446744073709551616 must be an integer in \[0, 2\*\*63\)"):
+        GenerationOptions(seed=2**64)
+    with pytest.raises(ValueError, match="max_new_tokens=-1"):
+        generate(tiny(), torch.tensor([[1, 2]]), -1)
+
+
 def test_cli_generate_prints_text_and_speed(tmp_path, capsys):
     from tformer.checkpoint import save_model
     from tformer.cli import main

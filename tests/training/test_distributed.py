@@ -244,15 +244,16 @@ def test_nproc_under_torchrun_and_a_batch_that_does_not_split_are_one_line_error
 
 
 def test_each_local_rank_gets_its_share_of_the_cores(monkeypatch):
-    from tformer.training import trainer
-    monkeypatch.setattr(trainer, "busy_cores", lambda seconds: 0.0)
-    monkeypatch.setattr(trainer.os, "cpu_count", lambda: 8)
+    from tformer import machine
+    from tformer.training.distributed import local_ranks
+    monkeypatch.setattr(machine, "busy_cores", lambda seconds: 0.0)
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert trainer.auto_threads() == 4                      # 8 cores // 2 ranks
-    monkeypatch.setattr(trainer, "busy_cores", lambda seconds: 4.0)
-    assert trainer.auto_threads() == 2                      # (8 - 4 busy) // 2
+    assert machine.auto_threads(local_ranks()) == 4         # 8 cores // 2 ranks
+    monkeypatch.setattr(machine, "busy_cores", lambda seconds: 4.0)
+    assert machine.auto_threads(local_ranks()) == 2         # (8 - 4 busy) // 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
-    assert trainer.auto_threads() == 1
+    assert machine.auto_threads(local_ranks()) == 1
 
 
 def _job_pids(marker: str) -> list[int]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 EPILOG = """settings (--set KEY=VALUE; tformer.training.finetune.FinetuneSettings): the loop's (lr, min_lr,
 warmup_steps, max_steps, batch_size, grad_accum, weight_decay, precision, eval_interval, log_interval,
@@ -43,7 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tformer.commands.train import parse_settings
-    from tformer.training.finetune import run_command
+    from tformer.exits import INTERRUPTED, stopped_exit
+    from tformer.training.finetune import FinetuneSettings, finish, prepare
+    from tformer.training.tasks.finetune import answers
 
     settings = parse_settings(args.settings)
     for key, value in (("model", args.model), ("data", args.data), ("method", args.method), ("out_dir", args.out)):
@@ -51,4 +55,28 @@ def run(args: argparse.Namespace) -> int:
             settings[key] = value
     if args.merge:
         settings["merge"] = "true"
-    return run_command(args, settings)
+    s = FinetuneSettings.from_strings(settings)
+    loop = prepare(s, log=lambda m: print(m, flush=True), resume=args.resume, given=set(settings))
+    try:
+        summary = loop.fit()
+    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving this step
+        print(f"\naborted; the last complete checkpoint (step {loop.saved_step}) is kept.", file=sys.stderr)
+        return INTERRUPTED
+    if (code := stopped_exit(summary["stopped"])) is not None:
+        return code
+    written = finish(loop)
+    records = [json.loads(line) for line in (loop.out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+               if line.strip()]                             # the whole run's, across resumes
+    last = [r for r in records if "val_loss" in r or "exact_match" in r]
+    first = last[0] if last else {}
+    shown = ", ".join(f"{k.replace('_', ' ')} {first.get(k, float('nan')):.4f} -> {last[-1][k]:.4f}"
+                      for k in ("val_loss", "exact_match") if last and k in last[-1])
+    print(f"\nfine-tuned {summary['step']} steps ({loop.elapsed:.0f} s); {shown}; "
+          + "; ".join(f"{k} in {v}" for k, v in written.items()), flush=True)
+    if loop.task.questions:
+        prompts = loop.task.questions[:3]
+        got = answers(loop.model.eval(), [p for p, _ in prompts], loop.task.stop_ids, loop.task.decode,
+                      loop.task.pad_id, loop.device)
+        for (_, ref), g in zip(prompts, got):
+            print(f"  {g!r} (reference {ref!r})")
+    return 0

@@ -62,23 +62,16 @@ MAX_NEW_TOKENS = 1 << 20
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """Every generation option's range and finiteness, before anything is loaded, naming the option."""
-    from tformer.training.config import available_cores
+    """Every generation option's range and finiteness, before anything is loaded, naming the option
+    (the checks are generation's own: :mod:`tformer.generation.sampling`)."""
+    from tformer.generation.sampling import check_max_new_tokens, check_sampling
+    from tformer.machine import available_cores
 
     threads, cores = getattr(args, "threads", None), available_cores()
     if threads is not None and not 1 <= threads <= cores:
         raise InputError(f"--threads {threads} is out of range; pass between 1 and {cores} (the cores available).")
-    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
-        raise InputError(f"--max-new-tokens {args.max_new_tokens} is out of range; pass between 0 and "
-                         f"{MAX_NEW_TOKENS:,}.")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise InputError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy).")
-    if args.top_k is not None and args.top_k < 1:
-        raise InputError(f"--top-k {args.top_k} must be >= 1.")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise InputError(f"--top-p {args.top_p} must be in (0, 1].")
-    if args.seed is not None and not 0 <= args.seed < 2**63:
-        raise InputError(f"--seed {args.seed} is out of range; pass an integer between 0 and 2**63 - 1.")
+    check_max_new_tokens(args.max_new_tokens, MAX_NEW_TOKENS, flags=True)
+    check_sampling(args.temperature, args.top_k, args.top_p, args.seed, flags=True)
 
 
 def sampling_options(args: argparse.Namespace, file_defaults: dict, fallback: dict) -> dict:

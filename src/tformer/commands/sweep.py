@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tformer.errors import ConfigError
+from tformer.exits import INTERRUPTED
 
 EXAMPLES = """examples:
   tformer sweep --quick --out runs/sweep-quick            # 3 budgets x 3 sizes of tiny models, about a minute
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     runs = load_runs(args.out)
     if len(runs) < len(spec.budgets) * 3:
         print(f"{len(runs)} runs finished so far; rerun the same command to finish the sweep before fitting.")
-        return 130
+        return INTERRUPTED
     analysis = analyse(runs, bootstrap=args.bootstrap)
     atomic_write_json(Path(args.out) / "fits.json", analysis)
     try:

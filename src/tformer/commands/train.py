@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from tformer.config import PRESETS
 from tformer.errors import ConfigError
+from tformer.exits import INTERRUPTED, stopped_exit
 from tformer.training.config import MODEL_KEYS, TRAIN_KEYS
 
 TRAIN_HELP = {
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         if distributed.under_torchrun():
             raise ConfigError("--nproc starts torchrun itself; under torchrun drop --nproc "
                               "(torchrun's --nproc-per-node sets the number of ranks).")
-        preset, settings = _lm_settings(args)
+        preset, settings = _settings(args)
         launcher.check_ranks(args.nproc, settings, preset, args.resume)   # once, before any rank starts
         return launcher.launch(args.nproc, _launch_args(args))
     try:
@@ -160,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
         distributed.shutdown()
 
 
-def _lm_settings(args: argparse.Namespace) -> tuple[str | None, dict]:
-    """``(preset, settings)`` of a language-model run: the TOML file's, then --set, then the flags."""
+def _settings(args: argparse.Namespace) -> tuple[str | None, dict]:
+    """``(preset, settings)`` of a run: the TOML file's, then --set, then the flags."""
     settings = read_toml(args.config) if args.config else {}
     preset = args.preset or settings.pop("preset", None)
     settings.pop("preset", None)
@@ -179,23 +179,21 @@ def _train(args: argparse.Namespace) -> int:
     from tformer.training.trainer import Trainer
 
     if getattr(args, "task", "lm") == "seq2seq":
-        from tformer.training.seq2seq import run_command
-        settings = read_toml(args.config) if args.config else {}
-        return run_command(args, {**settings, **parse_settings(args.settings)})
-    preset, settings = _lm_settings(args)
+        return _train_seq2seq(args)
+    preset, settings = _settings(args)
     try:
         trainer = Trainer.create(settings, preset=preset, resume=args.resume, log=lambda m: print(m, flush=True))
     except KeyboardInterrupt:
         print("\ninterrupted before training started; nothing was saved.", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     try:
         result = trainer.fit()
     except KeyboardInterrupt:  # a second Ctrl-C: abort without saving this step
         print(f"\naborted at step {trainer.step}; the last complete checkpoint (step {trainer.saved_step}) "
               f"is kept in {trainer.out_dir}.", file=sys.stderr)
-        return 130
-    if result["stopped"] in ("int", "term"):  # the conventional 128 + signal number
-        return 128 + (signal.SIGTERM if result["stopped"] == "term" else signal.SIGINT)
+        return INTERRUPTED
+    if (code := stopped_exit(result["stopped"])) is not None:
+        return code
     main = trainer.dist.is_main                    # rank 0 alone prints
     sample = trainer.sample(max(trainer.cfg.sample_tokens, 300)) if trainer.cfg.sample_tokens > 0 else ""
     if not main:
@@ -206,4 +204,28 @@ def _train(args: argparse.Namespace) -> int:
         print(f"--- generated text ({max(trainer.cfg.sample_tokens, 300)} tokens) ---", flush=True)
         sys.stdout.write(sample + "\n")
     print(f"--- more: tformer sample --ckpt {result['out_dir']} --prompt \"...\" ---")
+    return 0
+
+
+def _train_seq2seq(args: argparse.Namespace) -> int:
+    """``tformer train --task seq2seq``: a :class:`~tformer.training.seq2seq.Seq2SeqSettings` run."""
+    from tformer.training.seq2seq import Seq2SeqSettings, train
+
+    _, settings = _settings(args)
+    if args.preset:
+        raise ConfigError("--task seq2seq takes no --preset; set the model with --set model=... "
+                          "(encoder-decoder, bahdanau, rnn-encoder-decoder) and sizes with --set d_model=... .")
+    settings.pop("preset", None)                 # a TOML file's preset, or --set preset=..., is not this task's
+    s = Seq2SeqSettings.from_strings(settings)
+    given = {"architecture" if k in MODEL_KEYS else k for k in settings}     # on resume, these override the saved
+    try:
+        metrics = train(s, log=lambda m: print(m, flush=True), resume=args.resume, given=given)
+    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving this step
+        print("\naborted; the last complete checkpoint is kept.", file=sys.stderr)
+        return INTERRUPTED
+    if (code := stopped_exit(metrics.get("stopped"))) is not None:
+        return code
+    for ex in metrics["examples"][:3]:
+        print(f"  {ex['source']!r} -> {ex['output']!r} (reference {ex['reference']!r})")
+    print(f"--- more: tformer translate --ckpt {s.out_dir} \"...\" --beams 4 ---")
     return 0

@@ -37,7 +37,7 @@ from typing import Iterator
 import torch
 
 from tformer.errors import InputError, TformerError
-from tformer.generation.sampling import check_sampling, sample
+from tformer.generation.sampling import check_max_new_tokens, check_sampling, sample
 from tformer.generation.step import decode_step, prefill
 from tformer.nn.embedding import check_ids
 
@@ -77,14 +77,12 @@ class GenerationOptions:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_k, self.top_p)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
         object.__setattr__(self, "stop_tokens", tuple(sorted(set(int(t) for t in (self.stop_tokens or ())))))
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise InputError(f"prefill_chunk={self.prefill_chunk} must be >= 1 (or None for one pass).")
         if self.overflow not in ("window", "shift"):
             raise InputError(f"overflow={self.overflow!r} is not known; choose 'window' or 'shift'.")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise InputError(f"seed={self.seed} must be an integer in [0, 2**63).")
 
     @classmethod
     def of(cls, options: "GenerationOptions | None" = None, **overrides) -> "GenerationOptions":
@@ -201,8 +199,7 @@ def _check_ids(model, ids: Tensor, attention_mask: Tensor | None, max_new_tokens
         raise InputError(
             f"the prompt has {ids.shape[1]} tokens but the model's context is {context} "
             f"(config.context_length); shorten the prompt or use a model with a larger context_length.")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0.")
+    check_max_new_tokens(max_new_tokens)
     check_ids(ids, model.config.vocab_size)
     if attention_mask is not None:
         if attention_mask.shape != ids.shape:

@@ -31,14 +31,36 @@ def is_greedy(temperature: float) -> bool:
     return temperature < MIN_TEMPERATURE
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ``InputError`` naming the bad sampling option and its valid range."""
+# The seeds a generation takes: torch.Generator.manual_seed's range (a signed 64-bit integer's, OpenAI's too).
+SEED_LIMIT = 2**63
+
+
+def option(name: str, value, flags: bool = False) -> str:
+    """How a message names an option and its value: ``top_k=0`` in the API, ``--top-k 0`` (``flags``) on
+    the command line."""
+    return f"--{name.replace('_', '-')} {value}" if flags else f"{name}={value}"
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int | None = None, *,
+                   flags: bool = False) -> None:
+    """Raise ``InputError`` naming the bad sampling option (as a command-line flag with ``flags``) and its
+    valid range: the one check of temperature, top-k, top-p and the seed, for the API and the commands."""
+    leave_out = "leave it out" if flags else "or None"
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise InputError(f"temperature={temperature} must be a finite number >= 0 (0 = greedy).")
+        raise InputError(f"{option('temperature', temperature, flags)} must be a finite number >= 0 (0 = greedy).")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise InputError(f"top_k={top_k} must be >= 1 (or None to keep every token).")
+        raise InputError(f"{option('top_k', top_k, flags)} must be >= 1 ({leave_out} to keep every token).")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise InputError(f"top_p={top_p} must be in (0, 1] (1 keeps every token).")
+        raise InputError(f"{option('top_p', top_p, flags)} must be in (0, 1] (1 keeps every token).")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < SEED_LIMIT):
+        raise InputError(f"{option('seed', seed, flags)} must be an integer in [0, 2**63).")
+
+
+def check_max_new_tokens(max_new_tokens: int, most: int | None = None, *, flags: bool = False) -> None:
+    """Raise ``InputError`` unless ``max_new_tokens`` is an integer >= 0 (and <= ``most`` when given)."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0 or (most is not None and max_new_tokens > most):
+        limit = ">= 0" if most is None else f"between 0 and {most:,}"
+        raise InputError(f"{option('max_new_tokens', max_new_tokens, flags)} must be {limit}.")
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:

@@ -294,11 +294,13 @@ def use_decode_kernels(model: nn.Module) -> nn.Module:
     return model
 
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16,
-              "int4": torch.bfloat16}
+# The weight formats :func:`set_precision` casts a model to (``--dtype``) -> the dtype of the model's other tensors.
+# Not training's autocast modes (tformer.training.config.AUTOCAST_MODES).
+WEIGHT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16,
+                  "int4": torch.bfloat16}
 # GGUF block formats (tformer.quant.block_linear): the rest of the model stays float32, as llama.cpp's activations
 BLOCK_PRECISIONS = {"q8_0": torch.float32, "q4_0": torch.float32, "q4_1": torch.float32}
-PRECISIONS.update(BLOCK_PRECISIONS)
+WEIGHT_FORMATS.update(BLOCK_PRECISIONS)
 
 
 def set_precision(model: nn.Module, precision: str, decode_kernels: bool = True) -> nn.Module:
@@ -312,9 +314,9 @@ def set_precision(model: nn.Module, precision: str, decode_kernels: bool = True)
     Raises:
         ConfigError: an unknown precision.
     """
-    if precision not in PRECISIONS:
-        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
-    model.to(PRECISIONS[precision])
+    if precision not in WEIGHT_FORMATS:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(WEIGHT_FORMATS)}.")
+    model.to(WEIGHT_FORMATS[precision])
     if precision == "int8":
         quantize_int8(model)
     elif precision == "int4":

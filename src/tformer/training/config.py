@@ -6,7 +6,6 @@ import codecs
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +13,11 @@ import torch
 
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
+from tformer.machine import available_cores
 from tformer.tokenizers import KINDS
 from tformer.training.recipes import RECIPE_NAMES
 
-PRECISIONS = ("auto", "bf16", "fp32")
+AUTOCAST_MODES = ("auto", "bf16", "fp32")    # TrainConfig.precision; not inference's weight formats (quant.quantize)
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 STRATEGIES = ("ddp", "fsdp")                 # how a run under torchrun spreads over its ranks
@@ -51,7 +51,8 @@ class TrainConfig:
         target_loss: stop at the first evaluation whose val loss is at most this; 0 = never.
         precision: ``auto`` (bf16 autocast where the hardware has bf16 — on CPU, AVX-512-BF16/AMX — and,
             on CPU, d_model >= 128, where it measured faster; else fp32), ``bf16``, ``fp32``.
-        compile: wrap the model in ``torch.compile``. threads: torch threads (0 = :func:`auto_threads`).
+        compile: wrap the model in ``torch.compile``.
+        threads: torch threads (0 = :func:`tformer.machine.auto_threads`).
         device: ``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``.
         seed: model init, batch order and sampling.
         eval_interval, eval_batches: evaluate (and save, and sample) every so many steps on so many batches.
@@ -109,14 +110,6 @@ class TrainConfig:
         check_train_settings(self)
 
 
-def available_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask), the bound for ``threads``."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 # Range of every numeric TrainConfig field: (low, high, low inclusive, high inclusive); None = unbounded.
 TRAIN_RANGES = {
     "batch_size": (1, None, True, True), "grad_accum": (1, None, True, True), "max_steps": (1, None, True, True),
@@ -167,8 +160,8 @@ def check_train_settings(cfg: "TrainConfig") -> None:
                           f"set threads between 1 and {available_cores()} (0 = automatic).")
     if cfg.tokenizer not in KINDS:
         raise ConfigError(f"tokenizer={cfg.tokenizer!r} is not known; choose one of {', '.join(KINDS)}.")
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"precision={cfg.precision!r} is not known; choose one of {', '.join(PRECISIONS)}.")
+    if cfg.precision not in AUTOCAST_MODES:
+        raise ConfigError(f"precision={cfg.precision!r} is not known; choose one of {', '.join(AUTOCAST_MODES)}.")
     if cfg.recipe not in RECIPE_NAMES:
         raise ConfigError(f"recipe={cfg.recipe!r} is not known; choose one of {', '.join(RECIPE_NAMES)}.")
     if cfg.optimizer not in OPTIMIZERS:

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from tformer.errors import ConfigError
+from tformer.exits import STOP_SIGNALS
 from tformer.training.data import get_batch
 
 STOP_CODES = (None, "done", "time", "term", "int")   # agreed over ranks by taking the largest code
-STOP_SIGNALS = {signal.SIGTERM: "term", signal.SIGINT: "int"}
 
 
 def under_torchrun() -> bool:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import signal
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -34,10 +32,9 @@ from tformer.training.config import TrainConfig, cast_value
 from tformer.training.lora import TARGETS, LoRASpec, add_lora, merge_lora
 from tformer.training.loop import Loop
 from tformer.training.peft_adapter import save_adapter
-from tformer.training.runlock import RunLock
-from tformer.training.runs import load_training_state
-from tformer.training.runstate import check_more_steps, check_state, start_metrics
-from tformer.training.tasks.finetune import FinetuneTask, answers
+from tformer.training.runlock import check_run_folder, locked_run
+from tformer.training.runstate import read_latest, resumed_settings, start_metrics
+from tformer.training.tasks.finetune import FinetuneTask
 
 METHODS = ("lora", "full")
 UNUSED = ("tokenizer", "bpe_vocab_size", "cache_dir", "sample_tokens", "sample_prompt", "strategy")
@@ -237,16 +234,8 @@ def prepare(s: FinetuneSettings, log: Callable[[str], None] = print, resume: boo
     if distributed.under_torchrun():
         raise ConfigError("tformer finetune trains in one process; run it without torchrun.")
     out = Path(s.out_dir or "runs/finetune")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file, not a folder; pass a folder for the run.")
-    lock = RunLock(out)
-    try:
-        loop = _resume(out, s, log, given or set()) if resume else _new(out, s, log)
-    except BaseException:
-        lock.release()
-        raise
-    loop.lock = lock
-    return loop
+    check_run_folder(out)
+    return locked_run(out, lambda: _resume(out, s, log, given or set()) if resume else _new(out, s, log))
 
 
 def _new(out: Path, s: FinetuneSettings, log) -> FinetuneLoop:
@@ -286,21 +275,12 @@ def _loop(model, tokenizer, template, stops, s, out, log) -> FinetuneLoop:
 def _resume(out: Path, s: FinetuneSettings, log, given: set[str]) -> FinetuneLoop:
     if not out.is_dir() or read_pointer(out, missing_ok=True) is None:
         raise InputError(f"nothing to resume: {out} holds no checkpoint; drop --resume to start a run.")
-    folder = resolve_checkpoint(out)
-    state, opt_state = load_training_state(folder)
-    check_state(state, opt_state, folder)
+    folder, state, opt_state = read_latest(out)
     saved = state["train_config"]
     if "method" not in saved:
         raise CheckpointError(f"{out} is not a tformer finetune run; resume it with the command that made it.")
     asked = {k: getattr(s, k) for k in given if k != "out_dir"}
-    changed = {k: v for k, v in asked.items() if k in RESUME_KEEPS and v != saved.get(k)}
-    if changed:
-        raise ConfigError(f"the checkpoint in {folder} was made with "
-                          f"{', '.join(f'{k}={saved.get(k)!r}' for k in changed)}, but this run asks for "
-                          f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}; resume with the original settings.")
-    fields = {f.name for f in dataclasses.fields(FinetuneSettings)}
-    s = FinetuneSettings(**{**{k: v for k, v in saved.items() if k in fields}, **asked, "out_dir": str(out)})
-    check_more_steps(out, state["step"], s.max_steps)
+    s = resumed_settings(FinetuneSettings, state, asked, RESUME_KEEPS, folder, out)
     config, _ = load_config(folder)
     model = build_model(config)
     if s.method == "lora":
@@ -336,34 +316,3 @@ def finish(loop: FinetuneLoop) -> dict:
 def _copy(model: torch.nn.Module) -> torch.nn.Module:
     import copy
     return copy.deepcopy(model)
-
-
-def run_command(args, settings: dict) -> int:
-    """``tformer finetune``'s body (after the argument parsing in :mod:`tformer.commands.finetune`)."""
-    given = set(settings)
-    s = FinetuneSettings.from_strings(settings)
-    loop = prepare(s, log=lambda m: print(m, flush=True), resume=args.resume, given=given)
-    try:
-        summary = loop.fit()
-    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving this step
-        print(f"\naborted; the last complete checkpoint (step {loop.saved_step}) is kept.", file=sys.stderr)
-        return 130
-    if summary["stopped"] in ("int", "term"):
-        return 128 + (signal.SIGTERM if summary["stopped"] == "term" else signal.SIGINT)
-    written = finish(loop)
-    records = [json.loads(line) for line in (loop.out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-               if line.strip()]                             # the whole run's, across resumes
-    last = [r for r in records if "val_loss" in r or "exact_match" in r]
-    first = last[0] if last else {}
-    shown = ", ".join(f"{k.replace('_', ' ')} {first.get(k, float('nan')):.4f} -> {last[-1][k]:.4f}"
-                      for k in ("val_loss", "exact_match") if last and k in last[-1])
-    print(f"\nfine-tuned {summary['step']} steps ({loop.elapsed:.0f} s); {shown}; "
-          + "; ".join(f"{k} in {v}" for k, v in written.items()), flush=True)
-    if loop.task.questions:
-        prompts = loop.task.questions[:3]
-        got = answers(loop.model.eval(), [p for p, _ in prompts], loop.task.stop_ids, loop.task.decode,
-                      loop.task.pad_id, loop.device)
-        for (_, ref), g in zip(prompts, got):
-            print(f"  {g!r} (reference {ref!r})")
-    return 0
-

@@ -27,8 +27,10 @@ import threading
 from tformer.checkpoint import read_pointer
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
-from tformer.training.config import (MODEL_KEYS, TRAIN_KEYS, TrainConfig, available_cores, cast_value,
-                                     check_language_model, check_model_settings)
+from tformer.exits import STOPPED_EXITS, exit_code_for_signal
+from tformer.machine import available_cores
+from tformer.training.config import (MODEL_KEYS, TRAIN_KEYS, TrainConfig, cast_value, check_language_model,
+                                     check_model_settings)
 from tformer.training.data import resolve_corpus
 from tformer.training.distributed import Distributed
 
@@ -107,13 +109,13 @@ def main(argv: list[str]) -> int:
         rank, failure = first_failure(e.failures)
         code = failure.exitcode
         if code < 0:                                   # the rank was killed by signal -code
-            code = 128 - code
-        if code not in (2, 128 + signal.SIGINT, 128 + signal.SIGTERM):   # 2: the rank said why in one line
+            code = exit_code_for_signal(-code)
+        if code != 2 and code not in STOPPED_EXITS:    # 2: the rank said why in one line
             print(f"tformer train: rank {rank} failed with exit status {code}; its output above says why.",
                   file=sys.stderr)
         return code if 0 < code < 256 else 1
     except SignalException as e:
-        return 128 + int(e.sigval)
+        return exit_code_for_signal(e.sigval)
     return 0
 
 

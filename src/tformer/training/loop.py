@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from tformer.errors import ConfigError
+from tformer.exits import STOP_SIGNALS
 from tformer.machine import bf16_supported
 from tformer.ops import activation_cpu, attention_cpu
 from tformer.training import dist_checkpoint, distributed
@@ -321,10 +322,10 @@ def _install_signals(stop: dict):
         return lambda: None
 
     def handler(signum, frame):
-        if stop["why"] in ("int", "term"):
+        if stop["why"] in STOP_SIGNALS.values():
             raise KeyboardInterrupt
-        stop["why"] = "term" if signum == signal.SIGTERM else "int"
+        stop["why"] = STOP_SIGNALS[signum]
         _announce(stop["why"])
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     return lambda: [signal.signal(s, h) for s, h in previous.items()]

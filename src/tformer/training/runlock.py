@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from tformer.errors import InputError
 
@@ -24,6 +25,7 @@ except ImportError:  # Windows: runs are not protected against each other
     fcntl = None
 
 LOCK = ".lock"
+Run = TypeVar("Run")
 
 
 class RunLock:
@@ -64,3 +66,22 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def check_run_folder(folder: Path) -> None:
+    """Refuse an ``--out`` that is a file: a run lives in a folder."""
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"--out {folder} is a file, not a folder; pass a folder for the run.")
+
+
+def locked_run(folder: Path, start: Callable[[], Run]) -> Run:
+    """The run ``start()`` builds, under the lock of ``folder``: released when ``start`` fails, else handed
+    to the run (its ``lock``), which holds it to its end."""
+    lock = RunLock(folder)
+    try:
+        run = start()
+    except BaseException:
+        lock.release()
+        raise
+    run.lock = lock
+    return run

@@ -9,14 +9,18 @@ checkpoint starts a new log instead of appending to the dead run's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import TypeVar
 
-from tformer.checkpoint import SHARDS
+from tformer.checkpoint import SHARDS, resolve_checkpoint
 from tformer.io import atomic_write
-from tformer.errors import CheckpointError, InputError
+from tformer.errors import CheckpointError, ConfigError, InputError
+from tformer.training.runs import load_training_state
 
 METRICS = "metrics.jsonl"
+Settings = TypeVar("Settings")
 
 # trainer.json keys a resume reads, with the types they must have.
 STATE_TYPES = {"step": int, "train_config": dict, "corpus_fingerprint": str, "tokens_seen": int,
@@ -40,11 +44,42 @@ def check_state(state, opt_state, folder: Path) -> None:
                               f"is damaged; restore it or start a new run with another --out.")
 
 
+def read_latest(run_dir: Path) -> tuple[Path, dict, dict | None]:
+    """``(folder, trainer state, optimizer state)`` of ``run_dir``'s latest checkpoint, to resume from:
+    the states read and checked (:func:`check_state`); the optimizer state is None for a sharded one."""
+    folder = resolve_checkpoint(run_dir)
+    state, opt_state = load_training_state(folder)
+    check_state(state, opt_state, folder)
+    return folder, state, opt_state
+
+
 def check_more_steps(run_dir: Path, step: int, max_steps: int) -> None:
     """Refuse a resume that would train no step (it would print "trained N steps" and do nothing)."""
     if max_steps <= step:
         raise InputError(f"the run in {run_dir} is at step {step} already and max_steps={max_steps}, so resuming "
                          f"would train nothing; pass --set max_steps=N with N > {step}.")
+
+
+def resumed_settings(cls: type[Settings], state: dict, asked: dict, keeps: tuple[str, ...], folder: Path,
+                     run_dir: Path) -> Settings:
+    """A resumed run's settings (``cls``, a TrainConfig dataclass): the checkpoint's (``state``'s
+    ``train_config``, read from ``folder``) with ``asked`` over them, in ``run_dir``.
+
+    Raises:
+        ConfigError: ``asked`` changes one of ``keeps`` (what the checkpoint was made of: its data, its model).
+        InputError: the run is at ``max_steps`` already (:func:`check_more_steps`).
+    """
+    saved = state["train_config"]
+    changed = {k: v for k, v in asked.items() if k in keeps and v != saved.get(k)}
+    if changed:
+        raise ConfigError(f"the checkpoint in {folder} was trained with "
+                          f"{', '.join(f'{k}={saved.get(k)!r}' for k in changed)}, but this run asks for "
+                          f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}; resume with the original "
+                          f"settings or start a new run with another --out.")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    s = cls(**{**{k: v for k, v in saved.items() if k in fields}, **asked, "out_dir": str(run_dir)})
+    check_more_steps(run_dir, state["step"], s.max_steps)
+    return s
 
 
 def start_metrics(run_dir: Path, step: int | None) -> None:

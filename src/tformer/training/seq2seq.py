@@ -21,8 +21,6 @@ import hashlib
 import json
 import math
 import os
-import signal
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,15 +30,16 @@ import torch
 from tformer.checkpoint import CONFIG, POINTER, load_config, load_model, read_pointer, resolve_checkpoint
 from tformer.config import TransformerConfig
 from tformer.errors import CheckpointError, ConfigError, InputError
+from tformer.exits import STOP_SIGNALS
 from tformer.generation.beam import beam_search
 from tformer.io import atomic_write_json
 from tformer.models import build_model
 from tformer.training import distributed
 from tformer.training.config import MODEL_KEYS, TrainConfig, cast_value, check_model_settings
 from tformer.training.loop import Loop
-from tformer.training.runlock import RunLock
-from tformer.training.runs import TRAINER_STATE, load_training_state
-from tformer.training.runstate import check_more_steps, check_state, start_metrics
+from tformer.training.runlock import check_run_folder, locked_run
+from tformer.training.runs import TRAINER_STATE
+from tformer.training.runstate import read_latest, resumed_settings, start_metrics
 from tformer.training.seq2seq_data import (BOS, EOS, WordTokenizer, make_batch, number_pairs, read_pairs,
                                            split_pairs)
 from tformer.training.tasks.base import Task, step_generator
@@ -186,21 +185,14 @@ def train(s: Seq2SeqSettings, log: Callable[[str], None] = print, data: tuple | 
     if distributed.under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         raise ConfigError("--task seq2seq trains in one process; run it without torchrun.")
     out = Path(s.out_dir or "runs/seq2seq")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file, not a folder; pass a folder for the run.")
-    lock = RunLock(out)
-    try:
-        loop = _resume(out, s, log, given) if resume else _new(out, s, log, data)
-    except BaseException:
-        lock.release()
-        raise
-    loop.lock = lock
+    check_run_folder(out)
+    loop = locked_run(out, lambda: _resume(out, s, log, given) if resume else _new(out, s, log, data))
     task = loop.task
     log(f"{loop.cfg.model}: {loop.model.num_parameters():,} parameters, vocabulary {task.tokenizer.vocab_size}, "
         f"{len(task.train)} training / {len(task.test)} test pairs")
     summary = loop.fit()
     s = loop.cfg
-    if summary["stopped"] in ("int", "term"):
+    if summary["stopped"] in STOP_SIGNALS.values():
         return {"stopped": summary["stopped"], "steps": loop.step}
     losses = [r["loss"] for r in summary["history"] if "loss" in r and r["step"] > loop.step - 50]
     metrics = evaluate(loop.model, task.tokenizer, task.test[: s.eval_max or None], beams=s.beams,
@@ -234,9 +226,7 @@ def _resume(out: Path, s: Seq2SeqSettings, log, given: set[str] | None) -> Loop:
     if not out.is_dir() or read_pointer(out, missing_ok=True) is None:
         raise InputError(f"nothing to resume: {out} holds no seq2seq checkpoint; drop --resume to start a run, "
                          f"or pass the --out folder of an earlier `tformer train --task seq2seq`.")
-    folder = resolve_checkpoint(out)
-    state, opt_state = load_training_state(folder)
-    check_state(state, opt_state, folder)
+    folder, state, opt_state = read_latest(out)
     saved = state["train_config"]
     if "label_smoothing" not in saved:
         raise CheckpointError(f"{out} is a language-model run, not a seq2seq one; resume it without --task seq2seq.")
@@ -245,15 +235,7 @@ def _resume(out: Path, s: Seq2SeqSettings, log, given: set[str] | None) -> Loop:
     given = {k: getattr(s, k) for k in given if k != "out_dir"}
     if "architecture" in given:                              # the keys given, over the saved architecture
         given["architecture"] = {**saved.get("architecture", {}), **given["architecture"]}
-    changed = {k: v for k, v in given.items() if k in RESUME_KEEPS and v != saved.get(k)}
-    if changed:
-        raise ConfigError(f"the checkpoint in {folder} was trained with "
-                          f"{', '.join(f'{k}={saved.get(k)!r}' for k in changed)}, but this run asks for "
-                          f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}; resume with the original "
-                          f"settings or start a new run with another --out.")
-    fields = {f.name for f in dataclasses.fields(Seq2SeqSettings)}
-    s = Seq2SeqSettings(**{**{k: v for k, v in saved.items() if k in fields}, **given, "out_dir": str(out)})
-    check_more_steps(out, state["step"], s.max_steps)
+    s = resumed_settings(Seq2SeqSettings, state, given, RESUME_KEEPS, folder, out)
     train_pairs, test_pairs = load_data(s)
     task = PairsTask(train_pairs, test_pairs, WordTokenizer.load(folder / "tokenizer.json"), s)
     if task.fingerprint != state["corpus_fingerprint"]:
@@ -335,27 +317,3 @@ def scores_by_length(model, tok: WordTokenizer, pairs: list, edges: tuple[int, .
                          "exact": sum(h == r for h, r in sel) / len(sel)})
         lo = hi
     return rows
-
-
-def run_command(args, settings: dict) -> int:
-    """``tformer train --task seq2seq``: the hook the train command calls."""
-    if args.preset:
-        raise ConfigError("--task seq2seq takes no --preset; set the model with --set model=... "
-                          "(encoder-decoder, bahdanau, rnn-encoder-decoder) and sizes with --set d_model=... .")
-    settings.pop("preset", None)
-    for key, value in (("data", args.data), ("out_dir", args.out), ("encoding", getattr(args, "encoding", None))):
-        if value is not None:
-            settings[key] = value
-    s = Seq2SeqSettings.from_strings(settings)
-    given = {"architecture" if k in MODEL_KEYS else k for k in settings}     # on resume, these override the saved
-    try:
-        metrics = train(s, log=lambda m: print(m, flush=True), resume=args.resume, given=given)
-    except KeyboardInterrupt:  # a second Ctrl-C: abort without saving this step
-        print("\naborted; the last complete checkpoint is kept.", file=sys.stderr)
-        return 130
-    if metrics.get("stopped") in ("int", "term"):  # the conventional 128 + signal number
-        return 128 + (signal.SIGTERM if metrics["stopped"] == "term" else signal.SIGINT)
-    for ex in metrics["examples"][:3]:
-        print(f"  {ex['source']!r} -> {ex['output']!r} (reference {ex['reference']!r})")
-    print(f"--- more: tformer translate --ckpt {s.out_dir} \"...\" --beams 4 ---")
-    return 0

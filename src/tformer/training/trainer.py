@@ -8,33 +8,29 @@ the run folder's lock) before a step is trained; :meth:`Trainer.fit` logs the mo
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tformer.accounting import training_flops_per_token
-from tformer.checkpoint import load_config, read_pointer, resolve_checkpoint
+from tformer.checkpoint import load_config, read_pointer
 from tformer.config import TransformerConfig
 from tformer.errors import ConfigError, InputError
 from tformer.generation.generate import generate
-from tformer.machine import busy_cores, cached_matmul_peak_flops
+from tformer.machine import auto_threads, cached_matmul_peak_flops
 from tformer.mixers import check_config as check_mixers
 from tformer.models import build_model
 from tformer.tokenizers import load_tokenizer
 from tformer.training import distributed
-from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, PRECISIONS, TRAIN_KEYS,  # noqa: F401
+from tformer.training.config import (AUTO_BF16_MIN_WIDTH, MODEL_KEYS, TRAIN_KEYS,  # noqa: F401
                                      TrainConfig, cast_value, check_language_model, check_model_settings)
 from tformer.training.data import Corpus, corpus_fingerprint, default_cache_dir, load_corpus, resolve_corpus
 from tformer.training.loop import Loop, Stop  # noqa: F401
 from tformer.training.recipes import apply_recipe
-from tformer.training.runlock import RunLock
-from tformer.training.runs import load_training_state
-from tformer.training.runstate import check_more_steps, check_state, start_metrics
+from tformer.training.runlock import check_run_folder, locked_run
+from tformer.training.runstate import check_more_steps, read_latest, start_metrics
 from tformer.training.tasks.lm import EVAL_TOKENS_PER_PASS, LanguageModelling  # noqa: F401
-
-_DEFAULT_THREADS = torch.get_num_threads()
 
 
 class Trainer(Loop):
@@ -43,7 +39,7 @@ class Trainer(Loop):
     def __init__(self, cfg: TrainConfig, model_config: TransformerConfig, corpus: Corpus, out_dir: Path,
                  preset: str, log=print):
         self.corpus, self.preset = corpus, preset
-        torch.set_num_threads(cfg.threads or auto_threads())
+        torch.set_num_threads(cfg.threads or auto_threads(distributed.local_ranks()))
         distributed.setup(cfg.device, cfg.dist_timeout).check_batch(cfg.batch_size, cfg.grad_accum)
         torch.manual_seed(cfg.seed)
         T = model_config.context_length
@@ -77,19 +73,12 @@ class Trainer(Loop):
         out_dir = Path(train_kw.get("out_dir") or f"runs/{preset or 'tiny'}")
         dist = distributed.setup(train_kw.get("device", "auto"), train_kw.get("dist_timeout", 600.0))
         log = log if dist.is_main else _quiet     # rank 0 alone logs
-        if out_dir.exists() and not out_dir.is_dir():
-            raise InputError(f"--out {out_dir} is a file, not a folder; pass a folder for the run.")
+        check_run_folder(out_dir)
         if resume and (not out_dir.exists() or not any(p.name != ".lock" for p in out_dir.iterdir())):
             raise InputError(f"nothing to resume: {out_dir} holds no run; drop --resume to start one, "
                              f"or pass the --out folder of an earlier run.")
-        lock = RunLock(out_dir)
-        try:
-            trainer = (cls._resume if resume else cls._new)(out_dir, preset, model_kw, train_kw, log)
-        except BaseException:
-            lock.release()
-            raise
-        trainer.lock = lock
-        return trainer
+        start = cls._resume if resume else cls._new
+        return locked_run(out_dir, lambda: start(out_dir, preset, model_kw, train_kw, log))
 
     @classmethod
     def _new(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
@@ -114,9 +103,7 @@ class Trainer(Loop):
 
     @classmethod
     def _resume(cls, out_dir: Path, preset, model_kw, train_kw, log) -> "Trainer":
-        folder = resolve_checkpoint(out_dir)
-        state, opt_state = load_training_state(folder)
-        check_state(state, opt_state, folder)
+        folder, state, opt_state = read_latest(out_dir)
         saved, _ = load_config(folder)
         asked = {"preset": preset} if preset and preset != saved.name else {}
         asked.update({k: v for k, v in model_kw.items() if getattr(saved, k) != v})
@@ -186,20 +173,6 @@ class Trainer(Loop):
     def _ranks(self) -> str:
         d = self.dist
         return f" per rank, {d.world_size} ranks ({self.cfg.strategy}, {d.backend})" if d.active else ""
-
-
-def auto_threads() -> int:
-    """PyTorch's thread count, less the cores other processes keep busy right now; under torchrun,
-    the machine's cores divided by its ranks (each rank gets cores // N, so N ranks do not oversubscribe).
-
-    Intra-op threads that share a busy core wait on each other: on a 2-core machine with a load of
-    4, two threads ran a tiny-model step 4x slower than one thread did.
-    """
-    ranks = distributed.local_ranks()       # torchrun's ranks on this machine share its cores
-    cores = os.cpu_count() or _DEFAULT_THREADS
-    default = _DEFAULT_THREADS if ranks == 1 else cores // ranks
-    busy = round(busy_cores(0.5))
-    return max(1, min(default, (cores - busy) // ranks))
 
 
 def _check_length(corpus: Corpus, context: int) -> None:
