@@ -114,15 +114,15 @@ def auto_dtype(formats: set[str] | None) -> tuple[str, str]:
     """``(dtype, reason)`` for ``--dtype auto``: a GGUF's own block format when every layer matrix is stored
     in one tformer multiplies as it is (``formats``: :func:`tformer.interop.gguf_import.layer_formats`),
     float32 otherwise (``formats`` ``None``: a float checkpoint)."""
-    from tformer.quant.quantize import BLOCK_PRECISIONS
+    from tformer.quant.quantize import BLOCK_FORMATS
 
     if formats is None:
         return "fp32", "auto: a float checkpoint runs in float32; bf16 / fp16 round its weights, ask for them"
-    if len(formats) == 1 and formats <= set(BLOCK_PRECISIONS):
+    if len(formats) == 1 and formats <= set(BLOCK_FORMATS):
         fmt = next(iter(formats))
         return fmt, f"auto: the file's own {fmt} blocks, multiplied as stored"
     shown = ", ".join(sorted(formats)) or "none"
-    return "fp32", (f"auto: the file stores its matrices as {shown}; tformer keeps {', '.join(BLOCK_PRECISIONS)} "
+    return "fp32", (f"auto: the file stores its matrices as {shown}; tformer keeps {', '.join(BLOCK_FORMATS)} "
                     f"blocks, so it runs widened to float32")
 
 
@@ -132,7 +132,7 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
     from tformer.interop.gguf_import import (gguf_tokenizer, layer_formats, load_gguf_file, stop_token_ids,
                                              tokenizer_config)
     from tformer.interop.gguf_reader import GGUFFile
-    from tformer.quant.quantize import BLOCK_PRECISIONS, set_precision
+    from tformer.quant.quantize import BLOCK_FORMATS, set_precision
     from tformer.tokenizers import ChatTemplate
 
     f = GGUFFile(path)
@@ -141,11 +141,11 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
         dtype, why = auto_dtype(formats)
     elif formats == {dtype}:
         why = f"--dtype {dtype}: the file's own blocks"
-    elif dtype in BLOCK_PRECISIONS:
+    elif dtype in BLOCK_FORMATS:
         why = f"--dtype {dtype}: re-quantised from the file's {', '.join(sorted(formats))} weights"
     else:
         why = f"--dtype {dtype}"
-    keep = dtype in BLOCK_PRECISIONS and formats == {dtype}
+    keep = dtype in BLOCK_FORMATS and formats == {dtype}
     model = set_precision(load_gguf_file(f, keep_quant=keep), dtype, decode_kernels=kernels)
     tokenizer = gguf_tokenizer(f)
     conf = tokenizer_config(f)
@@ -228,9 +228,9 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
         InputError / CheckpointError / ConfigError: a spec, file or dtype that cannot be opened, in one
             sentence.
     """
-    from tformer.quant.quantize import PRECISIONS
+    from tformer.quant.quantize import WEIGHT_FORMATS
 
-    known = (AUTO, *PRECISIONS)
+    known = (AUTO, *WEIGHT_FORMATS)
     if dtype not in known:
         raise InputError(f"--dtype {dtype} is not a weight format; choose one of {', '.join(known)}.")
     if threads is not None:

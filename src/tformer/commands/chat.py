@@ -29,7 +29,7 @@ DEFAULTS = {"temperature": 0.2, "top_k": None, "top_p": 0.9}
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from tformer.inference import AUTO
-    from tformer.quant.quantize import PRECISIONS
+    from tformer.quant.quantize import WEIGHT_FORMATS
 
     p = sub.add_parser("chat", help="talk to a model in the terminal (default: SmolLM2-135M-Instruct)",
                        description="An interactive conversation with a chat model, or one answer with --prompt.")
@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None,
                    help="nucleus sampling mass in (0, 1] (default: the file's recommendation, else 0.9)")
     p.add_argument("--seed", type=int, default=None, help="random seed, for reproducible answers")
-    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *PRECISIONS],
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *WEIGHT_FORMATS],
                    help="weights (default: auto: a GGUF's own block format, q4_1 for smollm2; float32 otherwise)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--verbose", action="store_true", help="say which weights and path run, and why")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
@@ -14,7 +13,7 @@ from tformer.errors import CheckpointError, InputError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from tformer.inference import AUTO
-    from tformer.quant.quantize import PRECISIONS
+    from tformer.quant.quantize import WEIGHT_FORMATS
 
     p = sub.add_parser("generate", help="generate text from a model (KV-cached)",
                        description="Continue --prompt with the model named by --model (or --ckpt). The text goes to "
@@ -24,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", action="store_true", help="print the text as it is produced")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the end-of-sequence (or end-of-turn) token the model names")
-    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *PRECISIONS],
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *WEIGHT_FORMATS],
                    help="weights: auto (a GGUF's own block format, e.g. q4_1 for smollm2; float32 otherwise), fp32, "
                         "bf16, fp16, int8 / int4 weight-only linears, or GGUF's q8_0 / q4_0 / q4_1 blocks with "
                         "integer kernels (a GGUF stored in that format keeps its blocks) (default: auto)")

@@ -8,7 +8,7 @@ import sys
 from tformer.config import PRESETS
 from tformer.errors import ConfigError
 from tformer.exits import INTERRUPTED, stopped_exit
-from tformer.training.config import MODEL_KEYS, TRAIN_KEYS
+from tformer.training.config import MODEL_KEYS
 
 TRAIN_HELP = {
     "data": "corpus file, folder or glob (same as --data; none = built-in stdlib corpus)",

@@ -299,8 +299,8 @@ def use_decode_kernels(model: nn.Module) -> nn.Module:
 WEIGHT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16,
                   "int4": torch.bfloat16}
 # GGUF block formats (tformer.quant.block_linear): the rest of the model stays float32, as llama.cpp's activations
-BLOCK_PRECISIONS = {"q8_0": torch.float32, "q4_0": torch.float32, "q4_1": torch.float32}
-WEIGHT_FORMATS.update(BLOCK_PRECISIONS)
+BLOCK_FORMATS = {"q8_0": torch.float32, "q4_0": torch.float32, "q4_1": torch.float32}
+WEIGHT_FORMATS.update(BLOCK_FORMATS)
 
 
 def set_precision(model: nn.Module, precision: str, decode_kernels: bool = True) -> nn.Module:
@@ -321,7 +321,7 @@ def set_precision(model: nn.Module, precision: str, decode_kernels: bool = True)
         quantize_int8(model)
     elif precision == "int4":
         quantize_int4(model)
-    elif precision in BLOCK_PRECISIONS:
+    elif precision in BLOCK_FORMATS:
         quantize_blocks(model, precision)
     elif decode_kernels:
         use_decode_kernels(model)
