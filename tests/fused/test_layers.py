@@ -149,6 +149,45 @@ def test_plan_names_what_it_does_not_implement():
 
 
 @needs_tiles
+def test_the_choice_is_made_once_and_again_when_the_model_changes(monkeypatch):
+    """chosen() keeps the choice: no check runs again per call, the switch is read when it is made;
+    train() / eval() and set_precision swapping the products make it again."""
+    import tformer.fused.plan as plan_module
+
+    model = tiny()
+    assert whole.chosen(model).plan is None                  # float nn.Linear products
+    set_precision(model, "q8_0")                             # in place: new product modules
+    first = whole.chosen(model)
+    assert first.plan is not None
+    assert first.reason == f"whole layers in one C++ call ({qgemv.path()} kernels, q8_0 blocks)", first.reason
+    checks = []
+    monkeypatch.setattr(plan_module, "why_not", lambda m, _w=plan_module.why_not: checks.append(1) or _w(m))
+    monkeypatch.setenv(whole.SWITCH, "0")
+    assert whole.chosen(model) is first and checks == []     # cached: neither the checks nor the switch read
+    model.train()
+    assert whole.chosen(model).reason == f"module path: {whole.SWITCH}=0" and checks == [1]
+    monkeypatch.setenv(whole.SWITCH, "1")
+    assert whole.chosen(model).reason == f"module path: {whole.SWITCH}=0"   # kept until the model changes
+    assert whole.choose(model).reason == "module path: training mode"      # or it is made again by hand
+    model.eval()
+    assert whole.chosen(model).plan is not None and checks == [1, 1, 1]
+
+
+@needs_tiles
+def test_held_padding_is_a_flag_of_the_state():
+    """A masked call marks the state (its views and mapped copies too); reset forgets it; the calls
+    without a mask and the pool's writer leave it clear, so they are never asked to read valid back."""
+    model, (state, _) = pair("q8_0")
+    assert not state.padded and not state.rows(0, 1).padded
+    with torch.inference_mode():
+        prefill(model, torch.tensor([[0, 3], [5, 6]]), state, attention_mask=torch.tensor([[0, 1], [1, 1]]))
+    assert state.padded and state.rows(0, 1).padded and state.map(lambda t: t).padded
+    assert not state.writer(torch.tensor([0]), 2).padded
+    state.reset()
+    assert not state.padded
+
+
+@needs_tiles
 def test_smollm2_steps_track_the_module_path(monkeypatch, smollm2):
     """The real model (Q4_1 file, Q8_0 token table), 24 steps teacher-forced on the module path's greedy
     tokens, fused and module path side by side. Over 30 layers of 8-bit activation rounding a
