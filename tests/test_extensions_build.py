@@ -15,11 +15,13 @@ import shutil
 import pytest
 
 from tformer.extensions import cpu_flags, find_ninja
+from tformer.fused import library
 from tformer.ops import activation_cpu, attention_cpu
 from tformer.quant import gemv, qgemv
 
 LIBRARIES = {"quant/gemv.cpp": (gemv.load, gemv.STATUS, {"avx2", "fma", "f16c"}),
              "quant/qgemv.cpp": (qgemv.load, qgemv.STATUS, set()),
+             "fused/layers.cpp": (library.load, library.STATUS, set()),
              "ops/attention_cpu.cpp": (attention_cpu.load, attention_cpu.STATUS, {"avx2", "fma"}),
              "ops/activation_cpu.cpp": (activation_cpu.load, activation_cpu.STATUS, {"avx2", "fma"})}
 

@@ -31,9 +31,9 @@ import torch
 from tqdm import tqdm
 
 from tformer import DecoderLM, TransformerConfig
+from tformer.fused.report import kernels_of
 from tformer.generation.generate import generate
 from tformer.quant.quantize import set_precision, weight_bytes
-from tformer.quant.report import kernels_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.record import Run, load_note, results_dir  # noqa: E402

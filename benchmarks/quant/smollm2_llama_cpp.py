@@ -8,9 +8,9 @@ exporter writes from the float32 import of that file (``save_gguf(model, path, k
 Goals (issue 24, stated before the run): decode and prefill tok/s >= 1.0x llama.cpp's for every
 format; q8_0 greedy tokens agree with the float32 import on >= 95% of 32.
 
-Per round and format: tformer prefill (128 random ids) and decode (64 greedy tokens; the fused
-decode layer of ``tformer.quant.fused_decode``, one C++ call per layer); tformer's module path
-(``TFORMER_FUSED_DECODE=0``: every op from Python, as before the fused layer), decode only; llama.cpp the
+Per round and format: tformer prefill (128 random ids) and decode (64 greedy tokens; whole layers in
+one C++ call, ``tformer.fused``); tformer's module path (``TFORMER_FUSED_DECODE=0``, the model's
+choice made again: every op from Python, as before the whole-layer call), decode only; llama.cpp the
 same with weight repacking off (``repack=False``: llama-cpp-python 0.3.36 built for this Xeon crashes in
 its AMX-INT8 path with repacking on and batches of more than one token); and llama.cpp with repacking on
 (its default): with AMX in the build its prompt is fed one token at a time and only its decode counts;
@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import tformer.fused as whole
 from tformer.generation.step import decode_step, prefill
 from tformer.interop.builtin import builtin_path
 from tformer.interop.gguf_import import load_gguf
@@ -96,12 +97,14 @@ def tformer_speed(model, ids: list[int], n: int) -> tuple[float, float]:
 
 
 def module_speed(model, ids: list[int], n: int) -> float:
-    """tformer's decode tok/s with the fused layer switched off (the module path)."""
-    os.environ["TFORMER_FUSED_DECODE"] = "0"
+    """tformer's decode tok/s with the whole-layer route switched off (the module path)."""
+    os.environ[whole.SWITCH] = "0"
+    whole.choose(model)                                  # the switch is read when the choice is made
     try:
         return tformer_speed(model, ids, n)[1]
     finally:
-        os.environ.pop("TFORMER_FUSED_DECODE")
+        os.environ.pop(whole.SWITCH)
+        whole.choose(model)
 
 
 def llama_speed(cpp: LlamaCpp, ids: list[int], n: int, one_by_one: bool) -> tuple[float, float]:

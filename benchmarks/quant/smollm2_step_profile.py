@@ -1,11 +1,12 @@
-"""Where a fused SmolLM2-135M decode step's time goes: the whole step, its 30 ``decode_layer``
-calls, the final norm + LM head, its products where they run, and the same products alone on the
-model's own tiles.
+"""Where a SmolLM2-135M decode step's time goes on the whole-layer route (:mod:`tformer.fused`): the
+whole step, its 30 layers in one ``tformer_fused::layers`` call, the final norm + LM head, its
+products where they run, and the same products alone on the model's own tiles.
 
 The GGUF's own Q4_1 file (Q8_0 token table, tied head), ``load_gguf(keep_quant=True)``, a 128-token
 random prompt, then per part the median of ``--steps`` timed calls at positions ~136-216 (the
 positions of smollm2_llama_cpp.py's decode). ``where they run``: the time inside ``tile_product``
-during the step (``tformer_qgemv::product_ns``, its own clock), among the layer's other work;
+during the step (``tformer_fused::product_ns`` for the layers' and ``tformer_qgemv::product_ns`` for
+the head's, each its own clock), among the layer's other work;
 ``products alone``: ``tformer_qgemv::tile_passes``
 over the plan's 150 tile matrices in decode order (no attention, norms, Python), and over the head's
 tiles; ``short cache``: the whole step at positions 8-32, so the difference to the first row is what
@@ -30,7 +31,8 @@ import torch
 from tformer.generation.step import decode_step, prefill
 from tformer.interop.builtin import builtin_path
 from tformer.interop.gguf_import import load_gguf
-from tformer.quant import fused_decode, qgemv
+import tformer.fused as whole
+from tformer.quant import qgemv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.record import Run, results_dir  # noqa: E402
@@ -44,21 +46,24 @@ def profile(model, steps: int) -> dict[str, float]:
     tok = prefill(model, ids, state).argmax(-1, keepdim=True)
     for _ in range(8):
         tok = decode_step(model, tok, state).argmax(-1, keepdim=True)
-    p = fused_decode.plan(model)
+    choice = whole.chosen(model)
+    p = choice.plan
     if p is None:
-        sys.exit(f"smollm2_step_profile: no fused plan ({fused_decode.reason(model)})")
+        sys.exit(f"smollm2_step_profile: no whole-layer plan ({choice.reason})")
     t = {"step": [], "layers": [], "head": [], "products_in_step": []}
     for _ in range(steps):
+        torch.ops.tformer_fused.product_ns(True)
         torch.ops.tformer_qgemv.product_ns(True)
         t0 = time.perf_counter()
         tok = decode_step(model, tok, state).argmax(-1, keepdim=True)
         t["step"].append(time.perf_counter() - t0)
-        t["products_in_step"].append(torch.ops.tformer_qgemv.product_ns(True) * 1e-9)
-    for _ in range(steps):                       # the layers by hand, as fused_decode.decode calls them
+        ns = torch.ops.tformer_fused.product_ns(True) + torch.ops.tformer_qgemv.product_ns(True)   # layers + head
+        t["products_in_step"].append(ns * 1e-9)
+    for _ in range(steps):                       # the layers by hand, as tformer.fused.decode calls them
         pos = torch.full((1,), state.length, dtype=torch.long)
         x = model.tok_emb(tok).reshape(1, -1).float().contiguous()
         t0 = time.perf_counter()
-        fused_decode.run_layers(p, x, [(s.k, s.v) for s in state.layers], pos, pos, None, None)
+        whole.run_layers(p, x, [(s.k, s.v) for s in state.layers], pos, pos, None, None)
         t1 = time.perf_counter()
         model.lm_head(model.final_norm(x[:, None]))
         t["head"].append(time.perf_counter() - t1)
@@ -107,13 +112,13 @@ def main() -> None:
     r = profile(model, args.steps)
     ms = lambda k: f"{r[k] * 1e3:.2f}"  # noqa: E731
     gbs = lambda b, k: f"{r[b] / r[k] / 1e9:.1f}"  # noqa: E731
-    lines = [f"# A fused SmolLM2-135M Q4_1 decode step, part by part ({args.threads} thread(s), path {qgemv.path()})", "",
+    lines = [f"# A SmolLM2-135M Q4_1 decode step on the whole-layer route, part by part ({args.threads} thread(s), path {qgemv.path()})", "",
              f"Median of {args.steps} steps at positions ~136-{136 + 2 * args.steps}; parts timed separately.", "",
              "| part | ms | GB/s of weights |", "|---|---:|---:|",
              f"| whole step (`decode_step` + argmax) | {ms('step')} | |",
              f"| its 151 products where they run (`tile_product`'s own clock: layers + head) | {ms('products_in_step')} | "
              f"{(r['bytes_layers'] + r['bytes_head']) / r['products_in_step'] / 1e9:.1f} |",
-             f"| 30 `decode_layer` calls | {ms('layers')} | {gbs('bytes_layers', 'layers')} |",
+             f"| the 30 layers (`tformer_fused::layers`) | {ms('layers')} | {gbs('bytes_layers', 'layers')} |",
              f"| final norm + LM head (`BlockLinear`, {model.lm_head.fmt}) | {ms('head')} | {gbs('bytes_head', 'head')} |",
              f"| the layers' 150 products alone (`tile_passes`, the plan's tiles) | {ms('products')} | "
              f"{gbs('bytes_layers', 'products')} |",

@@ -3,7 +3,7 @@ streamed per format, kernel path, activation rows M and threads, this tree's ker
 earlier revision's in the same process, alternated.
 
 What is timed: ``tformer_qgemv::tile_passes``, a C++ loop of ``tile_product`` calls over matrices
-held as tiles (the layout BlockLinear and the fused decode layer run on), with the activations
+held as tiles (the layout BlockLinear and the whole-layer call run on), with the activations
 quantised before the clock starts, so the figure is the kernels' and tile_product's own: no Python,
 dispatch or allocation. Matrices (K -> N): qkv 576->960, o 576->576, gate and up 576->1536, down
 1536->576 (30 copies each on distinct memory, as a decode step reads 30 layers), ``step`` = the 30
@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import posixpath
+import re
 import statistics
 import subprocess
 import sys
@@ -52,18 +54,36 @@ HEAD = (49152, 576)
 
 
 def reference_ops(rev: str):
-    """``torch.ops.tformer_qgemv_ref``: ``rev``'s qgemv.cpp built as a second library."""
+    """``torch.ops.tformer_qgemv_ref``: ``rev``'s qgemv.cpp built as a second library, beside the
+    headers it includes (``tiles.h`` since the whole-layer code left it; ``float_rows.h`` and
+    ``ops/vec_*.h`` before), each as ``rev`` has it."""
     from torch.utils import cpp_extension
 
-    text = subprocess.run(["git", "show", f"{rev}:src/tformer/quant/qgemv.cpp"], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:src/tformer/{path}"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout
+
+    text = show("quant/qgemv.cpp")
     if "tile_passes" not in text:
         sys.exit(f"tile_kernels: {rev}'s qgemv.cpp has no tile_passes op; pick a revision that has it.")
     text = text.replace("tformer_qgemv", "tformer_qgemv_ref")
-    build = cache_dir() / f"qgemv-ref-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-    build.mkdir(parents=True, exist_ok=True)
-    src = build / "qgemv_ref.cpp"
+    headers = {}                                       # path under src/tformer -> text, found from the includes
+    todo = [("quant", text)]
+    while todo:
+        folder, body = todo.pop()
+        for name in re.findall(r'^#include "([^"]+)"', body, re.M):
+            path = posixpath.normpath(posixpath.join(folder, name))
+            if path not in headers:
+                headers[path] = show(path)
+                todo.append((posixpath.dirname(path), headers[path]))
+    digest = hashlib.sha256((text + "".join(headers[k] for k in sorted(headers))).encode()).hexdigest()[:12]
+    build = cache_dir() / f"qgemv-ref-{digest}"
+    src = build / "quant" / "qgemv_ref.cpp"
     if not src.exists():
+        for path, body in headers.items():
+            (build / path).parent.mkdir(parents=True, exist_ok=True)
+            (build / path).write_text(body, encoding="utf-8")
+        src.parent.mkdir(parents=True, exist_ok=True)
         src.write_text(text, encoding="utf-8")
     cpp_extension.load(name="tformer_qgemv_ref", sources=[str(src)], build_directory=str(build),
                        extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)

@@ -201,17 +201,13 @@ def end_of_turn_ids(template, tokenizer) -> list[int]:
 
 
 def route(model) -> tuple[str, str]:
-    """``(path, reason)``: ``"whole-layer"`` where every step of ``model`` can run its decoder layers in one
-    C++ call each (:mod:`tformer.quant.fused_decode`), else ``"module"``, with why. Asked once, here; the
-    answer is kept beside the model, so generation looks it up instead of asking again."""
-    from tformer.quant import fused_decode
+    """``(path, reason)``: ``"whole-layer"`` where the model's steps can run its decoder layers in one C++
+    call each (:mod:`tformer.fused`), else ``"module"``, with why. Chosen here, once
+    (:func:`tformer.fused.choose` keeps the choice beside the model); generation then only looks it up."""
+    from tformer.fused import choose
 
-    if not fused_decode.enabled():
-        return "module", f"{fused_decode.SWITCH}=0"
-    plan = fused_decode.plan(model)
-    if plan is None:
-        return "module", fused_decode.reason(model) or "not a decoder LM"
-    return "whole-layer", f"decoder layers in one C++ call each, {plan.path} tiles"
+    choice = choose(model)
+    return ("whole-layer" if choice.plan is not None else "module"), choice.reason
 
 
 def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads: int | None = None, *,

@@ -124,7 +124,7 @@ def machine_key(dtype: torch.dtype, device: str) -> str:
 
 def cached_matmul_peak_flops(dtype: torch.dtype, device: str, cache_dir: str | os.PathLike) -> float:
     """:func:`matmul_peak_flops`, measured once per :func:`machine_key` and kept in
-    ``<cache_dir>/matmul_peak.json`` (delete the file to measure again); saves about 0.4 s per run."""
+    ``<cache_dir>/matmul_peak.json`` (delete the file to measure again): the measurement is not repeated every run."""
     from tformer.io import atomic_write_json
 
     path, key = Path(cache_dir) / "matmul_peak.json", machine_key(dtype, device)

@@ -88,4 +88,5 @@ def test_a_gguf_opens_from_the_file_with_nothing_converted(smollm2, monkeypatch,
     monkeypatch.setattr(gguf_import, "convert_gguf", refuse)
     assert main(["chat", "--prompt", "Hi", "--max-new-tokens", "2", "--temperature", "0", "--verbose"]) == 0
     err = capsys.readouterr().err
-    assert "weights q4_1 (auto: the file's own q4_1 blocks" in err and "whole-layer path" in err, err
+    assert "weights q4_1 (auto: the file's own q4_1 blocks" in err, err
+    assert "whole-layer path (whole layers in one C++ call" in err, err

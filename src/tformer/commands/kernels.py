@@ -17,7 +17,8 @@ LIBRARIES = [
     ("tformer.ops.attention_cpu", "load", "attention and RoPE (training and prompts)"),
     ("tformer.ops.activation_cpu", "load", "activations (training)"),
     ("tformer.quant.gemv", "load", "float, int8 and int4 one-row products (decoding)"),
-    ("tformer.quant.qgemv", "load", "GGUF block products and tiles, whole decoder layers (decoding)"),
+    ("tformer.quant.qgemv", "load", "GGUF block products and tiles (decoding)"),
+    ("tformer.fused.library", "load", "whole decoder layers in one C++ call (prompts and decoding)"),
 ]
 
 

@@ -15,15 +15,18 @@ playground all call these two and nothing below them, so how a step runs is deci
 - ``compiled=True`` runs the static step through ``torch.compile`` (one graph per model and batch
   shape, reused by every step of every generation);
 - the caller picks the mode: these functions run under whatever grad / inference mode is active
-  (generation wraps them in ``torch.inference_mode``; the playground's attribution needs gradients).
+  (generation wraps them in ``torch.inference_mode``; the playground's attribution needs gradients);
+- each model call runs one of two routes, asked once per call (:func:`tformer.fused.route`): whole
+  layers in one C++ call (:mod:`tformer.fused`, where the model's choice has a plan and the call is
+  one the kernel serves) or the module path (``model(...)``, everything else).
 """
 
 from __future__ import annotations
 
 import torch
 
+import tformer.fused as fused
 from tformer.errors import InputError
-from tformer.quant import fused_decode
 
 Tensor = torch.Tensor
 
@@ -62,10 +65,10 @@ def prefill(model, ids: Tensor, state=None, *, attention_mask: Tensor | None = N
     for s, e in bounds:
         mask = attention_mask[:, s:e] if attention_mask is not None else None
         pos = positions[..., s:e] if positions is not None else None
-        # a block-quantised Llama-shaped model: one C++ call per layer (None: the module path)
-        logits = fused_decode.forward(model, ids[:, s:e], state, last_index=last_index, last_only=True) \
-            if mask is None and pos is None else None
-        if logits is None:
+        route = fused.route(model, state, ids.shape[0], e - s, masked=mask is not None or pos is not None)
+        if route is not None:
+            logits = fused.forward(model, ids[:, s:e], state, route, last_index=last_index, last_only=True)
+        else:
             logits, _ = model(ids[:, s:e], attention_mask=mask, positions=pos, state=state,
                               last_only=last_index is None, last_index=last_index)
         _count_static_token(state, e - s)
@@ -101,13 +104,12 @@ def decode_step(model, tokens: Tensor, state, *, attention_mask: Tensor | None =
         return model.decode_step(tokens, state)[:, -1]                         # (B, vocab)
     if compiled and not getattr(state, "static", False):
         raise InputError("compiled=True needs a static state: make it with model.new_state(B, max_len, static=True).")
-    if not compiled:
-        # a block-quantised Llama-shaped model: one C++ call per layer (None: the module path below)
-        logits = fused_decode.decode(model, tokens, state, positions, attention_mask)
-        if logits is not None:
-            _count_static_token(state, 1)
-            return logits
-    logits = (compiled_decode() if compiled else decode_logits)(model, tokens, state, positions, attention_mask)
+    route = None if compiled else fused.route(model, state, tokens.shape[0], 1, step=True,
+                                              masked=positions is not None or attention_mask is not None)
+    if route is not None:
+        logits = fused.decode(model, tokens, state, route, positions, attention_mask)
+    else:
+        logits = (compiled_decode() if compiled else decode_logits)(model, tokens, state, positions, attention_mask)
     _count_static_token(state, 1)
     return logits
 
@@ -128,9 +130,10 @@ def extend(model, ids: Tensor, state) -> Tensor:
         raise InputError(f"ids must be a non-empty (batch, seq_len) tensor, got shape {tuple(ids.shape)}.")
     if getattr(state, "static", False) and ids.shape[1] == 1:
         raise InputError("extend on a static state needs at least 2 tokens (one token is decode_step).")
-    logits = fused_decode.forward(model, ids, state)       # a block-quantised model's fused layers, or None
-    if logits is None:
-        logits, _ = model(ids, state=state)
+    route = fused.route(model, state, ids.shape[0], ids.shape[1])
+    if route is not None:
+        return fused.forward(model, ids, state, route)                          # (B, T, vocab)
+    logits, _ = model(ids, state=state)
     return logits                                                               # (B, T, vocab)
 
 

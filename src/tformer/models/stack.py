@@ -199,6 +199,8 @@ class TransformerStack(nn.Module):
         step.dropout = self.training and (torch.compiler.is_compiling() or not torch.is_inference_mode_enabled())
         step.return_weights = return_weights
         step.hooks = self.hooks
+        if state is not None and step.tokens is not None:
+            state.padded = True                        # the mask may mark padding: say so without reading it
         if global_attention_mask is not None:
             if tuple(global_attention_mask.shape) != tuple(ids.shape):
                 raise InputError(f"global_attention_mask has shape {tuple(global_attention_mask.shape)}; it must be "

@@ -12,6 +12,8 @@ of it, so one model object serves any number of interleaved generations.
     state.static      made with ``static=True``: the layers hold their static classes
                       (:mod:`tformer.mixers.base`) and a one-token call is the static decode step
     state.index       (B,) int64, static states only: the next write index of each row
+    state.padded      a call with an attention mask wrote into it, so a row may hold padding (a flag,
+                      so that a call that needs rows without padding does not read ``valid`` back)
 
 Rows of a state are rearranged (beam search repeats and reorders them) through :meth:`InferenceState.map`;
 :meth:`InferenceState.rows` is a view of some rows and leading positions (the server decodes the
@@ -53,10 +55,12 @@ class InferenceState:
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.static = static
         self.index = torch.zeros(batch_size, dtype=torch.long, device=device) if static else None
+        self.padded = False
 
     def reset(self) -> None:
         """Forget every token (the buffers stay allocated; stale entries are masked out by ``valid``)."""
         self.length = 0
+        self.padded = False
         self.valid.zero_()
         if self.index is not None:
             self.index.zero_()
@@ -102,7 +106,7 @@ class InferenceState:
 
         valid = on_rows(self.valid, 0, "valid")                              # (B', max_len)
         index = None if self.index is None else on_rows(self.index, 0, "index")
-        return self._assemble([map_layer(s) for s in self.layers], valid, index, self.max_len, self.length)
+        return self._assemble([map_layer(s) for s in self.layers], valid, index, self.max_len, self.length, self.padded)
 
     def rows(self, start: int, stop: int, keys: int | None = None) -> "InferenceState":
         """Rows ``start .. stop-1`` and positions ``0 .. keys-1`` (default all) of this state, as a
@@ -122,7 +126,7 @@ class InferenceState:
                 setattr(layer, name, getattr(layer, name).narrow(dim, 0, keys))
             if layer is not None and hasattr(layer, "max_len"):
                 layer.max_len = keys
-        return self._assemble(view.layers, view.valid[:, :keys], view.index, keys, 0)
+        return self._assemble(view.layers, view.valid[:, :keys], view.index, keys, 0, self.padded)
 
     def writer(self, rows: Tensor, start: int = 0) -> "InferenceState":
         """A scratch state for an eager prefill of ``len(rows)`` sequences, written straight into rows
@@ -168,8 +172,9 @@ class InferenceState:
             self.index[rows] = lengths
 
     @staticmethod
-    def _assemble(layers: list, valid: Tensor, index: Tensor | None, max_len: int, length: int) -> "InferenceState":
+    def _assemble(layers: list, valid: Tensor, index: Tensor | None, max_len: int, length: int,
+                  padded: bool) -> "InferenceState":
         new = InferenceState.__new__(InferenceState)
         new.layers, new.batch_size, new.max_len, new.length = layers, valid.shape[0], max_len, length
-        new.valid, new.static, new.index = valid, index is not None, index
+        new.valid, new.static, new.index, new.padded = valid, index is not None, index, padded
         return new

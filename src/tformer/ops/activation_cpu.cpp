@@ -21,7 +21,7 @@
 //              erf and e^x again; and erf's own formula (Abramowitz & Stegun 7.1.26, which ATen also
 //              uses) needs e^(-z^2) at z = x / sqrt 2, which is e^(-x^2/2), phi's exponential: the
 //              derivative costs the forward a multiply-add and a store. Phi and e^(-x^2/2) come from
-//              ops/vec_erf.h (shared with the decode layer's GELU in quant/qgemv.cpp).
+//              ops/vec_erf.h (shared with the whole-layer call's GELU in fused/layers.cpp).
 //
 // float32, or bfloat16 for ReLU^2 and the tanh GELU (a training step under autocast: widened, computed in
 // float32, rounded once), contiguous; AVX2 + FMA (ops/vec_exp.h for e^x), split over

@@ -1,6 +1,8 @@
-"""Scaled dot-product attention, softmax(Q Kᵀ · scale + bias) V: the one place attention is computed.
+"""Scaled dot-product attention, softmax(Q Kᵀ · scale + bias) V: the module path's one entry point for it.
 
-Every model in tformer calls :func:`scaled_dot_product_attention`. The ``backend`` argument picks
+Every attention module in tformer calls :func:`scaled_dot_product_attention`; the one other place
+attention is computed is inside the whole-layer C++ call (:mod:`tformer.fused`, ``layers.cpp``),
+which inference takes for the models it implements. The ``backend`` argument picks
 *how* it is computed; the result is the same up to floating-point rounding (the tests hold them equal):
 
 - ``"math"``: the formula written out; the only backend that can return the attention weights.

@@ -1,6 +1,6 @@
 // The normal CDF Phi(x) for 8 floats in AVX2 registers, and the e^(-x^2/2) it is built from: shared by
 // the exact GELU of training (ops/activation_cpu.cpp: y = x Phi, dy/dx = Phi + x phi, phi = e^(-x^2/2) /
-// sqrt(2 pi)) and of the fused decode layer (quant/qgemv.cpp: y = x Phi).
+// sqrt(2 pi)) and of the whole-layer call (fused/layers.cpp: y = x Phi).
 //
 // Abramowitz & Stegun 7.1.26 for the tail: with z = |x| / sqrt 2 and t = 1 / (1 + p z),
 // erfc(z) = t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) e^(-z^2), absolute error <= 1.5e-7; the tail mass

@@ -1,4 +1,4 @@
-// e^x for 8 floats in AVX2 registers: shared by the fused decode layer (quant/qgemv.cpp: softmax over
+// e^x for 8 floats in AVX2 registers: shared by the whole-layer call (fused/layers.cpp: softmax over
 // the cache, SiLU, GELU), the short-context attention kernel (ops/attention_cpu.cpp) and the training
 // tanh GELU (ops/activation_cpu.cpp).
 //

@@ -1,5 +1,5 @@
 // One-row float products, y[0 : n1-n0] = W[n0:n1] . x over K floats: the loops tformer's decode
-// GEMV (gemv.cpp) and the fused decode layer (qgemv.cpp, float weights) share. Each weight type is
+// GEMV (gemv.cpp) and the whole-layer call (fused/layers.cpp, float weights) share. Each weight type is
 // widened to float32 in registers (bf16: the 16 bits become the high half of a float32; f16:
 // vcvtph2ps; int8: sign-extend and convert) and multiplied into float32 accumulators. Two widths, each
 // with its own target attribute (the including file is compiled for the baseline ISA): rows512
@@ -17,13 +17,11 @@ namespace float_rows {
 
 #define FR_512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 #define FR_256 __attribute__((target("avx2,fma,f16c")))
-// Software prefetch into L2 (_MM_HINT_T1), PREFETCH_GROUPS four-row groups ahead of the group being read: a
-// decode matrix's rows are short (768-3072 weights) and a group reads four of them side by side, streams too
-// short for the hardware prefetcher to reach its full distance. It measured faster on the GPT-2 shape's fused
-// decode (the Xeon), with 1, 2 and 4 groups ahead alike, and no distance stood out on the EPYC; figures:
-// docs/inference.md#one-c-call-per-layer-the-fused-decode-of-block-quantised-models and
-// docs/inference.md#speed-against-llamacpp-and-hf-in-the-same-run. Past the matrix's end it touches nothing
-// it could fault on (a prefetch never faults).
+// Software prefetch into L2 (_MM_HINT_T1), PREFETCH_GROUPS four-row groups ahead of the group being
+// read: a decode matrix's rows are short (768-3072 weights) and a group reads four of them side by
+// side, streams too short for the hardware prefetcher to reach its full distance (what it gained,
+// and the distances tried: docs/inference.md, "The GPT-2 124M shape and float weights").
+// Past the matrix's end it touches nothing it could fault on (a prefetch never faults).
 constexpr int64_t PREFETCH_GROUPS = 4;
 
 // Rows per task of a product over rows of K weights of `bytes` each: ~64 KB of weight, small enough

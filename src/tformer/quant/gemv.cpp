@@ -7,7 +7,7 @@
 // order of the float32 sums. Rows are split between torch's intra-op threads (at::parallel_for,
 // the same OpenMP pool every other torch op uses); the AVX-512 loop takes four rows at a time (four
 // streams of loads in flight), the AVX2 loop one (the loops live in float_rows.h, shared with the
-// fused decode layer of qgemv.cpp, where each is said why).
+// whole-layer call of fused/layers.cpp, where each is said why).
 // Built at first use by tformer/quant/gemv.py (torch.utils.cpp_extension.load).
 //
 // Two implementations of the same loops, picked per call (the `path` argument; 0: the best this CPU

@@ -28,7 +28,7 @@ from tformer.extensions import build_once, compile_library
 
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("gemv.cpp")
-HEADER = SOURCE.with_name("float_rows.h")   # its row loops, shared with qgemv.cpp
+HEADER = SOURCE.with_name("float_rows.h")   # its row loops, shared with fused/layers.cpp
 FILES = (SOURCE, HEADER)                     # what the built library depends on
 STATUS: dict[str, str] = {}          # "state": "built" | "unavailable: <why>" (after the first load())
 _LOCK = threading.Lock()

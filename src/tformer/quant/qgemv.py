@@ -12,7 +12,7 @@ arithmetic; they differ only in the float32 summation order):
 The two SIMD paths read the weight repacked by :func:`tiles`: 8 (AVX2) or 16 (AVX-512) rows
 interleaved by groups of four codes, so one broadcast of four activation codes and one
 ``maddubs``/``dpbusd`` advance 8 / 16 rows' dot products at once, and a block's 8 / 16 scales are one
-``cvtph`` (qgemv.cpp, "interleaved tiles"): the same bytes moved, made once per layer by BlockLinear.
+``cvtph`` (tiles.h, "interleaved tiles"): the same bytes moved, made once per layer by BlockLinear.
 Tiles made one after another lie end to end in shared arenas of 2 MB pages (a decode step streams
 them from memory: fewer TLB misses, no 4 KB page breaks in the stream); the kernels prefetch 12 KB
 ahead and take up to 4 activation rows per pass over a tile, so a batch or a prompt loads and
@@ -38,13 +38,12 @@ import torch
 
 from tformer.errors import ConfigError
 from tformer.extensions import build_once, compile_library
-from tformer.quant import blocks, gemv
+from tformer.quant import blocks
 
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("qgemv.cpp")
-VEC_EXP = SOURCE.parent.parent / "ops" / "vec_exp.h"     # e^x in registers, shared with the attention kernel
-VEC_ERF = VEC_EXP.with_name("vec_erf.h")                 # the normal CDF, shared with the training GELU
-FILES = (SOURCE, gemv.HEADER, VEC_EXP, VEC_ERF)          # what the built library depends on
+TILES = SOURCE.with_name("tiles.h")           # activation rounding and tile kernels, shared with fused/layers.cpp
+FILES = (SOURCE, TILES)                       # what the built library depends on
 PATHS = ("scalar", "avx2", "avx512vnni")      # index = the op's path number
 FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 FORCED = "TFORMER_QGEMV_PATH"
@@ -96,12 +95,12 @@ def path() -> str | None:
     return here[-1] if here else None
 
 
-TILE_ROWS = {"avx2": 8, "avx512vnni": 16}     # rows interleaved per tile by the SIMD paths (qgemv.cpp)
+TILE_ROWS = {"avx2": 8, "avx512vnni": 16}     # rows interleaved per tile by the SIMD paths (tiles.h)
 
 
 def tiles(packed: Tensor, fmt: str, kernel_path: str) -> Tensor | None:
     """``packed`` repacked for ``kernel_path`` (``TILE_ROWS`` rows interleaved, the same bytes moved:
-    see qgemv.cpp), or ``None`` for the scalar path and the torch fallback, which read the file layout.
+    see tiles.h), or ``None`` for the scalar path and the torch fallback, which read the file layout.
     The tensor is a view into a shared arena of 2 MB pages, right after the tiles made before it;
     the arena is freed with the last tensor in it."""
     op = load()

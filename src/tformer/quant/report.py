@@ -2,15 +2,16 @@
 
 After :func:`tformer.quant.quantize.set_precision` every linear layer is an ``nn.Linear``, a
 ``DecodeLinear``, an ``Int8Linear`` / ``Int4Linear`` or a ``BlockLinear``, and the decode layers carry the ``kernel`` they
-chose (measured by :mod:`tformer.quant.kernels`). :func:`kernels_of` reads those choices back from
-the modules themselves, so a table's "kernel" column names what ran, not what was meant to run.
+chose (measured by :mod:`tformer.quant.kernels`). :func:`linear_kernels` reads those choices back from
+the modules themselves, so a table's "kernel" column names what ran, not what was meant to run
+(:func:`tformer.fused.report.kernels_of` adds whether the layers run whole in one C++ call).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tformer.quant import fused_decode, gemv, qgemv
+from tformer.quant import gemv, qgemv
 from tformer.quant.block_linear import BlockLinear
 from tformer.quant.quantize import KERNEL_DTYPE, DecodeLinear, Int4Linear, Int8Linear
 
@@ -40,17 +41,11 @@ def linear_kernel(m: torch.nn.Module) -> str | None:
     return None
 
 
-def kernels_of(model: torch.nn.Module) -> str:
-    """The kernels a model's linear layers run, with how many layers run each: ``"48x F.linear float32"``,
-    after ``"decode: 12x fused layer (...)"`` where its decode steps take :mod:`tformer.quant.fused_decode`
-    (the layers' products then run inside those calls, the head as listed)."""
-    plan = fused_decode.plan(model) if fused_decode.enabled() and hasattr(model, "blocks") else None   # may lay weights back
+def linear_kernels(model: torch.nn.Module) -> str:
+    """The kernels a model's linear layers run, with how many layers run each: ``"48x F.linear float32"``."""
     counts: dict[str, int] = {}
     for m in model.modules():
         k = linear_kernel(m)
         if k is not None:
             counts[k] = counts.get(k, 0) + 1
-    text = "; ".join(f"{n}x {k}" for k, n in counts.items()) or "no linear layers"
-    if plan is None:
-        return text
-    return f"decode: {len(plan.layers)}x fused layer (qgemv.cpp decode_layer, {plan.path}); {text}"
+    return "; ".join(f"{n}x {k}" for k, n in counts.items()) or "no linear layers"

@@ -1,5 +1,5 @@
-"""The benchmarks' "kernel" column (tformer.quant.report.kernels_of) is read from the modules
-set_precision installed."""
+"""The benchmarks' "kernel" column (tformer.fused.report.kernels_of) is read from the modules
+set_precision installed, and from the model's whole-layer choice."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 
 from tformer.config import TransformerConfig
 from tformer.models.decoder import DecoderLM
+import tformer.fused as whole
+from tformer.fused.report import kernels_of
 from tformer.quant.quantize import set_precision
-from tformer.quant import fused_decode
-from tformer.quant.report import kernels_of
 
 
 NAMES = {"ext": "tformer GEMV", "mv": "torch.mv(W, x)", "linear": "F.linear", "mm_t": "torch.addmm",
@@ -32,7 +32,7 @@ def test_kernel_column_names_what_the_layers_run(precision, decode):
     else:
         assert not chosen and "F.linear (nn.Linear) bfloat16" in text
     parts = text.split("; ")
-    fused = fused_decode.plan(model) is not None                      # decode steps through the fused layers
-    assert parts[0].startswith("decode: 4x fused layer") == fused and (fused or precision in ("int8", "int4") or not decode)
+    fused = whole.chosen(model).plan is not None                      # calls take whole layers in one C++ call
+    assert parts[0].startswith("decode: 4 layers, whole layers in one C++ call") == fused and (fused or precision in ("int8", "int4") or not decode)
     parts = parts[1:] if fused else parts
     assert sum(int(part.split("x ", 1)[0]) for part in parts) == n_linear   # every layer counted once

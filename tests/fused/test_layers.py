@@ -1,6 +1,5 @@
-"""The fused decode layer (one C++ call per layer, tformer.quant.fused_decode) against the module path
-of the same block-quantised model: logits, KV caches and greedy tokens; and the calls it leaves to
-the module path.
+"""Whole layers in one C++ call (tformer.fused) against the module path of the same block-quantised
+or float model: logits, KV caches and greedy tokens; and the calls it leaves to the module path.
 
 Tolerance: the products are the same kernels on the same quantised activations, so the two paths
 differ only by the float summation order of the RMS norm, softmax and weighted sum (~1e-6
@@ -12,20 +11,42 @@ scale here); the caches to 1e-4 of their scale.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+import tformer.fused as whole
 from tformer.generation.step import decode_logits, decode_step, prefill
-from tformer.quant import fused_decode, kernels, qgemv
+from tformer.quant import kernels, qgemv
 from tformer.quant.quantize import set_precision
 
-from quant_models import tiny, tiny_gpt2
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
+from quant_models import tiny, tiny_gpt2  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_tiles = pytest.mark.skipif(qgemv.path() not in qgemv.TILE_ROWS, reason="no SIMD tile path on this CPU")
 
 
 SHAPES = {"llama": tiny, "gpt2": tiny_gpt2}
+
+
+def plan_of(model):
+    return whole.chosen(model).plan
+
+
+def decode(model, tokens, state, positions=None, attention_mask=None):
+    """What decode_step runs on the whole-layer route, or None where the route is the module path."""
+    r = whole.route(model, state, tokens.shape[0], 1, step=True,
+                    masked=positions is not None or attention_mask is not None)
+    return None if r is None else whole.decode(model, tokens, state, r, positions, attention_mask)
+
+
+def forward(model, ids, state, **kw):
+    """What prefill / extend run on the whole-layer route, or None where the route is the module path."""
+    r = whole.route(model, state, *ids.shape)
+    return None if r is None else whole.forward(model, ids, state, r, **kw)
 
 
 def pair(fmt: str, shape: str = "llama"):
@@ -49,11 +70,11 @@ def test_fused_equals_module_path(fmt, path, shape, monkeypatch):
         pytest.skip(f"this CPU does not run {path}")
     monkeypatch.setenv(qgemv.FORCED, path)
     model, (fused, plain) = pair(fmt, shape)
-    assert fused_decode.plan(model) is not None, fused_decode.reason(model)
+    assert plan_of(model) is not None, whole.chosen(model).reason
     tok = torch.tensor([[5], [6]])
     with torch.inference_mode():
         for _ in range(12):                                  # positions 7 .. 18: attention over a growing cache
-            a = fused_decode.decode(model, tok, fused)
+            a = decode(model, tok, fused)
             b = decode_logits(model, tok, plain)
             assert a is not None and fused.length == plain.length
             scale = b.abs().max()
@@ -84,7 +105,7 @@ def test_fused_static_rows_equal_module_path(fmt, shape):
         for _ in range(10):
             at = fused.valid.sum(-1)                          # (2,) real tokens held: the positions
             assert torch.equal(at, plain.valid.sum(-1))
-            a = fused_decode.decode(model, tok, fused.rows(0, 2, keys=24), positions=at[:, None])
+            a = decode(model, tok, fused.rows(0, 2, keys=24), positions=at[:, None])
             b = decode_logits(model, tok, plain.rows(0, 2, keys=24), positions=at[:, None])
             assert a is not None
             assert (a - b).abs().max() <= 2e-3 * b.abs().max(), float((a - b).abs().max())
@@ -98,31 +119,72 @@ def test_fused_static_rows_equal_module_path(fmt, shape):
 def test_decode_step_takes_the_fused_path_and_falls_back(monkeypatch):
     model, (state, _) = pair("q4_1")
     calls = []
-    real = torch.ops.tformer_qgemv.decode_layer
-    monkeypatch.setattr(fused_decode, "decode", lambda *a, _d=fused_decode.decode, **kw: calls.append(1) or _d(*a, **kw))
+    real = torch.ops.tformer_fused.layer
+    monkeypatch.setattr(whole, "decode", lambda *a, _d=whole.decode, **kw: calls.append(1) or _d(*a, **kw))
     with torch.inference_mode():
         decode_step(model, torch.tensor([[1], [2]]), state)
         assert calls and state.length == 8
         # on an eager state an attention mask or explicit positions go to the module path
-        assert fused_decode.decode(model, torch.tensor([[1], [2]]), state, attention_mask=torch.ones(2, 1)) is None
-        assert fused_decode.decode(model, torch.tensor([[1], [2]]), state, positions=torch.tensor([[8], [8]])) is None
+        assert decode(model, torch.tensor([[1], [2]]), state, attention_mask=torch.ones(2, 1)) is None
+        assert decode(model, torch.tensor([[1], [2]]), state, positions=torch.tensor([[8], [8]])) is None
         static = model.new_state(2, 40, static=True)
         prefill(model, torch.tensor([[1, 2], [3, 4]]), static)
         n = len(calls)
         decode_step(model, torch.tensor([[1], [2]]), static)          # a static step: fused, length kept
         assert len(calls) == n + 1 and static.length == 3 and static.index.tolist() == [3, 3]
-        monkeypatch.setenv(fused_decode.SWITCH, "0")
-        assert fused_decode.decode(model, torch.tensor([[1], [2]]), state) is None
-    assert real is torch.ops.tformer_qgemv.decode_layer
+        monkeypatch.setenv(whole.SWITCH, "0")
+        assert whole.chosen(model).plan is not None          # read when the choice is made, not per call
+        assert whole.choose(model).reason == f"module path: {whole.SWITCH}=0"
+        assert decode(model, torch.tensor([[1], [2]]), state) is None
+    assert real is torch.ops.tformer_fused.layer
 
 
 def test_plan_names_what_it_does_not_implement():
     model = tiny()                                           # float weights: not block products
-    assert fused_decode.plan(model) is None and "BlockLinear" in fused_decode.reason(model)
+    assert plan_of(model) is None and "BlockLinear" in whole.chosen(model).reason
     from tformer import DecoderLM, TransformerConfig
     gpt = set_precision(DecoderLM(TransformerConfig(vocab_size=61, context_length=16, n_layers=1, d_model=64,
                                                     n_heads=2, qk_norm=True)).eval(), "q8_0")
-    assert fused_decode.plan(gpt) is None and "QK-norm" in fused_decode.reason(gpt)
+    assert plan_of(gpt) is None and whole.chosen(gpt).reason == "module path: QK-norm, a window or ALiBi"
+
+
+@needs_tiles
+def test_the_choice_is_made_once_and_again_when_the_model_changes(monkeypatch):
+    """chosen() keeps the choice: no check runs again per call, the switch is read when it is made;
+    train() / eval() and set_precision swapping the products make it again."""
+    import tformer.fused.plan as plan_module
+
+    model = tiny()
+    assert whole.chosen(model).plan is None                  # float nn.Linear products
+    set_precision(model, "q8_0")                             # in place: new product modules
+    first = whole.chosen(model)
+    assert first.plan is not None
+    assert first.reason == f"whole layers in one C++ call ({qgemv.path()} kernels, q8_0 blocks)", first.reason
+    checks = []
+    monkeypatch.setattr(plan_module, "why_not", lambda m, _w=plan_module.why_not: checks.append(1) or _w(m))
+    monkeypatch.setenv(whole.SWITCH, "0")
+    assert whole.chosen(model) is first and checks == []     # cached: neither the checks nor the switch read
+    model.train()
+    assert whole.chosen(model).reason == f"module path: {whole.SWITCH}=0" and checks == [1]
+    monkeypatch.setenv(whole.SWITCH, "1")
+    assert whole.chosen(model).reason == f"module path: {whole.SWITCH}=0"   # kept until the model changes
+    assert whole.choose(model).reason == "module path: training mode"      # or it is made again by hand
+    model.eval()
+    assert whole.chosen(model).plan is not None and checks == [1, 1, 1]
+
+
+@needs_tiles
+def test_held_padding_is_a_flag_of_the_state():
+    """A masked call marks the state (its views and mapped copies too); reset forgets it; the calls
+    without a mask and the pool's writer leave it clear, so they are never asked to read valid back."""
+    model, (state, _) = pair("q8_0")
+    assert not state.padded and not state.rows(0, 1).padded
+    with torch.inference_mode():
+        prefill(model, torch.tensor([[0, 3], [5, 6]]), state, attention_mask=torch.tensor([[0, 1], [1, 1]]))
+    assert state.padded and state.rows(0, 1).padded and state.map(lambda t: t).padded
+    assert not state.writer(torch.tensor([0]), 2).padded
+    state.reset()
+    assert not state.padded
 
 
 @needs_tiles
@@ -136,11 +198,12 @@ def test_smollm2_steps_track_the_module_path(monkeypatch, smollm2):
     from tformer.interop.gguf_import import load_gguf
 
     model = load_gguf(smollm2[0], keep_quant=True)
-    assert fused_decode.plan(model) is not None, fused_decode.reason(model)
+    assert plan_of(model) is not None, whole.chosen(model).reason
     prompt = torch.tensor([[1, 504, 3458, 282, 4649, 314, 253, 1345, 2830, 30]])
 
     def logits_along(fused: bool, tokens: list[int] | None) -> list[torch.Tensor]:
-        monkeypatch.setenv(fused_decode.SWITCH, "1" if fused else "0")
+        monkeypatch.setenv(whole.SWITCH, "1" if fused else "0")
+        whole.choose(model)
         state, out = model.new_state(1, 40), []
         with torch.inference_mode():
             z = prefill(model, prompt, state)[0]
@@ -174,7 +237,7 @@ def test_hooks_set_after_the_plan_take_the_module_path():
     model, (fused, plain) = pair("q8_0")
     tok = torch.tensor([[5], [6]])
     with torch.inference_mode():
-        assert fused_decode.decode(model, tok, fused) is not None           # the plan exists now
+        assert decode(model, tok, fused) is not None           # the plan exists now
     seen = []
     with torch.inference_mode():
         with hooks_set(model, [("blocks.0.hook_resid_pre", lambda t, name: seen.append(name))]):
@@ -183,16 +246,18 @@ def test_hooks_set_after_the_plan_take_the_module_path():
 
 
 # ------------------------------------------------------------------ several new tokens per row
-# fused_decode.forward: a prompt (prefill) or a speculative check (extend) in one call per layer.
+# tformer.fused.forward: a prompt (prefill) or a speculative check (extend) in one call.
 # Same tolerances as above; the reference is the module path (TFORMER_FUSED_DECODE=0) from a state
 # the module path filled.
 
-def module_path(monkeypatch, fn):
-    monkeypatch.setenv(fused_decode.SWITCH, "0")
+def module_path(monkeypatch, model, fn):
+    monkeypatch.setenv(whole.SWITCH, "0")
+    whole.choose(model)
     try:
         return fn()
     finally:
-        monkeypatch.setenv(fused_decode.SWITCH, "1")
+        monkeypatch.setenv(whole.SWITCH, "1")
+        whole.choose(model)
 
 
 def close(a, b, rel=2e-3):
@@ -210,20 +275,20 @@ def test_extend_equals_module_path(fmt, monkeypatch):
     ids = torch.tensor([[3, 17, 5, 42, 8, 11, 2], [9, 1, 30, 7, 7, 60, 4]])
     fused, plain = model.new_state(2, 40), model.new_state(2, 40)
     calls = []
-    monkeypatch.setattr(fused_decode, "forward", lambda *a, _f=fused_decode.forward, **kw: calls.append(_f(*a, **kw)) or calls[-1])
+    monkeypatch.setattr(whole, "route", lambda *a, _f=whole.route, **kw: calls.append(_f(*a, **kw)) or calls[-1])
     with torch.inference_mode():
         a = prefill(model, ids, fused)
-        b = module_path(monkeypatch, lambda: prefill(model, ids, plain))
+        b = module_path(monkeypatch, model, lambda: prefill(model, ids, plain))
         assert calls[0] is not None and close(a, b), float((a - b).abs().max())
         for step in range(3):
             new = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]) + step
             a = extend(model, new, fused)
-            b = module_path(monkeypatch, lambda: extend(model, new, plain))
+            b = module_path(monkeypatch, model, lambda: extend(model, new, plain))
             assert a.shape == b.shape == (2, 4, 61) and close(a, b), float((a - b).abs().max())
             assert fused.length == plain.length and torch.equal(fused.valid, plain.valid)
             for s in (fused, plain):
                 s.truncate(s.length - 2)                      # two drafts rejected
-    assert sum(c is not None for c in calls) == 4 and len(calls) == 8   # every fused call applied
+    assert sum(c is not None for c in calls) == 4 and len(calls) == 8   # every whole-layer route taken
     n = plain.length
     for s, t in zip(fused.layers, plain.layers):
         assert (s.k[:, :, :n] - t.k[:, :, :n]).abs().max() <= 1e-4 * t.k[:, :, :n].abs().max()
@@ -252,16 +317,17 @@ def test_pool_prefill_and_verify_equal_module_path(monkeypatch):
 
     seen = []
 
-    def spy(model, ids, state, _f=fused_decode.forward, **kw):
-        out = _f(model, ids, state, **kw)
-        seen.append((type(state.layers[0]).__name__, state.length - ids.shape[1], out is not None))
+    def spy(model, state, B, T, _f=whole.route, **kw):
+        out = _f(model, state, B, T, **kw)
+        if not kw.get("step"):                                       # prompts and checks, not the decode step
+            seen.append((type(state.layers[0]).__name__, state.length, out is not None))
         return out
 
-    monkeypatch.setattr(fused_decode, "forward", spy)
+    monkeypatch.setattr(whole, "route", spy)
     with torch.inference_mode():
         got = run()
         fused_calls, seen[:] = list(seen), []
-        want = module_path(monkeypatch, run)
+        want = module_path(monkeypatch, model, run)
     # fused: the first prefill, the second's two groups (after 0 and after the cached 16), the verify
     assert fused_calls == [("RowWriter", 0, True), ("RowWriter", 0, True), ("RowWriter", 16, True),
                            ("StaticKVCache", 3, True)], fused_calls
@@ -276,16 +342,16 @@ def test_pool_prefill_and_verify_equal_module_path(monkeypatch):
 @needs_tiles
 def test_forward_leaves_what_it_does_not_implement_to_the_module_path():
     model, (state, _) = pair("q8_0")
-    too_long = torch.zeros(1, fused_decode.MAX_TOKENS + 1, dtype=torch.long)
+    too_long = torch.zeros(1, whole.MAX_TOKENS + 1, dtype=torch.long)
     with torch.inference_mode():
-        assert fused_decode.forward(model, too_long, model.new_state(1, 2 * fused_decode.MAX_TOKENS)) is None
-        assert fused_decode.forward(model, torch.tensor([[1, 2]]), None) is None
+        assert forward(model, too_long, model.new_state(1, 2 * whole.MAX_TOKENS)) is None
+        assert forward(model, torch.tensor([[1, 2]]), None) is None
         padded = model.new_state(2, 40)
         prefill(model, torch.tensor([[0, 3, 4], [5, 6, 7]]), padded, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
-        assert fused_decode.forward(model, torch.tensor([[1, 2], [3, 4]]), padded) is None   # held padding
+        assert forward(model, torch.tensor([[1, 2], [3, 4]]), padded) is None   # held padding
         full = model.new_state(2, 8)
         prefill(model, torch.tensor([[1] * 7, [2] * 7]), full)
-        assert fused_decode.forward(model, torch.tensor([[1, 2], [3, 4]]), full) is None     # past max_len
+        assert forward(model, torch.tensor([[1, 2], [3, 4]]), full) is None     # past max_len
         assert full.length == 7
 
 
@@ -382,14 +448,14 @@ def test_half_weights_against_float32_of_the_same_rounded_weights(fmt, rel, shap
             p.copy_(p.to(dtype).float())
     ids = torch.tensor([[3, 17, 5, 42, 8, 11, 2], [9, 1, 30, 7, 7, 60, 4]])
     fused, plain = model.new_state(2, 40), ref.new_state(2, 40)
-    assert fused_decode.plan(model) is not None and fused.layers[0].k.dtype == dtype
+    assert plan_of(model) is not None and fused.layers[0].k.dtype == dtype
     tok = torch.tensor([[5], [6]])
     with torch.inference_mode():
         prefill(model, ids, fused)
-        module_path(monkeypatch, lambda: prefill(ref, ids, plain))
+        module_path(monkeypatch, ref, lambda: prefill(ref, ids, plain))
         for _ in range(8):
-            a = fused_decode.decode(model, tok, fused)
-            b = module_path(monkeypatch, lambda: decode_logits(ref, tok, plain))
+            a = decode(model, tok, fused)
+            b = module_path(monkeypatch, ref, lambda: decode_logits(ref, tok, plain))
             assert a is not None and a.dtype == dtype
             assert close(a.float(), b, rel), (fmt, float((a.float() - b).abs().max()), float(b.abs().max()))
             tok = b.argmax(-1, keepdim=True)
@@ -399,13 +465,13 @@ def test_half_weights_against_float32_of_the_same_rounded_weights(fmt, rel, shap
 def test_float_weights_leave_prompts_to_the_module_path():
     """A float product passes its weights once per token (torch's GEMM does not), so calls of more
     than MAX_FLOAT_ROWS tokens go to the module path; block weights take up to MAX_TOKENS a row."""
-    n = fused_decode.MAX_FLOAT_ROWS
+    n = whole.MAX_FLOAT_ROWS
     for fmt, fused in (("fp32", False), ("q8_0", True)):
         model = set_precision(tiny_gpt2(), fmt)
         with torch.inference_mode():
             long = torch.arange(1, n + 2)[None]
-            assert (fused_decode.forward(model, long, model.new_state(1, 40)) is not None) is fused
-            assert fused_decode.forward(model, long[:, :n], model.new_state(1, 40)) is not None
+            assert (forward(model, long, model.new_state(1, 40)) is not None) is fused
+            assert forward(model, long[:, :n], model.new_state(1, 40)) is not None
 
 
 @needs_tiles
@@ -426,7 +492,7 @@ def test_long_padded_context(fmt):
             prefill(model, ids, s, attention_mask=mask)
         for _ in range(6):                                    # keys 200 .. 205
             at = fused.valid.sum(-1)
-            a = fused_decode.decode(model, tok, fused, positions=at[:, None])
+            a = decode(model, tok, fused, positions=at[:, None])
             b = decode_logits(model, tok, plain, positions=at[:, None])
             assert a is not None and close(a, b), float((a - b).abs().max())
             tok = b.argmax(-1, keepdim=True)
@@ -443,15 +509,15 @@ def test_every_plain_mlp_activation(fmt, activation, path, monkeypatch):
         pytest.skip(f"this CPU does not run {path}")
     monkeypatch.setenv(qgemv.FORCED, path)
     model = set_precision(tiny_gpt2(activation), fmt)
-    assert fused_decode.plan(model) is not None, fused_decode.reason(model)
+    assert plan_of(model) is not None, whole.chosen(model).reason
     ids = torch.tensor([[3, 17, 5, 42, 8, 11, 2], [9, 1, 30, 7, 7, 60, 4]])
     fused, plain = model.new_state(2, 40), model.new_state(2, 40)
     tok = torch.tensor([[5], [6]])
     with torch.inference_mode():
         for s in (fused, plain):
-            module_path(monkeypatch, lambda: prefill(model, ids, s))
+            module_path(monkeypatch, model, lambda: prefill(model, ids, s))
         for _ in range(6):
-            a = fused_decode.decode(model, tok, fused)
+            a = decode(model, tok, fused)
             b = decode_logits(model, tok, plain)
             assert a is not None and close(a, b), (activation, float((a - b).abs().max()))
             tok = b.argmax(-1, keepdim=True)
@@ -467,7 +533,7 @@ def test_a_weight_laid_back_by_the_plan_still_trains_through_autograd(monkeypatc
     lin = model.blocks[0].attn.qkv_proj
     assert lin.transposed
     with torch.inference_mode():
-        assert fused_decode.plan(model) is not None
+        assert plan_of(model) is not None
     assert not lin.transposed and lin.weight.shape == (lin.out_features, lin.in_features)
     x = model.tok_emb(torch.tensor([[1, 2, 3]])).detach().requires_grad_(True)
     model.blocks[0](x).sum().backward()              # no "inference tensors cannot be saved for backward"
@@ -475,27 +541,27 @@ def test_a_weight_laid_back_by_the_plan_still_trains_through_autograd(monkeypatc
 
 
 @needs_tiles
-def test_decode_layers_is_decode_layer_per_layer():
-    """One call over every layer's lists equals one decode_layer call per layer (same x and caches after),
+def test_layers_is_layer_per_layer():
+    """One call over every layer's lists equals one layer call per layer (same x and caches after),
     and lists that do not split evenly into layers are refused in one sentence."""
     model = set_precision(tiny(), "q8_0")
-    plan = fused_decode.plan(model)
-    assert plan is not None, fused_decode.reason(model)
+    plan = plan_of(model)
+    assert plan is not None, whole.chosen(model).reason
     states = [model.new_state(1, 16) for _ in range(2)]
     torch.manual_seed(1)
     x0 = torch.randn(1, model.config.d_model)
     write = at = torch.tensor([0])
     cos, sin = plan.rotary()
     xs = [x0.clone(), x0.clone()]
-    fused_decode.run_layers(plan, xs[0], [(s.k, s.v) for s in states[0].layers], write, at, None, None)
+    whole.run_layers(plan, xs[0], [(s.k, s.v) for s in states[0].layers], write, at, None, None)
     for (norms, mats, biases, fmts), s in zip(plan.layers, states[1].layers):
-        torch.ops.tformer_qgemv.decode_layer(xs[1], norms, plan.eps, mats, biases, fmts, plan.dims, s.k, s.v,
-                                             write, at, None, None, cos, sin, plan.path_id)
+        torch.ops.tformer_fused.layer(xs[1], norms, plan.eps, mats, biases, fmts, plan.dims, s.k, s.v,
+                                      write, at, None, None, cos, sin, plan.path_id)
     assert torch.equal(xs[0], xs[1]) and not torch.equal(xs[0], x0)
     for a, b in zip(states[0].layers, states[1].layers):
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
     norms, mats, biases, fmts = plan.flat
     k = [s.k for s in states[0].layers]
     with pytest.raises(RuntimeError, match="one k and v cache per layer"):
-        torch.ops.tformer_qgemv.decode_layers(xs[0], norms[:-1], plan.eps, mats, biases, fmts, plan.dims, k, k,
-                                              write, at, None, None, cos, sin, plan.path_id)
+        torch.ops.tformer_fused.layers(xs[0], norms[:-1], plan.eps, mats, biases, fmts, plan.dims, k, k,
+                                       write, at, None, None, cos, sin, plan.path_id)

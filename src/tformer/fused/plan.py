@@ -1,0 +1,196 @@
+"""What a model must be for its layers to run whole in one C++ call, and that choice, made once per model.
+
+:func:`choose` checks the model against what ``layers.cpp`` implements (:func:`why_not`) and, where
+it passes, gathers a :class:`Plan`: each layer's norm weights, product matrices (block tiles or
+float rows), biases and formats, in the order the call reads them. The :class:`Choice` (the plan
+or ``None``, and a one-line reason either way) is kept beside the model and :func:`chosen` looks it
+up. It is made again only when the model's mode or its products change (``train()`` / ``eval()``,
+:func:`tformer.set_precision` swapping the layers) or when :func:`choose` is called again:
+``TFORMER_FUSED_DECODE`` and the forced kernel path (``TFORMER_QGEMV_PATH``) are read then, not per
+token. Hooks (:mod:`tformer.interp`) are set per call, so they are no part of the choice; the call
+checks them (:func:`tformer.fused.run.route`).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import NamedTuple
+
+import torch
+
+import tformer.fused.library as library
+from tformer.quant import qgemv
+from tformer.quant.block_linear import BlockLinear
+from tformer.quant.quantize import DecodeLinear
+
+Tensor = torch.Tensor
+SWITCH = "TFORMER_FUSED_DECODE"        # "0": every model takes the module path (A/B runs, tests)
+FLOAT_FMT = {torch.float32: 3, torch.bfloat16: 4, torch.float16: 5}   # layers.cpp's float formats
+MLP = {"gelu_tanh": 1, "relu": 2, "relu2": 3, "gelu": 4, "silu": 5}     # its plain MLPs' activations (0: SwiGLU)
+# model -> (stamp, Choice): beside the model, not on it (generation leaves a model's attributes as they were)
+_CHOICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _products(block) -> tuple:
+    """A block's matrices in the layer call's order: (qkv, o, gate, up, down) or (qkv, o, up, down)."""
+    a, f = block.attn, block.ffn
+    return (a.qkv_proj, a.out_proj) + ((f.gate,) if hasattr(f, "gate") else ()) + (f.up, f.down)
+
+
+def _product_why_not(lin) -> str | None:
+    if isinstance(lin, BlockLinear):
+        return None
+    if type(lin) is DecodeLinear and lin.weight.dtype in FLOAT_FMT:
+        return None          # a weight stored transposed for torch.mm is laid back (DecodeLinear.row_major)
+    return "a product that is not a BlockLinear or a float DecodeLinear (tformer.quant.set_precision)"
+
+
+def why_not(model) -> str | None:
+    """``None`` if the whole-layer call implements ``model``'s layers, else the first reason it does not."""
+    from tformer.mixers.attention import MultiHeadAttention
+    from tformer.nn.feed_forward import MLP as PlainMLP, SwiGLU
+    from tformer.nn.norms import RMSNorm
+
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"{SWITCH}=0"
+    c = getattr(model, "config", None)
+    if c is None or not hasattr(model, "blocks") or not hasattr(model, "lm_head"):
+        return "not a decoder LM"
+    if c.norm_placement != "pre" or c.positions not in ("rope", "learned"):
+        return "needs pre-norm layers and RoPE or learned positions"
+    if c.logit_softcap or c.embedding_norm or c.embedding_scale or getattr(model, "type_emb", None) is not None:
+        return "a soft-cap, an embedding norm or scale, or a token-type table"
+    if model.training:
+        return "training mode"
+    norm_type = RMSNorm if c.norm == "rmsnorm" else torch.nn.LayerNorm
+    if not isinstance(model.final_norm, (RMSNorm, torch.nn.LayerNorm)):
+        return "no final norm"
+    for b in model.blocks:
+        a, f = b.attn, b.ffn
+        if type(a) is not MultiHeadAttention or b.cross_attn is not None:
+            return "a layer that is not self-attention"
+        if not (isinstance(f, SwiGLU) or (type(f) is PlainMLP and c.activation in MLP)):
+            return "a feed-forward that is not SwiGLU or a GELU / ReLU / ReLU² / SiLU MLP"
+        if a.qk_norm or a.window is not None or a.alibi_slopes is not None or (a.rope is None) != (c.positions != "rope"):
+            return "QK-norm, a window or ALiBi"
+        if not (type(b.attn_norm) is norm_type and type(b.ffn_norm) is norm_type):
+            return "a norm that is neither RMSNorm nor LayerNorm"
+        if b.attn_norm.eps != b.ffn_norm.eps:
+            return "norms with different eps"
+        if isinstance(b.attn_norm, torch.nn.LayerNorm) and not b.attn_norm.elementwise_affine:
+            return "a LayerNorm without weights"
+        for lin in _products(b):
+            why = _product_why_not(lin)
+            if why:
+                return why
+    # only now the kernels (their first use builds them): a model that fails above never pays for a build
+    if qgemv.load() is None:
+        return f"the block kernels are not built ({qgemv.STATUS.get('state')})"
+    if library.load() is None:
+        return f"the whole-layer kernels are not built ({library.STATUS.get('state')})"
+    path = qgemv.path()
+    if path not in qgemv.TILE_ROWS:
+        return f"kernel path {path} has no tiles"
+    return None
+
+
+def _norm_weights(norm) -> list[Tensor]:
+    """(g,) for RMSNorm, (g, b) for LayerNorm (b zero where it has none), float32."""
+    g = norm.weight.detach().float().contiguous()
+    if isinstance(norm, torch.nn.LayerNorm):
+        b = norm.bias.detach().float().contiguous() if norm.bias is not None else torch.zeros_like(g)
+        return [g, b]
+    return [g]
+
+
+def _matrix(lin, path: str) -> Tensor:
+    if not isinstance(lin, BlockLinear):
+        return lin.row_major()                              # the layer call reads (N, K) rows
+    t = lin._tiled.get(path)
+    if t is None:
+        t = lin._tiled[path] = qgemv.tiles(lin.blocks, lin.fmt, path)
+    return t
+
+
+def _bias(lin) -> Tensor | None:
+    b = getattr(lin, "bias32", None) if not isinstance(lin, BlockLinear) else lin.bias
+    return None if b is None else b.detach().float().contiguous()
+
+
+class Plan:
+    """What each layer's call reads, gathered once per model and kernel path (the tiles BlockLinear
+    makes at its first call, made here if no call came yet; a float weight as the layer holds it)."""
+
+    def __init__(self, model, path: str):
+        self.path, self.path_id = path, qgemv.PATHS.index(path)
+        c = model.config
+        first = model.blocks[0]
+        mlp = 0 if hasattr(first.ffn, "gate") else MLP[c.activation]
+        self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, first.ffn.up.out_features, mlp]
+        self.eps = float(first.attn_norm.eps)
+        self.layers = []
+        names: dict[str, None] = {}                        # the products' formats, in order of appearance
+        for b in model.blocks:
+            lins = _products(b)
+            mats = [_matrix(lin, path) for lin in lins]
+            fmts = [qgemv.FMT[lin.fmt] if isinstance(lin, BlockLinear) else FLOAT_FMT[lin.weight.dtype] for lin in lins]
+            biases = [_bias(lin) for lin in lins]
+            self.layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm), mats, biases, fmts))
+            names.update((lin.fmt if isinstance(lin, BlockLinear) else str(lin.weight.dtype)[6:], None) for lin in lins)
+        # the same, each list one layer after another: the arguments of tformer_fused::layers
+        self.flat = tuple([t for layer in self.layers for t in layer[i]] for i in range(4))
+        self.floats = any(f >= 3 for layer in self.layers for f in layer[3])
+        blocks = [n for n in names if n in qgemv.FMT]
+        floats = [n for n in names if n not in qgemv.FMT]
+        self.weights = ", ".join(([", ".join(blocks) + " blocks"] if blocks else [])
+                                 + ([", ".join(floats) + " weights"] if floats else []))   # e.g. "q4_1 blocks"
+        self.rope = first.attn.rope
+        self.pos_emb = model.pos_emb if c.positions == "learned" else None
+        self._rotary: tuple = (None, None, None)
+
+    def rotary(self) -> tuple[Tensor, Tensor]:
+        """The rotary tables in float32 (a bf16 / fp16 model holds them in its dtype), converted
+        again only when the table grew (``RotaryEmbedding.ensure`` makes a new one)."""
+        cos = self.rope.cos
+        if self._rotary[0] is not cos:
+            pair = (cos, self.rope.sin) if cos.dtype == torch.float32 else (cos.float(), self.rope.sin.float())
+            self._rotary = (cos,) + pair
+        return self._rotary[1], self._rotary[2]
+
+
+class Choice(NamedTuple):
+    """How a model's prompts, decode steps and speculative checks run: ``plan`` (whole layers in one
+    C++ call) or ``None`` (the module path), and why, in one line: ``"whole layers in one C++ call
+    (avx512vnni kernels, q4_1 blocks)"`` or ``"module path: QK-norm, a window or ALiBi"``."""
+    plan: Plan | None
+    reason: str
+
+
+def _stamp(model) -> tuple:
+    """What a choice depends on that can change on a model: its mode and its layers' products
+    (set_precision swaps them; a Mamba model has no ``qkv_proj``)."""
+    blocks = getattr(model, "blocks", None)
+    first = getattr(getattr(blocks[0], "attn", None), "qkv_proj", None) if blocks is not None and len(blocks) else None
+    return getattr(model, "training", None), first
+
+
+def choose(model) -> Choice:
+    """Make ``model``'s choice now (and keep it): reads ``TFORMER_FUSED_DECODE`` and the kernel path,
+    gathers the plan where the model passes. Call it again after changing either."""
+    why = why_not(model)
+    if why is None:
+        plan = Plan(model, qgemv.path())
+        choice = Choice(plan, f"whole layers in one C++ call ({plan.path} kernels, {plan.weights})")
+    else:
+        choice = Choice(None, f"module path: {why}")
+    _CHOICES[model] = (_stamp(model), choice)
+    return choice
+
+
+def chosen(model) -> Choice:
+    """``model``'s choice: the one kept, unless its mode or products changed since (then made again)."""
+    held = _CHOICES.get(model)
+    if held is not None and held[0] == _stamp(model):
+        return held[1]
+    return choose(model)
