@@ -35,5 +35,5 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         built = getattr(module, loader)() is not None
         state = "ready" if built else module.STATUS.get("state", "unavailable")
-        print(f"{module_name.rsplit('.', 1)[-1]:<15} {state} ({time.perf_counter() - start:.1f} s): {what}", flush=True)
+        print(f"{module_name.removeprefix('tformer.'):<18} {state} ({time.perf_counter() - start:.1f} s): {what}", flush=True)
     return 0

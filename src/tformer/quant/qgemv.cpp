@@ -347,20 +347,27 @@ at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R) {
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const bool offset = fmt == Q8_0 && R == 16;
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t t = n / R, r = n % R;
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* b = src + (n * G + g) * bytes;
-      uint8_t* o = dst + (t * G + g) * tb;
-      std::memcpy(o + 2 * r, b, 2);                                       // d
-      int64_t off = 2 * R;
-      if (fmt == Q4_1) { std::memcpy(o + off + 2 * r, b + 2, 2); off += 2 * R; }
-      const uint8_t* qs = b + (fmt == Q8_0 ? 2 : bytes - 16);
-      const int quads = fmt == Q8_0 ? 8 : 4;
-      for (int j = 0; j < quads; ++j)
-        for (int k = 0; k < 4; ++k) o[off + (j * R + r) * 4 + k] = offset ? uint8_t(qs[4 * j + k] ^ 0x80) : qs[4 * j + k];
+  // tiles are independent: split them between torch's threads (opening a model repacks all of its matrices)
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t n = t0 * R; n < std::min(N, t1 * R); ++n) {
+      const int64_t t = n / R, r = n % R;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* b = src + (n * G + g) * bytes;
+        uint8_t* o = dst + (t * G + g) * tb;
+        std::memcpy(o + 2 * r, b, 2);                                       // d
+        int64_t off = 2 * R;
+        if (fmt == Q4_1) { std::memcpy(o + off + 2 * r, b + 2, 2); off += 2 * R; }
+        const uint8_t* qs = b + (fmt == Q8_0 ? 2 : bytes - 16);
+        const int quads = fmt == Q8_0 ? 8 : 4;
+        for (int j = 0; j < quads; ++j) {                                   // 4 quants at a time
+          uint32_t q;
+          std::memcpy(&q, qs + 4 * j, 4);
+          if (offset) q ^= 0x80808080u;
+          std::memcpy(o + off + (j * R + r) * 4, &q, 4);
+        }
+      }
     }
-  }
+  });
   return out;
 }
 
