@@ -48,7 +48,7 @@ def build_server(spec: str | None = None, slots: int = 16, max_queue: int = 64, 
     :class:`tformer.serve.server.Server`. ``dtype="auto"`` serves a GGUF whose layer matrices are all in one
     block format from those blocks, anything else in float32; ``draft`` opens the same model at a cheaper
     precision to draft for ``speculative``."""
-    from tformer.inference import open_model
+    from tformer.inference import open_model, require_decoder
     from tformer.machine import available_memory
     from tformer.serve.server import Limits, Server
 
@@ -68,9 +68,7 @@ def build_server(spec: str | None = None, slots: int = 16, max_queue: int = 64, 
                           f"cheaper --draft, other than --dtype.")
     draft_model = open_model(opened.source, draft).model if draft is not None else None
     model = opened.model
-    if not hasattr(model, "lm_head"):
-        raise CheckpointError(f"{opened.source} holds a {type(model).__name__}; `tformer serve` generates with a "
-                              f"decoder (an encoder is served for embeddings with --embeddings).")
+    require_decoder(model, opened.source)            # before the KV pool is sized from its config
     if opened.tokenizer is None:
         raise CheckpointError(f"{opened.source} has no tokenizer; serve a checkpoint that holds tokenizer.json or a "
                               f"GGUF with its vocabulary.")
