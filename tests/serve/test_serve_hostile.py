@@ -21,3 +21,104 @@ def test_serving_a_seq2seq_run_is_one_sentence(tmp_path, capsys, one_thread):
     assert len(err.splitlines()) == 1 and "EncoderDecoder" in err and "tformer translate" in err, err
     assert main(["generate", "--ckpt", str(run), "--prompt", "hello"]) == 2
     assert "tformer translate" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ a small model with a byte-level vocabulary
+def bpe_checkpoint(folder, template: str | None = None):
+    """A random 2-layer model with a byte-level BPE vocabulary (what structured output needs), its last
+    id the end of turn, and optionally a chat template; the folder."""
+    import json
+
+    import torch
+
+    from tformer import DecoderLM, TransformerConfig
+    from tformer.checkpoint import save_model
+    from tformer.tokenizers import BPETokenizer
+
+    torch.manual_seed(0)
+    tok = BPETokenizer.train(['{"name": "x", "age": 3} hello world, the quick brown fox'] * 20, vocab_size=300)
+    config = TransformerConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=2, n_layers=2, context_length=256)
+    save_model(folder, DecoderLM(config).eval(), generation={"eos_token_id": [tok.vocab_size - 1]})
+    tok.save(folder / "tokenizer.json")
+    if template is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return folder
+
+
+@pytest.fixture
+def served(tmp_path):
+    """``make(template=None) -> (server, running)`` on a fresh :func:`bpe_checkpoint`; stopped after the test."""
+    from serve_util import Running
+    from tformer.serve.app import build_app
+    from tformer.serve.build import build_server
+
+    made = []
+
+    def make(template=None, **kwargs):
+        folder = bpe_checkpoint(tmp_path / f"m{len(made)}", template)
+        server = build_server(str(folder), slots=4, **kwargs)
+        made.append((server, Running(build_app(server))))
+        return made[-1]
+    yield make
+    for server, running in made:
+        running.stop()
+        server.close()
+
+
+def health_while(url: str, body: dict, path: str = "/v1/chat/completions"):
+    """POST ``body`` in a thread and probe ``/health`` until it is answered: (the response, the slowest probe's
+    seconds, how many probes ran)."""
+    import threading
+    import time
+
+    import httpx
+
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(r=httpx.post(url + path, json=body, timeout=120)))
+    thread.start()
+    slowest, probes = 0.0, 0
+    with httpx.Client(timeout=30) as client:
+        while thread.is_alive():
+            t = time.monotonic()
+            assert client.get(url + "/health").status_code == 200
+            slowest, probes = max(slowest, time.monotonic() - t), probes + 1
+            time.sleep(0.01)
+    thread.join()
+    return answer["r"], slowest, probes
+
+
+def big_schema(n: int = 300) -> dict:
+    props = {f"p{i}": {"type": "object", "properties": {f"q{j}": {"type": "string", "enum": [f"v{k}" for k in range(6)]}
+                                                         for j in range(10)}} for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props)[:3]}
+
+
+def test_a_schema_is_compiled_once_off_the_event_loop_for_n_choices(served, monkeypatch, one_thread):
+    pytest.importorskip("llguidance")
+    from tformer.serve import grammar
+
+    server, running = served()
+    compiles = []
+    real = grammar.GrammarEngine.json
+    monkeypatch.setattr(grammar.GrammarEngine, "json", lambda self, schema: compiles.append(1) or real(self, schema))
+    body = {"model": server.name, "max_tokens": 4, "n": 16, "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": big_schema()}}}
+    r, slowest, probes = health_while(running.url, body)
+    assert r.status_code == 200, r.text
+    assert probes >= 2 and slowest < 0.2, (slowest, probes)
+    assert len(r.json()["choices"]) == 16 and len(compiles) == 1
+
+
+def test_a_ref_loop_schema_is_refused_with_400(served, one_thread):
+    pytest.importorskip("llguidance")
+    import httpx
+
+    server, running = served()
+    loop = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    body = {"model": server.name, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": loop}}}
+    r = httpx.post(running.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "admits no JSON value" in r.json()["error"]["message"] and r.json()["error"]["param"] == "response_format"
+    ok = {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}}
+    assert httpx.post(running.url + "/v1/chat/completions", json=ok, timeout=60).status_code == 200

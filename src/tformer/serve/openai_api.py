@@ -299,11 +299,10 @@ async def response_constraint(server: Server, fmt: S.ResponseFormat | None):
             if server.grammar is None:
                 server.grammar = await run_in_threadpool(grammar.GrammarEngine, server.tokenizer,
                                                          server.model.config.vocab_size, server.eos)
-        first = await run_in_threadpool(server.grammar.json, schema)
+        compiled = await run_in_threadpool(server.grammar.json, schema)     # once, off the event loop
     except TformerError as e:
         raise S.APIError(400, str(e), param="response_format") from None
-    pending = [first]
-    return lambda: pending.pop() if pending else server.grammar.json(schema)
+    return compiled.copy                                      # each of the n sequences: a copy, not a compile
 
 
 async def on_model_thread(server: Server, fn):
