@@ -52,6 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, choices=["fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1"],
                    help="draft with the same model at this precision instead of prompt lookup (e.g. --dtype fp32 "
                         "--draft q4_1: fp32's tokens at about the 4-bit model's speed; needs --speculative K)")
+    p.add_argument("--parse-special", action="store_true",
+                   help="let special-token strings typed in chat messages (<|im_end|>, <|im_start|>) become the "
+                        "special tokens (default: they stay text, so a message cannot forge turns or a system "
+                        "message; the template's own markers are special either way)")
     p.set_defaults(func=run)
 
 
@@ -79,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = build_server(args.model or args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings,
                               args.dtype, args.max_model_len, prefix_cache_mb=args.prefix_cache_mb,
-                              speculative=args.speculative, threads=threads, draft=args.draft)
+                              speculative=args.speculative, threads=threads, draft=args.draft,
+                              parse_special=args.parse_special)
     except BaseException:
         sock.close()
         raise

@@ -272,8 +272,9 @@ async def chat_completions(request: Request):
     check_model(server, req.model)
     server.check_work("", req.n)
     if server.chat_template is not None:       # the model's own template (a GGUF's, an HF tokenizer_config's)
-        prompts = [server.chat_template.encode(server.tokenizer, [{"role": m.role, "content": m.text()}
-                                                                   for m in req.messages])]
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompts = [await run_in_threadpool(server.chat_template.encode, server.tokenizer, messages, True,
+                                           server.parse_special)]          # bounded, and off the event loop
     else:
         prompts = server.encode_prompts(chat_prompt(req.messages, server.chat_separator))
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
