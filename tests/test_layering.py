@@ -23,7 +23,7 @@ LAYERS = [
     ["mixers"],
     ["models", "accounting"],
     ["checkpoint", "quant", "generation"],
-    ["tokenizers"],
+    ["template_worker", "tokenizers"],
     ["training", "interop", "interp", "inference"],
     ["serve", "scaling", "claims"],
     ["commands"],

@@ -158,3 +158,38 @@ def test_typed_control_tokens_stay_text_in_the_server(served, one_thread):
         assert r.json()["usage"]["prompt_tokens"] == len(expected)
         counts.append(len(expected))
     assert counts[0] > counts[1]                       # as text the forged markers take several tokens each
+
+
+def test_without_a_key_only_loopback_names_and_addresses_are_answered(tmp_path, one_thread):
+    """DNS rebinding: a page at attacker.example re-resolved to 127.0.0.1 sends Host: attacker.example."""
+    import httpx
+
+    from serve_util import Running, tiny_checkpoint
+    from tformer.serve.app import build_app
+    from tformer.serve.build import build_server
+
+    tiny_checkpoint(tmp_path)
+    server = build_server(str(tmp_path), slots=2)
+    body = {"model": server.name, "prompt": "ab", "max_tokens": 2}
+    apps = {"open": build_app(server), "named": build_app(server, allowed_hosts=["my.box"]),
+            "keyed": build_app(server, api_key="k")}
+    runs = {name: Running(app) for name, app in apps.items()}
+    try:
+        def status(name, host, path="/v1/completions", key=None):
+            headers = {"Host": host, **({"Authorization": f"Bearer {key}"} if key else {})}
+            url = runs[name].url + path
+            r = httpx.post(url, json=body, headers=headers) if path != "/health" else httpx.get(url, headers=headers)
+            return r.status_code, r.json()
+        code, answer = status("open", "attacker.example:8000")
+        assert code == 400 and answer["error"]["code"] == "invalid_host" and "--allowed-hosts" in answer["error"]["message"]
+        assert status("open", "attacker.example", "/health")[0] == 400
+        assert status("open", "my.box:8000")[0] == 400
+        for host in ("localhost:8000", "LOCALHOST", "app.localhost", f"127.0.0.1:{runs['open'].port}", "[::1]:8000",
+                     "192.168.1.7:8000"):
+            assert status("open", host)[0] == 200, host
+        assert status("named", "my.box:8000")[0] == 200 and status("named", "other.box")[0] == 400
+        assert status("keyed", "attacker.example", key="k")[0] == 200          # a key is the protection there
+    finally:
+        for running in runs.values():
+            running.stop()
+        server.close()

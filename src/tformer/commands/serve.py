@@ -52,6 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, choices=["fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1"],
                    help="draft with the same model at this precision instead of prompt lookup (e.g. --dtype fp32 "
                         "--draft q4_1: fp32's tokens at about the 4-bit model's speed; needs --speculative K)")
+    p.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="without an API key the server answers only requests whose Host is localhost or an IP "
+                        "address (a DNS-rebinding page cannot reach it); these comma-separated names too, e.g. "
+                        "my.box,my.box.lan ('*': any name)")
     p.add_argument("--parse-special", action="store_true",
                    help="let special-token strings typed in chat messages (<|im_end|>, <|im_start|>) become the "
                         "special tokens (default: they stay text, so a message cannot forge turns or a system "
@@ -99,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"tformer serve: warning: --host {args.host} accepts connections from other machines, and the server "
               f"has no API key: anyone who reaches this port can use the model. Use --host 127.0.0.1 or pass "
               f"--api-key unless you mean it.", file=sys.stderr, flush=True)
-    config = uvicorn.Config(build_app(server, api_key), log_level="warning",
+    allowed = [h for h in args.allowed_hosts.split(",") if h.strip()]
+    config = uvicorn.Config(build_app(server, api_key, allowed), log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)   # a backstop: see Draining
     Draining(config, server, args.shutdown_timeout).run(sockets=[sock])
     return 0
