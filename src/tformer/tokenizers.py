@@ -314,10 +314,14 @@ class _Renderers:
                 worker = self.idle.pop() if self.idle else None
             if worker is None or not worker.alive:
                 worker = _Worker()
-            answer = worker.ask(request, seconds)
-            if answer is not None and "died" in answer and worker is not None:    # an idle one that had ended:
-                worker = _Worker()                                                # once more, on a fresh one
+            try:
                 answer = worker.ask(request, seconds)
+                if answer is not None and "died" in answer:        # an idle one that had ended: once more,
+                    worker = _Worker()                             # on a fresh one
+                    answer = worker.ask(request, seconds)
+            except BaseException:                                  # Ctrl-C while waiting: its render is abandoned
+                worker.close()
+                raise
             if worker.alive:
                 with self.lock:
                     self.idle.append(worker)
