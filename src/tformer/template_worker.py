@@ -1,5 +1,6 @@
-"""The chat-template renderer's worker process: run as a script (``python -I template_worker.py MEMORY``),
-it reads one JSON request per line on stdin and writes one JSON answer per line on stdout.
+"""The chat-template renderer's worker process: run as a script (``python -I template_worker.py MEMORY PATH``),
+it reads one JSON request per line on stdin and writes one JSON answer per line on stdout (``PATH``: the
+parent's ``sys.path`` as JSON, so it imports the same jinja2).
 
 It imports jinja2 and nothing of tformer (no torch: it starts in a fraction of a second), caps its own
 address space at ``MEMORY`` bytes (``RLIMIT_AS``), so a template that builds a huge string gets a
@@ -73,6 +74,8 @@ def render(env, cache: dict, request: dict) -> dict:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if len(sys.argv) > 2:
+        sys.path[:] = json.loads(sys.argv[2])          # the parent's import path (run with -I, which drops it)
     if len(sys.argv) > 1:
         try:
             import resource

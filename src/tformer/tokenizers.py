@@ -255,7 +255,10 @@ class _Worker:
         import sys
 
         script = str(Path(__file__).with_name("template_worker.py"))
-        self.proc = subprocess.Popen([sys.executable, "-I", script, str(RENDER_MEMORY)], stdin=subprocess.PIPE,
+        # -I: neither the script's folder nor the working directory can shadow a module; the parent's
+        # import path is passed instead, so jinja2 is the one this process imports
+        self.proc = subprocess.Popen([sys.executable, "-I", script, str(RENDER_MEMORY),
+                                      json.dumps([p for p in sys.path if p])], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
         self.buffer = b""
 
@@ -382,8 +385,8 @@ class ChatTemplate:
                              f"and was stopped; it runs too long on them, so shorten the messages or fix the template.")
         if "died" in answer:
             raise InputError(f"the chat template's renderer process ended while rendering these messages "
-                             f"({answer['died']}); the template needs more than its {RENDER_MEMORY >> 20} MiB, so "
-                             f"shorten the messages or fix the template.")
+                             f"({answer['died']}: out of its {RENDER_MEMORY >> 20} MiB, or killed); shorten the "
+                             f"messages or fix the template.")
         if "refused" in answer:
             raise InputError(f"the chat template refuses these messages: {answer['refused']}")
         if "error" in answer:
