@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and not api_key:
         print(f"tformer serve: warning: --host {args.host} accepts connections from other machines, and the server "
               f"has no API key: anyone who reaches this port can use the model. Use --host 127.0.0.1 or pass "
-              f"--api-key unless you mean it.", file=sys.stderr, flush=True)
+              f"--api-key unless you mean it (without a key it answers only to localhost, IP addresses and the names of "
+              f"--allowed-hosts).", file=sys.stderr, flush=True)
     allowed = [h for h in args.allowed_hosts.split(",") if h.strip()]
     config = uvicorn.Config(build_app(server, api_key, allowed), log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)   # a backstop: see Draining
