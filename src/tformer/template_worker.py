@@ -9,7 +9,8 @@ parent's to handle). The parent (:mod:`tformer.tokenizers`) gives each render a 
 process when it is past it: a template looping for ever, or a single huge computation such as
 ``10 ** (10 ** 8)``, which no thread could interrupt.
 
-Request: ``{"source", "special", "messages", "add_generation_prompt", "max_chars"}``. Answer: ``{"text": ...}``,
+Once started it writes ``{"ready": true}``. Request: ``{"source", "special", "messages", "add_generation_prompt",
+"max_chars"}``. Answer: ``{"text": ...}``,
 ``{"refused": message}`` (the template's own ``raise_exception``), or ``{"error": "TypeName: message"}``
 (anything else the template did: division by zero, a recursive macro, out of memory).
 """
@@ -87,6 +88,8 @@ def main() -> None:
     sys.setrecursionlimit(2000)
     env, cache = environment(), {}
     out = sys.stdout
+    out.write('{"ready": true}\n')                     # started: the parent's deadlines count from here
+    out.flush()
     for line in sys.stdin:
         try:
             answer = render(env, cache, json.loads(line))

@@ -245,6 +245,7 @@ RENDER_SECONDS = 5.0             # a render that takes longer is stopped (a temp
 RENDER_CHARS = 4 * 2**20         # characters a rendered conversation may have (far beyond any context)
 RENDER_MEMORY = 1 << 29          # bytes of address space the renderer's process may use
 RENDER_WORKERS = 4               # renders at once (the server's concurrent chat requests)
+RENDER_START_SECONDS = 60.0      # for a renderer process to start (not counted in a render's deadline)
 
 
 class _Worker:
@@ -260,31 +261,44 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-I", script, str(RENDER_MEMORY),
                                       json.dumps([p for p in sys.path if p])], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
-        self.buffer = b""
+        self.buffer, self.ready = b"", False
 
     def ask(self, request: dict, seconds: float) -> dict | None:
         """The answer; ``None`` when none came within ``seconds`` (the process is then killed), ``{"died": ...}``
-        when the process ended without one."""
-        import select
-        import time
-
-        deadline = time.monotonic() + seconds
+        when the process ended without one. Starting the process (its ``ready`` line: Python and jinja2
+        imported) is not counted in ``seconds``: a busy machine may take a while."""
+        if not self.ready:
+            started = self.line(RENDER_START_SECONDS)
+            if not isinstance(started, dict) or not started.get("ready"):
+                return {"died": "it did not start"} if started is None else started
+            self.ready = True
         try:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         except OSError:
             self.close()
             return {"died": "it had ended"}
+        return self.line(seconds)
+
+    def line(self, seconds: float) -> dict | None:
+        """The next line the process writes, as JSON; ``None`` past ``seconds`` (then it is killed),
+        ``{"died": ...}`` when it ends first."""
+        import selectors
+        import time
+
+        deadline = time.monotonic() + seconds
         fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                self.close()
-                return None
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:                                        # it died (out of memory, killed)
-                self.close()
-                return {"died": f"it ended with status {self.proc.returncode}"}
-            self.buffer += chunk
+        with selectors.DefaultSelector() as sel:              # not select(): a server's fds pass 1024
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self.buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self.close()
+                    return None
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:                                    # it died (out of memory, killed)
+                    self.close()
+                    return {"died": f"it ended with status {self.proc.returncode}"}
+                self.buffer += chunk
         line, _, self.buffer = self.buffer.partition(b"\n")
         return json.loads(line)
 
