@@ -321,9 +321,18 @@ class _Renderers:
     """Idle renderer processes, at most :data:`RENDER_WORKERS` busy at once; started on first use."""
 
     def __init__(self):
+        import atexit
         import threading
 
         self.lock, self.idle, self.slots = threading.Lock(), [], threading.BoundedSemaphore(RENDER_WORKERS)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the idle processes (at exit; a busy one ends when its pipe closes)."""
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for worker in idle:
+            worker.close()
 
     def ask(self, request: dict, seconds: float) -> dict | None:
         with self.slots:
