@@ -25,7 +25,7 @@ LAYERS = [
     ["checkpoint", "quant"],
     ["fused"],
     ["generation"],
-    ["tokenizers"],
+    ["template_worker", "tokenizers"],
     ["training", "interop", "interp", "inference"],
     ["serve", "scaling", "claims"],
     ["commands"],

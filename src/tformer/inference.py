@@ -160,6 +160,19 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
     return model, tokenizer, template, stop_token_ids(f), defaults, dtype, why
 
 
+def require_decoder(model, source) -> None:
+    """Refuse, in one sentence, a model the commands that open models cannot generate with: a
+    sequence-to-sequence run (``train --task seq2seq``) or an encoder, before anything else is read."""
+    from tformer.models.decoder import DecoderLM
+
+    if isinstance(model, DecoderLM):
+        return
+    hint = ("run it with `tformer translate --ckpt RUN`" if hasattr(model, "encoder") and hasattr(model, "decoder")
+            else "serve it for embeddings with `tformer serve --embeddings DIR`")
+    raise CheckpointError(f"{source} holds a {type(model).__name__}, not a decoder-only language model, so chat, "
+                          f"generate, serve and finetune cannot generate with it; {hint}.")
+
+
 def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
     """The same from a tformer checkpoint or a HuggingFace folder (its ``generation_config.json`` /
     ``config.json`` naming the eos ids)."""
@@ -182,6 +195,7 @@ def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
                 eos = [found] if isinstance(found, int) else list(found or [])
     else:
         model, eos = load_model(folder), list(load_generation_defaults(folder).get("eos_token_id", []))
+    require_decoder(model, folder)
     model = set_precision(model.eval(), dtype, decode_kernels=kernels)
     tokenizer = load_tokenizer(folder / TOKENIZER) if (folder / TOKENIZER).is_file() else None
     return model, tokenizer, load_chat_template(folder), eos, {}, dtype, why

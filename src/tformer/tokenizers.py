@@ -6,7 +6,17 @@ Interface shared by every tokenizer: ``encode(str) -> list[int]``, ``decode(list
 Invalid UTF-8: corpus files are decoded with ``errors="replace"`` (each bad byte becomes U+FFFD,
 see :mod:`tformer.training.data`), and :func:`clean_text` does the same for strings that carry
 undecodable bytes as lone surrogates (Python's ``surrogateescape``, e.g. command-line arguments).
-So no input byte can crash a run; ``decode(encode(text)) == text`` for every clean string.
+So no input byte can crash a run.
+
+Round trips: ``decode(encode(text)) == text`` holds for every clean string with tformer's own vocabularies
+(``char``: every string of the vocabulary's characters; ``bpe``: every clean string; neither has special
+tokens). A converted model's or a GGUF's vocabulary (:class:`HFTokenizer`) has special tokens, which
+``encode`` recognises in the text (``<|im_start|>`` becomes one control token) and ``decode`` leaves out:
+there ``decode(encode(text)) == text`` holds for clean text that contains no special-token string and that the
+vocabulary's normalizer leaves as it is (byte-level vocabularies, SmolLM2's, Llama 3's, Qwen's, have none).
+For such text with special-token strings in it, ``decode(encode(text, parse_special=False)) == text`` (the
+strings encoded as the characters they are) and ``decode(encode(text, add_special_tokens=False),
+skip_special_tokens=False) == text`` (encoded as the tokens they are, and kept on decode).
 """
 
 from __future__ import annotations
@@ -128,16 +138,30 @@ class BPETokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Ids of ``text``; ``add_special_tokens=False`` leaves out what the post-processor adds (a BOS),
-        as a rendered chat template, which writes its own, needs."""
-        return self.tok.encode(clean_text(text), add_special_tokens=add_special_tokens).ids
+        as a rendered chat template, which writes its own, needs. ``parse_special=False``: special-token
+        strings in ``text`` (``<|im_start|>``) are encoded as the characters they are, not as the token."""
+        tok = self.tok if parse_special else self._literal()
+        return tok.encode(clean_text(text), add_special_tokens=add_special_tokens).ids
+
+    def _literal(self):
+        """A copy of the tokenizer that does not parse special-token strings (made once)."""
+        literal = getattr(self, "_literal_tok", None)
+        if literal is None:
+            from tokenizers import Tokenizer
+
+            literal = Tokenizer.from_str(self.tok.to_str())
+            literal.encode_special_tokens = True
+            self._literal_tok = literal
+        return literal
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int64)
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode([int(i) for i in ids])
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; special (control) tokens are left out unless ``skip_special_tokens=False``."""
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "tokenizer": json.loads(self.tok.to_str())}
@@ -217,56 +241,232 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
 
 
 # ------------------------------------------------------------------ chat templates
+RENDER_SECONDS = 5.0             # a render that takes longer is stopped (a template in a loop)
+RENDER_CHARS = 4 * 2**20         # characters a rendered conversation may have (far beyond any context)
+RENDER_MEMORY = 1 << 29          # bytes of address space the renderer's process may use
+RENDER_WORKERS = 4               # renders at once (the server's concurrent chat requests)
+RENDER_START_SECONDS = 60.0      # for a renderer process to start (not counted in a render's deadline)
+
+
+class _Worker:
+    """One renderer process (:mod:`tformer.template_worker`): a request line in, an answer line out."""
+
+    def __init__(self):
+        import subprocess
+        import sys
+
+        script = str(Path(__file__).with_name("template_worker.py"))
+        # -I: neither the script's folder nor the working directory can shadow a module; the parent's
+        # import path is passed instead, so jinja2 is the one this process imports
+        self.proc = subprocess.Popen([sys.executable, "-I", script, str(RENDER_MEMORY),
+                                      json.dumps([p for p in sys.path if p])], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+        self.buffer, self.ready = b"", False
+
+    def ask(self, request: dict, seconds: float) -> dict | None:
+        """The answer; ``None`` when none came within ``seconds`` (the process is then killed), ``{"died": ...}``
+        when the process ended without one. Starting the process (its ``ready`` line: Python and jinja2
+        imported) is not counted in ``seconds``: a busy machine may take a while."""
+        if not self.ready:
+            started = self.line(RENDER_START_SECONDS)
+            if not isinstance(started, dict) or not started.get("ready"):
+                return {"died": "it did not start"} if started is None else started
+            self.ready = True
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        except OSError:
+            self.close()
+            return {"died": "it had ended"}
+        return self.line(seconds)
+
+    def line(self, seconds: float) -> dict | None:
+        """The next line the process writes, as JSON; ``None`` past ``seconds`` (then it is killed),
+        ``{"died": ...}`` when it ends first."""
+        import selectors
+        import time
+
+        deadline = time.monotonic() + seconds
+        fd = self.proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:              # not select(): a server's fds pass 1024
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self.buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self.close()
+                    return None
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:                                    # it died (out of memory, killed)
+                    self.close()
+                    return {"died": f"it ended with status {self.proc.returncode}"}
+                self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class _Renderers:
+    """Idle renderer processes, at most :data:`RENDER_WORKERS` busy at once; started on first use."""
+
+    def __init__(self):
+        import atexit
+        import threading
+
+        self.lock, self.idle, self.slots = threading.Lock(), [], threading.BoundedSemaphore(RENDER_WORKERS)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the idle processes (at exit; a busy one ends when its pipe closes)."""
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for worker in idle:
+            worker.close()
+
+    def ask(self, request: dict, seconds: float) -> dict | None:
+        with self.slots:
+            with self.lock:
+                worker = self.idle.pop() if self.idle else None
+            if worker is None or not worker.alive:
+                worker = _Worker()
+            try:
+                answer = worker.ask(request, seconds)
+                if answer is not None and "died" in answer:        # an idle one that had ended: once more,
+                    worker = _Worker()                             # on a fresh one
+                    answer = worker.ask(request, seconds)
+            except BaseException:                                  # Ctrl-C while waiting: its render is abandoned
+                worker.close()
+                raise
+            if worker.alive:
+                with self.lock:
+                    self.idle.append(worker)
+            return answer
+
+
+_RENDERERS = _Renderers()
+
+
 class ChatTemplate:
     """A model's chat template (Jinja2, as HF ``tokenizer_config.json`` and GGUF ``tokenizer.chat_template``
     store it), rendered the way transformers' ``apply_chat_template`` renders it: a sandboxed
     environment (``ImmutableSandboxedEnvironment``: a template cannot reach Python attributes or
-    mutate its inputs), ``trim_blocks`` and ``lstrip_blocks``, the loop-controls extension, and the
-    variables ``messages``, ``add_generation_prompt`` and the special tokens by name.
+    mutate its inputs), ``trim_blocks`` and ``lstrip_blocks``, the loop-controls extension, ``tojson``
+    without ASCII escaping or key sorting, ``raise_exception``, ``strftime_now``, and the variables
+    ``messages``, ``add_generation_prompt`` and the special tokens by name. The one renderer of
+    ``chat``, ``serve`` and ``finetune``.
+
+    A template is a program from a model file, so it runs bounded: in a separate process
+    (:mod:`tformer.template_worker`) with ``seconds`` to finish (then the process is killed), at most
+    :data:`RENDER_CHARS` characters of output and :data:`RENDER_MEMORY` bytes of memory. Whatever a
+    template does wrong (loops for ever, divides by zero, adds a string to a number, recurses, refuses
+    with ``raise_exception``) is an :class:`InputError` in one sentence. Waiting for the process
+    releases the GIL, so a server renders in a worker thread without stalling its event loop.
 
     Args:
         source: the Jinja2 text.
         special: ``bos_token``, ``eos_token``, ... as strings, passed to the template.
+        seconds: the deadline of one render.
     """
 
-    def __init__(self, source: str, **special: str):
-        from datetime import datetime
-
+    def __init__(self, source: str, seconds: float = RENDER_SECONDS, **special: str):
+        from jinja2 import Environment
         from jinja2.exceptions import TemplateError
         from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message):
-            raise InputError(f"the chat template refuses these messages: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)     # Llama 3's templates use it
-        try:
-            self.template = env.from_string(source)
+        try:                       # parsed here, so a broken template is refused when the model is opened
+            Environment(extensions=[loopcontrols]).parse(source)
         except TemplateError as e:
             raise CheckpointError(f"the chat template does not parse ({e}); fix chat_template in "
                                   f"tokenizer_config.json.") from None
-        self.source, self.special = source, special
+        except RecursionError:
+            raise CheckpointError("the chat template is nested too deeply to parse; fix chat_template in "
+                                  "tokenizer_config.json.") from None
+        self.source, self.special, self.seconds = source, special, seconds
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The conversation as the model's prompt text; with ``add_generation_prompt`` it ends where
         the assistant's next answer begins."""
-        from jinja2.exceptions import TemplateError
-
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InputError(f"a chat message must be {{'role': str, 'content': str}}; got {m!r}.")
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special)
-        except TemplateError as e:
-            raise InputError(f"the chat template cannot render these messages ({e}).") from None
+        request = {"source": self.source, "special": self.special, "messages": messages,
+                   "add_generation_prompt": bool(add_generation_prompt), "max_chars": RENDER_CHARS}
+        answer = _RENDERERS.ask(request, self.seconds)
+        if answer is None:
+            raise InputError(f"the chat template did not finish rendering these messages within {self.seconds:g} s "
+                             f"and was stopped; it runs too long on them, so shorten the messages or fix the template.")
+        if "died" in answer:
+            raise InputError(f"the chat template's renderer process ended while rendering these messages "
+                             f"({answer['died']}: out of its {RENDER_MEMORY >> 20} MiB, or killed); shorten the "
+                             f"messages or fix the template.")
+        if "refused" in answer:
+            raise InputError(f"the chat template refuses these messages: {answer['refused']}")
+        if "error" in answer:
+            error = answer["error"]
+            if error.startswith("TemplateOutputTooLong"):
+                raise InputError(f"the chat template wrote more than {RENDER_CHARS} characters for these messages "
+                                 f"and was stopped; shorten the messages or fix the template.")
+            raise InputError(f"the chat template cannot render these messages ({error}); fix the template or "
+                             f"change the messages.")
+        return answer["text"]
 
-    def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered conversation (nothing added: the template writes any BOS itself)."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+    def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+               parse_special: bool = False) -> list[int]:
+        """Token ids of the rendered conversation (nothing added: the template writes any BOS itself).
+
+        The template's own markers (``<|im_start|>``, ...) become their special tokens; the same strings
+        typed inside a message's content stay text (encoded as the characters they are), so a user
+        cannot forge turn boundaries or a system message. ``parse_special=True``: the old behaviour,
+        special-token strings in the content become special tokens too (as transformers does)."""
+        specials = special_strings(tokenizer)
+        if parse_special or not specials:
+            return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+        import re
+
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+        hidden: dict[str, str] = {}
+
+        def hide(match) -> str:                # a typed special string -> a private-use placeholder
+            key = f"\ue000{len(hidden)}\ue001"
+            hidden[key] = match.group(0)
+            return key
+        safe = [{**m, "content": pattern.sub(hide, m["content"].replace("\ue000", "\ue000\ue002"))}
+                for m in messages]
+        if not hidden:
+            return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.render(safe, add_generation_prompt)
+        restore = re.compile("\ue000(\\d+)\ue001|\ue000\ue002")
+
+        def unhide(piece: str) -> str:
+            return restore.sub(lambda m: hidden[m.group(0)] if m.group(1) is not None else "\ue000", piece)
+        ids, at = [], 0
+        for match in pattern.finditer(text):   # the template's own markers: split there, as tokenizers does
+            if match.start() > at:
+                ids += tokenizer.encode(unhide(text[at:match.start()]), add_special_tokens=False, parse_special=False)
+            ids.append(specials[match.group(0)])
+            at = match.end()
+        if at < len(text):
+            ids += tokenizer.encode(unhide(text[at:]), add_special_tokens=False, parse_special=False)
+        return ids
+
+
+def special_strings(tokenizer) -> dict[str, int]:
+    """``{text: id}`` of the tokenizer's special (control) tokens: ``{}`` for tformer's own vocabularies."""
+    inner = getattr(tokenizer, "tok", None)
+    if inner is None or not hasattr(inner, "get_added_tokens_decoder"):
+        return {}
+    return {t.content: i for i, t in inner.get_added_tokens_decoder().items() if t.special and t.content}
 
 
 TOKENIZER_CONFIG = "tokenizer_config.json"

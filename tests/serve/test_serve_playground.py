@@ -61,3 +61,42 @@ def test_playground_streams_and_explains_a_token(tmp_path, one_thread):
         assert os.path.getsize(shot) > 10_000
     finally:
         running.stop()
+
+
+def test_the_playground_explains_a_token_on_the_default_server(one_thread):
+    """The README's `tformer serve --model smollm2`: Q4_1 blocks, whose attribution needs the block layers'
+    input gradient (issue 49 item 10: it was a 500)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from tformer.errors import CheckpointError
+    from tformer.interop.builtin import builtin_path
+
+    try:
+        builtin_path("smollm2")
+    except CheckpointError as e:
+        pytest.skip(str(e))
+    server = build_server("smollm2", slots=2)
+    assert server.opened.dtype == "q4_1"
+    running = Running(build_app(server))
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.goto(running.url + "/")
+            page.wait_for_function("document.getElementById('model').textContent === 'smollm2'")
+            page.fill("#prompt", "The capital of France is")
+            page.fill("#max_tokens", "4")
+            page.fill("#temperature", "0")
+            page.click("#generate")
+            page.wait_for_function("document.querySelectorAll('#tokens .tok').length === 4", timeout=60000)
+            page.wait_for_selector("#generate:not([disabled])")
+            page.locator("#tokens .tok").nth(1).click()
+            page.wait_for_selector("#explain:not([hidden])", timeout=60000)
+            context = len(server.tokenizer.encode("The capital of France is")) + 1
+            cells = page.locator("#attribution tr.attribution-row td.cell")
+            assert cells.count() == context
+            c = server.model.config
+            assert page.locator("#attention tr.head-row").count() == c.n_layers * c.n_heads
+            browser.close()
+    finally:
+        running.stop()
+        server.close()

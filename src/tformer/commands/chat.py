@@ -51,13 +51,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="weights (default: auto: a GGUF's own block format, q4_1 for smollm2; float32 otherwise)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--verbose", action="store_true", help="say which weights and path run, and why")
+    p.add_argument("--parse-special", action="store_true",
+                   help="let special-token strings typed in a message (<|im_end|>, <|im_start|>) become the special "
+                        "tokens (default: they stay text; the template's own markers are special either way)")
     p.set_defaults(func=run)
 
 
 class Chat:
     """A model opened by :func:`tformer.inference.open_model`, and the conversation so far (``messages``)."""
 
-    def __init__(self, opened, system: str | None, options: dict, max_new_tokens: int):
+    def __init__(self, opened, system: str | None, options: dict, max_new_tokens: int, parse_special: bool = False):
         from tformer.errors import CheckpointError
 
         if opened.template is None or opened.tokenizer is None:
@@ -68,6 +71,7 @@ class Chat:
         self.model, self.tokenizer, self.template = opened.model, opened.tokenizer, opened.template
         self.stop = list(opened.stop_ids)
         self.system, self.options, self.max_new_tokens = system, options, max_new_tokens
+        self.parse_special = parse_special          # typed special-token strings become tokens (--parse-special)
         self.messages: list[dict] = []
         self.reset()
 
@@ -82,7 +86,7 @@ class Chat:
         messages = list(self.messages)
         room = self.model.config.context_length - self.max_new_tokens
         while True:
-            ids = self.template.encode(self.tokenizer, messages)
+            ids = self.template.encode(self.tokenizer, messages, parse_special=self.parse_special)
             if len(ids) <= room:
                 return ids
             if len(messages) - keep <= 1:
@@ -132,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
 
     sampling_options(args, {}, DEFAULTS)             # what was given, checked before anything loads
     opened = open_model(args.ckpt or args.model, args.dtype, args.threads)
-    chat = Chat(opened, args.system, sampling_options(args, opened.defaults, DEFAULTS), args.max_new_tokens)
+    chat = Chat(opened, args.system, sampling_options(args, opened.defaults, DEFAULTS), args.max_new_tokens,
+                args.parse_special)
     if args.verbose:
         print(opened.describe(), file=sys.stderr, flush=True)
     if args.prompt is not None:

@@ -52,6 +52,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, choices=["fp32", "bf16", "fp16", "q8_0", "q4_0", "q4_1"],
                    help="draft with the same model at this precision instead of prompt lookup (e.g. --dtype fp32 "
                         "--draft q4_1: fp32's tokens at about the 4-bit model's speed; needs --speculative K)")
+    p.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="without an API key the server answers only requests whose Host is localhost or an IP "
+                        "address (a DNS-rebinding page cannot reach it); these comma-separated names too, e.g. "
+                        "my.box,my.box.lan ('*': any name)")
+    p.add_argument("--parse-special", action="store_true",
+                   help="let special-token strings typed in chat messages (<|im_end|>, <|im_start|>) become the "
+                        "special tokens (default: they stay text, so a message cannot forge turns or a system "
+                        "message; the template's own markers are special either way)")
     p.set_defaults(func=run)
 
 
@@ -79,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = build_server(args.model or args.ckpt, args.slots, args.max_queue, args.timeout, args.embeddings,
                               args.dtype, args.max_model_len, prefix_cache_mb=args.prefix_cache_mb,
-                              speculative=args.speculative, threads=threads, draft=args.draft)
+                              speculative=args.speculative, threads=threads, draft=args.draft,
+                              parse_special=args.parse_special)
     except BaseException:
         sock.close()
         raise
@@ -93,8 +102,10 @@ def run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and not api_key:
         print(f"tformer serve: warning: --host {args.host} accepts connections from other machines, and the server "
               f"has no API key: anyone who reaches this port can use the model. Use --host 127.0.0.1 or pass "
-              f"--api-key unless you mean it.", file=sys.stderr, flush=True)
-    config = uvicorn.Config(build_app(server, api_key), log_level="warning",
+              f"--api-key unless you mean it (without a key it answers only to localhost, IP addresses and the names of "
+              f"--allowed-hosts).", file=sys.stderr, flush=True)
+    allowed = [h for h in args.allowed_hosts.split(",") if h.strip()]
+    config = uvicorn.Config(build_app(server, api_key, allowed), log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)   # a backstop: see Draining
     Draining(config, server, args.shutdown_timeout).run(sockets=[sock])
     return 0

@@ -50,14 +50,21 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)                                           # (M, K)
+        if x2.requires_grad and torch.is_grad_enabled():     # a gradient w.r.t. the input is asked (attribution)
+            y = _InputGradient.apply(x2, self)
+        else:
+            y = self.product(x2)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def product(self, x2: Tensor) -> Tensor:
+        """``x2 (M, K) @ Wᵀ + b`` by the integer block products: ``(M, N)`` in ``x2``'s dtype."""
         p = qgemv.path()
         tiled = self._tiled.get(p) if p in qgemv.TILE_ROWS else None
         if p in qgemv.TILE_ROWS and tiled is None:
             # the SIMD paths' interleaved rows, made at the first call on a path (the file layout
             # stays in ``blocks``: what the checks, dequantisation and export read)
             tiled = self._tiled[p] = qgemv.tiles(self.blocks, self.fmt, p)
-        y = qgemv.qgemm(self.blocks, self.fmt, x2, self.bias, p, tiled)                # (M, N) in x's dtype
-        return y.view(*x.shape[:-1], self.out_features)
+        return qgemv.qgemm(self.blocks, self.fmt, x2, self.bias, p, tiled)             # (M, N) in x's dtype
 
     def dequantized(self) -> Tensor:
         """The float32 weight ``(N, K)`` the blocks stand for (for checks; the layer never builds it)."""
@@ -69,6 +76,22 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} blocks"
+
+
+class _InputGradient(torch.autograd.Function):
+    """The block product, differentiable with respect to its input (the weights stay fixed blocks): forward
+    ``y = x Wᵀ + b`` as the layer computes it; backward ``∂L/∂x = ∂L/∂y · W`` with ``W`` the float weight the
+    blocks stand for, widened for that one product (the 8-bit rounding of ``x`` is taken as the identity,
+    straight through). What the playground's input × gradient attribution needs on a block model."""
+
+    @staticmethod
+    def forward(ctx, x2: Tensor, layer: "BlockLinear") -> Tensor:
+        ctx.layer = layer
+        return layer.product(x2.detach())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad @ ctx.layer.dequantized().to(grad.dtype), None                   # (M, N) @ (N, K)
 
 
 def quantize_blocks(model: nn.Module, fmt: str) -> nn.Module:

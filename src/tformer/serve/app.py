@@ -7,7 +7,9 @@ playground's attention and attribution for one token; not part of OpenAI's API),
 
 With an API key every route but ``/health`` (what a load balancer probes) needs
 ``Authorization: Bearer <key>``: compared in constant time (``hmac.compare_digest``, so the answer's
-timing does not reveal how much of a guess was right), else a 401 in OpenAI's error shape.
+timing does not reveal how much of a guess was right), else a 401 in OpenAI's error shape. Without a
+key, only requests whose ``Host`` is a loopback name, an IP address or a name of ``--allowed-hosts`` are
+answered (:class:`HostCheck`: a DNS-rebinding page cannot drive the server), else a 400.
 """
 
 from __future__ import annotations
@@ -140,9 +142,57 @@ class APIKey:
         await send({"type": "http.response.body", "body": body})
 
 
-def build_app(server: Server, api_key: str | None = None) -> Starlette:
-    """The app for ``server`` (behind :class:`APIKey` when ``api_key``); shutting the app down stops
-    the scheduler."""
+def host_allowed(host: str, allowed: frozenset[str]) -> bool:
+    """Whether a ``Host`` header names this server in a way no DNS-rebinding page can: a loopback name
+    (``localhost``, ``*.localhost``), an IP address (a page served from an address is that address's own
+    origin, so it cannot rebind), or a name in ``allowed`` (``"*"``: any)."""
+    import ipaddress
+
+    if "*" in allowed:
+        return True
+    name = host.strip().lower()
+    if name.startswith("["):                                   # [::1]:8000
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:                                 # name:port (a bare IPv6 address has several)
+        name = name.partition(":")[0]
+    name = name.rstrip(".")
+    if name == "localhost" or name.endswith(".localhost") or name in allowed:
+        return True
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+class HostCheck:
+    """ASGI middleware of a server without an API key: a request whose ``Host`` is a name other than a loopback
+    one or those of ``--allowed-hosts`` is a 400. A web page whose name an attacker re-resolves to 127.0.0.1 (DNS
+    rebinding) sends its own name as ``Host``, so it cannot drive the model; a client on this machine
+    (``localhost``, ``127.0.0.1``) or one reaching it by address is served as before."""
+
+    def __init__(self, app, allowed: frozenset[str], server: Server):
+        self.app, self.allowed, self.server = app, allowed, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+        if host is None or host_allowed(host, self.allowed):      # no Host at all: no browser sent it
+            return await self.app(scope, receive, send)
+        message = (f"The Host header {host[:100]!r} is not a name this server answers to; without an API key it answers "
+                   f"only to localhost, IP addresses and the names given to tformer serve --allowed-hosts.")
+        self.server.metrics.inc("tformer_requests_total", status="400", help="requests answered, by HTTP status")
+        body = json.dumps(S.APIError(400, message, code="invalid_host").body()).encode()
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def build_app(server: Server, api_key: str | None = None, allowed_hosts=()) -> Starlette:
+    """The app for ``server``: behind :class:`APIKey` when ``api_key``, else behind :class:`HostCheck`
+    (``allowed_hosts``: names answered to beside the loopback ones and IP addresses; ``"*"``: any);
+    shutting the app down stops the scheduler."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -164,4 +214,7 @@ def build_app(server: Server, api_key: str | None = None) -> Starlette:
     app.state.server = server
     if api_key:
         app.add_middleware(APIKey, key=api_key, server=server)
+    else:
+        app.add_middleware(HostCheck, allowed=frozenset(h.strip().lower().rstrip(".") for h in allowed_hosts),
+                           server=server)
     return app

@@ -42,13 +42,14 @@ def embedder_factory(folder: str | None):
 def build_server(spec: str | None = None, slots: int = 16, max_queue: int = 64, timeout: float = 300.0,
                  embeddings: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
                  prefix_cache_mb: float = 256.0, speculative: int = 0, threads: int | None = None,
-                 draft: str | None = None):
+                 draft: str | None = None, parse_special: bool = False):
     """Open ``spec`` (a built-in name, a .gguf file or a checkpoint / run folder; ``None``: the newest run
     under ``runs/``) with :func:`tformer.inference.open_model` and start its scheduler: a
     :class:`tformer.serve.server.Server`. ``dtype="auto"`` serves a GGUF whose layer matrices are all in one
     block format from those blocks, anything else in float32; ``draft`` opens the same model at a cheaper
-    precision to draft for ``speculative``."""
-    from tformer.inference import open_model
+    precision to draft for ``speculative``; ``parse_special``: special-token strings typed in chat messages
+    become special tokens (by default they stay text: see :meth:`tformer.tokenizers.ChatTemplate.encode`)."""
+    from tformer.inference import open_model, require_decoder
     from tformer.machine import available_memory
     from tformer.serve.server import Limits, Server
 
@@ -68,9 +69,7 @@ def build_server(spec: str | None = None, slots: int = 16, max_queue: int = 64, 
                           f"cheaper --draft, other than --dtype.")
     draft_model = open_model(opened.source, draft).model if draft is not None else None
     model = opened.model
-    if not hasattr(model, "lm_head"):
-        raise CheckpointError(f"{opened.source} holds a {type(model).__name__}; `tformer serve` generates with a "
-                              f"decoder (an encoder is served for embeddings with --embeddings).")
+    require_decoder(model, opened.source)            # before the KV pool is sized from its config
     if opened.tokenizer is None:
         raise CheckpointError(f"{opened.source} has no tokenizer; serve a checkpoint that holds tokenizer.json or a "
                               f"GGUF with its vocabulary.")
@@ -88,5 +87,6 @@ def build_server(spec: str | None = None, slots: int = 16, max_queue: int = 64, 
                                   max_model_len=max_model_len, prefix_cache_mb=prefix_cache_mb,
                                   speculative=speculative, threads=threads), draft_model=draft_model)
     server.chat_template = opened.template
+    server.parse_special = parse_special
     server.opened = opened
     return server

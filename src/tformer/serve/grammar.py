@@ -14,7 +14,8 @@ sampling draws from the model's distribution renormalised over them.
 
 The engine is llguidance (PyPI ``llguidance``, the ``grammar`` extra; a Rust library whose token mask walks a
 trie of the vocabulary against the grammar's lexer and Earley parser). The vocabulary is compiled once per
-server (:class:`GrammarEngine`, under a second), a schema once per request (about a millisecond).
+server (:class:`GrammarEngine`, under a second), a schema once per request (about a millisecond, off the event
+loop; the request's ``n`` sequences each get a copy of that one compiled matcher).
 ``benchmarks/serving/grammar_overhead.py`` measured it against xgrammar on SmolLM2's 49,152-token vocabulary
 (figures: benchmarks/results/serving/grammar_overhead.md): xgrammar is faster per token, which the criterion
 fixed before the run would have picked, but the same run found that xgrammar 0.2.9 lets raw control characters
@@ -81,6 +82,8 @@ class GrammarEngine:
         self.llg = llguidance
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=sorted(stop_ids))
+        self.stop_mask = torch.zeros(vocab_size, dtype=torch.bool)                    # (vocab,) end-of-turn ids
+        self.stop_mask[[i for i in stop_ids if 0 <= i < vocab_size]] = True
 
     def json(self, schema: dict | None) -> "JSONConstraint":
         """A fresh constraint for one sequence: any JSON object when ``schema`` is None (json_object),
@@ -92,7 +95,13 @@ class GrammarEngine:
         if matcher.is_error():
             raise InputError(f"response_format: the JSON schema cannot be used ({matcher.get_error()}); "
                              f"simplify it or send a valid JSON Schema.")
-        return JSONConstraint(matcher, self.vocab_size)
+        constraint = JSONConstraint(matcher, self.vocab_size)
+        if not (constraint.allowed() & ~self.stop_mask).any():
+            # The grammar admits no JSON text at all (e.g. a $ref that only refers to itself): the only
+            # token it allows is end-of-turn, which would answer 200 with empty content.
+            raise InputError("response_format: the JSON schema admits no JSON value (a $ref that only leads back to "
+                             "itself, or constraints nothing satisfies); send a schema some value is valid against.")
+        return constraint
 
 
 class JSONConstraint:
@@ -101,6 +110,10 @@ class JSONConstraint:
     def __init__(self, matcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
         self.words = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)    # (W,) 32 tokens per word
+
+    def copy(self) -> "JSONConstraint":
+        """An independent constraint in the same state (the compiled grammar is shared, not compiled again)."""
+        return JSONConstraint(self.matcher.deep_copy(), self.vocab_size)
 
     def allowed(self) -> Tensor:
         """``(vocab,)`` bool: the tokens the grammar accepts next."""

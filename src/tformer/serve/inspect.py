@@ -8,7 +8,9 @@ For the prediction of ``target`` from ``context (t,)``:
 - **attribution**: input × gradient (Shrikumar et al., 2016): for each context token ``i``,
   ``|e_i · ∂ log p(target | context) / ∂ e_i|`` with ``e_i`` the token's embedding vector, normalised
   to sum 1. A first-order estimate of how much each token's embedding moves the prediction's
-  log-probability. The two often disagree (Jain & Wallace, 2019: "Attention is not Explanation"),
+  log-probability. On block weights (Q4_1, ...) the gradient passes back through each block layer's
+  dequantised weight (:class:`tformer.quant.block_linear.BlockLinear`), so the default server explains too.
+  The two often disagree (Jain & Wallace, 2019: "Attention is not Explanation"),
   which is the point of showing them side by side.
 - **logit lens** (:mod:`tformer.interp.lens`): the residual stream at the input of every block (and
   after the last) read through the final norm and the head: the top token there, its probability

@@ -272,8 +272,9 @@ async def chat_completions(request: Request):
     check_model(server, req.model)
     server.check_work("", req.n)
     if server.chat_template is not None:       # the model's own template (a GGUF's, an HF tokenizer_config's)
-        prompts = [server.chat_template.encode(server.tokenizer, [{"role": m.role, "content": m.text()}
-                                                                   for m in req.messages])]
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompts = [await run_in_threadpool(server.chat_template.encode, server.tokenizer, messages, True,
+                                           server.parse_special)]          # bounded, and off the event loop
     else:
         prompts = server.encode_prompts(chat_prompt(req.messages, server.chat_separator))
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -299,11 +300,10 @@ async def response_constraint(server: Server, fmt: S.ResponseFormat | None):
             if server.grammar is None:
                 server.grammar = await run_in_threadpool(grammar.GrammarEngine, server.tokenizer,
                                                          server.model.config.vocab_size, server.eos)
-        first = await run_in_threadpool(server.grammar.json, schema)
+        compiled = await run_in_threadpool(server.grammar.json, schema)     # once, off the event loop
     except TformerError as e:
         raise S.APIError(400, str(e), param="response_format") from None
-    pending = [first]
-    return lambda: pending.pop() if pending else server.grammar.json(schema)
+    return compiled.copy                                      # each of the n sequences: a copy, not a compile
 
 
 async def on_model_thread(server: Server, fn):

@@ -59,6 +59,7 @@ class Server:
         self.started = time.time()
         self.chat_separator = self._separator()
         self.chat_template = None        # a tformer.tokenizers.ChatTemplate: /v1/chat/completions renders with it
+        self.parse_special = False       # special-token strings in chat messages become special tokens (--parse-special)
         self.grammar = None              # a tformer.serve.grammar.GrammarEngine, made by the first response_format
         self.grammar_lock = asyncio.Lock()
         self.draining = False            # SIGTERM came: running requests finish, new ones get a 503

@@ -35,27 +35,25 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 
 @dataclass
 class ChatTemplate:
-    """A jinja2 chat template run in jinja2's immutable sandbox (a template file cannot reach Python),
-    with the ``bos_token`` / ``eos_token`` strings HF templates read."""
+    """A chat template with the ``bos_token`` / ``eos_token`` strings HF templates read, rendered by the one
+    renderer chat and serve use (:class:`tformer.tokenizers.ChatTemplate`: jinja2's immutable sandbox in a
+    bounded process, transformers' ``tojson``, ``{% break %}``, ``strftime_now``), so fine-tuning trains on
+    the text the server renders. Kept as a dataclass: a fine-tuning run saves its fields."""
 
     source: str = CHATML
     bos_token: str = ""
     eos_token: str = ""
 
+    def renderer(self):
+        from tformer.tokenizers import ChatTemplate as Renderer
+
+        key = (self.source, self.bos_token, self.eos_token)
+        if getattr(self, "_key", None) != key:
+            self._renderer, self._key = Renderer(self.source, bos_token=self.bos_token, eos_token=self.eos_token), key
+        return self._renderer
+
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise InputError(f"the chat template refused the conversation: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                       bos_token=self.bos_token, eos_token=self.eos_token)
-        except TemplateError as e:
-            raise InputError(f"the model's chat template does not render ({e}); fix it or remove it to use ChatML.") from None
+        return self.renderer().render(messages, add_generation_prompt)
 
 
 def encode(tokenizer, text: str) -> list[int]:
