@@ -181,6 +181,8 @@ def interact(chat: Chat) -> int:
                 print(f"(saved {len(chat.messages)} messages to {chat.save(path)})", flush=True)
             except OSError as e:
                 print(f"(cannot save to {path}: {e.strerror})", flush=True)
+            except TformerError as e:                      # a FIFO, a device, ...: refused, left as it was
+                print(f"(cannot save to {path}: {e})", flush=True)
             continue
         if text.startswith("/"):
             print(f"unknown command {text.split()[0]}; {HELP}", flush=True)
