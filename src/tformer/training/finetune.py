@@ -37,7 +37,7 @@ from tformer.training.runstate import read_latest, resumed_settings, start_metri
 from tformer.training.tasks.finetune import FinetuneTask
 
 METHODS = ("lora", "full")
-UNUSED = ("tokenizer", "bpe_vocab_size", "cache_dir", "sample_tokens", "sample_prompt", "strategy")
+UNUSED = ("tokenizer", "bpe_vocab_size", "cache_dir", "sample_tokens", "sample_prompt", "strategy", "max_hours")
 RESUME_KEEPS = ("model", "data", "encoding", "method", "share_prefix", "lora_r", "lora_alpha", "lora_dropout",
                 "lora_targets",
                 "max_length", "val_fraction", "n_train", "n_test", "max_number", "seed")
