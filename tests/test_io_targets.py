@@ -89,7 +89,6 @@ def test_chat_save_refuses_a_fifo_and_writes_through_a_link(tmp_path, monkeypatc
         except StopIteration:
             raise EOFError from None
     monkeypatch.setattr("builtins.input", read)
-    monkeypatch.setattr(chat_mod, "read_message", lambda prompt="> ": read(prompt), raising=False)
     assert chat_mod.interact(fake) == 0
     out = capsys.readouterr().out
     assert "cannot save to" in out and "FIFO" in out, out

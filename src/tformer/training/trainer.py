@@ -162,6 +162,8 @@ class Trainer(Loop):
             ConfigError: the run, or its ``time_limit`` if shorter, would take more than ``max_hours`` hours.
         """
         cfg, T = self.cfg, self.model.config.context_length
+        if not self.peak > 0:                     # no measurement to estimate from
+            return
         step_flops = self.task.flops_per_token * cfg.batch_size * cfg.grad_accum * T * self.dist.world_size
         step_s = step_flops / self.peak
         left = max(cfg.max_steps - self.step, 0)
