@@ -10,8 +10,8 @@ prompt whether the answers agree and, where they split, the step and the margins
     fp32 margin   the float32 model's logit for its own pick minus its logit for the Q4_1 model's pick
     q4_1 margin   the Q4_1 model's logit for its own pick minus its logit for the float32 model's pick
 
-each from a forward pass over the prompt and the common prefix (the prefill path; the pick it gives is
-checked against the generated token and a disagreement is reported). Two small margins are a near-tie that
+each from that model's own decode path (the prompt prefilled, then one token a step, as ``generate_tokens``
+runs it; the argmax there is checked against the generated token). Two small margins are a near-tie that
 rounding decides; a large one would be a defect.
 
 Results: benchmarks/results/interop/smollm2_q4_1_agreement.{md,json}, with the run's record (common/record.py).
@@ -42,6 +42,7 @@ TOKENS = 32
 
 
 def greedy(opened, ids: list[int]) -> list[int]:
+    """The answer as chat generates it: ``generate_tokens`` at temperature 0, to the end of the turn."""
     from tformer.generation.generate import generate_tokens
 
     stop = set(opened.stop_ids)
@@ -55,9 +56,17 @@ def greedy(opened, ids: list[int]) -> list[int]:
     return out
 
 
-@torch.inference_mode()
-def last_logits(opened, ids: list[int]) -> torch.Tensor:
-    return opened.model(torch.tensor([ids]))[0][0, -1].float()
+def stepped(opened, ids: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """The decode path's logits before each of ``tokens`` (the prompt prefilled, then one token a step, as
+    ``generate_tokens`` runs them): what the greedy pick was made from, so the margins are the decode's own."""
+    from tformer.generation.generate import GenerationOptions, _Stepper
+
+    stepper = _Stepper(opened.model, torch.tensor([ids]), None, TOKENS, GenerationOptions.of(None, temperature=0.0))
+    logits, out = stepper.first(), []
+    for t in tokens:
+        out.append(logits[0].float().clone())
+        logits = stepper.next(torch.tensor([t]))
+    return out
 
 
 def compare(fp32, q41, prompt: str) -> dict:
@@ -72,14 +81,13 @@ def compare(fp32, q41, prompt: str) -> dict:
     row["common"] = len(a) if k is None else k
     if k is None:
         return row
-    prefix = ids + a[:k]
-    la, lb = last_logits(fp32, prefix), last_logits(q41, prefix)
+    la, lb = stepped(fp32, ids, a[:k + 1])[k], stepped(q41, ids, b[:k + 1])[k]    # same prefix: a[:k] == b[:k]
     pa = a[k] if k < len(a) else int(la.argmax())
     pb = b[k] if k < len(b) else int(lb.argmax())
     row["split"] = {"step": k, "fp32_pick": pa, "q4_1_pick": pb,
                     "fp32_pick_text": fp32.tokenizer.decode([pa]), "q4_1_pick_text": q41.tokenizer.decode([pb]),
                     "fp32_margin": float(la[pa] - la[pb]), "q4_1_margin": float(lb[pb] - lb[pa]),
-                    "prefill_agrees_with_decode": int(la.argmax()) == pa and int(lb.argmax()) == pb}
+                    "steps_agree_with_generate": int(la.argmax()) == pa and int(lb.argmax()) == pb}
     return row
 
 
@@ -101,12 +109,13 @@ def report(rows: list[dict], run: Run, threads: int) -> str:
         if s is None:
             lines.append(f"| {r['prompt']} | {len(r['fp32'])} | {r['common']} (all) | - | - | - | - | - |")
         else:
-            note = "" if s["prefill_agrees_with_decode"] else " (prefill picks differ)"
+            note = "" if s["steps_agree_with_generate"] else " (the stepped pick differs from generate's)"
             lines.append(f"| {r['prompt']} | {len(r['fp32'])} / {len(r['q4_1'])} | {r['common']} | {s['step']} | "
                          f"{s['fp32_pick_text']!r} | {s['q4_1_pick_text']!r} | {s['fp32_margin']:.3f} | "
                          f"{s['q4_1_margin']:.3f}{note} |")
-    lines += ["", "Margins: each model's logit for its own pick minus its logit for the other's, from a forward "
-              "pass over the prompt and the common prefix.", "", "## The answers", ""]
+    lines += ["", "Margins: at the step where the answers split, each model's logit for its own pick minus its logit "
+              "for the other model's pick, from its own decode (the prompt prefilled, then one token a step, as "
+              "`generate_tokens` runs it).", "", "## The answers", ""]
     for r in rows:
         lines += [f"**{r['prompt']}**", "", f"- fp32: {r['fp32_text']!r}", f"- q4_1: {r['q4_1_text']!r}", ""]
     return "\n".join(lines)
