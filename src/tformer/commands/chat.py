@@ -155,10 +155,12 @@ def run(args: argparse.Namespace) -> int:
     from tformer.commands.generate import sampling_options
     from tformer.inference import open_model
 
+    given = args.max_new_tokens                      # None: the default, fitted to the context once it is known
+    answer_budget(given, sys.maxsize)
+    args.max_new_tokens = MAX_NEW_TOKENS if given is None else given
     sampling_options(args, {}, DEFAULTS)             # what was given, checked before anything loads
-    answer_budget(args.max_new_tokens, sys.maxsize)  # (the context is known once the model is open)
     opened = open_model(args.ckpt or args.model, args.dtype, args.threads)
-    chat = Chat(opened, args.system, sampling_options(args, opened.defaults, DEFAULTS), args.max_new_tokens)
+    chat = Chat(opened, args.system, sampling_options(args, opened.defaults, DEFAULTS), given)
     if args.verbose:
         print(opened.describe(), file=sys.stderr, flush=True)
     if args.prompt is not None:
