@@ -190,8 +190,9 @@ def line_reader():
         import readline
     except ImportError:
         readline = None
-    if readline is not None and interactive:
+    if readline is not None and interactive and "libedit" not in (readline.__doc__ or ""):
         readline.parse_and_bind("set enable-bracketed-paste on")
+        readline.parse_and_bind("tab: tab-insert")         # a tab is text here, not file-name completion
 
     def read(prompt: str = "> ") -> str:
         line = input(prompt)
