@@ -5,6 +5,8 @@ The error boundary is here, once, so every command inherits it: a :class:`~tform
 (bad input: its message names the problem and the fix) and an operating-system condition the user
 can act on (a full disk, a read-only file system, a missing permission, ...) are printed as one line
 ``tformer <command>: error: ...`` with exit status 2; anything else is a bug and keeps its traceback.
+Ctrl-C that no loop of the command handles (while a model loads or converts, while a fit runs) ends the
+command with one line and status 130, the status of a process SIGINT ended.
 A reader that closes stdout early (``tformer claims | head -1``) ends the command quietly with 141,
 the status of a process a SIGPIPE ended, as Unix tools do.
 """
@@ -19,7 +21,7 @@ import signal
 import sys
 
 from tformer.errors import TformerError
-from tformer.exits import exit_code_for_signal
+from tformer.exits import INTERRUPTED, exit_code_for_signal
 
 # Subcommand modules, in the order ``tformer --help`` lists them.
 COMMANDS = ["train", "finetune", "sample", "generate", "chat", "count", "convert", "embed", "claims", "plan", "sweep", "serve",
@@ -61,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C outside a loop that handles it (loading, converting, fitting): one line
+        command = next((a for a in (sys.argv[1:] if argv is None else argv) if a in COMMANDS), None)
+        print(f"\ntformer{' ' + command if command else ''}: interrupted (Ctrl-C); nothing more was done.",
+              file=sys.stderr)
+        return INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

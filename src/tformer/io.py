@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,11 +28,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     words: safetensors' ``SafetensorError``, torch's "unexpected pos", numpy's "N requested and M
     written") is raised as an ``OSError`` naming ``path``, for the command line to print as one line.
 
+    A symlink is written through: its target is replaced (atomically, in the target's folder) and the
+    link stays. A path that is not a regular file (a FIFO, a device such as ``/dev/null``, a socket, a
+    folder) is refused before anything is written, rather than replaced by a plain file.
+
     Args:
         path: the final file.
         write: writes the complete file to the path it is given.
     """
-    path = Path(path)
+    path = regular_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -48,6 +53,39 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+# What each kind of file that is not a regular one is called in a refusal.
+FILE_KINDS = [(stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+              (stat.S_ISSOCK, "a socket")]
+
+
+def regular_target(path: str | os.PathLike) -> Path:
+    """The file a write to ``path`` should replace: ``path`` itself, or the end of its chain of symlinks.
+
+    Raises:
+        IsADirectoryError: the target is a folder.
+        InputError: the target exists and is not a regular file (a FIFO, a device, a socket): replacing it
+            by a plain file would destroy it (as root, ``/dev/null``).
+    """
+    from tformer.errors import InputError
+
+    given = Path(path)
+    target = Path(os.path.realpath(given)) if given.is_symlink() else given
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return target
+    except OSError:          # not ours to judge here (a permission, a loop): the write itself will say
+        return target
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(given))
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in FILE_KINDS if test(mode)), "not a regular file")
+        via = f" (the link {given} points to {target})" if target != given else ""
+        raise InputError(f"{target} is {kind}, not a regular file{via}; tformer writes whole files by replacing "
+                         f"them, which would destroy it: write to a regular file instead.")
+    return target
 
 
 def current_umask() -> int:

@@ -42,3 +42,31 @@ def test_convert_refuses_a_shard_size_it_would_ignore(tmp_path, capsys):
              "--max-shard-mb -5")
     one_line(capsys, ["convert", "--to-hf", str(tmp_path), "--out", str(tmp_path / "o"), "--max-shard-mb", "inf"],
              "--max-shard-mb inf")
+
+
+@pytest.mark.parametrize("argv", [["--flops", "1e-300"], ["--params", "1e-9"], ["--tokens", "3"],
+                                  ["--flops", "1e8", "--preset", "tiny"]])
+def test_plan_refuses_budgets_below_its_smallest_config(capsys, argv):
+    """Issue 49, item 23: ``--flops 1e-300`` printed a plan of 2e-136 parameters."""
+    one_line(capsys, ["plan", *argv, "--flops-per-second", "1e12"], "below the smallest", "larger one")
+
+
+def test_sweep_stopped_by_sigterm_exits_143(tmp_path, monkeypatch, capsys):
+    """Issue 49, item 23: a sweep whose run SIGTERM stopped (the loop saves and reports ``stopped: term``)
+    exits 143, as docs/reliability.md says of a stop signal; Ctrl-C's stays 130."""
+    from tformer.scaling import sweep
+
+    for name, status in (("term", 143), ("int", 130)):
+        class Stopped:
+            elapsed = 0.0
+
+            @classmethod
+            def create(cls, *args, **kwargs):
+                return cls()
+
+            def fit(self):
+                return {"stopped": name, "history": []}
+
+        monkeypatch.setattr(sweep, "_trainer_class", lambda bar: Stopped)
+        assert main(["sweep", "--quick", "--out", str(tmp_path / name), "--no-progress"]) == status
+        assert "rerun the same command" in capsys.readouterr().out

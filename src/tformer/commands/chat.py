@@ -10,7 +10,8 @@ template (:class:`tformer.tokenizers.ChatTemplate`, as transformers renders it) 
 streamed as it is generated, up to an end-of-turn token. Typed commands: ``/reset`` forgets the
 conversation (the system message stays), ``/save FILE`` writes it as JSON, ``/exit`` (or Ctrl-D)
 leaves. Ctrl-C stops the answer being written and keeps what was written; at the prompt it does nothing.
-When the conversation no longer fits the context, the oldest turns are left out of the prompt.
+When the conversation no longer fits the context, the oldest turns are left out of the prompt. A pasted text
+is one message, whatever its length and however many lines it has (read through readline, bracketed paste).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ HELP = "/reset forgets the conversation, /save FILE writes it as JSON, /exit lea
 # assistant's answers on topic (docs/chat.md puts chat, generate and serve side by side).
 DEFAULTS = {"temperature": 0.2, "top_k": None, "top_p": 0.9}
 
+# Most tokens per answer when --max-new-tokens is not given (half the context for a model whose context is shorter).
+MAX_NEW_TOKENS = 512
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from tformer.inference import AUTO
@@ -39,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--ckpt", default=None, metavar="DIR", help="a tformer checkpoint or run folder")
     p.add_argument("--prompt", default=None, help="answer this one message, print the answer and exit")
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
-    p.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="most tokens per answer (default 512)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"most tokens per answer (default {MAX_NEW_TOKENS}, or half the context when it is shorter)")
     p.add_argument("--temperature", type=float, default=None, metavar="T",
                    help="0 = greedy (default: the model file's recommendation, else 0.2)")
     p.add_argument("--top-k", type=int, default=None, metavar="K",
@@ -57,10 +62,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def answer_budget(max_new_tokens: int | None, context: int) -> int:
+    """The most tokens an answer may have: ``max_new_tokens`` as given, refused when it leaves the conversation
+    no room in the model's ``context``; when not given, :data:`MAX_NEW_TOKENS` or half the context if shorter.
+
+    Raises:
+        InputError: ``max_new_tokens`` is below 1 or not below the context (every message would be refused).
+    """
+    from tformer.errors import InputError
+
+    if max_new_tokens is None:
+        return max(1, min(MAX_NEW_TOKENS, context // 2))
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens {max_new_tokens} must be at least 1.")
+    if max_new_tokens >= context:
+        raise InputError(f"--max-new-tokens {max_new_tokens} leaves no room for the conversation in this model's "
+                         f"context of {context} tokens; give fewer, e.g. --max-new-tokens {max(1, context // 2)}.")
+    return max_new_tokens
+
+
 class Chat:
     """A model opened by :func:`tformer.inference.open_model`, and the conversation so far (``messages``)."""
 
-    def __init__(self, opened, system: str | None, options: dict, max_new_tokens: int, parse_special: bool = False):
+    def __init__(self, opened, system: str | None, options: dict, max_new_tokens: int | None, parse_special: bool = False):
         from tformer.errors import CheckpointError
 
         if opened.template is None or opened.tokenizer is None:
@@ -70,7 +94,8 @@ class Chat:
         self.opened = opened
         self.model, self.tokenizer, self.template = opened.model, opened.tokenizer, opened.template
         self.stop = list(opened.stop_ids)
-        self.system, self.options, self.max_new_tokens = system, options, max_new_tokens
+        self.system, self.options = system, options
+        self.max_new_tokens = answer_budget(max_new_tokens, self.model.config.context_length)
         self.parse_special = parse_special          # typed special-token strings become tokens (--parse-special)
         self.messages: list[dict] = []
         self.reset()
@@ -134,10 +159,12 @@ def run(args: argparse.Namespace) -> int:
     from tformer.commands.generate import sampling_options
     from tformer.inference import open_model
 
+    given = args.max_new_tokens                      # None: the default, fitted to the context once it is known
+    answer_budget(given, sys.maxsize)
+    args.max_new_tokens = MAX_NEW_TOKENS if given is None else given
     sampling_options(args, {}, DEFAULTS)             # what was given, checked before anything loads
     opened = open_model(args.ckpt or args.model, args.dtype, args.threads)
-    chat = Chat(opened, args.system, sampling_options(args, opened.defaults, DEFAULTS), args.max_new_tokens,
-                args.parse_special)
+    chat = Chat(opened, args.system, sampling_options(args, opened.defaults, DEFAULTS), given, args.parse_special)
     if args.verbose:
         print(opened.describe(), file=sys.stderr, flush=True)
     if args.prompt is not None:
@@ -148,17 +175,51 @@ def run(args: argparse.Namespace) -> int:
     return interact(chat)
 
 
-def interact(chat: Chat) -> int:
+# The longest line a terminal in canonical mode hands a program (Linux's line buffer, 4096 bytes less the newline):
+# a longer line typed or pasted is cut there, silently, by the terminal. GNU readline reads key by key instead, so
+# it has no such limit; without it (a Python built without readline) a line this long was most likely cut.
+TERMINAL_LINE_LIMIT = 4095
+
+
+def line_reader():
+    """``read(prompt) -> str``: one message from the user.
+
+    In a terminal, lines are read through GNU readline where Python has it, with bracketed paste on: a pasted
+    text is one message whatever its length and however many lines it has (the terminal's own line editing
+    would cut it at :data:`TERMINAL_LINE_LIMIT` characters and send each line as a message). Without readline, a
+    line that reaches the limit is said to have been cut. From a pipe or a file, lines are read as they are.
+    """
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    try:
+        import readline
+    except ImportError:
+        readline = None
+    if readline is not None and interactive and "libedit" not in (readline.__doc__ or ""):
+        readline.parse_and_bind("set enable-bracketed-paste on")
+        readline.parse_and_bind("tab: tab-insert")         # a tab is text here, not file-name completion
+
+    def read(prompt: str = "> ") -> str:
+        line = input(prompt)
+        if readline is None and interactive and len(line) >= TERMINAL_LINE_LIMIT:
+            print(f"(this message reached the terminal's line limit of {TERMINAL_LINE_LIMIT} characters and the rest "
+                  f"was cut off by the terminal: this Python has no readline to read longer lines; send long text with "
+                  f"--prompt \"$(cat FILE)\" or in shorter pieces)", flush=True)
+        return line
+    return read
+
+
+def interact(chat: Chat, read=None) -> int:
     import torch
 
     from tformer.errors import TformerError
 
     opened = chat.opened
+    read = read or line_reader()
     print(f"{opened.name}: {opened.dtype} weights, {opened.path} path, {torch.get_num_threads()} threads, loaded in "
           f"{opened.seconds:.1f} s. {HELP}", flush=True)
     while True:
         try:
-            line = input("> ")
+            line = read("> ")
         except EOFError:
             print()
             return 0
@@ -186,6 +247,8 @@ def interact(chat: Chat) -> int:
                 print(f"(saved {len(chat.messages)} messages to {chat.save(path)})", flush=True)
             except OSError as e:
                 print(f"(cannot save to {path}: {e.strerror})", flush=True)
+            except TformerError as e:                      # a FIFO, a device, ...: refused, left as it was
+                print(f"(cannot save to {path}: {e})", flush=True)
             continue
         if text.startswith("/"):
             print(f"unknown command {text.split()[0]}; {HELP}", flush=True)

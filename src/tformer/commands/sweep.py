@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tformer.errors import ConfigError
-from tformer.exits import INTERRUPTED
+from tformer.exits import INTERRUPTED, stopped_exit
 
 EXAMPLES = """examples:
   tformer sweep --quick --out runs/sweep-quick            # 3 budgets x 3 sizes of tiny models, about a minute
@@ -80,10 +80,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bootstrap {args.bootstrap} must be >= 0.")
     spec = build_spec(args)
     record = run_sweep(spec, args.out, progress=not args.no_progress)
-    runs = load_runs(args.out)
-    if len(runs) < len(spec.budgets) * 3:
+    runs = sorted(record["runs"].values(), key=lambda r: (r["budget"], r["params"])) if "stopped" in record \
+        else load_runs(args.out)
+    if "stopped" in record or len(runs) < len(spec.budgets) * 3:
         print(f"{len(runs)} runs finished so far; rerun the same command to finish the sweep before fitting.")
-        return INTERRUPTED
+        return stopped_exit(record.get("stopped")) or INTERRUPTED      # 143 for SIGTERM, as docs/ say
     analysis = analyse(runs, bootstrap=args.bootstrap)
     atomic_write_json(Path(args.out) / "fits.json", analysis)
     try:

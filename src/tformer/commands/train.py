@@ -34,6 +34,7 @@ TRAIN_HELP = {
     "sample_tokens": "tokens sampled at each evaluation (0 = none)",
     "sample_prompt": "prompt of those samples",
     "time_limit": "stop and save after this many seconds (0 = none)",
+    "max_hours": "refuse a run that would take longer here, at least (its FLOPs at the measured peak; 0 = no limit)",
     "progress": "show the progress bar (true/false)",
     "encoding": "text encoding of the corpus files (undecodable bytes become U+FFFD and are counted)",
     "strategy": "with several ranks: ddp (replicas) or fsdp (sharded parameters and optimizer state)",

@@ -30,14 +30,30 @@ class ActivationCache:
     def __getitem__(self, key: str | tuple[str, int]) -> Tensor:
         name = key
         if isinstance(key, tuple):
+            if len(key) != 2:
+                raise InputError(f"a cache key is a hook name or a pair (short name, layer), e.g. "
+                                 f"cache['resid_pre', 3]; got {key!r}.")
             kind, layer = key
             if kind not in SHORT:
                 raise InputError(f"unknown short name {kind!r}; use one of {', '.join(SHORT)} or a full hook name.")
-            name = SHORT[kind].format(layer % len(self.model.blocks))
+            name = SHORT[kind].format(self.layer_index(layer))
         if name not in self.store:
             raise InputError(f"the cache holds no {name!r}; run run_with_cache with names=None (all) or "
                              f"include it in names.")
         return self.store[name]
+
+    def layer_index(self, layer) -> int:
+        """``layer`` as a block index: an integer in ``[0, L)``, or ``[-L, -1]`` counted from the last block as
+        Python counts; anything else (``"1"``, ``L + 3``, which TransformerLens refuses too) is refused."""
+        L = len(self.model.blocks)
+        if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+            raise InputError(f"the layer in a cache key must be an integer, got {layer!r} "
+                             f"({type(layer).__name__}); e.g. cache['resid_pre', 1].")
+        i = layer.__index__()
+        if not -L <= i < L:
+            raise InputError(f"layer {i} is out of range: this model has {L} blocks (layers 0 to {L - 1}, or -{L} "
+                             f"to -1 from the end).")
+        return i % L
 
     def __contains__(self, name: str) -> bool:
         return name in self.store

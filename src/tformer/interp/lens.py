@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tformer.errors import InputError
 from tformer.interp.hooks import run_with_cache
 
 Tensor = torch.Tensor
@@ -69,8 +70,12 @@ def fit_tuned_lens(model: nn.Module, batches: Iterable[Tensor], steps: int = 100
                    seed: int = 0) -> TunedLens:
     """Train a :class:`TunedLens` for ``model`` (frozen) on ``steps`` batches of ids drawn cyclically
     from ``batches``: Adam on the mean over layers and positions of KL(final ‖ tuned lens)."""
-    torch.manual_seed(seed)
     batches = list(batches)
+    if not batches:
+        raise InputError("fit_tuned_lens needs at least one batch of token ids (B, T) to train on; got none.")
+    if steps < 1:
+        raise InputError(f"fit_tuned_lens: steps={steps} must be at least 1.")
+    torch.manual_seed(seed)
     lens = TunedLens(model.config.d_model, len(model.blocks))
     opt = torch.optim.Adam(lens.parameters(), lr=lr)
     params = list(model.parameters())

@@ -29,6 +29,37 @@ def _check_pair(clean: Tensor, corrupted: Tensor) -> None:
                          f"same shape: patching copies activations position by position.")
 
 
+def metric_value(metric: Metric, logits: Tensor, where: str) -> Tensor:
+    """``metric(logits)`` as one number: a 0-d tensor or a Python number; a ``(B,)`` tensor (a metric per prompt)
+    or anything else is refused naming what it returned and the run (``where``) it was measuring."""
+    value = metric(logits)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value))
+    if isinstance(value, Tensor) and value.numel() == 1 and value.dim() == 0:
+        return value
+    shape = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else f"a {type(value).__name__}"
+    raise InputError(f"the metric returned {shape} for {where}; it must return one number per run (a 0-d tensor): "
+                     f"e.g. reduce over the batch with .mean().")
+
+
+def check_heads(model: nn.Module, heads: dict[int, list[int]]) -> None:
+    """``{layer: [head, ...]}`` must name layers in ``[0, n_layers)`` and heads in ``[0, n_heads)``; a negative
+    head is refused rather than counted from the end (``-1`` would ablate the last head)."""
+    if not isinstance(heads, dict):
+        raise InputError(f"heads must be a dict {{layer: [head, ...]}}, e.g. {{0: [1, 3]}}; got a "
+                         f"{type(heads).__name__}.")
+    L, nh = len(model.blocks), model.config.n_heads
+    for layer, hs in heads.items():
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
+            raise InputError(f"heads names layer {layer!r}; this model's layers are 0 to {L - 1}.")
+        if isinstance(hs, int) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hs):
+            raise InputError(f"heads[{layer}] must be a list of head indices, e.g. [0, 2]; got {hs!r}.")
+        bad = [h for h in hs if not 0 <= h < nh]
+        if bad:
+            raise InputError(f"heads[{layer}] names head(s) {bad}; layer {layer} has {nh} heads, 0 to {nh - 1} "
+                             f"(negative indices are not counted from the end).")
+
+
 @torch.no_grad()
 def patch_residual(model: nn.Module, clean: Tensor, corrupted: Tensor, metric: Metric,
                    site: str = "resid_pre") -> Tensor:
@@ -45,7 +76,8 @@ def patch_residual(model: nn.Module, clean: Tensor, corrupted: Tensor, metric: M
                 t = t.clone()
                 t[:, p] = src[:, p]
                 return t
-            out[l, p] = metric(run_with_hooks(model, corrupted, [(name, put)]))
+            out[l, p] = metric_value(metric, run_with_hooks(model, corrupted, [(name, put)]),
+                                     f"{name} patched at position {p}")
     return out
 
 
@@ -66,7 +98,8 @@ def patch_heads(model: nn.Module, clean: Tensor, corrupted: Tensor, metric: Metr
                     t = t.clone()
                     t[:, p, h] = src[:, p, h]
                     return t
-                out[l, i, h] = metric(run_with_hooks(model, corrupted, [(name, put)]))
+                out[l, i, h] = metric_value(metric, run_with_hooks(model, corrupted, [(name, put)]),
+                                            f"head {h} of layer {l} patched")
     return out if by_pos else out[:, 0]
 
 
@@ -78,6 +111,10 @@ def ablation_hook(layer_heads: dict[int, list[int]], mode: str, means: dict[int,
     hooks = []
     for layer, heads in layer_heads.items():
         def ablate(t: Tensor, _name: str, layer=layer, heads=list(heads)) -> Tensor:
+            bad = [h for h in heads if not 0 <= h < t.shape[2]]
+            if bad:
+                raise InputError(f"cannot ablate head(s) {bad} of layer {layer}: it has {t.shape[2]} heads, 0 to "
+                                 f"{t.shape[2] - 1} (negative indices are not counted from the end).")
             t = t.clone()
             t[:, :, heads] = 0.0 if mode == "zero" else means[layer][heads].to(t.dtype)
             return t
@@ -98,6 +135,7 @@ def ablate_heads(model: nn.Module, ids: Tensor, heads: dict[int, list[int]], mod
                  reference: Tensor | None = None) -> Tensor:
     """Logits ``(B, T, vocab)`` of ``model(ids)`` with ``heads`` (``{layer: [head, ...]}``) ablated;
     ``mode="mean"`` uses the heads' means over ``reference`` (default ``ids``)."""
+    check_heads(model, heads)
     means = head_means(model, ids if reference is None else reference) if mode == "mean" else None
     return run_with_hooks(model, ids, ablation_hook(heads, mode, means))
 
@@ -111,5 +149,6 @@ def head_ablation_effects(model: nn.Module, ids: Tensor, metric: Metric, mode: s
     out = torch.empty(L, nh)
     for l in range(L):
         for h in range(nh):
-            out[l, h] = metric(run_with_hooks(model, ids, ablation_hook({l: [h]}, mode, means)))
+            out[l, h] = metric_value(metric, run_with_hooks(model, ids, ablation_hook({l: [h]}, mode, means)),
+                                     f"head {h} of layer {l} ablated")
     return out

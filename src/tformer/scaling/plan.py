@@ -182,7 +182,7 @@ def measure_flops_per_second(config: TransformerConfig, batch_size: int = 4, sec
     return training_flops_per_token(proxy, T) * batch_size * T / step
 
 
-FAR = 10       # a concrete config more than this many times smaller than N is not "near N": refused
+FAR = 10       # a concrete config more than this many times smaller (or larger) than N is not "near N": refused
 
 
 def make_plan(*, flops: float | None = None, hours: float | None = None, params: float | None = None,
@@ -215,6 +215,10 @@ def make_plan(*, flops: float | None = None, hours: float | None = None, params:
     if n_model * FAR < pick.n_params:
         raise InputError(f"{chosen.name}'s N = {pick.n_params:.3g} parameters is beyond the largest {preset} config "
                          f"this planner builds ({n_model:.3g}: d_model up to {64 * 512}); plan for a smaller budget.")
+    if n_model > FAR * pick.n_params:
+        raise InputError(f"{chosen.name}'s N = {pick.n_params:.3g} parameters is below the smallest {preset} config "
+                         f"this planner builds ({n_model:.3g}: one layer, d_model 64), so no plan fits the budget; "
+                         f"plan for a larger one{'' if preset == 'tiny' else ', or for a smaller model (--preset tiny)'}.")
     train_flops = training_flops_per_token(config, T) * pick.n_tokens
     return {"given": {"flops": flops if hours is None else None, "hours": hours, "params": params, "tokens": tokens},
             "allocations": [{**asdict(a), "tokens_per_param": a.tokens_per_param} for a in allocations],

@@ -148,7 +148,8 @@ def _vocab_size(spec: SweepSpec) -> int:
 
 
 def run_sweep(spec: SweepSpec, out: str | Path, *, progress: bool = True, log=print) -> dict:
-    """Train every run of the sweep not yet in ``out/runs.json``; returns ``{"spec", "runs"}``.
+    """Train every run of the sweep not yet in ``out/runs.json``; returns ``{"spec", "runs"}``, and
+    ``"stopped"`` (the signal's name) when a stop signal ended a run before the sweep finished.
 
     Raises:
         ConfigError: ``out`` holds a sweep with a different spec (continue it with the same
@@ -182,8 +183,9 @@ def run_sweep(spec: SweepSpec, out: str | Path, *, progress: bool = True, log=pr
         for run in todo:
             bar.set_postfix_str(f"{run['id']} ({run['params']:,} params, {run['steps']} steps)")
             result = _train(trainer_cls, spec, run, out / "runs" / run["id"])
-            if result is None:                                  # interrupted: keep what is done
+            if "stopped" in result:                             # a signal stopped it: keep what is done
                 log(f"sweep interrupted during {run['id']}; rerun the same command to continue.")
+                record["stopped"] = result["stopped"]           # which signal, for the exit status (not saved)
                 break
             record["runs"][run["id"]] = {**run, **result}
             atomic_write_json(record_path, record)
@@ -193,7 +195,9 @@ def run_sweep(spec: SweepSpec, out: str | Path, *, progress: bool = True, log=pr
     return record
 
 
-def _train(trainer_cls, spec: SweepSpec, run: dict, folder: Path) -> dict | None:
+def _train(trainer_cls, spec: SweepSpec, run: dict, folder: Path) -> dict:
+    """The record of one finished run, or ``{"stopped": name}`` when a stop signal ended its training
+    (``"int"``, ``"term"``: the loop's name for it, see :data:`tformer.exits.STOP_SIGNALS`)."""
     settings = {**spec.settings, "n_layers": run["n_layers"], "d_model": run["d_model"], "n_heads": run["n_heads"],
                 "context_length": spec.context_length, "batch_size": spec.batch_size, "max_steps": run["steps"],
                 "out_dir": str(folder), "eval_interval": run["steps"], "sample_tokens": 0, "progress": False}
@@ -207,7 +211,7 @@ def _train(trainer_cls, spec: SweepSpec, run: dict, folder: Path) -> dict | None
     trainer = trainer_cls.create(settings, preset="tiny", resume=resume, log=lambda m: None)
     summary = trainer.fit()
     if summary["stopped"]:
-        return None
+        return {"stopped": summary["stopped"]}
     final = next(h for h in reversed(summary["history"]) if "val_loss" in h)
     return {"val_loss": final["val_loss"], "train_loss": final["train_loss"], "seconds": trainer.elapsed,
             "threads": torch.get_num_threads()}

@@ -103,6 +103,10 @@ def check_messages(obj, where: str) -> list[dict]:
                              f"\"content\"; {shape}.")
     if not any(m["role"] == "assistant" for m in obj["messages"]):
         raise InputError(f"{where} has no assistant message, so nothing to learn; {shape}.")
+    first = next(i for i, m in enumerate(obj["messages"]) if m["role"] == "assistant")
+    if not any(m["role"] == "user" for m in obj["messages"][:first]):
+        raise InputError(f"{where}: message {first + 1} is an assistant message with no user message before it; an "
+                         f"answer is learnt as the reply to a user turn, so add the user message it answers; {shape}.")
     return [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]
 
 

@@ -59,6 +59,8 @@ class TrainConfig:
         log_interval: progress/metrics every so many steps.
         sample_tokens, sample_prompt: what is generated at each evaluation (0 = nothing).
         time_limit: stop (saving a checkpoint) after this many seconds; 0 = no limit.
+        max_hours: refuse, before the first step, a run whose time here (at least: its FLOPs at the measured
+            matmul peak; ``time_limit`` if shorter) exceeds this many hours; 0 = no limit.
         progress: show a progress bar.
         encoding: text encoding of the corpus files (bytes it cannot decode become U+FFFD, counted).
         strategy: under torchrun, ``ddp`` (every rank holds the whole model, gradients all-reduced) or
@@ -101,6 +103,7 @@ class TrainConfig:
     sample_tokens: int = 200
     sample_prompt: str = "\n"
     time_limit: float = 0.0
+    max_hours: float = 24.0
     progress: bool = True
     encoding: str = "utf-8"
     strategy: str = "ddp"
@@ -121,7 +124,7 @@ TRAIN_RANGES = {
     "time_limit": (0.0, None, True, True), "seed": (0, 2**63 - 1, True, True), "threads": (0, None, True, True),
     "dist_timeout": (0.0, None, False, True), "muon_lr": (0.0, None, False, True),
     "muon_momentum": (0.0, 1.0, True, False), "cooldown_fraction": (0.0, 1.0, False, True),
-    "target_loss": (0.0, None, True, True),
+    "target_loss": (0.0, None, True, True), "max_hours": (0.0, None, True, True),
 }
 
 

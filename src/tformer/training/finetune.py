@@ -29,7 +29,7 @@ from tformer.tokenizers import load_tokenizer
 from tformer.training import distributed
 from tformer.training.chat_data import ChatTemplate, chat_example, encode, number_task, read_chat, text_examples, truncate
 from tformer.training.config import TrainConfig, cast_value
-from tformer.training.lora import TARGETS, LoRASpec, add_lora, merge_lora
+from tformer.training.lora import TARGETS, LoRASpec, add_lora, merge_lora, model_targets
 from tformer.training.loop import Loop
 from tformer.training.peft_adapter import save_adapter
 from tformer.training.runlock import check_run_folder, locked_run
@@ -37,7 +37,7 @@ from tformer.training.runstate import read_latest, resumed_settings, start_metri
 from tformer.training.tasks.finetune import FinetuneTask
 
 METHODS = ("lora", "full")
-UNUSED = ("tokenizer", "bpe_vocab_size", "cache_dir", "sample_tokens", "sample_prompt", "strategy")
+UNUSED = ("tokenizer", "bpe_vocab_size", "cache_dir", "sample_tokens", "sample_prompt", "strategy", "max_hours")
 RESUME_KEEPS = ("model", "data", "encoding", "method", "share_prefix", "lora_r", "lora_alpha", "lora_dropout",
                 "lora_targets",
                 "max_length", "val_fraction", "n_train", "n_test", "max_number", "seed")
@@ -101,9 +101,13 @@ class FinetuneSettings(TrainConfig):
             raise ConfigError(f"method={self.method!r} is not known; choose lora or full.")
         self.lora_spec()
 
-    def lora_spec(self) -> LoRASpec:
-        targets = TARGETS if self.lora_targets.strip() == "all" else \
-            tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+    def lora_spec(self, model: torch.nn.Module | None = None) -> LoRASpec:
+        """The LoRA of these settings; ``all`` targets every projection ``model`` has (every one LoRA knows
+        when no model is given: the settings' own check)."""
+        if self.lora_targets.strip() == "all":
+            targets = TARGETS if model is None else model_targets(model)
+        else:
+            targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
         return LoRASpec(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=targets)
 
     @classmethod
@@ -247,7 +251,7 @@ def _new(out: Path, s: FinetuneSettings, log) -> FinetuneLoop:
     model, tokenizer, template, stops = load_base(s.model)
     torch.manual_seed(s.seed)
     if s.method == "lora":
-        add_lora(model, s.lora_spec())
+        add_lora(model, s.lora_spec(model))
     loop = _loop(model, tokenizer, template, stops, s, out, log)
     start_metrics(out, None)
     return loop
@@ -284,7 +288,7 @@ def _resume(out: Path, s: FinetuneSettings, log, given: set[str]) -> FinetuneLoo
     config, _ = load_config(folder)
     model = build_model(config)
     if s.method == "lora":
-        add_lora(model, s.lora_spec())
+        add_lora(model, s.lora_spec(model))
     template = ChatTemplate(**state["chat_template"])
     loop = _loop(model, load_tokenizer(folder), template, tuple(state["stop_ids"]), s, out, log)
     if loop.task.fingerprint != state["corpus_fingerprint"]:

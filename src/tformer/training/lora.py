@@ -144,6 +144,12 @@ def lora_sites(model: nn.Module, targets: tuple[str, ...]) -> dict[str, dict[str
     if c.model != "decoder" or c.mixer != "attention" or not hasattr(model, "blocks"):
         raise ConfigError(f"LoRA adapts decoders of softmax attention (Llama-family layout); this model is a "
                           f"{c.model} with mixer {c.mixer!r}. Fine-tune it with --method full.")
+    present = model_targets(model)
+    absent = [t for t in targets if t not in present]
+    if absent:
+        gated = "" if "gate_proj" in present else " (its MLP is not gated: no gate_proj)"
+        raise ConfigError(f"LoRA target(s) {', '.join(absent)} are not projections of this model{gated}; it has "
+                          f"{', '.join(present)}: choose among those (lora_targets=all adapts every one).")
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     rows = dict(zip(QKV, ((0, q), (q, q + kv), (q + kv, q + 2 * kv))))
     sites: dict[str, dict[str, tuple[int, int]]] = {}
@@ -158,6 +164,16 @@ def lora_sites(model: nn.Module, targets: tuple[str, ...]) -> dict[str, dict[str
                 sites[f"blocks.{i}.{ours.rsplit('.', 1)[0]}"] = {
                     f"layers.{i}.{hf.rsplit('.', 1)[0]}": (0, module.out_features)}
     return sites
+
+
+def model_targets(model: nn.Module) -> tuple[str, ...]:
+    """The HF names (of :data:`TARGETS`, in its order) of the projections ``model``'s blocks have: q, k and v
+    always (the fused ``qkv_proj``), o_proj, and gate/up/down as its feed-forward has them (a plain MLP has
+    no ``gate_proj``)."""
+    block = dict(model.blocks[0].named_modules())
+    have = {hf.split(".")[-2] for ours, hf in LAYER
+            if hf.endswith("proj.weight") and isinstance(block.get(ours.rsplit(".", 1)[0]), nn.Linear)}
+    return tuple(t for t in TARGETS if t in QKV or t in have)
 
 
 def add_lora(model: nn.Module, spec: LoRASpec, sites: dict[str, dict[str, tuple[int, int]]] | None = None) -> nn.Module:

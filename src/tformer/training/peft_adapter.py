@@ -14,6 +14,7 @@ tformer's adapter ``q_proj`` on the fused ``blocks.{i}.attn.qkv_proj`` is exactl
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from torch import nn
 from tformer.errors import CheckpointError
 from tformer.interop.llama import PREFIX
 from tformer.io import atomic_write, atomic_write_json
-from tformer.training.lora import LoRASpec, add_lora, hf_names, lora_modules, lora_sites
+from tformer.training.lora import LoRASpec, add_lora, hf_names, lora_modules, lora_sites, model_targets
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 WRAPPER = "base_model.model."                      # PeftModel -> LoraModel -> the HF model
@@ -58,7 +59,14 @@ def save_adapter(model: nn.Module, folder: str | Path, base_model: str | None = 
 
 def read_adapter(folder: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
     """``(spec, tensors)`` of a PEFT LoRA folder; refuses what tformer's LoRA does not compute
-    (DoRA, biases, per-module ranks, extra trained modules), naming the field."""
+    (DoRA, biases, per-module ranks, extra trained modules), naming the field, and settings that are not
+    what PEFT writes (a rank, alpha or dropout that is not a number in range), naming the value."""
+    spec, tensors, _ = _read(folder)
+    return spec, tensors
+
+
+def _read(folder: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor], dict]:
+    """:func:`read_adapter`, and the folder's ``adapter_config.json`` as read."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -70,6 +78,9 @@ def read_adapter(folder: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor]]
         tensors = load_file(str(folder / WEIGHTS))
     except Exception as e:  # json / safetensors errors
         raise CheckpointError(f"cannot read the adapter in {folder}: {e}; restore it or save it again.") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{folder}/{CONFIG} holds a JSON {type(cfg).__name__}, not an object of settings "
+                              f"(\"r\", \"lora_alpha\", \"target_modules\", ...); restore it or save the adapter again.")
     refusals = [("peft_type", "LORA"), ("bias", "none"), ("use_dora", False), ("fan_in_fan_out", False),
                 ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {})]
     for key, want in refusals:
@@ -84,16 +95,65 @@ def read_adapter(folder: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor]]
                                   f"projection; tformer loads adapters on q/k/v/o/gate/up/down_proj only.")
         found[(m.group(1), m.group(2))] = t
     targets = sorted({name.rsplit(".", 1)[-1] for name, _ in found})
-    r = int(cfg.get("r", 8))
-    spec = LoRASpec(r=r, alpha=float(cfg.get("lora_alpha", r)), dropout=float(cfg.get("lora_dropout") or 0.0),
-                    targets=tuple(targets), rslora=bool(cfg.get("use_rslora", False)))
-    return spec, {f"{name}.lora_{ab}": t for (name, ab), t in found.items()}
+    where = f"{folder}/{CONFIG}"
+    r = int(setting(cfg, "r", 8, where, "a whole number of at least 1", lambda v: v >= 1 and float(v).is_integer()))
+    alpha = setting(cfg, "lora_alpha", r, where, "a finite number", lambda v: math.isfinite(v))
+    dropout = setting(cfg, "lora_dropout", 0.0, where, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
+    rslora = cfg.get("use_rslora", False)
+    if not isinstance(rslora, bool) and rslora is not None:
+        raise CheckpointError(f"{where} has use_rslora={rslora!r}; it must be true or false.")
+    spec = LoRASpec(r=r, alpha=float(alpha), dropout=float(dropout), targets=tuple(targets), rslora=bool(rslora))
+    return spec, {f"{name}.lora_{ab}": t for (name, ab), t in found.items()}, cfg
+
+
+def setting(cfg: dict, key: str, default, where: str, what: str, ok) -> int | float:
+    """``cfg[key]`` (``default`` when absent or null) when it is a JSON number that passes ``ok``; otherwise
+    one sentence naming the file, the key, the value and what it must be (a string, a NaN, a negative rank)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise CheckpointError(f"{where} has {key}={json.dumps(value)}; it must be {what}. Restore the file or "
+                              f"save the adapter again.")
+    return value
+
+
+def check_target_modules(model: nn.Module, cfg_targets, folder: Path) -> None:
+    """Refuse ``target_modules`` that name modules ``model`` does not have, as PEFT refuses them ("Target modules
+    ... not found in the base model"): a list of names, each a projection of the model, or a regular expression
+    that matches at least one of its projections (PEFT's ``re.fullmatch`` on the module's full name)."""
+    if cfg_targets is None:
+        return
+    present = model_targets(model)
+    where = f"{folder}/{CONFIG}"
+    if cfg_targets == "all-linear":                  # PEFT's word for every linear but the head
+        return
+    if isinstance(cfg_targets, str):
+        names = [PREFIX + hf for slices in lora_sites(model, present).values() for hf in slices]
+        try:
+            pattern = re.compile(cfg_targets)
+        except re.error as e:
+            raise CheckpointError(f"{where} has target_modules={cfg_targets!r}, not a valid regular expression "
+                                  f"({e}).") from None
+        if not any(pattern.fullmatch(n) for n in names):
+            raise CheckpointError(f"{where} has target_modules={cfg_targets!r}, which matches no module of this model "
+                                  f"(its projections: {', '.join(present)}); PEFT refuses such an adapter too.")
+        return
+    if not isinstance(cfg_targets, list) or not all(isinstance(t, str) for t in cfg_targets):
+        raise CheckpointError(f"{where} has target_modules={json.dumps(cfg_targets)}; it must be a list of module "
+                              f"names or a regular expression.")
+    absent = [t for t in cfg_targets if t.rsplit(".", 1)[-1] not in present]
+    if absent:
+        raise CheckpointError(f"{where} names target_modules {', '.join(absent)}, which this model does not have (its "
+                              f"projections: {', '.join(present)}); PEFT refuses such an adapter too: load it onto "
+                              f"the model it was trained for.")
 
 
 def load_adapter(model: nn.Module, folder: str | Path) -> nn.Module:
     """Put the adapters of a PEFT LoRA folder on ``model`` (a tformer decoder without adapters; in
     place, returned). Only the layers and projections the file has get adapters."""
-    spec, tensors = read_adapter(folder)
+    spec, tensors, cfg = _read(folder)
+    check_target_modules(model, cfg.get("target_modules"), Path(folder))
     wanted = {name for name in (k.rsplit(".", 1)[0] for k in tensors)}
     sites = {path: {hf: rows for hf, rows in slices.items() if hf in wanted}
              for path, slices in lora_sites(model, spec.targets).items()}

@@ -55,7 +55,7 @@ RNN_DEFAULTS = dict(n_layers=1, encoder_layers=None)      # the RNNs: one GRU la
 
 # TrainConfig fields that only language modelling reads: refused for --task seq2seq.
 LM_ONLY = ("tokenizer", "bpe_vocab_size", "val_fraction", "cache_dir", "grad_accum", "eval_batches", "sample_tokens",
-           "sample_prompt", "strategy", "dist_timeout")
+           "sample_prompt", "strategy", "dist_timeout", "max_hours")
 # What a resumed run must keep: the data, its split, the vocabulary and the model.
 RESUME_KEEPS = ("data", "encoding", "n_train", "n_test", "max_digits", "test_fraction", "seed", "architecture")
 

@@ -147,7 +147,36 @@ class Trainer(Loop):
                  f"vocab {self.model.config.vocab_size} ({self.corpus.tokenizer.kind}); corpus {len(self.corpus.train):,} "
                  f"train / {len(self.corpus.val):,} val tokens; {str(self.dtype).replace('torch.', '')} on {self.device}, "
                  f"{torch.get_num_threads()} thread(s){self._ranks()}; measured matmul peak {self.peak / 1e9:.0f} GFLOP/s")
+        self.check_duration()
         return {**super().fit(), "peak_flops": self.peak}
+
+    def check_duration(self) -> None:
+        """Say what one step costs and how long the run will take at the least, before the first step; refuse a
+        run that would take longer than ``max_hours`` (a context of 100,000 on the tiny preset: months).
+
+        The time is a lower bound: the step's training FLOPs (:func:`~tformer.accounting.training_flops_per_token`,
+        attention included, as ``tformer plan`` counts them) at the measured matmul peak, which no training step
+        reaches (the MFU the progress line shows is the fraction it does).
+
+        Raises:
+            ConfigError: the run, or its ``time_limit`` if shorter, would take more than ``max_hours`` hours.
+        """
+        cfg, T = self.cfg, self.model.config.context_length
+        if not self.peak > 0:                     # no measurement to estimate from
+            return
+        step_flops = self.task.flops_per_token * cfg.batch_size * cfg.grad_accum * T * self.dist.world_size
+        step_s = step_flops / self.peak
+        left = max(cfg.max_steps - self.step, 0)
+        run_s = step_s * left
+        self.log(f"one step: {step_flops:.3g} FLOPs ({cfg.batch_size * cfg.grad_accum * self.dist.world_size} x {T} "
+                 f"tokens); at the measured peak at least {duration(step_s)} a step, {duration(run_s)} for the "
+                 f"{left:,} steps to go")
+        bounded = min(run_s, cfg.time_limit + step_s) if cfg.time_limit else run_s
+        if cfg.max_hours and bounded > cfg.max_hours * 3600:
+            raise ConfigError(f"this run would take at least {duration(bounded)} here ({step_flops:.3g} FLOPs a step, "
+                              f"{left:,} steps, at the measured matmul peak of {self.peak / 1e9:.0f} GFLOP/s), more than "
+                              f"max_hours={cfg.max_hours:g}; shorten it (context_length, batch_size, max_steps, a "
+                              f"smaller model), or allow it with --set max_hours=0 (no limit) or a larger value.")
 
     def sample(self, max_new_tokens: int, prompt: str | None = None, temperature: float = 0.8,
                top_k: int | None = 40, seed: int | None = None) -> str:
@@ -192,3 +221,11 @@ def _quiet(message: str) -> None:
 
 def _kv(d: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in d.items())
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that keeps it at least 1 (years, days, hours, minutes, s), 3 digits."""
+    for unit, size in (("years", 365 * 86400), ("days", 86400), ("hours", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
