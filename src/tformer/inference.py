@@ -98,12 +98,12 @@ def resolve_source(spec: str | os.PathLike | None) -> tuple[str, Path, str]:
     if path.is_file():
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
-                raise InputError(f"--model {spec} is a file but not a GGUF model; pass a .gguf file, a checkpoint "
+                raise InputError(f"{spec} is a file but not a GGUF model; pass a .gguf file, a checkpoint "
                                  f"folder or one of {', '.join(BUILTIN)}.")
         return path.stem, path, "gguf"
     if not path.exists():
-        raise InputError(f"--model {spec} is neither a built-in model ({', '.join(BUILTIN)}) nor an existing file or "
-                         f"folder; pass one of those.")
+        raise InputError(f"{spec} does not exist: it is neither a built-in model ({', '.join(BUILTIN)}) nor an "
+                         f"existing file or folder; pass one of those.")
     if path.is_dir() and (path / "config.json").is_file() and not (path / CONFIG).is_file() \
             and not (path / POINTER).is_file():
         return path.resolve().name, path, "hf"
