@@ -11,7 +11,8 @@ rate = (n2 - n1) / (t2 - t1), where t is the time the command itself reports for
 generate print "n tokens in t s"; llama.cpp is timed around its prompt and decode calls). Load: the
 time to open the model in-process (chat's "model loaded in", i.e. ``open_model``; llama.cpp's
 ``Llama(...)`` constructor), after the interpreter and libraries are imported. Peak RSS: the process's
-``ru_maxrss`` at its end (tformer's includes torch's libraries; the llama.cpp process imports no torch). llama.cpp decodes N greedy tokens after the same prompt ids (the chat template
+own high-water mark (``VmHWM``; ``ru_maxrss`` would keep this parent's across ``exec``); tformer's includes
+torch's libraries, the llama.cpp process imports no torch. llama.cpp decodes N greedy tokens after the same prompt ids (the chat template
 rendered and encoded by tformer), taking the argmax of its logits (no Python sampler).
 
     flock -w 900 /tmp/tformer-bench.lock env PYTHONPATH=/path/to/llama_cpp_python:src \\
@@ -37,8 +38,14 @@ from common.record import Run, results_dir  # noqa: E402
 
 PROMPT = "Write a very long story about a dragon who learns to cook, with many chapters."
 CHILD = """
-import json, resource, sys, time
+import json, sys, time
 args = json.loads(sys.argv[1])
+
+def peak_rss():                  # VmHWM: this process's own peak (ru_maxrss keeps the parent's across exec)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
 if args["who"] == "llama.cpp":
     import llama_cpp
     import numpy as np
@@ -59,7 +66,7 @@ if args["who"] == "llama.cpp":
         llm.eval([last()])
     seconds = time.perf_counter() - start
     print(json.dumps({"tokens": args["n"], "seconds": seconds, "load": t2 - t1,
-                      "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                      "rss": peak_rss()}))
 else:
     import contextlib, io, re
     from tformer.cli import main
@@ -71,7 +78,7 @@ else:
     m = re.search(r"(\\d+) tokens in ([\\d.]+) s", text)
     load = re.search(r"opened in ([\\d.]+) s", text)
     print(json.dumps({"tokens": int(m.group(1)), "seconds": float(m.group(2)), "load": float(load.group(1)),
-                      "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                      "rss": peak_rss()}))
 """
 
 
