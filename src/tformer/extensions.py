@@ -6,10 +6,20 @@ edited source or another torch rebuilds and later processes load the built libra
 :func:`build_once` runs a library's build function once per process; any failure (no compiler, no
 ninja, a CPU without the flags, ``TFORMER_NO_EXTENSION=1``) leaves ``None`` and the reason, and the
 callers keep torch's kernels.
+
+Every build and load runs under :func:`build_lock`: an ``fcntl.flock`` on a file in the build folder,
+which the kernel releases when its holder dies however it dies (kill -9, the OOM killer). torch's own
+lock (a file ``lock`` that ``cpp_extension`` creates and deletes, and that a killed build leaves behind,
+making every later load wait for ever) is removed under it, since no live tformer build can hold it
+then. A built library's size and SHA-256 are recorded beside it (``<name>.so.sha256``); a library that
+no longer matches (truncated by a killed link or a full disk: loading it dies with "Bus error") is
+deleted and built again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -65,6 +75,79 @@ def source_digest(files: list[Path], flags: tuple[str, ...] = ("-O3", "-fopenmp"
                           + " ".join(flags).encode()).hexdigest()[:12]
 
 
+@contextlib.contextmanager
+def build_lock(folder: Path, what: str):
+    """Hold the build folder ``folder`` exclusively (other processes wait, saying so on stderr) and clear
+    the lock file a killed ``cpp_extension`` build left there. The lock is an ``fcntl.flock``, which the
+    kernel drops when the holding process dies, so a killed build never blocks the next one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / ".tformer-build.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"tformer: waiting for another process that is building {what} in {folder}", file=sys.stderr,
+                  flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        # torch's lock: created and deleted by cpp_extension inside this lock, so one found here was left
+        # by a process that died while it held it
+        (folder / "lock").unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)                                   # releases the flock
+
+
+def _library_digest(path: Path) -> str:
+    return f"{path.stat().st_size} {hashlib.sha256(path.read_bytes()).hexdigest()}"
+
+
+def check_library(path: Path) -> bool:
+    """Whether the built library ``path`` is the one its build recorded (same size and SHA-256); a library
+    with no record (built by an older tformer) must at least hold its whole ELF section table. A damaged
+    one is deleted, with its record, so that the build makes it again; ``True`` when nothing was deleted."""
+    if not path.exists():
+        return True
+    record = path.with_name(path.name + ".sha256")
+    try:
+        ok = record.read_text(encoding="utf-8").strip() == _library_digest(path) if record.exists() else _whole_elf(path)
+    except OSError:
+        ok = False
+    if not ok:
+        print(f"tformer: the built library {path} is damaged (truncated or changed since it was built); building it "
+              f"again", file=sys.stderr, flush=True)
+        path.unlink(missing_ok=True)
+        record.unlink(missing_ok=True)
+    return ok
+
+
+def _whole_elf(path: Path) -> bool:
+    """An ELF file whose section header table (written last, at the end) lies inside the file."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:     # 64-bit ELF only (what x86-64 builds)
+        return False
+    shoff, = struct.unpack_from("<Q", head, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+    return shoff + shentsize * shnum <= path.stat().st_size
+
+
+def record_library(path: Path) -> None:
+    """Write ``path``'s size and SHA-256 beside it (what :func:`check_library` compares with), unless the
+    record already says so (ninja relinks a library when its sources move to another checkout)."""
+    record = path.with_name(path.name + ".sha256")
+    digest = _library_digest(path)
+    try:
+        if record.read_text(encoding="utf-8").strip() == digest:
+            return
+    except OSError:
+        pass
+    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+    tmp.write_text(digest + "\n", encoding="utf-8")
+    os.replace(tmp, record)
+
+
 def compile_library(name: str, sources: list[Path], headers: list[Path], what: str, *, needs: set[str] = frozenset(),
                     flags: tuple[str, ...] = ("-O3", "-fopenmp")):
     """``torch.ops.<name>``: the library built from ``sources`` (and the ``headers`` they include) in
@@ -91,11 +174,15 @@ def compile_library(name: str, sources: list[Path], headers: list[Path], what: s
     digest = source_digest([*sources, *headers], flags)
     short = name.removeprefix("tformer_")
     build = cache_dir() / f"{short}-{digest}"
-    build.mkdir(parents=True, exist_ok=True)
-    if not (build / f"{name}.so").exists():
-        print(f"tformer: building {what} once for this machine into {build} (under a minute)", file=sys.stderr, flush=True)
-    # -fopenmp: at::parallel_for is an OpenMP pragma in a header (a serial loop without it); the library
-    # then shares the libgomp torch has already loaded (same soname)
-    cpp_extension.load(name=name, sources=[str(p) for p in sources], build_directory=str(build),
-                       extra_cflags=list(flags), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    library = build / f"{name}.so"
+    with build_lock(build, what):
+        check_library(library)
+        if not library.exists():
+            print(f"tformer: building {what} once for this machine into {build} (under a minute)", file=sys.stderr,
+                  flush=True)
+        # -fopenmp: at::parallel_for is an OpenMP pragma in a header (a serial loop without it); the library
+        # then shares the libgomp torch has already loaded (same soname)
+        cpp_extension.load(name=name, sources=[str(p) for p in sources], build_directory=str(build),
+                           extra_cflags=list(flags), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        record_library(library)
     return getattr(torch.ops, name)
