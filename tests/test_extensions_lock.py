@@ -68,6 +68,23 @@ def test_a_build_killed_while_holding_the_lock_does_not_block_the_next(tmp_path)
     assert time.monotonic() - start < 5
 
 
+def test_torch_s_lock_is_kept_while_a_process_works_in_the_folder(tmp_path):
+    """An older tformer (no flock) building there: its lock file is waited for, not removed under it."""
+    folder = tmp_path / "lib-89ab"
+    folder.mkdir()
+    (folder / "lock").touch()
+    worker = subprocess.Popen(["sleep", "4"], cwd=folder)          # as ninja and the compiler run
+    try:
+        start = time.monotonic()
+        with build_lock(folder, "a fake library"):
+            assert worker.poll() is not None                         # waited for the worker to end
+            assert not (folder / "lock").exists()
+        assert time.monotonic() - start >= 4
+    finally:
+        worker.kill()
+        worker.wait()
+
+
 def test_a_second_builder_waits_for_a_live_one_and_says_so(tmp_path, capfd):
     import threading
 

@@ -10,8 +10,8 @@ callers keep torch's kernels.
 Every build and load runs under :func:`build_lock`: an ``fcntl.flock`` on a file in the build folder,
 which the kernel releases when its holder dies however it dies (kill -9, the OOM killer). torch's own
 lock (a file ``lock`` that ``cpp_extension`` creates and deletes, and that a killed build leaves behind,
-making every later load wait for ever) is removed under it, since no live tformer build can hold it
-then. A built library's size and SHA-256 are recorded beside it (``<name>.so.sha256``); a library that
+making every later load wait for ever) is removed under it once no process works in the folder (a
+process of an older tformer, which takes no flock, may be building there). A built library's size and SHA-256 are recorded beside it (``<name>.so.sha256``); a library that
 no longer matches (truncated by a killed link or a full disk: loading it dies with "Bus error") is
 deleted and built again.
 """
@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -89,12 +90,51 @@ def build_lock(folder: Path, what: str):
             print(f"tformer: waiting for another process that is building {what} in {folder}", file=sys.stderr,
                   flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
-        # torch's lock: created and deleted by cpp_extension inside this lock, so one found here was left
-        # by a process that died while it held it
-        (folder / "lock").unlink(missing_ok=True)
+        clear_stale_torch_lock(folder)
         yield
     finally:
         os.close(fd)                                   # releases the flock
+
+
+QUIET_S = 2.0     # seconds with no process working in a build folder after which torch's lock there is stale
+
+
+def _working_in(folder: Path) -> bool:
+    """Whether another process runs in ``folder`` (torch runs ninja, and ninja the compiler, there)."""
+    target, me = os.path.realpath(folder), str(os.getpid())
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit() and p != me]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == target:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def clear_stale_torch_lock(folder: Path) -> None:
+    """Remove torch's lock file ``folder/lock`` once it is stale. tformer creates it only under
+    :func:`build_lock`, so one found there was left by a build killed while it held it, or belongs to a
+    process of an older tformer (no flock) building now: that one is waited for while a process works
+    in the folder, and the file is removed after :data:`QUIET_S` seconds with none."""
+    lock, quiet_since, said = folder / "lock", None, False
+    while lock.exists():
+        if _working_in(folder):
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= QUIET_S:
+            lock.unlink(missing_ok=True)
+            print(f"tformer: removed {lock}, left by a kernel build that was killed", file=sys.stderr, flush=True)
+            return
+        if not said:
+            print(f"tformer: {lock} exists: waiting to see whether a build is running there", file=sys.stderr,
+                  flush=True)
+            said = True
+        time.sleep(0.1)
 
 
 def _library_digest(path: Path) -> str:
@@ -182,7 +222,16 @@ def compile_library(name: str, sources: list[Path], headers: list[Path], what: s
                   flush=True)
         # -fopenmp: at::parallel_for is an OpenMP pragma in a header (a serial loop without it); the library
         # then shares the libgomp torch has already loaded (same soname)
-        cpp_extension.load(name=name, sources=[str(p) for p in sources], build_directory=str(build),
-                           extra_cflags=list(flags), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        for attempt in (1, 2):
+            try:
+                cpp_extension.load(name=name, sources=[str(p) for p in sources], build_directory=str(build),
+                                   extra_cflags=list(flags), extra_ldflags=["-fopenmp"], is_python_module=False,
+                                   verbose=False)
+                break
+            except FileNotFoundError as e:
+                # an older tformer's process (no flock) built here at the same time and removed torch's lock
+                # file, which torch then fails to remove: the library is built; load it again
+                if attempt == 2 or Path(e.filename or "") != build / "lock":
+                    raise
         record_library(library)
     return getattr(torch.ops, name)
