@@ -123,7 +123,7 @@ def main() -> int:
             else:
                 cache.mkdir()
             env = {**base_env, "TFORMER_CACHE": str(cache)}
-            delay = rng.uniform(0.2, 120.0 if fresh else window[name])
+            delay = rng.uniform(0.2, 60.0 if fresh else window[name])         # fresh: inside the kernel builds
             with open(work / "first.log", "wb") as log:
                 p = start(name, work, env, free_port(), log)
                 t0 = time.monotonic()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import tformer
-from tformer.extensions import build_lock, check_library, find_ninja, record_library
+from tformer.extensions import build_lock, check_library, find_ninja
 
 SRC = str(Path(tformer.__file__).resolve().parents[1])
 
@@ -113,17 +113,16 @@ def test_a_second_builder_waits_for_a_live_one_and_says_so(tmp_path, capfd):
 
 
 def test_a_truncated_library_is_detected_and_deleted(tmp_path):
+    import torch
+
+    whole = Path(torch.__file__).parent / "lib" / "libc10.so"               # any real shared library
     lib = tmp_path / "x.so"
-    elf = Path(sys.executable).resolve().read_bytes()
-    lib.write_bytes(elf[:len(elf) // 2])                                      # an ELF file cut short
-    assert check_library(lib) is False and not lib.exists()
-    whole = Path(os.__file__)                                                # any file, recorded whole
     lib.write_bytes(whole.read_bytes())
-    record_library(lib)
-    assert check_library(lib) is True
-    with open(lib, "r+b") as f:
-        f.truncate(lib.stat().st_size // 2)
-    assert check_library(lib) is False and not lib.exists()
+    assert check_library(lib) is True and lib.exists()
+    for cut in (whole.stat().st_size - 1, whole.stat().st_size // 2, 100, 0):
+        lib.write_bytes(whole.read_bytes()[:cut])
+        assert check_library(lib) is False and not lib.exists(), cut
+    assert check_library(lib) is True                                          # none there: nothing to do
 
 
 def can_build() -> bool:

@@ -11,9 +11,8 @@ Every build and load runs under :func:`build_lock`: an ``fcntl.flock`` on a file
 which the kernel releases when its holder dies however it dies (kill -9, the OOM killer). torch's own
 lock (a file ``lock`` that ``cpp_extension`` creates and deletes, and that a killed build leaves behind,
 making every later load wait for ever) is removed under it once no process works in the folder (a
-process of an older tformer, which takes no flock, may be building there). A built library's size and SHA-256 are recorded beside it (``<name>.so.sha256``); a library that
-no longer matches (truncated by a killed link or a full disk: loading it dies with "Bus error") is
-deleted and built again.
+process of an older tformer, which takes no flock, may be building there). A built library is checked before it is loaded (:func:`check_library`): one
+cut short (a killed link, a full disk: loading it died with "Bus error") is deleted and built again.
 """
 
 from __future__ import annotations
@@ -137,55 +136,46 @@ def clear_stale_torch_lock(folder: Path) -> None:
         time.sleep(0.1)
 
 
-def _library_digest(path: Path) -> str:
-    return f"{path.stat().st_size} {hashlib.sha256(path.read_bytes()).hexdigest()}"
-
-
 def check_library(path: Path) -> bool:
-    """Whether the built library ``path`` is the one its build recorded (same size and SHA-256); a library
-    with no record (built by an older tformer) must at least hold its whole ELF section table. A damaged
-    one is deleted, with its record, so that the build makes it again; ``True`` when nothing was deleted."""
+    """Whether the built library ``path`` is whole: an ELF file whose program segments and section table lie
+    inside it. A library cut short (a link killed midway, a full disk) would map pages past its end and die
+    with "Bus error" on first use, and ninja, seeing it newer than its objects, would never relink it; so
+    a damaged one is deleted here (saying so) and the build makes it again. ``True`` when nothing was
+    deleted (no library is fine too)."""
     if not path.exists():
         return True
-    record = path.with_name(path.name + ".sha256")
     try:
-        ok = record.read_text(encoding="utf-8").strip() == _library_digest(path) if record.exists() else _whole_elf(path)
+        ok = _whole_elf(path)
     except OSError:
         ok = False
     if not ok:
-        print(f"tformer: the built library {path} is damaged (truncated or changed since it was built); building it "
-              f"again", file=sys.stderr, flush=True)
+        print(f"tformer: the built library {path} is damaged (cut short); building it again", file=sys.stderr,
+              flush=True)
         path.unlink(missing_ok=True)
-        record.unlink(missing_ok=True)
     return ok
 
 
 def _whole_elf(path: Path) -> bool:
-    """An ELF file whose section header table (written last, at the end) lies inside the file."""
+    """A 64-bit little-endian ELF file whose program segments and section header table (written last, at
+    the end) all lie inside the file."""
     import struct
 
+    size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(64)
-    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2:     # 64-bit ELF only (what x86-64 builds)
-        return False
-    shoff, = struct.unpack_from("<Q", head, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
-    return shoff + shentsize * shnum <= path.stat().st_size
-
-
-def record_library(path: Path) -> None:
-    """Write ``path``'s size and SHA-256 beside it (what :func:`check_library` compares with), unless the
-    record already says so (ninja relinks a library when its sources move to another checkout)."""
-    record = path.with_name(path.name + ".sha256")
-    digest = _library_digest(path)
-    try:
-        if record.read_text(encoding="utf-8").strip() == digest:
-            return
-    except OSError:
-        pass
-    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
-    tmp.write_text(digest + "\n", encoding="utf-8")
-    os.replace(tmp, record)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            return False
+        phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+        if phoff + phentsize * phnum > size or shoff + shentsize * shnum > size:
+            return False
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        kind, _, offset, _, _, filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+        if kind == 1 and offset + filesz > size:              # PT_LOAD: mapped from the file
+            return False
+    return True
 
 
 def compile_library(name: str, sources: list[Path], headers: list[Path], what: str, *, needs: set[str] = frozenset(),
@@ -233,5 +223,4 @@ def compile_library(name: str, sources: list[Path], headers: list[Path], what: s
                 # file, which torch then fails to remove: the library is built; load it again
                 if attempt == 2 or Path(e.filename or "") != build / "lock":
                     raise
-        record_library(library)
     return getattr(torch.ops, name)
