@@ -11,8 +11,9 @@ Every build and load runs under :func:`build_lock`: an ``fcntl.flock`` on a file
 which the kernel releases when its holder dies however it dies (kill -9, the OOM killer). torch's own
 lock (a file ``lock`` that ``cpp_extension`` creates and deletes, and that a killed build leaves behind,
 making every later load wait for ever) is removed under it once no process works in the folder (a
-process of an older tformer, which takes no flock, may be building there). A built library is checked before it is loaded (:func:`check_library`): one
-cut short (a killed link, a full disk: loading it died with "Bus error") is deleted and built again.
+process of an older tformer, which takes no flock, may be building there). A built library is checked
+before it is loaded (:func:`check_library`): one cut short (a killed link, a full disk: loading it died
+with "Bus error") is deleted and built again.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def check_library(path: Path) -> bool:
     with "Bus error" on first use, and ninja, seeing it newer than its objects, would never relink it; so
     a damaged one is deleted here (saying so) and the build makes it again. ``True`` when nothing was
     deleted (no library is fine too)."""
-    if not path.exists():
+    if not path.exists() or not sys.platform.startswith("linux"):       # ELF: what Linux builds
         return True
     try:
         ok = _whole_elf(path)
