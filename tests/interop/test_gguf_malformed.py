@@ -233,3 +233,22 @@ def test_a_huge_context_length_builds_no_huge_tables(tmp_path):
         logits = logits[0] if isinstance(logits, tuple) else logits
     assert logits.shape[-1] == 32 and torch.isfinite(logits).all()
     assert next(m for m in model.modules() if hasattr(m, "ensure")).cos.shape[0] <= 4096
+
+
+def test_a_rust_panic_while_building_the_vocabulary_is_one_sentence(monkeypatch):
+    """The tokenizers library panics (``pyo3_runtime.PanicException``, a BaseException that ``except
+    Exception`` lets through) on some vocabularies; whatever the checks above miss ends as a CheckpointError."""
+    import tokenizers
+
+    from tformer.errors import CheckpointError
+    from tformer.tokenizers import gguf_bpe_tokenizer
+
+    class PanicException(BaseException):
+        pass
+
+    def panics(*args, **kwargs):
+        raise PanicException("range end index 2 out of range for slice of length 1")
+
+    monkeypatch.setattr(tokenizers.models, "BPE", panics)
+    with pytest.raises(CheckpointError, match="cannot be built: range end index"):
+        gguf_bpe_tokenizer(TOKENS, MERGES, None, "default")
