@@ -7,7 +7,8 @@ For each of ``chat``, ``train``, ``generate`` and ``serve``, ``--trials`` times:
 (the first ``--fresh`` trials truly empty, so the kill lands in a kernel build and the next start builds
 every kernel; the others a copy of the kernels built once up front, with one library's ``.so`` deleted at
 random so that a relink is under way, plus nothing else), the command started and killed (its whole
-process group, SIGKILL) after a random delay within its usual start time, then the same command
+process group, SIGKILL) after a random delay within its start time (measured once per command on a
+prebuilt cache; 0.2 to 25 s, inside the kernel builds, for the fresh trials), then the same command
 started again in the same cache, which must exit 0 (``serve``: answer ``/health``) within ``--limit`` s.
 Prints one line per trial and a summary; exits 1 if any next start hung or failed.
 """
@@ -104,10 +105,19 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "tformer", "kernels"], env={**base_env, "TFORMER_CACHE": str(seed)},
                        check=True)
     libraries = sorted(seed.glob("*/tformer_*.so"))
-    # the usual first-start time of each command on a prebuilt cache: the kill lands anywhere in it
-    window = {"chat": 20.0, "generate": 20.0, "train": 25.0, "serve": 20.0}
     failures, lines = 0, []
     for name in args.commands.split(","):
+        # how long this command's start takes on a prebuilt cache: the kills land anywhere inside it
+        work = top / f"{name}-calibrate"
+        work.mkdir(parents=True)
+        (work / "corpus.txt").write_text(CORPUS, encoding="utf-8")
+        for lib in libraries:
+            shutil.copytree(lib.parent, work / "cache" / lib.parent.name)
+        with open(work / "next.log", "wb") as log:
+            ok, how, window = next_start(name, work, {**base_env, "TFORMER_CACHE": str(work / "cache")}, args.limit,
+                                         log)
+        print(f"{name:<9} a start on a prebuilt cache: {how} in {window:.1f} s", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
         for trial in range(args.trials):
             work = top / f"{name}-{trial}"
             cache = work / "cache"
@@ -123,7 +133,7 @@ def main() -> int:
             else:
                 cache.mkdir()
             env = {**base_env, "TFORMER_CACHE": str(cache)}
-            delay = rng.uniform(0.2, 60.0 if fresh else window[name])         # fresh: inside the kernel builds
+            delay = rng.uniform(0.2, 25.0) if fresh else rng.uniform(0.1, 0.95 * window)   # fresh: in the builds
             with open(work / "first.log", "wb") as log:
                 p = start(name, work, env, free_port(), log)
                 t0 = time.monotonic()
