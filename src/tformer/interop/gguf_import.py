@@ -164,8 +164,9 @@ def check_sizes(f: GGUFFile, arch: str, hf: dict) -> None:
 
     blocks = f.field(f"{arch}.block_count")
     if len(layers) != blocks or (layers and layers[-1] != blocks - 1):
-        raise refuse_key(f.path, f"{arch}.block_count", blocks, f"the file holds tensors of {len(layers)} layers "
-                         f"(blk.0 to blk.{layers[-1] if layers else -1}); the file is damaged.")
+        raise refuse_key(f.path, f"{arch}.block_count", blocks, f"the file holds the tensors of {len(layers)} "
+                         f"(numbered {layers[0] if layers else '-'} to {layers[-1] if layers else '-'}); the file is "
+                         f"damaged.")
     if "token_embd.weight" not in t:
         raise CheckpointError(f"{f.path}: tensor token_embd.weight (the token embedding) is missing; the file is "
                               f"damaged.")
