@@ -125,6 +125,29 @@ def single_process_load():
         yield
 
 
+def damage(directory: str | os.PathLike) -> str | None:
+    """Why checkpoint folder ``directory`` is not as it was saved (its config unreadable, its weights
+    missing or not matching the checksum recorded with them, its ``tokenizer.json`` unreadable), or
+    ``None`` when it is intact. Reads and hashes the files; builds no model."""
+    directory = Path(directory)
+    try:
+        meta = _read_meta(directory)
+    except CheckpointError as e:
+        return first_line(e)
+    path = directory / WEIGHTS
+    if not path.is_file():
+        return f"{WEIGHTS} is missing"
+    if meta.get(CHECKSUM) is not None and file_digest(path) != meta[CHECKSUM]:
+        return f"{WEIGHTS} does not match the checksum recorded in {CONFIG}"
+    tokenizer = directory / "tokenizer.json"
+    if tokenizer.exists():
+        try:
+            json.loads(tokenizer.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            return f"tokenizer.json cannot be read ({first_line(e)})"
+    return None
+
+
 def first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__

@@ -201,6 +201,42 @@ IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")   # a piece that is a whole 
 CONTROL, USER_DEFINED, UNUSED = 3, 4, 5                 # llama.cpp token types (llama_token_type)
 
 
+def _checked_gguf_vocabulary(tokens, merges, token_types, *, bos_id, eos_id):
+    """``(vocab, merge pairs, token types)`` of a GGUF vocabulary, refusing (naming the GGUF key) what
+    :func:`gguf_bpe_tokenizer` would crash on or misread."""
+    def refuse(key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"GGUF metadata tokenizer.ggml.{key} {why}; the file is damaged.")
+
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise refuse("tokens", "is missing or is not a non-empty array of strings, so the file's token ids mean "
+                     "nothing")
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if t in vocab:
+            raise refuse("tokens", f"lists {t!r} twice (ids {vocab[t]} and {i}), so one of the ids could never be "
+                         f"produced")
+        vocab[t] = i
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise refuse("merges", "is not an array of strings")
+    pairs = []
+    for n, m in enumerate(merges):
+        left, space, right = m.partition(" ")
+        if not space or not left or not right:
+            raise refuse("merges", f"entry {n} ({m!r}) is not two tokens separated by a space")
+        for piece in (left, right, left + right):
+            if piece not in vocab:
+                raise refuse("merges", f"entry {n} ({m!r}) needs {piece!r}, which is not one of the tokens")
+        pairs.append((left, right))
+    types = list(token_types) if token_types is not None else []
+    if token_types is not None and (len(types) != len(tokens)
+                                    or not all(isinstance(k, int) and not isinstance(k, bool) for k in types)):
+        raise refuse("token_type", f"must hold one integer per token ({len(tokens)}); it holds {len(types)} items")
+    for key, i in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
+        if i is not None and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(tokens)):
+            raise refuse(key, f"is {i!r}, which is not the id of one of the {len(tokens)} tokens")
+    return vocab, pairs, types
+
+
 def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str, *,
                        bos_id: int | None = None, eos_id: int | None = None, add_bos: bool = False,
                        add_eos: bool = False) -> HFTokenizer:
@@ -214,21 +250,28 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
         pre: ``tokenizer.ggml.pre``, one of :data:`GGUF_PRE_SPLITS`.
         bos_id, add_bos, eos_id, add_eos: the token put before / after every encoded text, if asked.
     Raises:
-        CheckpointError: an unknown ``pre`` (naming it).
+        CheckpointError: an unknown ``pre``, or a vocabulary the ``tokenizers`` library would crash on or
+            silently misread (no tokens, a token twice, a merge of unknown tokens or without a space,
+            ``token_types`` not one per token, a bos / eos id outside the vocabulary), naming the GGUF key.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     if pre not in GGUF_PRE_SPLITS:
         raise CheckpointError(f"GGUF metadata tokenizer.ggml.pre={pre!r} names a pre-tokenizer tformer does not "
                               f"know (it knows {', '.join(GGUF_PRE_SPLITS)}); its splitting rules decide the ids.")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in IGNORE_MERGES))
+    vocab, pairs, types = _checked_gguf_vocabulary(tokens, merges, token_types, bos_id=bos_id, eos_id=eos_id)
+    try:
+        tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in IGNORE_MERGES))
+    except BaseException as e:  # noqa: BLE001  the Rust library panics (a BaseException) on what it cannot build
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"the GGUF vocabulary (tokenizer.ggml.tokens / tokenizer.ggml.merges) cannot be "
+                              f"built: {str(e).splitlines()[0] if str(e) else type(e).__name__}; the file is "
+                              f"damaged.") from None
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in GGUF_PRE_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    types = list(token_types or [])
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i, k in enumerate(types) if k == CONTROL])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)

@@ -65,6 +65,9 @@ GPT2_TOP = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight
 GPT2_LAYER = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
               "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# The "{arch}." keys that are sizes: at least 1, and each checked against the tensors the file holds
+SIZES = ("context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
+         "attention.head_count_kv", "attention.key_length", "attention.value_length", "vocab_size")
 
 
 def llama_rope_unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -109,7 +112,14 @@ def hf_config(f: GGUFFile, arch: str) -> dict:
         if value is None:
             raise CheckpointError(f"{f.path}: GGUF metadata {arch}.{key} is missing; a {arch} file must have it; "
                                   f"convert the model again with llama.cpp.")
+        if key in SIZES and value < 1:
+            raise refuse_key(f.path, f"{arch}.{key}", value, "a size must be at least 1; the file is damaged.")
         return value
+
+    for key in SIZES:                       # the optional ones too, before anything divides by them
+        value = f.field(f"{arch}.{key}")
+        if isinstance(value, int) and value < 1:
+            raise refuse_key(f.path, f"{arch}.{key}", value, "a size must be at least 1; the file is damaged.")
 
     vocab = f.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in f.tensors else need("vocab_size")
     tied = "output.weight" not in f.tensors
@@ -140,6 +150,66 @@ def hf_config(f: GGUFFile, arch: str) -> dict:
     return hf
 
 
+def check_sizes(f: GGUFFile, arch: str, hf: dict) -> None:
+    """Every size in the metadata agrees with the tensors the file holds, before any model is built: a
+    370 KB file saying ``block_count = 10**9`` (or a feed-forward width of 2**40) must not allocate the
+    model it describes. Refuses naming the key, its value and the tensor that contradicts it."""
+    t = f.tensors
+    layers = sorted({int(m.group(1)) for m in map(LAYER_NAME.match, t) if m})
+
+    def agree(key, value, tensor, axis, expected):
+        if tensor in t and (len(t[tensor].shape) <= axis or t[tensor].shape[axis] != expected):
+            raise refuse_key(f.path, f"{arch}.{key}", value, f"tensor {tensor} has shape {list(t[tensor].shape)}, "
+                             f"which does not fit it; the file is damaged.")
+
+    blocks = f.field(f"{arch}.block_count")
+    if len(layers) != blocks or (layers and layers[-1] != blocks - 1):
+        raise refuse_key(f.path, f"{arch}.block_count", blocks, f"the file holds the tensors of {len(layers)} "
+                         f"(numbered {layers[0] if layers else '-'} to {layers[-1] if layers else '-'}); the file is "
+                         f"damaged.")
+    if "token_embd.weight" not in t:
+        raise CheckpointError(f"{f.path}: tensor token_embd.weight (the token embedding) is missing; the file is "
+                              f"damaged.")
+    vocab = f.field(f"{arch}.vocab_size")
+    if vocab is not None and vocab != t["token_embd.weight"].shape[0]:
+        raise refuse_key(f.path, f"{arch}.vocab_size", vocab, f"tensor token_embd.weight has "
+                         f"{t['token_embd.weight'].shape[0]} rows; the file is damaged.")
+    d = f.field(f"{arch}.embedding_length")
+    agree("embedding_length", d, "token_embd.weight", 1, d)
+    ff = f.field(f"{arch}.feed_forward_length")
+    agree("feed_forward_length", ff, "blk.0.ffn_up.weight", 0, ff)
+    if arch == "gpt2":
+        agree("context_length", hf["n_positions"], "position_embd.weight", 0, hf["n_positions"])
+        if d % hf["n_head"]:
+            raise refuse_key(f.path, f"{arch}.attention.head_count", hf["n_head"], f"it does not divide "
+                             f"embedding_length={d}.")
+        return
+    heads, kv_heads, head_dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    if heads % kv_heads:
+        raise refuse_key(f.path, f"{arch}.attention.head_count_kv", kv_heads, f"it does not divide "
+                         f"attention.head_count={heads}.")
+    agree("attention.head_count", heads, "blk.0.attn_q.weight", 0, heads * head_dim)
+    agree("attention.head_count_kv", kv_heads, "blk.0.attn_k.weight", 0, kv_heads * head_dim)
+
+
+def check_finite(f: GGUFFile, name: str, a: np.ndarray, kept: bool) -> None:
+    """Refuse a weight holding NaN or infinity (every later command refuses the checkpoint it would make):
+    a float tensor's values, or a block-quantised one's f16 scales."""
+    if kept:
+        from tformer.quant.blocks import BYTES
+
+        size = BYTES[KEPT[f.tensors[name].type]]
+        blocks = np.ascontiguousarray(a).reshape(-1, size)
+        scales = blocks[:, :4 if KEPT[f.tensors[name].type] == "q4_1" else 2].copy().view(np.float16)
+        bad = ~np.isfinite(scales)
+    else:
+        bad = ~np.isfinite(a)
+    if bad.any():
+        raise CheckpointError(f"{f.path}: tensor {name} holds {int(bad.sum()):,} NaN or infinite "
+                              f"{'block scales' if kept else 'values'}; a model with them computes nothing; the file "
+                              f"is damaged; download it again.")
+
+
 def hf_name(f: GGUFFile, arch: str, name: str) -> str:
     """The HF name of llama.cpp's tensor ``name`` (refused if it has none)."""
     top, layer, prefix = (GPT2_TOP, GPT2_LAYER, "transformer.h.") if arch == "gpt2" else \
@@ -168,6 +238,7 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
             raise CheckpointError(f"{f.path}: keep_quant cannot keep {name} ({f.tensors[name].type}) as blocks: a gpt2 "
                                   f"file's matrices must be transposed for tformer; load it with keep_quant=False.")
         a = f.blocks(name) if kept else f.array(name)
+        check_finite(f, name, a, kept)
         if arch == "llama" and ".self_attn.q_proj." in target:
             a = llama_rope_unpermute(a, hf["num_attention_heads"])
         elif arch == "llama" and ".self_attn.k_proj." in target:
@@ -241,6 +312,7 @@ def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
     arch = architecture(f)
     check_metadata(f, arch)
     hf = hf_config(f, arch)
+    check_sizes(f, arch, hf)
     module = family(arch, "general.architecture")
     config = module.config_from_hf(hf)
     config.hf_model_type = arch
@@ -278,11 +350,26 @@ def gguf_tokenizer(f: GGUFFile):
     if kind != "gpt2":
         raise refuse_key(f.path, "tokenizer.ggml.model", kind, "tformer reads byte-level BPE vocabularies ('gpt2') "
                          "only; load the weights with load_gguf and bring the tokenizer separately.")
-    return gguf_bpe_tokenizer(
-        tokens=f.field("tokenizer.ggml.tokens"), merges=f.field("tokenizer.ggml.merges", []),
-        token_types=f.field("tokenizer.ggml.token_type"), pre=f.field("tokenizer.ggml.pre", "default"),
-        bos_id=f.field("tokenizer.ggml.bos_token_id"), add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
-        eos_id=f.field("tokenizer.ggml.eos_token_id"), add_eos=bool(f.field("tokenizer.ggml.add_eos_token", False)))
+    tokens = f.field("tokenizer.ggml.tokens")
+    try:
+        tok = gguf_bpe_tokenizer(
+            tokens=tokens, merges=f.field("tokenizer.ggml.merges", []),
+            token_types=f.field("tokenizer.ggml.token_type"), pre=f.field("tokenizer.ggml.pre", "default"),
+            bos_id=f.field("tokenizer.ggml.bos_token_id"), add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
+            eos_id=f.field("tokenizer.ggml.eos_token_id"), add_eos=bool(f.field("tokenizer.ggml.add_eos_token", False)))
+    except CheckpointError as e:
+        raise CheckpointError(f"{f.path}: {e}") from None
+    for key in ("eot_token_id", "padding_token_id", "unknown_token_id"):
+        i = f.field(f"tokenizer.ggml.{key}")
+        if i is not None and not 0 <= i < len(tokens):
+            raise refuse_key(f.path, f"tokenizer.ggml.{key}", i, f"it is not the id of one of the {len(tokens)} "
+                             f"tokens; the file is damaged.")
+    embedding = f.tensors.get("token_embd.weight")
+    if embedding is not None and len(tokens) > embedding.shape[0]:
+        raise CheckpointError(f"{f.path}: the vocabulary (tokenizer.ggml.tokens) has {len(tokens)} tokens but tensor "
+                              f"token_embd.weight only {embedding.shape[0]} rows, so the last ids have no embedding; "
+                              f"the file is damaged.")
+    return tok
 
 
 def tokenizer_config(f: GGUFFile) -> dict:

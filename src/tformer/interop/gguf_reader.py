@@ -40,6 +40,40 @@ SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K
 # Metadata value types: GGUFValueType id -> struct format of one item (STRING=8 and ARRAY=9 are handled apart).
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
+MAX_NESTING = 8          # arrays of arrays: published files use none; a hostile one nests 50,000 deep
+MAX_DIMS = 4             # ggml's GGML_MAX_DIMS
+# The metadata keys tformer reads, and the Python type each must have ("int": an integer, "number": an
+# integer or a float, "ints" / "strs": an array of those); a key under "{arch}." is matched without it.
+INT, NUMBER, TEXT, FLAG, INTS, STRS = "an integer", "a number", "a string", "a boolean", "an array of integers", \
+    "an array of strings"
+KEY_TYPES = {
+    "general.architecture": TEXT, "general.alignment": INT, "tokenizer.ggml.model": TEXT, "tokenizer.ggml.pre": TEXT,
+    "tokenizer.ggml.tokens": STRS, "tokenizer.ggml.merges": STRS, "tokenizer.ggml.token_type": INTS,
+    "tokenizer.ggml.bos_token_id": INT, "tokenizer.ggml.eos_token_id": INT, "tokenizer.ggml.eot_token_id": INT,
+    "tokenizer.ggml.padding_token_id": INT, "tokenizer.ggml.unknown_token_id": INT,
+    "tokenizer.ggml.add_bos_token": FLAG, "tokenizer.ggml.add_eos_token": FLAG, "tokenizer.chat_template": TEXT,
+}
+ARCH_KEY_TYPES = {
+    "context_length": INT, "embedding_length": INT, "feed_forward_length": INT, "block_count": INT,
+    "attention.head_count": (INT, INTS), "attention.head_count_kv": (INT, INTS), "attention.key_length": INT,
+    "attention.value_length": INT, "rope.dimension_count": INT, "vocab_size": INT, "expert_count": INT,
+    "expert_used_count": INT, "attention.layer_norm_rms_epsilon": NUMBER, "attention.layer_norm_epsilon": NUMBER,
+    "rope.freq_base": NUMBER, "rope.scaling.factor": NUMBER, "rope.scaling.type": TEXT,
+}
+
+
+def _is(value, kind: str) -> bool:
+    integer = isinstance(value, int) and not isinstance(value, bool)
+    return {INT: integer, NUMBER: integer or isinstance(value, float), TEXT: isinstance(value, str),
+            FLAG: isinstance(value, bool) or value in (0, 1),
+            INTS: isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
+            STRS: isinstance(value, list) and all(isinstance(v, str) for v in value)}[kind]
+
+
+def _describe(value) -> str:
+    if isinstance(value, list):
+        return f"an array of {len(value):,} items" + (f" (the first {value[0]!r})" if value else "")
+    return f"{type(value).__name__} {value!r}"[:80]
 
 
 @dataclass(frozen=True)
@@ -101,12 +135,15 @@ class _Cursor:
             self.take(end - self.pos + 1)                       # refuses: truncated
         return out
 
-    def value(self, kind: int, key: str):
+    def value(self, kind: int, key: str, depth: int = 0):
         if kind in SCALARS:
             return self.scalar(SCALARS[kind])
         if kind == STRING:
             return self.string()
         if kind == ARRAY:
+            if depth >= MAX_NESTING:
+                raise CheckpointError(f"{self.path}: metadata key {key!r} holds arrays nested more than {MAX_NESTING} "
+                                      f"deep; no model needs that; the file is damaged or hostile.")
             item, count = self.scalar("<I"), self.scalar("<Q")
             if count > len(self.data) - self.pos:          # every item takes at least one byte
                 self.take(count)                            # refuses: truncated
@@ -116,7 +153,7 @@ class _Cursor:
                 return np.frombuffer(raw, dtype=np.dtype(fmt)).tolist()
             if item == STRING:
                 return self.strings(count)
-            return [self.value(item, key) for _ in range(count)]
+            return [self.value(item, key, depth + 1) for _ in range(count)]
         raise CheckpointError(f"{self.path}: metadata key {key!r} has value type {kind}, which GGUF does not "
                               f"define; the file is damaged or from an unknown GGUF version.")
 
@@ -153,15 +190,27 @@ class GGUFFile:
         self.metadata: dict = {}
         for _ in range(n_kv):
             key = cur.string()
-            self.metadata[key] = cur.value(cur.scalar("<I"), key)
-        infos = []
+            value = cur.value(cur.scalar("<I"), key)
+            if key in self.metadata:     # llama.cpp and gguf-py refuse it: a reader would see one of the two
+                raise CheckpointError(f"{self.path}: metadata key {key!r} is given twice; llama.cpp refuses such a "
+                                      f"file (a reader shows one value, another uses the other); the file is damaged.")
+            self.metadata[key] = value
+        self._check_types()
+        infos, names = [], set()
         for _ in range(n_tensors):
             name = cur.string()
+            if name in names:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is given twice; llama.cpp refuses such a file "
+                                      f"(which copy is meant?); the file is damaged.")
+            names.add(name)
             n_dims = cur.scalar("<I")
-            if n_dims > 8:
-                raise CheckpointError(f"{self.path}: tensor {name!r} claims {n_dims} dimensions (ggml has at most "
-                                      f"4); the file is damaged; download it again.")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise CheckpointError(f"{self.path}: tensor {name!r} claims {n_dims} dimensions (ggml has 1 to "
+                                      f"{MAX_DIMS}); the file is damaged; download it again.")
             dims = [cur.scalar("<Q") for _ in range(n_dims)]
+            if 0 in dims:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(reversed(dims))}, with no "
+                                      f"values; no model weight is empty; the file is damaged.")
             type_id, offset = cur.scalar("<I"), cur.scalar("<Q")
             infos.append((name, dims, type_id, offset))
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
@@ -173,6 +222,21 @@ class GGUFFile:
         for name, dims, type_id, offset in infos:
             self.tensors[name] = self._info(gguf, name, dims, type_id, self.data_start + offset)
         self._check_layout()
+
+    def _check_types(self) -> None:
+        """Every metadata key tformer reads has the type it is read as (a number given as a string, or
+        ``token_type`` as a string, is refused naming the key)."""
+        arch = self.metadata.get("general.architecture")
+        for key, value in self.metadata.items():
+            want = KEY_TYPES.get(key)
+            if want is None and isinstance(arch, str) and key.startswith(arch + "."):
+                want = ARCH_KEY_TYPES.get(key[len(arch) + 1:])
+            if want is None:
+                continue
+            kinds = want if isinstance(want, tuple) else (want,)
+            if not any(_is(value, k) for k in kinds):
+                raise CheckpointError(f"{self.path}: GGUF metadata {key} is {_describe(value)}, but it must be "
+                                      f"{' or '.join(kinds)}; the file is damaged.")
 
     def _info(self, gguf, name: str, dims: list[int], type_id: int, offset: int) -> TensorInfo:
         try:

@@ -62,17 +62,21 @@ class RotaryEmbedding(nn.Module):
     """RoPE: rotate each pair (x_i, x_{i + hs/2}) of q and k by angle p · base^(-2i/hs).
 
     The pairing is the "rotate half" layout used by GPT-NeoX and Llama in HuggingFace, so their
-    weights load without permutation. Tables are precomputed to ``context_length``; the model
-    calls :meth:`ensure` with a Python int before a longer input, so ``forward`` never has to look
-    at the values of ``positions`` (no host synchronisation, nothing for ``torch.compile`` to break on).
+    weights load without permutation. Tables are precomputed to ``context_length`` or
+    :data:`FIRST_ROWS`, whichever is smaller (a file's ``context_length = 2**40`` must not allocate
+    terabytes at construction); the model calls :meth:`ensure` with a Python int before every input,
+    which grows them to the length used, so ``forward`` never has to look at the values of
+    ``positions`` (no host synchronisation, nothing for ``torch.compile`` to break on).
     """
+
+    FIRST_ROWS = 4096
 
     def __init__(self, head_dim: int, context_length: int, base: float = 10000.0):
         super().__init__()
         self.head_dim, self.base = head_dim, base
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self._build(context_length)
+        self._build(max(1, min(context_length, self.FIRST_ROWS)))
 
     def _build(self, length: int) -> None:
         angles = torch.arange(length, dtype=torch.float64).unsqueeze(1) * self.inv_freq  # (L, hs/2)
@@ -83,9 +87,9 @@ class RotaryEmbedding(nn.Module):
     def ensure(self, length: int) -> None:
         """Extend the tables so positions ``< length`` can be looked up."""
         if length > self.cos.shape[0]:
-            device = self.cos.device
-            self._build(2 * length)
-            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+            device, dtype = self.cos.device, self.cos.dtype
+            self._build(max(2 * self.cos.shape[0], length))
+            self.cos, self.sin = self.cos.to(device, dtype), self.sin.to(device, dtype)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """Rotate ``x (B, nh, T, hs)`` by ``positions`` ``(T,)`` or ``(B, T)`` (all below the table length)."""
