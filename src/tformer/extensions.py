@@ -194,20 +194,24 @@ def compile_library(name: str, sources: list[Path], headers: list[Path], what: s
     missing = set(needs) - cpu_flags()
     if missing:
         raise RuntimeError(f"this CPU has no {', '.join(sorted(missing))}")
-    from torch.utils import cpp_extension       # imports setuptools: only when a build is due
-
-    ninja = find_ninja()
-    if ninja is not None and shutil.which("ninja") is None:
-        # the ninja wheel (a dev dependency) puts its binary beside the venv's python, which is not on PATH
-        # when the venv's python is run by its path (as `make test` does); torch looks for it on PATH
-        os.environ["PATH"] = f"{os.path.dirname(ninja)}{os.pathsep}{os.environ.get('PATH', '')}"
-
     digest = source_digest([*sources, *headers], flags)
     short = name.removeprefix("tformer_")
     build = cache_dir() / f"{short}-{digest}"
     library = build / f"{name}.so"
     with build_lock(build, what):
         check_library(library)
+        if library.exists():
+            # built here before, from these very sources (the folder's name is their digest): load it as it is,
+            # without torch's build step, which imports setuptools and runs ninja only to find nothing to do
+            torch.ops.load_library(str(library))
+            return getattr(torch.ops, name)
+        from torch.utils import cpp_extension       # imports setuptools: only when a build is due
+
+        ninja = find_ninja()
+        if ninja is not None and shutil.which("ninja") is None:
+            # the ninja wheel (a dev dependency) puts its binary beside the venv's python, which is not on PATH
+            # when the venv's python is run by its path (as `make test` does); torch looks for it on PATH
+            os.environ["PATH"] = f"{os.path.dirname(ninja)}{os.pathsep}{os.environ.get('PATH', '')}"
         if not library.exists():
             print(f"tformer: building {what} once for this machine into {build} (under a minute)", file=sys.stderr,
                   flush=True)

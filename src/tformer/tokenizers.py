@@ -207,26 +207,30 @@ def _checked_gguf_vocabulary(tokens, merges, token_types, *, bos_id, eos_id):
     def refuse(key: str, why: str) -> CheckpointError:
         return CheckpointError(f"GGUF metadata tokenizer.ggml.{key} {why}; the file is damaged.")
 
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+    if not isinstance(tokens, list) or not tokens or set(map(type, tokens)) != {str}:
         raise refuse("tokens", "is missing or is not a non-empty array of strings, so the file's token ids mean "
                      "nothing")
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        if t in vocab:
-            raise refuse("tokens", f"lists {t!r} twice (ids {vocab[t]} and {i}), so one of the ids could never be "
-                         f"produced")
-        vocab[t] = i
-    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+    vocab = dict(zip(tokens, range(len(tokens))))
+    if len(vocab) != len(tokens):                           # find the first repeat only when there is one
+        seen: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            if t in seen:
+                raise refuse("tokens", f"lists {t!r} twice (ids {seen[t]} and {i}), so one of the ids could never "
+                             f"be produced")
+            seen[t] = i
+    if not isinstance(merges, list) or not set(map(type, merges)) <= {str}:
         raise refuse("merges", "is not an array of strings")
-    pairs = []
-    for n, m in enumerate(merges):
-        left, space, right = m.partition(" ")
-        if not space or not left or not right:
-            raise refuse("merges", f"entry {n} ({m!r}) is not two tokens separated by a space")
-        for piece in (left, right, left + right):
-            if piece not in vocab:
-                raise refuse("merges", f"entry {n} ({m!r}) needs {piece!r}, which is not one of the tokens")
-        pairs.append((left, right))
+    split = [m.partition(" ") for m in merges]
+    pairs = [(left, right) for left, _, right in split]
+    # every merge is two tokens and makes a token: checked as sets, the entry named only when one fails
+    pieces = {p for left, space, right in split for p in (left, right, left + right) if space and left and right}
+    if len(pairs) and (not all(space and left and right for left, space, right in split) or not pieces <= vocab.keys()):
+        for n, (m, (left, space, right)) in enumerate(zip(merges, split)):
+            if not space or not left or not right:
+                raise refuse("merges", f"entry {n} ({m!r}) is not two tokens separated by a space")
+            for piece in (left, right, left + right):
+                if piece not in vocab:
+                    raise refuse("merges", f"entry {n} ({m!r}) needs {piece!r}, which is not one of the tokens")
     types = list(token_types) if token_types is not None else []
     if token_types is not None and (len(types) != len(tokens)
                                     or not all(isinstance(k, int) and not isinstance(k, bool) for k in types)):

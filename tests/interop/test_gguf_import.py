@@ -272,3 +272,16 @@ def test_an_unknown_tensor_is_refused_by_name(tmp_path, capsys):
     data = good_file(tmp_path / "m.gguf", more={"rope_freqs.weight": (np.ones(8, np.float32), None)})
     err = convert_error(tmp_path, capsys, data)
     assert "rope_freqs.weight" in err, err
+
+
+def test_the_readers_type_table_is_ggmls():
+    """The header is read with tformer's own table of ggml types (the gguf package is imported only to
+    dequantise): every entry equals gguf's own id, block size and bytes per block."""
+    import gguf
+
+    from tformer.interop.gguf_reader import GGML_TYPES, SUPPORTED
+
+    assert sorted(name for name, _, _ in GGML_TYPES.values()) == sorted(SUPPORTED)
+    for type_id, (name, block, size) in GGML_TYPES.items():
+        qtype = gguf.GGMLQuantizationType(type_id)
+        assert qtype.name == name and gguf.GGML_QUANT_SIZES[qtype] == (block, size), name

@@ -37,6 +37,12 @@ VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 # The tensor types this reader turns into float32 (those gguf.quants can dequantise and published files use).
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# ggml type id -> (name, values per block, bytes per block) of the SUPPORTED types, ggml's own numbering
+# (tests hold it equal to gguf.GGML_QUANT_SIZES): the header is read without importing the gguf package,
+# whose import alone costs a small model's whole load; dequantising still uses it.
+GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+              12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2)}
 # Metadata value types: GGUFValueType id -> struct format of one item (STRING=8 and ARRAY=9 are handled apart).
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
@@ -63,17 +69,34 @@ ARCH_KEY_TYPES = {
 
 
 def _is(value, kind: str) -> bool:
+    """Whether a metadata value has the type ``kind`` (a vocabulary's 100k items are checked by their
+    Python types at once, not one by one)."""
+    if kind in (INTS, STRS):
+        return isinstance(value, list) and set(map(type, value)) <= ({int} if kind == INTS else {str})
     integer = isinstance(value, int) and not isinstance(value, bool)
-    return {INT: integer, NUMBER: integer or isinstance(value, float), TEXT: isinstance(value, str),
-            FLAG: isinstance(value, bool) or value in (0, 1),
-            INTS: isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
-            STRS: isinstance(value, list) and all(isinstance(v, str) for v in value)}[kind]
+    if kind == INT:
+        return integer
+    if kind == NUMBER:
+        return integer or isinstance(value, float)
+    if kind == TEXT:
+        return isinstance(value, str)
+    return isinstance(value, bool) or value in (0, 1)          # FLAG
 
 
 def _describe(value) -> str:
     if isinstance(value, list):
         return f"an array of {len(value):,} items" + (f" (the first {value[0]!r})" if value else "")
     return f"{type(value).__name__} {value!r}"[:80]
+
+
+def _gguf():
+    """The gguf package (dequantisation, ggml's names of the types tformer does not read)."""
+    try:
+        import gguf
+    except ImportError:
+        raise InputError("dequantising a GGUF file's tensors needs the gguf package; install it with "
+                         "`pip install 'tformer[gguf]'` (make install does).") from None
+    return gguf
 
 
 @dataclass(frozen=True)
@@ -167,11 +190,6 @@ class GGUFFile:
     """
 
     def __init__(self, path: str | Path):
-        try:
-            import gguf
-        except ImportError:
-            raise InputError("reading a GGUF file needs the gguf package; install it with "
-                             "`pip install 'tformer[gguf]'` (make install does).") from None
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path} is not a file; pass the path of a .gguf model file.")
@@ -220,7 +238,7 @@ class GGUFFile:
         self.data_start = -(-cur.pos // alignment) * alignment
         self.tensors: dict[str, TensorInfo] = {}
         for name, dims, type_id, offset in infos:
-            self.tensors[name] = self._info(gguf, name, dims, type_id, self.data_start + offset)
+            self.tensors[name] = self._info(name, dims, type_id, self.data_start + offset)
         self._check_layout()
 
     def _check_types(self) -> None:
@@ -238,21 +256,22 @@ class GGUFFile:
                 raise CheckpointError(f"{self.path}: GGUF metadata {key} is {_describe(value)}, but it must be "
                                       f"{' or '.join(kinds)}; the file is damaged.")
 
-    def _info(self, gguf, name: str, dims: list[int], type_id: int, offset: int) -> TensorInfo:
-        try:
-            qtype = gguf.GGMLQuantizationType(type_id)
-        except ValueError:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has ggml type id {type_id}, which is not a known "
-                                  f"tensor type; the file is damaged or needs a newer reader.") from None
-        if qtype.name not in SUPPORTED:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is stored as {qtype.name}, which tformer cannot "
+    def _info(self, name: str, dims: list[int], type_id: int, offset: int) -> TensorInfo:
+        if type_id not in GGML_TYPES:
+            gguf = _gguf()                                  # a type tformer does not read: name it if ggml knows it
+            try:
+                known = gguf.GGMLQuantizationType(type_id).name
+            except ValueError:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has ggml type id {type_id}, which is not a known "
+                                      f"tensor type; the file is damaged or needs a newer reader.") from None
+            raise CheckpointError(f"{self.path}: tensor {name!r} is stored as {known}, which tformer cannot "
                                   f"dequantise (it reads {', '.join(SUPPORTED)}); use a file of another type.")
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        kind, block, size = GGML_TYPES[type_id]
         if not dims or dims[0] % block:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(reversed(dims))} but {qtype.name} "
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(reversed(dims))} but {kind} "
                                   f"stores rows in whole blocks of {block} values; the file is damaged.")
         nbytes = math.prod(dims) // block * size
-        return TensorInfo(name, tuple(reversed(dims)), qtype.name, offset, nbytes)
+        return TensorInfo(name, tuple(reversed(dims)), kind, offset, nbytes)
 
     def _check_layout(self) -> None:
         """Each tensor's bytes lie inside the file and end before the next tensor's begin."""
@@ -272,11 +291,13 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
     def array(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as float32 in numpy order (``shape``), dequantised by ``gguf.quants``."""
-        import gguf
-
+        """Tensor ``name`` as float32 in numpy order (``shape``): float types widened by numpy, block types
+        dequantised by ``gguf.quants``."""
         t = self.tensors[name]
         raw = np.asarray(self.raw[t.offset:t.offset + t.nbytes])
+        if t.type in ("F32", "F16"):
+            return raw.view(np.float32 if t.type == "F32" else np.float16).astype(np.float32).reshape(t.shape)
+        gguf = _gguf()
         qtype = gguf.GGMLQuantizationType[t.type]
         rows = math.prod(t.shape[:-1])
         out = gguf.quants.dequantize(raw.reshape(rows, -1), qtype)
