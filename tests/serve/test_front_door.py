@@ -90,3 +90,22 @@ def test_a_gguf_opens_from_the_file_with_nothing_converted(smollm2, monkeypatch,
     err = capsys.readouterr().err
     assert "weights q4_1 (auto: the file's own q4_1 blocks" in err, err
     assert "whole-layer path (whole layers in one C++ call" in err, err
+
+
+def test_a_context_of_2_to_the_40_is_sized_without_allocating_it(tmp_path):
+    """A model whose metadata claims a huge context (a GGUF's context_length = 2**40): the server sizes a
+    slot from two tiny states instead of allocating one of 2**40 positions, and says how to fit it."""
+    from tformer import DecoderLM, TransformerConfig
+    from tformer.checkpoint import save_model
+    from tformer.errors import ConfigError
+    from tformer.tokenizers import CharTokenizer
+
+    tok = CharTokenizer(list("abcdefgh "))
+    config = TransformerConfig(vocab_size=tok.vocab_size, n_heads=2, n_layers=1, d_model=32, d_ff=64,
+                               positions="rope", context_length=2**40)
+    save_model(tmp_path, DecoderLM(config).eval())
+    tok.save(tmp_path / "tokenizer.json")
+    with pytest.raises(ConfigError, match="--max-model-len"):
+        build_server(str(tmp_path), slots=1)
+    server = build_server(str(tmp_path), slots=1, max_model_len=64)
+    server.close()
