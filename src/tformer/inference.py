@@ -214,6 +214,18 @@ def end_of_turn_ids(template, tokenizer) -> list[int]:
     return ids if len(ids) == 1 else []
 
 
+def require_tokenizer(opened: "OpenedModel") -> None:
+    """Refuse, in one sentence saying where a tokenizer comes from, a model opened without one."""
+    if opened.tokenizer is not None:
+        return
+    if opened.kind == "hf":
+        raise CheckpointError(f"{opened.source} is a HuggingFace folder without tokenizer.json; put the model's "
+                              f"tokenizer.json beside its config.json, or convert it with `tformer convert --from-hf "
+                              f"{opened.source} --out CKPT` from a folder that has one and pass CKPT.")
+    raise CheckpointError(f"{opened.source} has no tokenizer; pass a checkpoint that holds tokenizer.json or a GGUF "
+                          f"with its vocabulary.")
+
+
 def route(model) -> tuple[str, str]:
     """``(path, reason)``: ``"whole-layer"`` where the model's steps can run its decoder layers in one C++
     call each (:mod:`tformer.fused`), else ``"module"``, with why. Chosen here, once

@@ -86,8 +86,10 @@ class Chat:
 
     def __init__(self, opened, system: str | None, options: dict, max_new_tokens: int | None, parse_special: bool = False):
         from tformer.errors import CheckpointError
+        from tformer.inference import require_tokenizer
 
-        if opened.template is None or opened.tokenizer is None:
+        require_tokenizer(opened)
+        if opened.template is None:
             raise CheckpointError(f"{opened.source} has no chat template (a GGUF's tokenizer.chat_template, a "
                                   f"checkpoint's tokenizer_config.json); chat with a chat model, or continue plain "
                                   f"text with `tformer generate --model {opened.source}`.")

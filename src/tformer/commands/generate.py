@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from tformer.errors import CheckpointError, InputError
+from tformer.errors import InputError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -85,7 +85,7 @@ def sampling_options(args: argparse.Namespace, file_defaults: dict, fallback: di
 def run(args: argparse.Namespace, echo: bool = False) -> int:
     """Generate; with ``echo`` the prompt is printed before its continuation."""
     from tformer.generation.text import generate_text, stream_text
-    from tformer.inference import AUTO, open_model
+    from tformer.inference import AUTO, open_model, require_tokenizer
     from tformer.quant.quantize import QUANT_WIDTH
 
     dtype, use_cache = getattr(args, "dtype", AUTO), not getattr(args, "no_cache", False)
@@ -99,9 +99,7 @@ def run(args: argparse.Namespace, echo: bool = False) -> int:
     if not getattr(model.config, "causal", False) or not hasattr(model, "lm_head"):
         raise InputError(f"{opened.source} holds a {type(model).__name__}, which does not generate text; pass the "
                          f"checkpoint of a causal language model (tformer train, or a converted GPT-2/Llama).")
-    if tokenizer is None:
-        raise CheckpointError(f"{opened.source} has no tokenizer; pass a checkpoint that holds tokenizer.json or a "
-                              f"GGUF with its vocabulary.")
+    require_tokenizer(opened)
     eos = [] if getattr(args, "ignore_eos", False) else opened.stop_ids
     stats: dict = {}
     options = dict(**sampling_options(args, opened.defaults, args.fallback), stop=getattr(args, "stop", []),

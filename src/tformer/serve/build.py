@@ -57,7 +57,7 @@ def build_server(spec: str | None = None, slots: int = 16, max_queue: int = 64, 
     block format from those blocks, anything else in float32; ``draft`` opens the same model at a cheaper
     precision to draft for ``speculative``; ``parse_special``: special-token strings typed in chat messages
     become special tokens (by default they stay text: see :meth:`tformer.tokenizers.ChatTemplate.encode`)."""
-    from tformer.inference import open_model, require_decoder
+    from tformer.inference import open_model, require_decoder, require_tokenizer
     from tformer.machine import available_memory
     from tformer.serve.server import Limits, Server
 
@@ -78,9 +78,7 @@ def build_server(spec: str | None = None, slots: int = 16, max_queue: int = 64, 
     draft_model = open_model(opened.source, draft).model if draft is not None else None
     model = opened.model
     require_decoder(model, opened.source)            # before the KV pool is sized from its config
-    if opened.tokenizer is None:
-        raise CheckpointError(f"{opened.source} has no tokenizer; serve a checkpoint that holds tokenizer.json or a "
-                              f"GGUF with its vocabulary.")
+    require_tokenizer(opened)
     context = model.config.context_length
     if max_model_len is not None and not 1 <= max_model_len <= context:
         raise ConfigError(f"--max-model-len {max_model_len}: use 1..{context} (the model's context).")

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from tformer.checkpoint import WEIGHTS, load_config, read_pointer, resolve_checkpoint, save_model
+from tformer.checkpoint import WEIGHTS, load_config, read_pointer, save_model
 from tformer.errors import CheckpointError, ConfigError, InputError
 from tformer.io import atomic_write
 from tformer.models import build_model
@@ -127,12 +127,10 @@ def load_base(path: str) -> tuple[torch.nn.Module, Any, ChatTemplate, tuple[int,
     """``(model, tokenizer, chat template, stop ids)`` of a tformer checkpoint / run folder, a HuggingFace
     folder or a GGUF file (widened to float32), opened by :func:`tformer.inference.open_model` with plain
     float modules (their parameters train)."""
-    from tformer.inference import open_model
+    from tformer.inference import open_model, require_tokenizer
 
     opened = open_model(path, "fp32", kernels=False)
-    if opened.tokenizer is None:
-        raise InputError(f"--model {path} has no tokenizer; fine-tuning needs the base model's tokenizer "
-                         f"(tokenizer.json, or a GGUF's vocabulary).")
+    require_tokenizer(opened)                         # fine-tuning needs the base model's tokenizer
     if opened.kind == "gguf":                         # the file's own template and special tokens
         special = opened.template.special if opened.template is not None else {}
         template = ChatTemplate(opened.template.source if opened.template is not None else ChatTemplate.source,
