@@ -22,6 +22,21 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (.ci/run installs it)")
 
 
+def explain_a_token(page, url: str, name: str, prompt: str, max_tokens: int, pick: int, timeout: float) -> None:
+    """In the playground at ``url``: generate ``max_tokens`` greedy tokens after ``prompt`` and click token
+    ``pick``, waiting for its explanation to show."""
+    page.goto(url + "/")
+    page.wait_for_function("document.getElementById('model').textContent === %r" % name)
+    page.fill("#prompt", prompt)
+    page.fill("#max_tokens", str(max_tokens))
+    page.fill("#temperature", "0")
+    page.click("#generate")
+    page.wait_for_function(f"document.querySelectorAll('#tokens .tok').length === {max_tokens}", timeout=timeout)
+    page.wait_for_selector("#generate:not([disabled])")
+    page.locator("#tokens .tok").nth(pick).click()
+    page.wait_for_selector("#explain:not([hidden])", timeout=timeout)
+
+
 def test_playground_streams_and_explains_a_token(tmp_path, one_thread):
     sync_api = pytest.importorskip("playwright.sync_api")
     model, tok = tiny_checkpoint(tmp_path)
@@ -32,16 +47,7 @@ def test_playground_streams_and_explains_a_token(tmp_path, one_thread):
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
             page = browser.new_page(viewport={"width": 1200, "height": 900})
-            page.goto(running.url + "/")
-            page.wait_for_function("document.getElementById('model').textContent === %r" % server.name)
-            page.fill("#prompt", "def add(a, b):")
-            page.fill("#max_tokens", "12")
-            page.fill("#temperature", "0")
-            page.click("#generate")
-            page.wait_for_function("document.querySelectorAll('#tokens .tok').length === 12", timeout=20000)
-            page.wait_for_selector("#generate:not([disabled])")
-            page.locator("#tokens .tok").nth(5).click()
-            page.wait_for_selector("#explain:not([hidden])")
+            explain_a_token(page, running.url, server.name, "def add(a, b):", 12, pick=5, timeout=20000)
             rows = page.locator("#attention tr.head-row")
             assert rows.count() == c.n_layers * c.n_heads
             context = len(tok.encode("def add(a, b):")) + 5
@@ -81,16 +87,7 @@ def test_the_playground_explains_a_token_on_the_default_server(one_thread):
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
             page = browser.new_page(viewport={"width": 1200, "height": 900})
-            page.goto(running.url + "/")
-            page.wait_for_function("document.getElementById('model').textContent === 'smollm2'")
-            page.fill("#prompt", "The capital of France is")
-            page.fill("#max_tokens", "4")
-            page.fill("#temperature", "0")
-            page.click("#generate")
-            page.wait_for_function("document.querySelectorAll('#tokens .tok').length === 4", timeout=60000)
-            page.wait_for_selector("#generate:not([disabled])")
-            page.locator("#tokens .tok").nth(1).click()
-            page.wait_for_selector("#explain:not([hidden])", timeout=60000)
+            explain_a_token(page, running.url, "smollm2", "The capital of France is", 4, pick=1, timeout=60000)
             context = len(server.tokenizer.encode("The capital of France is")) + 1
             cells = page.locator("#attribution tr.attribution-row td.cell")
             assert cells.count() == context
