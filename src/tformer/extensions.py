@@ -212,9 +212,8 @@ def compile_library(name: str, sources: list[Path], headers: list[Path], what: s
             # the ninja wheel (a dev dependency) puts its binary beside the venv's python, which is not on PATH
             # when the venv's python is run by its path (as `make test` does); torch looks for it on PATH
             os.environ["PATH"] = f"{os.path.dirname(ninja)}{os.pathsep}{os.environ.get('PATH', '')}"
-        if not library.exists():
-            print(f"tformer: building {what} once for this machine into {build} (under a minute)", file=sys.stderr,
-                  flush=True)
+        print(f"tformer: building {what} once for this machine into {build} (under a minute)", file=sys.stderr,
+              flush=True)
         # -fopenmp: at::parallel_for is an OpenMP pragma in a header (a serial loop without it); the library
         # then shares the libgomp torch has already loaded (same soname)
         for attempt in (1, 2):

@@ -15,7 +15,7 @@ Everything a command would otherwise decide for itself is decided here, once:
   (bf16 / fp16 round the weights, so they are asked for, never chosen silently). A named dtype is honoured:
   a GGUF stored in that format keeps its bytes, otherwise the float weights are cast or re-quantised.
 - **the path** each step takes: whole decoder layers in one C++ call, or the module path, with the reason
-  (:func:`route`); chosen when the model is opened, not retried every token.
+  (:func:`choose_path`); chosen when the model is opened, not retried every token.
 - **stop ids**: the file's end-of-sequence ids together with the chat template's end-of-turn token, so a
   model whose ``eos`` is not its end-of-turn stops at the same token in ``chat`` and ``serve``.
 - **sampling defaults** a GGUF recommends (``general.sampling.*``), for the commands to use where the
@@ -176,10 +176,9 @@ def require_decoder(model, source) -> None:
 def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
     """The same from a tformer checkpoint or a HuggingFace folder (its ``generation_config.json`` /
     ``config.json`` naming the eos ids)."""
-    import json
-
     from tformer.checkpoint import load_generation_defaults, load_model
     from tformer.interop.hf import load_hf
+    from tformer.interop.loader import eos_token_ids
     from tformer.quant.quantize import set_precision
     from tformer.tokenizers import TOKENIZER, load_chat_template, load_tokenizer
 
@@ -188,11 +187,7 @@ def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
     else:
         why = f"--dtype {dtype}"
     if kind == "hf":
-        model, eos = load_hf(folder), []
-        for name in ("generation_config.json", "config.json"):
-            if not eos and (folder / name).is_file():
-                found = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
-                eos = [found] if isinstance(found, int) else list(found or [])
+        model, eos = load_hf(folder), eos_token_ids(folder)
     else:
         model, eos = load_model(folder), list(load_generation_defaults(folder).get("eos_token_id", []))
     require_decoder(model, folder)
@@ -226,7 +221,7 @@ def require_tokenizer(opened: "OpenedModel") -> None:
                           f"with its vocabulary.")
 
 
-def route(model) -> tuple[str, str]:
+def choose_path(model) -> tuple[str, str]:
     """``(path, reason)``: ``"whole-layer"`` where the model's steps can run its decoder layers in one C++
     call each (:mod:`tformer.fused`), else ``"module"``, with why. Chosen here, once
     (:func:`tformer.fused.choose` keeps the choice beside the model); generation then only looks it up."""
@@ -265,6 +260,6 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
         raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
     stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
-    path, path_why = route(model) if hasattr(model, "lm_head") else ("module", "not a decoder LM")
+    path, path_why = choose_path(model)
     return OpenedModel(model, tokenizer, template, stop, defaults, name, source, dtype, why, path, path_why,
                        time.perf_counter() - start, kind)

@@ -74,9 +74,7 @@ def regular_target(path: str | os.PathLike) -> Path:
     target = Path(os.path.realpath(given)) if given.is_symlink() else given
     try:
         mode = os.stat(target).st_mode
-    except FileNotFoundError:
-        return target
-    except OSError:          # not ours to judge here (a permission, a loop): the write itself will say
+    except OSError:          # missing (a new file), or not ours to judge (a permission, a loop): the write says
         return target
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(given))

@@ -178,7 +178,7 @@ def auto_threads(ranks: int = 1) -> int:
     Intra-op threads that share a busy core wait on each other: on a 2-core machine with a load of
     4, two threads ran a tiny-model step 4x slower than one thread did.
     """
-    cores = os.cpu_count() or _DEFAULT_THREADS
+    cores = available_cores()
     default = _DEFAULT_THREADS if ranks == 1 else cores // ranks
     busy = round(busy_cores(0.5))
     return max(1, min(default, (cores - busy) // ranks))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -385,13 +386,14 @@ class _Renderers:
         with self.slots:
             with self.lock:
                 worker = self.idle.pop() if self.idle else None
-            if worker is None or not worker.alive:
+            reused = worker is not None and worker.alive
+            if not reused:
                 worker = _Worker()
             try:
                 answer = worker.ask(request, seconds)
-                if answer is not None and "died" in answer:        # an idle one that had ended: once more,
-                    worker = _Worker()                             # on a fresh one
-                    answer = worker.ask(request, seconds)
+                if reused and answer is not None and "died" in answer:   # an idle one that had ended: once more,
+                    worker = _Worker()                                   # on a fresh one (never twice for a
+                    answer = worker.ask(request, seconds)                # template that kills its own worker)
             except BaseException:                                  # Ctrl-C while waiting: its render is abandoned
                 worker.close()
                 raise
@@ -468,6 +470,16 @@ class ChatTemplate:
                              f"change the messages.")
         return answer["text"]
 
+    def _specials(self, tokenizer):
+        """The tokenizer's special-token strings and a pattern matching any of them (longest first), made
+        once per tokenizer, not per request."""
+        if getattr(self, "_specials_of", None) is not tokenizer:
+            specials = special_strings(tokenizer)
+            pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))) \
+                if specials else None
+            self._specials_of, self._specials_made = tokenizer, (specials, pattern)
+        return self._specials_made
+
     def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                parse_special: bool = False) -> list[int]:
         """Token ids of the rendered conversation (nothing added: the template writes any BOS itself).
@@ -476,12 +488,9 @@ class ChatTemplate:
         typed inside a message's content stay text (encoded as the characters they are), so a user
         cannot forge turn boundaries or a system message. ``parse_special=True``: the old behaviour,
         special-token strings in the content become special tokens too (as transformers does)."""
-        specials = special_strings(tokenizer)
+        specials, pattern = self._specials(tokenizer)
         if parse_special or not specials:
             return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
-        import re
-
-        pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
         hidden: dict[str, str] = {}
 
         def hide(match) -> str:                # a typed special string -> a private-use placeholder
@@ -493,7 +502,7 @@ class ChatTemplate:
         if not hidden:
             return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
         text = self.render(safe, add_generation_prompt)
-        restore = re.compile("\ue000(\\d+)\ue001|\ue000\ue002")
+        restore = _RESTORE
 
         def unhide(piece: str) -> str:
             return restore.sub(lambda m: hidden[m.group(0)] if m.group(1) is not None else "\ue000", piece)
@@ -506,6 +515,10 @@ class ChatTemplate:
         if at < len(text):
             ids += tokenizer.encode(unhide(text[at:]), add_special_tokens=False, parse_special=False)
         return ids
+
+
+# a placeholder of ChatTemplate.encode (private-use characters around its number), or an escaped \ue000
+_RESTORE = re.compile("\ue000(\\d+)\ue001|\ue000\ue002")
 
 
 def special_strings(tokenizer) -> dict[str, int]:

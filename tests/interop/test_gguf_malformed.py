@@ -217,15 +217,11 @@ def test_a_malformed_gguf_gets_one_sentence_and_exit_2(tmp_path, capsys, case):
 
 def test_a_huge_context_length_builds_no_huge_tables(tmp_path):
     """``context_length = 2**40``: RoPE tables grow to the length used, not to the metadata's."""
-    import resource
-
     kv = replace(base_kv(), "llama.context_length", U64, 2**40)
     (tmp_path / "m.gguf").write_bytes(gguf_bytes(kv, base_tensors()))
     from tformer.interop.gguf_import import load_gguf
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    model = load_gguf(tmp_path / "m.gguf")
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000       # KiB
+    model = load_gguf(tmp_path / "m.gguf")            # a table of 2**40 positions would fail to allocate here
     import torch
 
     with torch.no_grad():

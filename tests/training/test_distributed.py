@@ -247,7 +247,7 @@ def test_each_local_rank_gets_its_share_of_the_cores(monkeypatch):
     from tformer import machine
     from tformer.training.distributed import local_ranks
     monkeypatch.setattr(machine, "busy_cores", lambda seconds: 0.0)
-    monkeypatch.setattr(machine.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(machine, "available_cores", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert machine.auto_threads(local_ranks()) == 4         # 8 cores // 2 ranks
     monkeypatch.setattr(machine, "busy_cores", lambda seconds: 4.0)

@@ -68,6 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tformer.checkpoint import load_model, resolve_checkpoint, save_model
     from tformer.interop.hf import FAMILIES, load_hf, save_hf
+    from tformer.interop.loader import eos_token_ids
 
     if args.max_shard_mb is not None:
         if not args.to_hf:
@@ -116,6 +117,7 @@ def to_gguf(args: argparse.Namespace) -> int:
     """``--to-gguf``: one .gguf file (an existing file is replaced only with --force)."""
     from tformer.checkpoint import load_model, resolve_checkpoint
     from tformer.interop.gguf import save_gguf
+    from tformer.interop.loader import eos_token_ids
 
     out = Path(args.out)
     if out.is_dir() or (out.exists() and not args.force):
@@ -227,15 +229,3 @@ def _is_tformer_tokenizer(path: Path) -> bool:
         return "kind" in json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-
-
-def eos_token_ids(folder: Path) -> list[int]:
-    """End-of-sequence ids from ``generation_config.json``, else ``config.json`` (an int or a list)."""
-    for name in ("generation_config.json", "config.json"):
-        try:
-            eos = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, ValueError):
-            continue
-        if eos is not None:
-            return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-    return []

@@ -67,14 +67,9 @@ def _bytes(n: float) -> str:
     return ""
 
 
-def _duration(s: float) -> str:
-    for unit, size in (("years", 365 * 86400), ("days", 86400), ("hours", 3600), ("minutes", 60)):
-        if s >= size:
-            return f"{s / size:.3g} {unit}"
-    return f"{s:.3g} s"
-
-
 def format_plan(plan: dict) -> str:
+    from tformer.training.trainer import duration
+
     g = plan["given"]
     given = next(f"{k} {v:.3g}" for k, v in g.items() if v is not None)
     lines = [f"plan for {given}" + (f" (= {plan['allocations'][0]['flops']:.3g} FLOPs at the measured "
@@ -95,7 +90,7 @@ def format_plan(plan: dict) -> str:
               f"({off:+.1f}% from N; {plan['config_params_total']:,} in all)",
               f"training: {pick['n_tokens']:.3g} tokens = {plan['steps']:,} steps of {plan['batch_size']} x {plan['seq_len']}; "
               f"{plan['train_flops']:.3g} FLOPs with attention; at {plan['flops_per_second']:.3g} FLOP/s "
-              f"({'measured here on a 2-layer proxy' if plan['measured'] else 'given'}): {_duration(plan['seconds'])}",
+              f"({'measured here on a 2-layer proxy' if plan['measured'] else 'given'}): {duration(plan['seconds'])}",
               f"memory (fp32 AdamW, batch {plan['batch_size']} x {plan['seq_len']}): parameters {_bytes(m['parameters'])}, "
               f"gradients {_bytes(m['gradients'])}, AdamW state {_bytes(m['optimizer'])}, activations "
               f"{_bytes(m['activations'])}; total {_bytes(m['training'])}",

@@ -160,7 +160,7 @@ def cached_conversion(gguf_path: Path) -> Path:
               f"again", file=sys.stderr, flush=True)
         _discard(target)
     _convert_into(gguf_path, target)
-    why = damage(target)
+    why = damage(target)                         # once per conversion: a disk that loses writes shows here
     if why is not None:
         raise CheckpointError(f"the conversion of {gguf_path} into {target} is damaged right after it was written "
                               f"({why}); delete {target} and check the disk it is on.")

@@ -112,8 +112,6 @@ def hf_config(f: GGUFFile, arch: str) -> dict:
         if value is None:
             raise CheckpointError(f"{f.path}: GGUF metadata {arch}.{key} is missing; a {arch} file must have it; "
                                   f"convert the model again with llama.cpp.")
-        if key in SIZES and value < 1:
-            raise refuse_key(f.path, f"{arch}.{key}", value, "a size must be at least 1; the file is damaged.")
         return value
 
     for key in SIZES:                       # the optional ones too, before anything divides by them

@@ -82,6 +82,18 @@ def _load(path: Path) -> dict[str, Tensor]:
                               f"download?); download or save it again.") from e
 
 
+def eos_token_ids(folder: Path) -> list[int]:
+    """An HF folder's end-of-sequence ids: ``generation_config.json``'s, else ``config.json``'s (an int or a list)."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return []
+
+
 def write_folder(folder: str | Path, config: dict, tensors: dict[str, Tensor],
                  max_shard_bytes: int | None = None) -> None:
     """Write ``config.json`` and the weights (one file, or shards plus an index when the total

@@ -39,12 +39,12 @@ def embedder_factory(folder: str | None):
     return lambda: (name, SentenceEncoder(path))
 
 
-def slot_bytes(model, positions: int) -> int:
-    """The bytes of one sequence's state for ``positions`` positions, measured on states of one and two
-    positions and extended linearly (a KV cache grows by the same bytes each position, a recurrent state
-    not at all), so a model whose context is 2**40 is sized without allocating it."""
+def slot_bytes(model) -> tuple[int, int]:
+    """``(fixed, per position)`` bytes of one sequence's state, measured on states of one and two positions
+    (a KV cache grows by the same bytes each position, a recurrent state not at all), so a model whose
+    context is 2**40 is sized without allocating it."""
     one, two = model.new_state(1, 1).nbytes, model.new_state(1, 2).nbytes
-    return one + (two - one) * (positions - 1)
+    return one - (two - one), two - one
 
 
 def build_server(spec: str | None = None, slots: int = 16, max_queue: int = 64, timeout: float = 300.0,
@@ -82,12 +82,13 @@ def build_server(spec: str | None = None, slots: int = 16, max_queue: int = 64, 
     context = model.config.context_length
     if max_model_len is not None and not 1 <= max_model_len <= context:
         raise ConfigError(f"--max-model-len {max_model_len}: use 1..{context} (the model's context).")
-    per_slot = slot_bytes(model, max_model_len or context)                # the pool is allocated at start
+    fixed, per_position = slot_bytes(model)
+    per_slot = fixed + per_position * (max_model_len or context)          # the pool is allocated at start
     free = available_memory()
     if slots * per_slot > free:
         fewer = (f"pass --slots {free // per_slot // 2} or fewer" if free // per_slot >= 2 else
                  f"pass --max-model-len N (positions per sequence) to size each slot, e.g. "
-                 f"{max(1, min(context, free // 4 // max(1, slot_bytes(model, 2) - slot_bytes(model, 1))))}")
+                 f"{max(1, min(context, free // 4 // max(1, per_position)))}")
         raise ConfigError(f"--slots {slots} needs {slots * per_slot / 2**30:.3g} GiB of state "
                           f"({per_slot / 2**20:.3g} MiB per slot, {max_model_len or context:,} positions) and "
                           f"{free / 2**30:.3g} GiB is available; {fewer}.")
