@@ -1,10 +1,12 @@
-"""``nn.Linear`` with its weight in a GGUF block format (Q8_0, Q4_0, Q4_1), used as stored.
+"""``nn.Linear`` with its weight in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), used as stored.
 
 The weight ``(N, K)`` is held as ggml's bytes, ``(N, K/32 · bytes)`` uint8 (:mod:`tformer.quant.blocks`),
 and never widened into a float copy: every call quantises its input rows to 8-bit blocks and runs
 the integer block products of :mod:`tformer.quant.qgemv` (AVX2, AVX-512 VNNI or portable C++,
 picked from the CPU), so a decode step reads 34 / 18 / 20 bytes per 32 weights (8.5 / 4.5 / 5
-bits a weight against bfloat16's 16). The bias stays float32.
+bits a weight against bfloat16's 16). The K-quants (:mod:`tformer.quant.kblocks`: 4.5 / 5.5 / 6.56 bits a
+weight) run :func:`tformer.quant.qgemv.kqgemm` on the file layout, the activations rounded to Q8_K
+(blocks of 256) as llama.cpp rounds them. The bias stays float32.
 
 Error against the float layer: each weight is off by at most half its block's step (q8_0:
 ``max|W_b| / 254``; q4_0: ``max|W_b| / 16``; q4_1: ``(max - min) / 30``) plus fp16's rounding of the
@@ -17,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from tformer.errors import InputError
-from tformer.quant import blocks, qgemv
+from tformer.quant import blocks, kblocks, qgemv
 
 Tensor = torch.Tensor
 
@@ -27,7 +29,7 @@ class BlockLinear(nn.Module):
 
     Args:
         packed: ``(out_features, in_features/32 · BYTES[fmt])`` uint8 blocks (a GGUF tensor's bytes).
-        fmt: ``q8_0``, ``q4_0`` or ``q4_1``.
+        fmt: ``q8_0``, ``q4_0``, ``q4_1`` (blocks of 32) or ``q4_k``, ``q5_k``, ``q6_k`` (super-blocks of 256).
         bias: ``(out_features,)`` float or None.
     """
 
@@ -35,7 +37,8 @@ class BlockLinear(nn.Module):
 
     def __init__(self, packed: Tensor, fmt: str, bias: Tensor | None = None):
         super().__init__()
-        self.out_features, self.in_features = blocks.packed_shape(packed, fmt, "weights")
+        self.kquant = fmt in kblocks.BYTES
+        self.out_features, self.in_features = kblocks.maths(fmt).packed_shape(packed, fmt, "weights")
         self.fmt = fmt
         if bias is not None and bias.shape != (self.out_features,):
             raise InputError(f"the bias is {tuple(bias.shape)} but the weight has {self.out_features} outputs.")
@@ -59,6 +62,8 @@ class BlockLinear(nn.Module):
     def product(self, x2: Tensor) -> Tensor:
         """``x2 (M, K) @ Wᵀ + b`` by the integer block products: ``(M, N)`` in ``x2``'s dtype."""
         p = qgemv.path()
+        if self.kquant:                                # read in the file layout: no tiles
+            return qgemv.kqgemm(self.blocks, self.fmt, x2, self.bias, p)
         tiled = self._tiled.get(p) if p in qgemv.TILE_ROWS else None
         if p in qgemv.TILE_ROWS and tiled is None:
             # the SIMD paths' interleaved rows, made at the first call on a path (the file layout
@@ -68,7 +73,7 @@ class BlockLinear(nn.Module):
 
     def dequantized(self) -> Tensor:
         """The float32 weight ``(N, K)`` the blocks stand for (for checks; the layer never builds it)."""
-        return blocks.dequantize(self.blocks, self.fmt)
+        return kblocks.maths(self.fmt).dequantize(self.blocks, self.fmt)
 
     def decode_tensors(self) -> list[Tensor]:
         """What one call reads: for :func:`tformer.quant.quantize.weight_bytes`."""

@@ -35,6 +35,7 @@
 #define TFORMER_ARENA 1
 #endif
 #include "tiles.h"
+#include "kquants.h"
 
 namespace {
 
@@ -427,6 +428,31 @@ double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns
 
 int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT_NS.load(); }
 
+// The K-quant op (kquants.h): blocks (N, S * bytes) uint8 as the file stores them, fmt 6 q4_k |
+// 7 q5_k | 8 q6_k, x (M, K = 256 S) float32|bf16|f16 -> y (M, N) in x's dtype, path 0|1|2.
+at::Tensor kqgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                  int64_t path) {
+  TORCH_CHECK(is_kquant(fmt), "kqgemm: fmt must be 6 (q4_k), 7 (q5_k) or 8 (q6_k)");
+  TORCH_CHECK(path >= 0 && path <= 2 && supports(path), "kqgemm: this CPU cannot run path ", path);
+  const int64_t bytes = kquant_bytes(fmt);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.device().is_cpu() && blocks.size(1) % bytes == 0,
+              "kqgemm: blocks must be a contiguous CPU (N, S*", bytes, ") uint8 matrix");
+  const int64_t N = blocks.size(0), K = 256 * (blocks.size(1) / bytes);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "kqgemm: x must be (M, ", K, ")");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "kqgemm: bias must be contiguous float32 (N,)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "kqgemm: x must be float32, bfloat16 or float16");
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  Q8K a;
+  a.quantize(xf.data_ptr<float>(), x.size(0), K);
+  at::Tensor yf = at::empty({x.size(0), N}, xf.options());
+  kquant_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                 yf.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tformer_qgemv, m) {
@@ -436,6 +462,7 @@ TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("qgemm_tiles(Tensor tiles, int fmt, int N, Tensor x, Tensor? bias, int path) -> Tensor");
   m.def("tile_passes(Tensor[] mats, int[] fmts, int[] ns, Tensor x, int path, int reps) -> float");
   m.def("product_ns(bool reset) -> int");
+  m.def("kqgemm(Tensor blocks, int fmt, Tensor x, Tensor? bias, int path) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
@@ -443,5 +470,6 @@ TORCH_LIBRARY_IMPL(tformer_qgemv, CPU, m) {
   m.impl("repack", &repack);
   m.impl("qgemm_tiles", &qgemm_tiles);
   m.impl("tile_passes", &tile_passes);
+  m.impl("kqgemm", &kqgemm);
 }
 TORCH_LIBRARY_IMPL(tformer_qgemv, CompositeExplicitAutograd, m) { m.impl("paths", &paths); m.impl("product_ns", &product_ns); }

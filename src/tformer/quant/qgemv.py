@@ -38,14 +38,15 @@ import torch
 
 from tformer.errors import ConfigError
 from tformer.extensions import build_once, compile_library
-from tformer.quant import blocks
+from tformer.quant import blocks, kblocks
 
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 TILES = SOURCE.with_name("tiles.h")           # activation rounding and tile kernels, shared with fused/layers.cpp
-FILES = (SOURCE, TILES)                       # what the built library depends on
+KQUANTS = SOURCE.with_name("kquants.h")       # the K-quant kernels, shared with fused/layers.cpp
+FILES = (SOURCE, TILES, KQUANTS)              # what the built library depends on
 PATHS = ("scalar", "avx2", "avx512vnni")      # index = the op's path number
-FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 6, "q5_k": 7, "q6_k": 8}   # the ops' format numbers
 FORCED = "TFORMER_QGEMV_PATH"
 STATUS: dict[str, str] = {}                    # "state": "built" | "unavailable: <why>"
 _LOCK = threading.Lock()
@@ -59,6 +60,10 @@ def _build():
 
     @torch.library.register_fake("tformer_qgemv::qgemm")
     def _shape(blocks, fmt, x, bias, path):             # lets torch.compile trace through the op
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("tformer_qgemv::kqgemm")
+    def _k_shape(blocks, fmt, x, bias, path):
         return x.new_empty(x.shape[0], blocks.shape[0])
 
     @torch.library.register_fake("tformer_qgemv::qgemm_tiles")
@@ -134,3 +139,21 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
         t = tiled if tiled is not None else tiles(packed, fmt, p)
         return op.qgemm_tiles(t, FMT[fmt], packed.shape[0], x, bias, PATHS.index(p))
     return op.qgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
+
+
+def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None) -> Tensor:
+    """``x (M, K) · Wᵀ + bias`` for ``packed (N, K/256 · bytes)`` K-quant super-blocks (q4_k, q5_k, q6_k,
+    :mod:`tformer.quant.kblocks`), read as the file stores them, the activations quantised to Q8_K:
+    ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``."""
+    kblocks.check_format(fmt)
+    op = load()
+    if op is None:
+        if not _WARNED:
+            _WARNED.append(True)
+            warnings.warn(f"tformer's block-quantised kernels are {STATUS.get('state')}; the K-quant layers run a "
+                          "slow torch implementation of the same arithmetic.", stacklevel=2)
+        return kblocks.dot(packed, fmt, x, bias).to(x.dtype)
+    p = kernel_path or path()
+    if p not in PATHS:
+        raise ConfigError(f"unknown kernel path {p!r}; choose one of {', '.join(PATHS)}.")
+    return op.kqgemm(packed, FMT[fmt], x, bias, PATHS.index(p))

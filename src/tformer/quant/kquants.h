@@ -1,0 +1,312 @@
+// Products of GGUF K-quant weights (Q4_K, Q5_K, Q6_K: super-blocks of 256, read as the file stores
+// them) with activations quantised to ggml's Q8_K, as llama.cpp multiplies them: per super-block an
+// exact integer sum with the sub-block scales applied in integers, then one or two float multiply-adds
+// (tformer/quant/kblocks.py has the formats and the formulas).
+//   q4_k, q5_k: (d dx) sum_j sc_j sum_{e in j} q_e qx_e  -  (dmin dx) sum_j m_j (bsum_2j + bsum_2j+1)
+//   q6_k:       (d dx) sum_g sc_g (sum_{e in g} q_e qx_e - 32 bsum_g)          (q_e the unsigned 6 bits)
+// Three implementations of that arithmetic, as the 32-blocks have them (tiles.h's paths):
+//   scalar       portable C++;
+//   avx2         maddubs (u8 codes x s8 activations -> s16 pairs) then madd with the sub-block scales;
+//   avx512vnni   the same at 512 bits, the scale step as one dpwssd (s16 pairs x s16 scales, added).
+// Codes are unsigned (q6_k's -32 goes through bsums), so no sign tricks; maddubs cannot saturate
+// (2 * 63 * 127 < 2^15). Each row of W is read once per activation row, in the file layout: a weight
+// row (a few KB) stays in L1 while the rows of a prompt pass. Included after tiles.h (its paths, ISA
+// attributes and supports()); internal linkage, like tiles.h.
+#pragma once
+#include <c10/util/Half.h>
+#include "tiles.h"
+
+namespace {
+
+enum KFmt : int64_t { Q4_K = 6, Q5_K = 7, Q6_K = 8 };    // after the 32-blocks (0-2) and the floats (3-5)
+constexpr int64_t KBYTES[3] = {144, 176, 210};          // bytes per super-block of 256
+inline bool is_kquant(int64_t fmt) { return fmt >= Q4_K && fmt <= Q6_K; }
+inline int64_t kquant_bytes(int64_t fmt) { return KBYTES[fmt - Q4_K]; }
+
+inline float k_half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// M activation rows as Q8_K (ggml's quantize_row_q8_K_ref): per block of 256, max = the value of
+// largest magnitude (the first on ties), iscale = -127 / max, q = min(127, rne(iscale x)),
+// d = 1 / iscale, bsums = sums of 16 codes.
+struct Q8K {
+  int64_t M = 0, K = 0, S = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bsums;   // (M, S, 16)
+
+  void quantize(const float* x, int64_t rows, int64_t k) {
+    M = rows, K = k, S = k / 256;
+    q.resize(M * K), d.resize(M * S), bsums.resize(M * S * 16);
+    for (int64_t b = 0; b < M * S; ++b) {
+      const float* v = x + (b / S) * K + (b % S) * 256;
+      int8_t* out = q.data() + b * 256;
+      float amax = 0.0f, big = 0.0f;
+      for (int e = 0; e < 256; ++e)
+        if (std::fabs(v[e]) > amax) amax = std::fabs(v[e]), big = v[e];
+      if (amax == 0.0f) {
+        d[b] = 0.0f;
+        std::fill(out, out + 256, int8_t(0));
+        std::fill(bsums.data() + 16 * b, bsums.data() + 16 * b + 16, int16_t(0));
+        continue;
+      }
+      const float iscale = -127.0f / big;
+      for (int e = 0; e < 256; ++e) {
+        // round half to even by the 1.5 * 2^23 trick (exact for |t| <= 2^22; no -ffast-math here)
+        const float t = iscale * v[e];
+        out[e] = static_cast<int8_t>(std::min(127, static_cast<int32_t>((t + 12582912.0f) - 12582912.0f)));
+      }
+      for (int g = 0; g < 16; ++g) {
+        int32_t s = 0;
+        for (int e = 0; e < 16; ++e) s += out[16 * g + e];
+        bsums[16 * b + g] = static_cast<int16_t>(s);
+      }
+      d[b] = 1.0f / iscale;
+    }
+  }
+};
+
+struct KRow {
+  const int8_t* q;       // (K,)
+  const float* d;        // (S,)
+  const int16_t* bsums;  // (S, 16)
+};
+
+// q4_k / q5_k's 12 bytes of 6-bit scales and mins -> sc[8], m[8] (ggml's get_scale_min_k4)
+inline void scale_min(const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63, m[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// sum_j m_j (bsum_2j + bsum_2j+1): the mins' integer term of a q4_k / q5_k super-block
+inline int32_t mins_term(const uint8_t* m, const int16_t* bs) {
+  int32_t s = 0;
+  for (int j = 0; j < 8; ++j) s += int32_t(m[j]) * (int32_t(bs[2 * j]) + bs[2 * j + 1]);
+  return s;
+}
+
+// sum_g sc_g bsum_g: q6_k's offset term (times 32)
+inline int32_t q6_offset(const int8_t* sc, const int16_t* bs) {
+  int32_t s = 0;
+  for (int g = 0; g < 16; ++g) s += int32_t(sc[g]) * bs[g];
+  return s;
+}
+
+// ---------------------------------------------------------------- scalar (portable) ----------
+template <int F>
+float kdot_scalar(const uint8_t* w, const KRow& x, int64_t S) {
+  constexpr int64_t bytes = KBYTES[F - Q4_K];
+  float sum = 0.0f;
+  for (int64_t s = 0; s < S; ++s, w += bytes) {
+    const int8_t* xq = x.q + 256 * s;
+    const int16_t* bs = x.bsums + 16 * s;
+    int32_t isum = 0;
+    if (F == Q6_K) {
+      const uint8_t* ql = w;
+      const uint8_t* qh = w + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+      int32_t part[16] = {0};
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t lo = ql[64 * h + l], hi = ql[64 * h + 32 + l], top = qh[32 * h + l];
+          const int32_t c[4] = {(lo & 15) | ((top & 3) << 4), (hi & 15) | (((top >> 2) & 3) << 4),
+                                (lo >> 4) | (((top >> 4) & 3) << 4), (hi >> 4) | (((top >> 6) & 3) << 4)};
+          for (int k = 0; k < 4; ++k) {
+            const int e = 128 * h + 32 * k + l;
+            part[e / 16] += c[k] * xq[e];
+          }
+        }
+      for (int g = 0; g < 16; ++g) isum += sc[g] * part[g];
+      isum -= 32 * q6_offset(sc, bs);
+      sum += (k_half(w + 208) * x.d[s]) * float(isum);
+    } else {
+      uint8_t sc[8], m[8];
+      scale_min(w + 4, sc, m);
+      const uint8_t* qs = w + bytes - 128;
+      const uint8_t* qh = w + 16;                       // q5_k only
+      for (int c = 0; c < 4; ++c)
+        for (int half = 0; half < 2; ++half) {
+          const int j = 2 * c + half;
+          int32_t part = 0;
+          for (int l = 0; l < 32; ++l) {
+            int32_t q = half ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 15;
+            if (F == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+            part += q * xq[32 * j + l];
+          }
+          isum += int32_t(sc[j]) * part;
+        }
+      const float dx = x.d[s];
+      sum += (k_half(w) * dx) * float(isum) - (k_half(w + 2) * dx) * float(mins_term(m, bs));
+    }
+  }
+  return sum;
+}
+
+#ifdef TFORMER_X86
+// ---------------------------------------------------------------- AVX2 -----------------------
+T_AVX2 inline float h2f_k(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+alignas(64) constexpr int16_t LANE_GROUP[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};   // s16 lane / 8
+template <int F>
+T_AVX2 float kdot_avx2(const uint8_t* w, const KRow& x, int64_t S) {
+  constexpr int64_t bytes = KBYTES[F - Q4_K];
+  const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
+  __m256 acc = _mm256_setzero_ps();
+  float mins = 0.0f;
+  for (int64_t s = 0; s < S; ++s, w += bytes) {
+    const int8_t* xq = x.q + 256 * s;
+    const int16_t* bs = x.bsums + 16 * s;
+    __m256i isum = _mm256_setzero_si256();
+    float d;
+    if (F == Q6_K) {
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * h + 32));
+        const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * h));
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(top, three), 4)),
+            _mm256_or_si256(_mm256_and_si256(l1, low),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2), three), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 4), three), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 6), three), 4))};
+        for (int k = 0; k < 4; ++k) {
+          const int g = 8 * h + 2 * k;                  // q[k] holds groups g (first 16) and g + 1
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 128 * h + 32 * k));
+          const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], xv), scv));
+        }
+      }
+      isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * q6_offset(sc, bs), 0, 0, 0, 0, 0, 0, 0));
+      d = h2f_k(w + 208) * x.d[s];
+    } else {
+      uint8_t sc[8], m[8];
+      scale_min(w + 4, sc, m);
+      const uint8_t* qs = w + bytes - 128;
+      const __m256i hb = F == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)) : _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if (F == Q5_K) {                                 // bit 2c (low half) and 2c + 1 (high half) of qh[l]
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+        }
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c + 32));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_set1_epi16(sc[2 * c])));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), _mm256_set1_epi16(sc[2 * c + 1])));
+      }
+      d = h2f_k(w) * x.d[s];
+      mins += (h2f_k(w + 2) * x.d[s]) * float(mins_term(m, bs));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(isum), acc);
+  }
+  return hsum256(acc) - mins;
+}
+
+// ---------------------------------------------------------------- AVX-512 VNNI ---------------
+// 64 codes a step: maddubs gives 32 s16 pair sums, one dpwssd multiplies them by their sub-block's
+// scale and adds the pairs into 16 s32 lanes.
+template <int F>
+T_VNNI float kdot_vnni(const uint8_t* w, const KRow& x, int64_t S) {
+  constexpr int64_t bytes = KBYTES[F - Q4_K];
+  const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
+  __m512 acc = _mm512_setzero_ps();
+  float mins = 0.0f;
+  for (int64_t s = 0; s < S; ++s, w += bytes) {
+    const int8_t* xq = x.q + 256 * s;
+    const int16_t* bs = x.bsums + 16 * s;
+    __m512i isum = _mm512_setzero_si512();
+    float d;
+    if (F == Q6_K) {
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+      // the 16 scales as s16, spread so that s16 lane l of a 64-code step holds group base + l / 8
+      const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
+      for (int h = 0; h < 2; ++h) {
+        const __m512i l01 = _mm512_loadu_si512(w + 64 * h);          // ql[l] (codes 0..31 low, 64..95 high), ql[32 + l]
+        const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * h));
+        const __m512i top = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 2), 1);
+        // step 0: elements 0..63 of the half = low nibbles of l01 with top bits (0,1) | (2,3)
+        const __m512i q0 = _mm512_or_si512(_mm512_and_si512(l01, low), _mm512_slli_epi16(_mm512_and_si512(top, three), 4));
+        const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l01, 4), low),
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 4), three), 4));
+        const __m512i qs[2] = {q0, q1};
+        for (int k = 0; k < 2; ++k) {
+          const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16(int16_t(8 * h + 4 * k)), _mm512_load_si512(LANE_GROUP));
+          const __m512i xv = _mm512_loadu_si512(xq + 128 * h + 64 * k);
+          isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(qs[k], xv), _mm512_permutexvar_epi16(idx, sc16));
+        }
+      }
+      isum = _mm512_sub_epi32(isum, _mm512_maskz_set1_epi32(1, 32 * q6_offset(sc, bs)));
+      d = h2f_k(w + 208) * x.d[s];
+    } else {
+      uint8_t sc[8], m[8];
+      scale_min(w + 4, sc, m);
+      const uint8_t* qsp = w + bytes - 128;
+      __m512i hb = _mm512_setzero_si512();
+      if (F == Q5_K) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+        hb = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 1), 1);   // bit 2c low half, 2c + 1 high
+      }
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qsp + 32 * c));
+        __m512i q = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
+        if (F == Q5_K)
+          q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * c), one), 4));
+        const __m512i scv = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(sc[2 * c]), _mm512_set1_epi16(sc[2 * c + 1]));
+        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * c)), scv);
+      }
+      d = h2f_k(w) * x.d[s];
+      mins += (h2f_k(w + 2) * x.d[s]) * float(mins_term(m, bs));
+    }
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), acc);
+  }
+  return _mm512_reduce_add_ps(acc) - mins;
+}
+#endif  // TFORMER_X86
+
+using KDotFn = float (*)(const uint8_t*, const KRow&, int64_t);
+
+KDotFn kdot_fn(int64_t path, int64_t fmt) {
+  static const KDotFn scalar[3] = {&kdot_scalar<Q4_K>, &kdot_scalar<Q5_K>, &kdot_scalar<Q6_K>};
+#ifdef TFORMER_X86
+  static const KDotFn avx2[3] = {&kdot_avx2<Q4_K>, &kdot_avx2<Q5_K>, &kdot_avx2<Q6_K>};
+  static const KDotFn vnni[3] = {&kdot_vnni<Q4_K>, &kdot_vnni<Q5_K>, &kdot_vnni<Q6_K>};
+  if (path == AVX2) return avx2[fmt - Q4_K];
+  if (path == AVX512VNNI) return vnni[fmt - Q4_K];
+#endif
+  return scalar[fmt - Q4_K];
+}
+
+// y (M, N) = act (M, K) . W^T (+ bias) for W (N, S * bytes) K-quant rows; rows of W split between
+// torch's threads, ~16 KB of them per task, each passed by every activation row while it is in L1/L2.
+void kquant_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const Q8K& a, const float* bias, float* y) {
+  const auto start = std::chrono::steady_clock::now();
+  const KDotFn dot = kdot_fn(path, fmt);
+  const int64_t row_bytes = a.S * kquant_bytes(fmt);
+  const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < a.M; ++m) {
+      const KRow row{a.q.data() + m * a.K, a.d.data() + m * a.S, a.bsums.data() + m * a.S * 16};
+      float* out = y + m * N;
+      for (int64_t n = n0; n < n1; ++n) out[n] = dot(w + n * row_bytes, row, a.S) + (bias ? bias[n] : 0.0f);
+    }
+  });
+  PRODUCT_NS.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
+                       std::memory_order_relaxed);
+}
+
+}  // namespace

@@ -1,0 +1,108 @@
+"""K-quants (Q4_K, Q5_K, Q6_K): dequantisation equal to ``gguf.quants.dequantize`` bit for bit, the
+activations' Q8_K rounding, and every kernel path this CPU runs (kquants.h: scalar, avx2, avx512vnni,
+each forced) against a float64 evaluation of the same quantised arithmetic (tformer.quant.kblocks.reference).
+
+Tolerance: the integer sums over a super-block are exact and the codes are the reference's, so only
+float32 rounding separates a kernel from the reference: the conversion of a super-block's integer sum
+(up to ~2^28, one rounding of 2^-24 relative), its two scale products and the sum over S super-blocks,
+~(S + 4) · 2^-24 of Σ|term|. 1e-5 · Σ|term| is asked, plus half an ulp of the output dtype.
+"""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tformer.quant import kblocks, qgemv
+from tformer.quant.block_linear import BlockLinear
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+GGUF_TYPE = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
+             "q6_k": gguf.GGMLQuantizationType.Q6_K}
+
+
+def runnable(path):
+    if qgemv.load() is None:
+        pytest.skip(f"the block kernels are {qgemv.STATUS.get('state')}")
+    if path not in qgemv.paths():
+        pytest.skip(f"this CPU does not run the {path} path (it runs {', '.join(qgemv.paths())})")
+
+
+@pytest.mark.parametrize("fmt", kblocks.FORMATS)
+def test_dequantize_equals_gguf_bit_for_bit(fmt):
+    g = torch.Generator().manual_seed(1)
+    packed = kblocks.random_blocks(9, 768, fmt, g, scale=0.05)        # every code and scale byte at random
+    ours = kblocks.dequantize(packed, fmt).numpy()
+    theirs = gguf.quants.dequantize(packed.numpy(), GGUF_TYPE[fmt])
+    assert ours.shape == theirs.shape == (9, 768)
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def test_q8k_rounding_follows_ggml():
+    """ggml's quantize_row_q8_K_ref: iscale = -127 / (the signed value of largest magnitude), codes
+    rne(iscale · x) capped at 127, d = 1 / iscale, bsums per 16 codes."""
+    x = torch.zeros(2, 512)
+    x[0, :256] = torch.linspace(-1, 3, 256)
+    x[0, 256:] = torch.linspace(2, -5, 256)
+    x[1, :3] = torch.tensor([0.5, -0.5, 1.0])                         # max 1: iscale -127, two ties
+    q, d, bsums = kblocks.quantize_activation(x)
+    assert q.shape == (2, 2, 256) and d.shape == (2, 2) and bsums.shape == (2, 2, 16)
+    assert int(q[0, 0, -1]) == -127 and int(q[0, 1, -1]) == -127     # the max (3, then -5) maps to -127
+    assert int(q[0, 0, 0]) == 42                                      # -1 · (-127 / 3) = 42.33
+    assert float(d[0, 0]) == pytest.approx(-3 / 127) and float(d[0, 1]) == pytest.approx(5 / 127)
+    assert d[1, 1] == 0 and (q[1, 1] == 0).all()                      # an all-zero block
+    assert (bsums == q.reshape(2, 2, 16, 16).sum(-1)).all()
+    err = (q.float() * d[..., None] - x.reshape(2, 2, 256)).abs()
+    assert bool((err <= d.abs()[..., None] / 2 * (1 + 1e-6)).all())  # within half a step
+    # iscale = -127 / 1 = -127: 0.5 -> -63.5 -> -64 (even), -0.5 -> 63.5 -> 64 (even)
+    assert q[1, 0, :2].tolist() == [-64, 64]
+
+
+@pytest.mark.parametrize("path", qgemv.PATHS)
+@pytest.mark.parametrize("fmt", kblocks.FORMATS)
+@pytest.mark.parametrize("n, k, m", [(7, 256, 1), (37, 768, 1), (13, 2048, 5), (3, 512, 2)])
+def test_every_path_matches_float64_reference(path, fmt, n, k, m):
+    runnable(path)
+    g = torch.Generator().manual_seed(n * k + m)
+    packed = kblocks.random_blocks(n, k, fmt, g)
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, :256] = 0                                                     # a zero activation block (scale 0)
+    bias = torch.randn(n, generator=g)
+    for b in (bias, None):
+        for xs in (x, x.bfloat16()):
+            y = qgemv.kqgemm(packed, fmt, xs, b, path)
+            assert y.shape == (m, n) and y.dtype == xs.dtype
+            ref = kblocks.reference(packed, fmt, xs.float(), b)
+            bound = 1e-5 * kblocks.magnitude(packed, fmt, xs.float()) + HALF_ULP[y.dtype] * ref.abs() + 1e-30
+            err = (y.double() - ref).abs()
+            assert bool((err <= bound).all()), float((err / bound).max())
+
+
+@pytest.mark.parametrize("fmt", kblocks.FORMATS)
+def test_torch_fallback_matches_reference(fmt):
+    g = torch.Generator().manual_seed(3)
+    packed = kblocks.random_blocks(11, 512, fmt, g)
+    x = torch.randn(2, 512, generator=g)
+    ref = kblocks.reference(packed, fmt, x)
+    err = (kblocks.dot(packed, fmt, x).double() - ref).abs()
+    assert bool((err <= 1e-5 * kblocks.magnitude(packed, fmt, x) + 1e-30).all())
+
+
+@pytest.mark.parametrize("fmt", kblocks.FORMATS)
+def test_block_linear_runs_kquants_close_to_the_float_weight(fmt):
+    """A BlockLinear over K-quant bytes: its shape, and its product against the dequantised weight's
+    float product (only the activations' 8-bit rounding separates them: ~1% of |x|·|W| per output)."""
+    runnable(qgemv.PATHS[0])
+    g = torch.Generator().manual_seed(4)
+    packed = kblocks.random_blocks(24, 512, fmt, g)
+    layer = BlockLinear(packed, fmt, torch.randn(24, generator=g))
+    assert (layer.out_features, layer.in_features) == (24, 512)
+    x = torch.randn(3, 4, 512, generator=g)
+    y = layer(x)
+    w = layer.dequantized()
+    exact = x @ w.T + layer.bias
+    scale = (x.abs() @ w.abs().T)
+    assert y.shape == (3, 4, 24)
+    assert bool(((y - exact).abs() <= 0.02 * scale).all())
+    assert np.array_equal(w.numpy(), gguf.quants.dequantize(packed.numpy(), GGUF_TYPE[fmt]))
