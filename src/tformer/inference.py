@@ -112,8 +112,10 @@ def resolve_source(spec: str | os.PathLike | None) -> tuple[str, Path, str]:
 
 def auto_dtype(formats: set[str] | None) -> tuple[str, str]:
     """``(dtype, reason)`` for ``--dtype auto``: a GGUF's own block format when every layer matrix is stored
-    in one tformer multiplies as it is (``formats``: :func:`tformer.interop.gguf_import.layer_formats`),
+    in one tformer multiplies as it is (``formats``: :func:`tformer.interop.gguf_import.layer_formats`);
+    ``"q4_k+q6_k"`` (the formats joined) when they are several or K-quants, each matrix kept in its own;
     float32 otherwise (``formats`` ``None``: a float checkpoint)."""
+    from tformer.interop.gguf_import import KEPT
     from tformer.quant.quantize import BLOCK_FORMATS
 
     if formats is None:
@@ -121,9 +123,17 @@ def auto_dtype(formats: set[str] | None) -> tuple[str, str]:
     if len(formats) == 1 and formats <= set(BLOCK_FORMATS):
         fmt = next(iter(formats))
         return fmt, f"auto: the file's own {fmt} blocks, multiplied as stored"
+    if formats and formats <= set(KEPT.values()):
+        return file_formats(formats), f"auto: the file's own {', '.join(sorted(formats))} blocks, each matrix " \
+            f"multiplied in its format as stored"
     shown = ", ".join(sorted(formats)) or "none"
-    return "fp32", (f"auto: the file stores its matrices as {shown}; tformer keeps {', '.join(BLOCK_FORMATS)} "
+    return "fp32", (f"auto: the file stores its matrices as {shown}; tformer keeps {', '.join(sorted(set(KEPT.values())))} "
                     f"blocks, so it runs widened to float32")
+
+
+def file_formats(formats: set[str]) -> str:
+    """The dtype name of a GGUF kept in several block formats: ``q4_k+q6_k``."""
+    return "+".join(sorted(formats))
 
 
 def _gguf_parts(path: Path, dtype: str, kernels: bool):
@@ -145,8 +155,9 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
         why = f"--dtype {dtype}: re-quantised from the file's {', '.join(sorted(formats))} weights"
     else:
         why = f"--dtype {dtype}"
-    keep = dtype in BLOCK_FORMATS and formats == {dtype}
-    model = set_precision(load_gguf_file(f, keep_quant=keep), dtype, decode_kernels=kernels)
+    mixed = dtype == file_formats(formats)              # several formats (or K-quants), each kept as stored
+    keep = (dtype in BLOCK_FORMATS and formats == {dtype}) or mixed
+    model = set_precision(load_gguf_file(f, keep_quant=keep), "fp32" if mixed else dtype, decode_kernels=kernels)
     tokenizer = gguf_tokenizer(f)
     conf = tokenizer_config(f)
     source = conf.pop("chat_template", None)

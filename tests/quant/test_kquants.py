@@ -1,4 +1,4 @@
-"""K-quants (Q4_K, Q5_K, Q6_K): dequantisation equal to ``gguf.quants.dequantize`` bit for bit, the
+"""K-quants (Q4_K, Q5_K, Q6_K) and Q5_0 / Q5_1: dequantisation equal to ``gguf.quants.dequantize`` bit for bit, the
 activations' Q8_K rounding, and every kernel path this CPU runs (kquants.h: scalar, avx2, avx512vnni,
 each forced) against a float64 evaluation of the same quantised arithmetic (tformer.quant.kblocks.reference).
 
@@ -19,7 +19,8 @@ from tformer.quant.block_linear import BlockLinear
 pytestmark = pytest.mark.usefixtures("one_thread")
 HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 GGUF_TYPE = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
-             "q6_k": gguf.GGMLQuantizationType.Q6_K}
+             "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
+             "q5_1": gguf.GGMLQuantizationType.Q5_1}
 
 
 def runnable(path):

@@ -40,6 +40,7 @@
 #include <type_traits>
 #include <vector>
 #include "../quant/tiles.h"
+#include "../quant/kquants.h"
 #ifdef TFORMER_X86
 #include "../quant/float_rows.h"
 #include "../ops/vec_erf.h"
@@ -313,8 +314,9 @@ T_ATT void attend_head(const float* q, const T* K, const T* V, int64_t s2, int64
   weighted_sum(p, 1.0f / sum, V, s2, n, hs, o);
 }
 
-// One of a layer's matrices, N outputs of K inputs: block tiles (fmt 0-2) or a float (N, K) matrix
-// (F32, BF16, F16), with an optional float32 bias (N).
+// One of a layer's matrices, N outputs of K inputs: block tiles (fmt 0-2), a float (N, K) matrix
+// (F32, BF16, F16) or K-quant / Q5 blocks as the file stores them (fmt 6-10, kquants.h), with an
+// optional float32 bias (N).
 struct Product {
   int64_t fmt = 0, N = 0, K = 0;
   TileMatrix tiles{};
@@ -323,6 +325,14 @@ struct Product {
   bool blocks() const { return fmt <= Q4_1; }
 };
 
+// The width K of a K-quant matrix m (N, S * bytes) uint8, checked.
+int64_t kquant_matrix(const at::Tensor& m, int64_t fmt, int64_t N, const char* what) {
+  TORCH_CHECK(m.dim() == 2 && m.scalar_type() == at::kByte && m.is_contiguous() && m.size(0) == N &&
+                  m.size(1) % kquant_bytes(fmt) == 0,
+              what, ": K-quant blocks must be contiguous (", N, ", S * ", kquant_bytes(fmt), ") uint8");
+  return kquant_values(fmt) * (m.size(1) / kquant_bytes(fmt));
+}
+
 Product make_product(const at::Tensor& m, const c10::optional<at::Tensor>& bias, int64_t fmt, int64_t N,
                      int64_t path, const char* what) {
   Product P;
@@ -330,6 +340,9 @@ Product make_product(const at::Tensor& m, const c10::optional<at::Tensor>& bias,
   if (P.blocks()) {
     P.tiles = tile_matrix(m, fmt, N, path, what);
     P.K = 32 * P.tiles.G;
+  } else if (is_kquant(fmt)) {
+    P.K = kquant_matrix(m, fmt, N, what);
+    P.w = m.data_ptr();
   } else {
     static const at::ScalarType types[3] = {at::kFloat, at::kBFloat16, at::kHalf};
     TORCH_CHECK(m.dim() == 2 && m.is_contiguous() && m.size(0) == N && m.scalar_type() == types[fmt - F32], what,
@@ -369,9 +382,32 @@ void float_product(const T* W, const Product& P, const float* x, int64_t M, floa
   });
 }
 
-// y = x . W^T (+ b) for x (M, P.K): a block product quantises x into `a` unless `quantised` says
-// `a` holds it already (gate and up read one quantisation of h)
-void apply(const Product& P, const float* x, int64_t M, QAct& a, bool& quantised, float* y, int64_t path) {
+// One input quantised both ways, each made at its first use: 8-bit blocks of 32 for tiles and Q8_K for
+// K-quants (gate and up, or q, k and v, read one quantisation of h).
+struct Acts {
+  QAct a;
+  Q8K k;
+  bool tiles = false, kq = false;
+  void fresh() { tiles = kq = false; }      // a new input: both made again (their buffers kept)
+};
+
+// y = x . W^T (+ b) for x (M, P.K): a block product quantises x into `acts` unless it holds that
+// quantisation of x already
+void apply(const Product& P, const float* x, int64_t M, Acts& acts, float* y, int64_t path) {
+  if (is_q5(P.fmt)) {
+    if (!acts.tiles) acts.a.quantize(x, M, P.K);
+    acts.tiles = true;
+    q5_product(P.fmt, path, static_cast<const uint8_t*>(P.w), P.N, acts.a, P.bias, y);
+    return;
+  }
+  if (is_kquant(P.fmt)) {
+    if (!acts.kq) acts.k.quantize(x, M, P.K);
+    acts.kq = true;
+    kquant_product(P.fmt, path, static_cast<const uint8_t*>(P.w), P.N, acts.k, P.bias, y);
+    return;
+  }
+  QAct& a = acts.a;
+  bool& quantised = acts.tiles;
   if (P.blocks()) {
     if (!quantised) a.quantize(x, M, P.K);
     quantised = true;
@@ -382,6 +418,20 @@ void apply(const Product& P, const float* x, int64_t M, QAct& a, bool& quantised
   if (P.fmt == F32) float_product(static_cast<const float*>(P.w), P, x, M, y, wide);
   else if (P.fmt == BF16) float_product(static_cast<const at::BFloat16*>(P.w), P, x, M, y, wide);
   else float_product(static_cast<const at::Half*>(P.w), P, x, M, y, wide);
+}
+
+// proj (N, NQKV) = h . [Wq | Wk | Wv]^T: one product, or three (q, k and v stored in different formats)
+// whose outputs are laid side by side
+void project_qkv(const Product* W, int64_t parts, const float* h, int64_t N, Acts& acts, float* proj, int64_t NQKV,
+                 int64_t path) {
+  if (parts == 1) return apply(W[0], h, N, acts, proj, path);
+  std::vector<float> y(N * W[0].N);
+  int64_t at = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    apply(W[p], h, N, acts, y.data(), path);
+    for (int64_t i = 0; i < N; ++i) std::memcpy(proj + i * NQKV + at, y.data() + i * W[p].N, W[p].N * sizeof(float));
+    at += W[p].N;
+  }
 }
 
 // The attention of every (token, query head), over caches of element type T
@@ -424,13 +474,18 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
                const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cos,
                const c10::optional<at::Tensor>& sin, int64_t path) {
   TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "layer: this CPU cannot run path ", path);
-  TORCH_CHECK(dims.size() == 5 && dims[4] >= SWIGLU && dims[4] <= SILU,
-              "layer: dims (nh, nkv, hs, d_ff, mlp 0 swiglu | 1 gelu_tanh | 2 relu | 3 relu2 | 4 gelu | 5 silu)");
+  TORCH_CHECK((dims.size() == 5 || dims.size() == 6) && dims[4] >= SWIGLU && dims[4] <= SILU,
+              "layer: dims (nh, nkv, hs, d_ff, mlp 0 swiglu | 1 gelu_tanh | 2 relu | 3 relu2 | 4 gelu | 5 silu[, qkv parts])");
   const int64_t nh = dims[0], nkv = dims[1], hs = dims[2], F = dims[3], mlp = dims[4];
-  const size_t n_mats = mlp == SWIGLU ? 5 : 4;
+  const int64_t parts = dims.size() == 6 ? dims[5] : 1;               // qkv as one matrix, or q, k, v apart
+  TORCH_CHECK(parts == 1 || parts == 3, "layer: qkv comes as 1 matrix or 3 (q, k, v)");
+  const size_t n_mats = (mlp == SWIGLU ? 5 : 4) + (parts - 1);
   TORCH_CHECK(mats.size() == n_mats && biases.size() == n_mats && fmts.size() == n_mats,
-              "layer: mats, biases and fmts: (qkv, o, gate, up, down) for SwiGLU, (qkv, o, up, down) otherwise");
-  for (auto f : fmts) TORCH_CHECK(f >= Q8_0 && f <= F16, "layer: a format must be 0-2 (blocks) or 3-5 (float32, bfloat16, float16)");
+              "layer: mats, biases and fmts: (qkv, o, gate, up, down) for SwiGLU, (qkv, o, up, down) otherwise, "
+              "qkv as (q, k, v) with 3 parts");
+  for (auto f : fmts)
+    TORCH_CHECK((f >= Q8_0 && f <= F16) || is_kquant(f),
+                "layer: a format must be 0-2 (blocks), 3-5 (float32, bfloat16, float16) or 6-10 (q4_k, q5_k, q6_k, q5_0, q5_1)");
   TORCH_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0 && hs % 2 == 0 && hs <= 512, "layer: bad head layout");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "layer: x must be contiguous float32 (N, C)");
   const int64_t N = x.size(0), C = x.size(1), Q = nh * hs, KV = nkv * hs, NQKV = Q + 2 * KV;
@@ -474,14 +529,21 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   const bool* vp = valid.has_value() ? valid->data_ptr<bool>() : nullptr;
   const char* names[5] = {"layer qkv", "layer out", "layer gate", "layer up", "layer down"};
   const int64_t outs[5] = {NQKV, C, F, F, C};
+  const int64_t part_outs[3] = {Q, KV, KV};
   std::vector<Product> W;
   for (size_t i = 0; i < n_mats; ++i) {
-    const size_t role = mlp == SWIGLU || i < 2 ? i : i + 1;              // a plain MLP has no gate
+    if (int64_t(i) < parts) {                                           // qkv, or q, k, v
+      W.push_back(make_product(mats[i], biases.get(i), fmts[i], parts == 1 ? NQKV : part_outs[i], path, names[0]));
+      continue;
+    }
+    const size_t j = i - (parts - 1);                                   // its place with one qkv matrix
+    const size_t role = mlp == SWIGLU || j < 2 ? j : j + 1;             // a plain MLP has no gate
     W.push_back(make_product(mats[i], biases.get(i), fmts[i], outs[role], path, names[role]));
   }
-  const Product &Wqkv = W[0], &Wo = W[1], &Wd = W.back();
+  const Product &Wo = W[parts], &Wd = W.back();
   const Product& Wu = W[n_mats - 2];
-  TORCH_CHECK(Wqkv.K == C && Wo.K == Q && Wu.K == C && (mlp != SWIGLU || W[2].K == C) && Wd.K == F,
+  for (int64_t i = 0; i < parts; ++i) TORCH_CHECK(W[i].K == C, "layer: the qkv weights' width does not match x");
+  TORCH_CHECK(Wo.K == Q && Wu.K == C && (mlp != SWIGLU || W[parts + 1].K == C) && Wd.K == F,
               "layer: the weights' widths do not match x and the head layout");
   for (const Product& p : W)
     TORCH_CHECK(!p.blocks() || p.K % 32 == 0, "layer: a block product's input width must be a multiple of 32");
@@ -489,7 +551,7 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   float* xp = x.data_ptr<float>();
   const int64_t group = nh / nkv;
   std::vector<float> h(N * std::max(C, F)), proj(N * std::max(NQKV, 2 * F)), att(N * Q);
-  QAct a;
+  Acts acts;
   auto norm = [&](int which) {                                         // h = norm_which(x)
     if (layer_norm) layer_norm_rows(xp, norms[2 * which].data_ptr<float>(), norms[2 * which + 1].data_ptr<float>(), eps, N, C, h.data());
     else rms_norm_rows(xp, norms[which].data_ptr<float>(), eps, N, C, h.data());
@@ -497,8 +559,7 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
 
   // attention sub-layer: every token's key and value into the cache first, then every token attends
   norm(0);
-  bool quantised = false;
-  apply(Wqkv, h.data(), N, a, quantised, proj.data(), path);           // (N, NQKV): q heads, k heads, v heads
+  project_qkv(W.data(), parts, h.data(), N, acts, proj.data(), NQKV, path);   // (N, NQKV): q heads, k heads, v heads
   if (rope) {
     const float* cp = cos->data_ptr<float>();
     const float* sp = sin->data_ptr<float>();
@@ -513,23 +574,23 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   if (cache_type == at::kFloat) attention(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   else if (cache_type == at::kBFloat16) attention(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   else attention(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
-  quantised = false;
-  apply(Wo, att.data(), N, a, quantised, h.data(), path);              // (N, C)
+  acts.fresh();
+  apply(Wo, att.data(), N, acts, h.data(), path);                     // (N, C)
   for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 
   // feed-forward sub-layer
   norm(1);
-  quantised = false;
+  acts.fresh();
   float* g = proj.data();
   float* u = proj.data() + N * F;
   const float* act = g;                                                // (N, F): the down product's input
   if (mlp == SWIGLU) {
-    apply(W[2], h.data(), N, a, quantised, g, path);
-    apply(Wu, h.data(), N, a, quantised, u, path);                     // h quantised once for both
+    apply(W[parts + 1], h.data(), N, acts, g, path);
+    apply(Wu, h.data(), N, acts, u, path);                             // h quantised once for both
     silu_mul(g, u, u, N * F);                                           // silu(g) * u
     act = u;
   } else {
-    apply(Wu, h.data(), N, a, quantised, g, path);
+    apply(Wu, h.data(), N, acts, g, path);
     switch (mlp) {
       case GELU_TANH: gelu_tanh(g, N * F); break;
       case GELU: gelu_erf(g, N * F); break;
@@ -538,8 +599,8 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
       default: for (int64_t i = 0; i < N * F; ++i) g[i] = std::max(g[i], 0.0f);               // RELU
     }
   }
-  quantised = false;
-  apply(Wd, act, N, a, quantised, h.data(), path);                     // (N, C)
+  acts.fresh();
+  apply(Wd, act, N, acts, h.data(), path);                            // (N, C)
   for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 }
 

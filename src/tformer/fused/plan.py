@@ -21,7 +21,7 @@ import torch
 
 import tformer.fused.library as library
 from tformer.quant import qgemv
-from tformer.quant.block_linear import BlockLinear
+from tformer.quant.block_linear import BlockLinear, StackedLinear
 from tformer.quant.quantize import DecodeLinear
 
 Tensor = torch.Tensor
@@ -40,6 +40,8 @@ def _products(block) -> tuple:
 
 def _product_why_not(lin) -> str | None:
     if isinstance(lin, BlockLinear):
+        return None
+    if isinstance(lin, StackedLinear):       # q, k, v in different formats: split by _qkv_parts
         return None
     if type(lin) is DecodeLinear and lin.weight.dtype in FLOAT_FMT:
         return None          # a weight stored transposed for torch.mm is laid back (DecodeLinear.row_major)
@@ -92,6 +94,28 @@ def why_not(model) -> str | None:
     path = qgemv.path()
     if path not in qgemv.TILE_ROWS:
         return f"kernel path {path} has no tiles"
+    return _qkv_why_not(model, path)
+
+
+def _split_qkv(model) -> bool:
+    """Whether the layer call takes q, k and v as three matrices: some layer stores them in different formats."""
+    return any(isinstance(b.attn.qkv_proj, StackedLinear) for b in model.blocks)
+
+
+def _qkv_why_not(model, path: str) -> str | None:
+    """Where q, k and v go apart (:func:`_split_qkv`), each layer's must split at the q | k | v rows: a
+    StackedLinear's parts are those, a tiled matrix splits only at whole tiles."""
+    if not _split_qkv(model):
+        return None
+    c = model.config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    for b in model.blocks:
+        lin = b.attn.qkv_proj
+        if isinstance(lin, StackedLinear) and [p.out_features for p in lin.parts] != [q, kv, kv]:
+            return "q, k and v stacked other than as q | k | v"
+        tiled = isinstance(lin, BlockLinear) and not lin.kquant
+        if tiled and (q % qgemv.TILE_ROWS[path] or kv % qgemv.TILE_ROWS[path]):
+            return f"q, k and v in different formats beside a tiled qkv whose rows do not split at {qgemv.TILE_ROWS[path]}-row tiles"
     return None
 
 
@@ -107,6 +131,8 @@ def _norm_weights(norm) -> list[Tensor]:
 def _matrix(lin, path: str) -> Tensor:
     if not isinstance(lin, BlockLinear):
         return lin.row_major()                              # the layer call reads (N, K) rows
+    if lin.kquant:
+        return lin.blocks                                   # K-quants are read in the file layout
     t = lin._tiled.get(path)
     if t is None:
         t = lin._tiled[path] = qgemv.tiles(lin.blocks, lin.fmt, path)
@@ -118,6 +144,38 @@ def _bias(lin) -> Tensor | None:
     return None if b is None else b.detach().float().contiguous()
 
 
+def _format(lin) -> int:
+    """layers.cpp's format number of a product."""
+    return qgemv.FMT[lin.fmt] if isinstance(lin, BlockLinear) else FLOAT_FMT[lin.weight.dtype]
+
+
+def _format_name(lin) -> str:
+    return lin.fmt if isinstance(lin, BlockLinear) else str(lin.weight.dtype)[6:]
+
+
+def _qkv_parts(lin, path: str, q: int, kv: int) -> list[tuple]:
+    """``(matrix, bias, format)`` of q, k and v apart: a StackedLinear's parts, or row ranges of one
+    matrix (K-quant rows, float rows or whole tiles: views, no copy)."""
+    if isinstance(lin, StackedLinear):
+        return [(_matrix(p, path), _bias(p), _format(p)) for p in lin.parts]
+    m, b = _matrix(lin, path), _bias(lin)
+    step = qgemv.TILE_ROWS[path] if isinstance(lin, BlockLinear) and not lin.kquant else 1   # rows per matrix row
+    cuts = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+    return [(m[a // step:e // step], None if b is None else b[a:e], _format(lin)) for a, e in cuts]
+
+
+def _layer_products(lins, path: str, split: bool, q: int, kv: int) -> tuple[list, list, list]:
+    """One layer's (matrices, biases, formats) in the call's order; with ``split``, qkv as q, k, v."""
+    first = _qkv_parts(lins[0], path, q, kv) if split else [(_matrix(lins[0], path), _bias(lins[0]), _format(lins[0]))]
+    rest = [(_matrix(lin, path), _bias(lin), _format(lin)) for lin in lins[1:]]
+    mats, biases, fmts = zip(*(first + rest))
+    return list(mats), list(biases), list(fmts)
+
+
+def _names(lin) -> list[str]:
+    return [_format_name(p) for p in lin.parts] if isinstance(lin, StackedLinear) else [_format_name(lin)]
+
+
 class Plan:
     """What each layer's call reads, gathered once per model and kernel path (the tiles BlockLinear
     makes at its first call, made here if no call came yet; a float weight as the layer holds it)."""
@@ -127,20 +185,20 @@ class Plan:
         c = model.config
         first = model.blocks[0]
         mlp = 0 if hasattr(first.ffn, "gate") else MLP[c.activation]
-        self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, first.ffn.up.out_features, mlp]
+        split = _split_qkv(model)
+        q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, first.ffn.up.out_features, mlp] + ([3] if split else [])
         self.eps = float(first.attn_norm.eps)
         self.layers = []
         names: dict[str, None] = {}                        # the products' formats, in order of appearance
         for b in model.blocks:
             lins = _products(b)
-            mats = [_matrix(lin, path) for lin in lins]
-            fmts = [qgemv.FMT[lin.fmt] if isinstance(lin, BlockLinear) else FLOAT_FMT[lin.weight.dtype] for lin in lins]
-            biases = [_bias(lin) for lin in lins]
+            mats, biases, fmts = _layer_products(lins, path, split, q, kv)
             self.layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm), mats, biases, fmts))
-            names.update((lin.fmt if isinstance(lin, BlockLinear) else str(lin.weight.dtype)[6:], None) for lin in lins)
+            names.update((n, None) for lin in lins for n in _names(lin))
         # the same, each list one layer after another: the arguments of tformer_fused::layers
         self.flat = tuple([t for layer in self.layers for t in layer[i]] for i in range(4))
-        self.floats = any(f >= 3 for layer in self.layers for f in layer[3])
+        self.floats = any(f in FLOAT_FMT.values() for layer in self.layers for f in layer[3])
         blocks = [n for n in names if n in qgemv.FMT]
         floats = [n for n in names if n not in qgemv.FMT]
         self.weights = ", ".join(([", ".join(blocks) + " blocks"] if blocks else [])

@@ -40,6 +40,7 @@ from tformer.errors import CheckpointError
 from tformer.interop.gguf import CONV1D
 from tformer.interop.gguf_reader import GGUFFile
 from tformer.interop.loader import TensorSource
+from tformer.quant import kblocks
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
 # The "{arch}." keys understood; any other one is refused (it may change the maths).
@@ -194,11 +195,10 @@ def check_finite(f: GGUFFile, name: str, a: np.ndarray, kept: bool) -> None:
     """Refuse a weight holding NaN or infinity (every later command refuses the checkpoint it would make):
     a float tensor's values, or a block-quantised one's f16 scales."""
     if kept:
-        from tformer.quant.blocks import BYTES
-
-        size = BYTES[KEPT[f.tensors[name].type]]
-        blocks = np.ascontiguousarray(a).reshape(-1, size)
-        scales = blocks[:, :4 if KEPT[f.tensors[name].type] == "q4_1" else 2].copy().view(np.float16)
+        fmt = KEPT[f.tensors[name].type]
+        blocks = np.ascontiguousarray(a).reshape(-1, kblocks.maths(fmt).BYTES[fmt])
+        at = SCALE_BYTES.get(fmt, slice(0, 2))
+        scales = blocks[:, at].copy().view(np.float16)
         bad = ~np.isfinite(scales)
     else:
         bad = ~np.isfinite(a)
@@ -222,7 +222,14 @@ def hf_name(f: GGUFFile, arch: str, name: str) -> str:
                           f"not understand.")
 
 
-KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}   # GGUF type -> tformer block format kept as stored
+# GGUF type -> tformer block format kept as stored
+KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
+        "Q5_0": "q5_0", "Q5_1": "q5_1"}
+SCALE_BYTES = {"q4_1": slice(0, 4), "q5_1": slice(0, 4), "q4_k": slice(0, 4), "q5_k": slice(0, 4),
+               "q6_k": slice(208, 210)}   # the fp16 factors of a block (d alone: its first two bytes)
+# tformer state name (under blocks.{i}.) -> the llama.cpp tensors it is made of (under blk.{i}.), in row order
+GGUF_PARTS = {"attn.qkv_proj.weight": ("attn_q", "attn_k", "attn_v"), "attn.out_proj.weight": ("attn_output",),
+              "ffn.gate.weight": ("ffn_gate",), "ffn.up.weight": ("ffn_up",), "ffn.down.weight": ("ffn_down",)}
 
 
 def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> dict[str, torch.Tensor]:
@@ -231,7 +238,8 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
     out = {}
     for name in f.tensors:
         target = hf_name(f, arch, name)
-        kept = keep_quant and f.tensors[name].type in KEPT and len(f.tensors[name].shape) == 2
+        kept = keep_quant and f.tensors[name].type in KEPT and len(f.tensors[name].shape) == 2 and \
+            (".self_attn." not in target or target.endswith("o_proj.weight") or qkv_types(f, name) <= set(KEPT))
         if kept and arch == "gpt2" and target.endswith(CONV1D):
             raise CheckpointError(f"{f.path}: keep_quant cannot keep {name} ({f.tensors[name].type}) as blocks: a gpt2 "
                                   f"file's matrices must be transposed for tformer; load it with keep_quant=False.")
@@ -245,7 +253,23 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
             a = a.T                                         # (out, in) -> Conv1D's (in, out)
         # a copy: the file is mapped read-only
         out[target] = torch.from_numpy(np.array(a, dtype=np.uint8 if kept else np.float32))
+        if kept and ".self_attn." in target and not target.endswith("o_proj.weight") and len(qkv_types(f, name)) > 1:
+            out[target] = out[target].reshape(-1)      # q, k, v in different formats: joined as bytes, split again
     return out
+
+
+def qkv_types(f: GGUFFile, name: str) -> set[str]:
+    """The storage types of the q, k and v tensors of the layer of ``name`` (``blk.{i}.*``)."""
+    layer = name.split(".")[1]
+    return {f.tensors[f"blk.{layer}.{p}.weight"].type for p in GGUF_PARTS["attn.qkv_proj.weight"]}
+
+
+def kept_parts(f: GGUFFile, key: str) -> list[tuple[int, str]]:
+    """``(rows, block format)`` of each file tensor that tformer state ``key`` is made of, in row order."""
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
+    names = ([f"blk.{m.group(1)}.{p}.weight" for p in GGUF_PARTS[m.group(2)]] if m else
+             ["output.weight" if key == "lm_head.weight" and "output.weight" in f.tensors else "token_embd.weight"])
+    return [(f.tensors[n].shape[0], KEPT[f.tensors[n].type]) for n in names]
 
 
 def load_gguf(path: str | Path, keep_quant: bool = False) -> torch.nn.Module:
@@ -265,24 +289,12 @@ def layer_formats(f: GGUFFile) -> set[str]:
     return {KEPT.get(t.type, t.type) for name, t in f.tensors.items() if name.startswith("blk.") and len(t.shape) == 2}
 
 
-def block_format(packed: torch.Tensor, in_features: int) -> str:
-    """The block format of file bytes ``(N, row bytes)`` for rows of ``in_features`` values: the bytes
-    per block of 32 tell it (34 q8_0, 18 q4_0, 20 q4_1)."""
-    from tformer.quant.blocks import BYTES
-
-    per_block = {size: fmt for fmt, size in BYTES.items()}
-    size = packed.shape[1] * 32 // max(in_features, 1)
-    if in_features % 32 or size * in_features != packed.shape[1] * 32 or size not in per_block:
-        raise CheckpointError(f"a block-quantised matrix of {packed.shape[1]} bytes a row does not fit {in_features} "
-                              f"inputs; the file is damaged.")
-    return per_block[size]
-
-
-def install_blocks(model: torch.nn.Module, kept: dict[str, torch.Tensor]) -> None:
+def install_blocks(model: torch.nn.Module, kept: dict[str, torch.Tensor], f: GGUFFile) -> None:
     """Replace the modules whose ``weight`` is in ``kept`` (state name -> file bytes) by block modules:
-    ``nn.Linear`` -> BlockLinear, ``nn.Embedding`` -> BlockEmbedding; one buffer for tied matrices."""
+    ``nn.Linear`` -> BlockLinear (a StackedLinear of them where q, k and v differ in format),
+    ``nn.Embedding`` -> BlockEmbedding; one buffer for tied matrices."""
     from tformer.quant.block_embedding import BlockEmbedding
-    from tformer.quant.block_linear import BlockLinear
+    from tformer.quant.block_linear import BlockLinear, StackedLinear
 
     for key, packed in kept.items():
         path, _, leaf = key.rpartition(".")
@@ -292,15 +304,25 @@ def install_blocks(model: torch.nn.Module, kept: dict[str, torch.Tensor]) -> Non
         if leaf != "weight" or not isinstance(child, (torch.nn.Linear, torch.nn.Embedding)):
             raise CheckpointError(f"tensor {key} is block-quantised but belongs to a {type(child).__name__}, which "
                                   f"tformer runs in float only; load the file with keep_quant=False.")
+        parts = kept_parts(f, key)
         rows = child.num_embeddings if isinstance(child, torch.nn.Embedding) else child.out_features
-        if packed.shape[0] != rows:
+        if sum(r for r, _ in parts) != rows or (packed.dim() == 2 and packed.shape[0] != rows):
             raise CheckpointError(f"tensor {key} has {packed.shape[0]} rows but the metadata gives {rows}; the file "
                                   f"is damaged.")
         if isinstance(child, torch.nn.Embedding):
-            setattr(parent, child_name, BlockEmbedding(packed, block_format(packed, child.embedding_dim)))
-        else:
-            bias = child.bias.detach() if child.bias is not None else None
-            setattr(parent, child_name, BlockLinear(packed, block_format(packed, child.in_features), bias))
+            setattr(parent, child_name, BlockEmbedding(packed, parts[0][1]))
+            continue
+        bias = child.bias.detach() if child.bias is not None else None
+        if packed.dim() == 2:
+            setattr(parent, child_name, BlockLinear(packed, parts[0][1], bias))
+            continue
+        layers, start, at = [], 0, 0                    # bytes of q, k, v one after another
+        for n, fmt in parts:
+            size = n * kblocks.row_bytes(fmt, child.in_features)
+            layers.append(BlockLinear(packed[start:start + size].view(n, -1), fmt,
+                                      None if bias is None else bias[at:at + n]))
+            start, at = start + size, at + n
+        setattr(parent, child_name, StackedLinear(layers))
 
 
 def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
@@ -327,7 +349,7 @@ def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
             if set(missing) != set(kept) or unexpected:
                 raise RuntimeError(f"size mismatch: missing {sorted(set(missing) - set(kept))[:3]}, "
                                    f"unexpected {unexpected[:3]}")
-            install_blocks(model, kept)
+            install_blocks(model, kept, f)
         else:
             model.load_state_dict(state, strict=True)
     except RuntimeError as e:

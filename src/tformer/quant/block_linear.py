@@ -1,12 +1,12 @@
-"""``nn.Linear`` with its weight in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), used as stored.
+"""``nn.Linear`` with its weight in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), used as stored.
 
 The weight ``(N, K)`` is held as ggml's bytes, ``(N, K/32 · bytes)`` uint8 (:mod:`tformer.quant.blocks`),
 and never widened into a float copy: every call quantises its input rows to 8-bit blocks and runs
 the integer block products of :mod:`tformer.quant.qgemv` (AVX2, AVX-512 VNNI or portable C++,
 picked from the CPU), so a decode step reads 34 / 18 / 20 bytes per 32 weights (8.5 / 4.5 / 5
 bits a weight against bfloat16's 16). The K-quants (:mod:`tformer.quant.kblocks`: 4.5 / 5.5 / 6.56 bits a
-weight) run :func:`tformer.quant.qgemv.kqgemm` on the file layout, the activations rounded to Q8_K
-(blocks of 256) as llama.cpp rounds them. The bias stays float32.
+weight) and Q5_0 / Q5_1 run :func:`tformer.quant.qgemv.kqgemm` on the file layout, the K-quants'
+activations rounded to Q8_K (blocks of 256) as llama.cpp rounds them. The bias stays float32.
 
 Error against the float layer: each weight is off by at most half its block's step (q8_0:
 ``max|W_b| / 254``; q4_0: ``max|W_b| / 16``; q4_1: ``(max - min) / 30``) plus fp16's rounding of the
@@ -29,7 +29,8 @@ class BlockLinear(nn.Module):
 
     Args:
         packed: ``(out_features, in_features/32 · BYTES[fmt])`` uint8 blocks (a GGUF tensor's bytes).
-        fmt: ``q8_0``, ``q4_0``, ``q4_1`` (blocks of 32) or ``q4_k``, ``q5_k``, ``q6_k`` (super-blocks of 256).
+        fmt: ``q8_0``, ``q4_0``, ``q4_1`` (tiled blocks of 32) or ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k``
+            (read in the file layout).
         bias: ``(out_features,)`` float or None.
     """
 
@@ -37,7 +38,7 @@ class BlockLinear(nn.Module):
 
     def __init__(self, packed: Tensor, fmt: str, bias: Tensor | None = None):
         super().__init__()
-        self.kquant = fmt in kblocks.BYTES
+        self.kquant = fmt in kblocks.BYTES               # read in the file layout by kqgemm, no tiles
         self.out_features, self.in_features = kblocks.maths(fmt).packed_shape(packed, fmt, "weights")
         self.fmt = fmt
         if bias is not None and bias.shape != (self.out_features,):
@@ -81,6 +82,40 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} blocks"
+
+
+class StackedLinear(nn.Module):
+    """Several block layers over the same input whose outputs are joined: ``y = [l_1(x) | l_2(x) | ...]``.
+    A GGUF's q, k and v stored in different formats (a Q4_K_M layer with a Q6_K ``attn_v``) make one
+    ``qkv_proj`` this way, each part multiplied in its own format (inference only).
+
+    Args:
+        parts: the layers, in output order, all with the same ``in_features``.
+    """
+
+    inference_only = True
+
+    def __init__(self, parts: list[BlockLinear]):
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise InputError(f"stacked layers must share their input width; got {[p.in_features for p in parts]}.")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([p(x) for p in self.parts], -1)                               # (..., sum N_i)
+
+    def dequantized(self) -> Tensor:
+        """The float32 weight ``(N, K)`` the parts stand for, rows in order (for checks)."""
+        return torch.cat([p.dequantized() for p in self.parts])
+
+    def decode_tensors(self) -> list[Tensor]:
+        return [t for p in self.parts for t in p.decode_tensors()]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " + \
+            " | ".join(f"{p.out_features} {p.fmt}" for p in self.parts)
 
 
 class _InputGradient(torch.autograd.Function):

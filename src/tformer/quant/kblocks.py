@@ -1,5 +1,6 @@
-"""GGUF's K-quant formats Q4_K, Q5_K and Q6_K, byte for byte as ggml stores them, and the arithmetic of
-a product with activations quantised to ggml's Q8_K, as llama.cpp multiplies them.
+"""GGUF's K-quant formats Q4_K, Q5_K and Q6_K (and the 5-bit Q5_0 / Q5_1), byte for byte as ggml stores
+them, and the arithmetic of a product with activations quantised to ggml's Q8_K, as llama.cpp multiplies
+them: the formats tformer multiplies in the file layout, one weight row at a time (kquants.h).
 
 A weight row of ``K`` values (``K`` a multiple of 256) is ``K / 256`` super-blocks, each a little-endian
 struct (ggml's ``block_q4_K`` / ``block_q5_K`` / ``block_q6_K``):
@@ -32,6 +33,13 @@ codes. One super-block's contribution to ``y = W x`` is then integers times two 
 - q6_k: ``(d·dx)·Σ_g sc_g (Σ_{e∈g} q_e qx_e - 32 bsum_g)``.
 
 Every sum over a super-block is an exact integer (|Σ| < 2^31); only the per-super-block floats round.
+
+Q5_0 (22 bytes: ``d`` fp16, ``qh`` 4 bytes, ``qs[16]``) and Q5_1 (24: ``d``, ``m`` fp16, ``qh``, ``qs``) are
+blocks of 32 whose code ``q_e`` is the nibble of :mod:`tformer.quant.blocks`'s layout plus bit ``e`` of the
+little-endian ``qh`` as its fifth bit; values ``d·(q_e - 16)`` and ``d·q_e + m``. llama.cpp's fallbacks where
+a row is no multiple of 256 (Q4_K -> Q5_0, Q5_K -> Q5_1): Qwen2.5-0.5B's 896-wide matrices in a Q4_K_M file.
+Their activations are tformer's 8-bit blocks of 32 (:func:`tformer.quant.blocks.quantize_activation`), and a
+block contributes ``d·dx·(Σ q qx - 16 Σ qx)`` or ``d·dx·Σ q qx + m·dx·Σ qx``.
 :func:`reference` evaluates that in float64 (the tests' reference for every kernel path, activation
 rounding included); :func:`dot` in float32 with torch (the fallback where the kernels cannot be built).
 """
@@ -46,9 +54,11 @@ from tformer.errors import ConfigError, InputError
 
 Tensor = torch.Tensor
 SUPER = 256                                            # values per super-block
-BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}        # bytes per super-block
+BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "q5_0": 22, "q5_1": 24}   # bytes per (super-)block
+VALUES = {"q4_k": SUPER, "q5_k": SUPER, "q6_k": SUPER, "q5_0": 32, "q5_1": 32}   # values per (super-)block
 FORMATS = tuple(BYTES)
-GGML_TYPE = {"q4_k": 12, "q5_k": 13, "q6_k": 14}       # ggml_type / GGMLQuantizationType numbers
+KQUANTS = ("q4_k", "q5_k", "q6_k")
+GGML_TYPE = {"q4_k": 12, "q5_k": 13, "q6_k": 14, "q5_0": 6, "q5_1": 7}   # ggml_type / GGMLQuantizationType numbers
 
 
 def check_format(fmt: str) -> None:
@@ -57,12 +67,12 @@ def check_format(fmt: str) -> None:
 
 
 def packed_shape(packed: Tensor, fmt: str, what: str) -> tuple[int, int]:
-    """``(rows, columns)`` of the float matrix that ``(N, S · BYTES[fmt])`` uint8 super-blocks stand for."""
+    """``(rows, columns)`` of the float matrix that ``(N, S · BYTES[fmt])`` uint8 (super-)blocks stand for."""
     check_format(fmt)
     if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % BYTES[fmt]:
-        raise InputError(f"{fmt} {what} must be (N, S·{BYTES[fmt]}) uint8 super-blocks; got "
+        raise InputError(f"{fmt} {what} must be (N, S·{BYTES[fmt]}) uint8 blocks; got "
                          f"{packed.dtype} {tuple(packed.shape)}.")
-    return packed.shape[0], packed.shape[1] // BYTES[fmt] * SUPER
+    return packed.shape[0], packed.shape[1] // BYTES[fmt] * VALUES[fmt]
 
 
 def _fp16(b: Tensor) -> Tensor:
@@ -89,6 +99,15 @@ def unpack(packed: Tensor, fmt: str) -> dict[str, Tensor]:
     rows, _ = packed_shape(packed, fmt, "blocks")
     b = packed.reshape(rows, -1, BYTES[fmt])                                       # (N, S, bytes)
     N, S = b.shape[:2]
+    if fmt in ("q5_0", "q5_1"):
+        at = 4 if fmt == "q5_1" else 2
+        qh = b[..., at:at + 4].contiguous().view(torch.int32)                       # (N, S, 1) little-endian bits
+        qs = b[..., at + 4:].to(torch.int32)
+        q = torch.cat([qs & 15, qs >> 4], -1) | (((qh >> torch.arange(32, dtype=torch.int32)) & 1) << 4)
+        out = {"q": q, "d": _fp16(b[..., 0:2])}
+        if fmt == "q5_1":
+            out["m"] = _fp16(b[..., 2:4])
+        return out
     if fmt == "q6_k":
         ql, qh = b[..., :128].to(torch.int32), b[..., 128:192].to(torch.int32)
         sc = b[..., 192:208].contiguous().view(torch.int8).to(torch.int32)
@@ -113,6 +132,10 @@ def dequantize(packed: Tensor, fmt: str) -> Tensor:
     """The float32 matrix ``(N, K)`` the super-blocks stand for (equals ``gguf.quants.dequantize``)."""
     u = unpack(packed, fmt)
     N, S = u["d"].shape
+    if fmt == "q5_0":
+        return (u["d"][..., None] * (u["q"] - 16).float()).reshape(N, -1)
+    if fmt == "q5_1":
+        return (u["d"][..., None] * u["q"].float() + u["m"][..., None]).reshape(N, -1)
     per = SUPER // u["sc"].shape[-1]                                               # 32 or 16 values a scale
     q = u["q"].float().reshape(N, S, -1, per)
     w = (u["d"][..., None] * u["sc"].float())[..., None] * q
@@ -143,9 +166,11 @@ def _terms(packed: Tensor, fmt: str, x: Tensor, dtype: torch.dtype) -> tuple[Ten
     """Per (row m, output n, super-block): the scale term and the min term (subtracted), ``(M, N, S)``."""
     u = unpack(packed, fmt)
     N, S = u["d"].shape
-    if x.dim() != 2 or x.shape[1] != S * SUPER:
-        raise InputError(f"the activations are {tuple(x.shape)} but the {fmt} weight has {S * SUPER} inputs: "
-                         f"pass (M, in_features) rows.")
+    if x.dim() != 2 or x.shape[1] != S * VALUES[fmt]:
+        raise InputError(f"the activations are {tuple(x.shape)} but the {fmt} weight has {S * VALUES[fmt]} "
+                         f"inputs: pass (M, in_features) rows.")
+    if fmt in ("q5_0", "q5_1"):
+        return _q5_terms(u, fmt, x, dtype)
     qx, dx, bsums = quantize_activation(x)
     G = u["sc"].shape[-1]
     # integer dot per (m, n, super-block, sub-block): |.| <= 32 · 63 · 127, exact in float32/64
@@ -157,6 +182,20 @@ def _terms(packed: Tensor, fmt: str, x: Tensor, dtype: torch.dtype) -> tuple[Ten
     pair = bsums.reshape(-1, S, 8, 2).sum(-1).to(dtype)                              # (M, S, 8)
     mins = torch.einsum("nsj,msj->mns", u["m"].to(dtype), pair)
     return scale * isum, (u["dmin"].to(dtype)[None] * dx.to(dtype)[:, None]) * mins
+
+
+def _q5_terms(u: dict, fmt: str, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Q5_0 / Q5_1's per-block terms ``(M, N, G)``: the scale term, and minus the q5_1 min term."""
+    from tformer.quant import blocks
+
+    qx, dx, sx = blocks.quantize_activation(x)                                     # (M, G, 32), (M, G)
+    idot = torch.einsum("ngk,mgk->mng", u["q"].to(dtype), qx.to(dtype))
+    if fmt == "q5_0":
+        idot = idot - 16 * sx.to(dtype)[:, None, :]
+    terms = (u["d"].to(dtype)[None] * dx.to(dtype)[:, None]) * idot
+    if fmt == "q5_0":
+        return terms, torch.zeros_like(terms)
+    return terms, -(u["m"].to(dtype)[None] * (dx.to(dtype) * sx.to(dtype))[:, None])
 
 
 def reference(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -183,10 +222,12 @@ def random_blocks(rows: int, cols: int, fmt: str, generator: torch.Generator, sc
     """Random ``(rows, cols/256 · BYTES)`` super-blocks with finite fp16 factors of about ``scale``: every
     code and packed scale byte drawn at random (tests and benchmarks of the kernels)."""
     check_format(fmt)
-    S = cols // SUPER
+    S = cols // VALUES[fmt]
     b = torch.randint(0, 256, (rows, S, BYTES[fmt]), dtype=torch.uint8, generator=generator)
     factor = (torch.rand(rows, S, 2, generator=generator) * scale + scale / 4).half().view(torch.uint8)  # (rows,S,4)
-    if fmt == "q6_k":
+    if fmt == "q5_0":
+        b[..., 0:2] = factor[..., :2]
+    elif fmt == "q6_k":
         b[..., 208:210] = factor[..., :2]
     else:
         b[..., 0:4] = factor
@@ -194,8 +235,13 @@ def random_blocks(rows: int, cols: int, fmt: str, generator: torch.Generator, sc
 
 
 def maths(fmt: str):
-    """The module that holds ``fmt``'s layout (packed_shape, dequantize): this one for the K-quants,
-    :mod:`tformer.quant.blocks` for the blocks of 32."""
+    """The module that holds ``fmt``'s layout (packed_shape, dequantize): this one for the formats read in
+    the file layout, :mod:`tformer.quant.blocks` for the tiled blocks of 32."""
     from tformer.quant import blocks
 
     return sys.modules[__name__] if fmt in BYTES else blocks
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of one stored row of ``k`` values in ``fmt`` (any GGUF block format tformer keeps)."""
+    return k // VALUES.get(fmt, 32) * maths(fmt).BYTES[fmt]

@@ -12,16 +12,22 @@
 // (2 * 63 * 127 < 2^15). Each row of W is read once per activation row, in the file layout: a weight
 // row (a few KB) stays in L1 while the rows of a prompt pass. Included after tiles.h (its paths, ISA
 // attributes and supports()); internal linkage, like tiles.h.
+// Also here, read the same way: Q5_0 / Q5_1 (blocks of 32, a fifth bit per code in 4 bytes qh), llama.cpp's
+// fallback where a row is no multiple of 256, on tiles.h's 8-bit activation blocks of 32 (QAct):
+//   q5_0: d dx (sum q qx - 16 s)        q5_1: d dx sum q qx + m dx s        (s = sum qx of the block)
 #pragma once
 #include <c10/util/Half.h>
 #include "tiles.h"
 
 namespace {
 
-enum KFmt : int64_t { Q4_K = 6, Q5_K = 7, Q6_K = 8 };    // after the 32-blocks (0-2) and the floats (3-5)
-constexpr int64_t KBYTES[3] = {144, 176, 210};          // bytes per super-block of 256
-inline bool is_kquant(int64_t fmt) { return fmt >= Q4_K && fmt <= Q6_K; }
+enum KFmt : int64_t { Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10 };   // after the 32-blocks (0-2), floats (3-5)
+constexpr int64_t KBYTES[5] = {144, 176, 210, 22, 24};  // bytes per (super-)block
+constexpr int64_t KVALUES[5] = {256, 256, 256, 32, 32}; // values per (super-)block
+inline bool is_kquant(int64_t fmt) { return fmt >= Q4_K && fmt <= Q5_1; }   // a format read in the file layout
+inline bool is_q5(int64_t fmt) { return fmt == Q5_0 || fmt == Q5_1; }
 inline int64_t kquant_bytes(int64_t fmt) { return KBYTES[fmt - Q4_K]; }
+inline int64_t kquant_values(int64_t fmt) { return KVALUES[fmt - Q4_K]; }
 
 inline float k_half(const uint8_t* p) {
   uint16_t bits;
@@ -277,6 +283,86 @@ T_VNNI float kdot_vnni(const uint8_t* w, const KRow& x, int64_t S) {
   return _mm512_reduce_add_ps(acc) - mins;
 }
 #endif  // TFORMER_X86
+
+// ---------------------------------------------------------------- Q5_0 / Q5_1 ----------------
+template <int F>
+float q5dot_scalar(const uint8_t* w, const XRow& x, int64_t G) {
+  constexpr int64_t bytes = KBYTES[F - Q4_K], at = F == Q5_1 ? 4 : 2;
+  float acc = 0.0f, mins = 0.0f;
+  for (int64_t g = 0; g < G; ++g, w += bytes) {
+    uint32_t qh;
+    std::memcpy(&qh, w + at, 4);
+    const uint8_t* qs = w + at + 4;
+    const int8_t* xq = x.q + 32 * g;
+    int32_t s = 0;
+    for (int e = 0; e < 16; ++e)
+      s += int32_t((qs[e] & 15) | (((qh >> e) & 1) << 4)) * xq[e] +
+           int32_t((qs[e] >> 4) | (((qh >> (e + 16)) & 1) << 4)) * xq[e + 16];
+    if (F == Q5_0) s -= 16 * x.s[g];
+    acc += (k_half(w) * x.d[g]) * float(s);
+    if (F == Q5_1) mins += k_half(w + 2) * x.ds[g];
+  }
+  return acc + mins;
+}
+
+#ifdef TFORMER_X86
+// 32 bits -> 32 bytes, byte e = 16 where bit e is set (the fifth bit of code e), else 0
+T_AVX2 inline __m256i fifth_bits(uint32_t qh) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(qh)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+template <int F>
+T_AVX2 float q5dot_avx2(const uint8_t* w, const XRow& x, int64_t G) {
+  constexpr int64_t bytes = KBYTES[F - Q4_K], at = F == Q5_1 ? 4 : 2;
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  float mins = 0.0f;
+  for (int64_t g = 0; g < G; ++g, w += bytes) {
+    uint32_t qh;
+    std::memcpy(&qh, w + at, 4);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at + 4));
+    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);   // codes 0..15, 16..31
+    const __m256i q = _mm256_or_si256(nib, fifth_bits(qh));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * g));
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+    if (F == Q5_0) p = _mm256_sub_epi32(p, _mm256_setr_epi32(16 * x.s[g], 0, 0, 0, 0, 0, 0, 0));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f_k(w) * x.d[g]), _mm256_cvtepi32_ps(p), acc);
+    if (F == Q5_1) mins += h2f_k(w + 2) * x.ds[g];
+  }
+  return hsum256(acc) + mins;
+}
+#endif
+
+using Q5DotFn = float (*)(const uint8_t*, const XRow&, int64_t);
+
+// the AVX-512 path runs the AVX2 loop for these (a block is one 256-bit vector)
+Q5DotFn q5dot_fn(int64_t path, int64_t fmt) {
+#ifdef TFORMER_X86
+  if (path == AVX2 || path == AVX512VNNI) return fmt == Q5_0 ? &q5dot_avx2<Q5_0> : &q5dot_avx2<Q5_1>;
+#endif
+  return fmt == Q5_0 ? &q5dot_scalar<Q5_0> : &q5dot_scalar<Q5_1>;
+}
+
+// y (M, N) = act (M, K) . W^T (+ bias) for Q5_0 / Q5_1 rows, as kquant_product
+void q5_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const QAct& a, const float* bias, float* y) {
+  const auto start = std::chrono::steady_clock::now();
+  const Q5DotFn dot = q5dot_fn(path, fmt);
+  const int64_t row_bytes = a.G * kquant_bytes(fmt);
+  const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < a.M; ++m) {
+      const XRow row = a.row(m);
+      float* out = y + m * N;
+      for (int64_t n = n0; n < n1; ++n) out[n] = dot(w + n * row_bytes, row, a.G) + (bias ? bias[n] : 0.0f);
+    }
+  });
+  PRODUCT_NS.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
+                       std::memory_order_relaxed);
+}
 
 using KDotFn = float (*)(const uint8_t*, const KRow&, int64_t);
 

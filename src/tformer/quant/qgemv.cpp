@@ -428,28 +428,34 @@ double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns
 
 int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT_NS.load(); }
 
-// The K-quant op (kquants.h): blocks (N, S * bytes) uint8 as the file stores them, fmt 6 q4_k |
-// 7 q5_k | 8 q6_k, x (M, K = 256 S) float32|bf16|f16 -> y (M, N) in x's dtype, path 0|1|2.
+// The op of the formats read in the file layout (kquants.h): blocks (N, S * bytes) uint8, fmt 6 q4_k |
+// 7 q5_k | 8 q6_k | 9 q5_0 | 10 q5_1, x (M, K) float32|bf16|f16 -> y (M, N) in x's dtype, path 0|1|2.
 at::Tensor kqgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                   int64_t path) {
-  TORCH_CHECK(is_kquant(fmt), "kqgemm: fmt must be 6 (q4_k), 7 (q5_k) or 8 (q6_k)");
+  TORCH_CHECK(is_kquant(fmt), "kqgemm: fmt must be 6 (q4_k), 7 (q5_k), 8 (q6_k), 9 (q5_0) or 10 (q5_1)");
   TORCH_CHECK(path >= 0 && path <= 2 && supports(path), "kqgemm: this CPU cannot run path ", path);
   const int64_t bytes = kquant_bytes(fmt);
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.device().is_cpu() && blocks.size(1) % bytes == 0,
               "kqgemm: blocks must be a contiguous CPU (N, S*", bytes, ") uint8 matrix");
-  const int64_t N = blocks.size(0), K = 256 * (blocks.size(1) / bytes);
+  const int64_t N = blocks.size(0), K = kquant_values(fmt) * (blocks.size(1) / bytes);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "kqgemm: x must be (M, ", K, ")");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "kqgemm: bias must be contiguous float32 (N,)");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "kqgemm: x must be float32, bfloat16 or float16");
   at::Tensor xf = x.to(at::kFloat).contiguous();
-  Q8K a;
-  a.quantize(xf.data_ptr<float>(), x.size(0), K);
   at::Tensor yf = at::empty({x.size(0), N}, xf.options());
-  kquant_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                 yf.data_ptr<float>());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (is_q5(fmt)) {
+    QAct a;
+    a.quantize(xf.data_ptr<float>(), x.size(0), K);
+    q5_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bp, yf.data_ptr<float>());
+  } else {
+    Q8K a;
+    a.quantize(xf.data_ptr<float>(), x.size(0), K);
+    kquant_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bp, yf.data_ptr<float>());
+  }
   return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
 }
 

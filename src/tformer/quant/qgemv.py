@@ -46,7 +46,7 @@ TILES = SOURCE.with_name("tiles.h")           # activation rounding and tile ker
 KQUANTS = SOURCE.with_name("kquants.h")       # the K-quant kernels, shared with fused/layers.cpp
 FILES = (SOURCE, TILES, KQUANTS)              # what the built library depends on
 PATHS = ("scalar", "avx2", "avx512vnni")      # index = the op's path number
-FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 6, "q5_k": 7, "q6_k": 8}   # the ops' format numbers
+FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 6, "q5_k": 7, "q6_k": 8, "q5_0": 9, "q5_1": 10}   # the ops' numbers
 FORCED = "TFORMER_QGEMV_PATH"
 STATUS: dict[str, str] = {}                    # "state": "built" | "unavailable: <why>"
 _LOCK = threading.Lock()
@@ -142,9 +142,9 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
 
 
 def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None) -> Tensor:
-    """``x (M, K) · Wᵀ + bias`` for ``packed (N, K/256 · bytes)`` K-quant super-blocks (q4_k, q5_k, q6_k,
-    :mod:`tformer.quant.kblocks`), read as the file stores them, the activations quantised to Q8_K:
-    ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``."""
+    """``x (M, K) · Wᵀ + bias`` for ``packed`` K-quant super-blocks (q4_k, q5_k, q6_k; activations quantised to
+    Q8_K) or Q5_0 / Q5_1 blocks (activations in 8-bit blocks of 32) (:mod:`tformer.quant.kblocks`), read as
+    the file stores them: ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``."""
     kblocks.check_format(fmt)
     op = load()
     if op is None:
