@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import tformer.fused as whole
-from tformer.generation.step import decode_logits, prefill
+from tformer.generation.step import decode_step, prefill
 from tformer.inference import open_model
 from tformer.interop.gguf_import import load_gguf
 from tformer.quant import qgemv
@@ -81,7 +81,7 @@ def _prompt_and_steps(model, fused: bool, monkeypatch, steps: int = 4) -> torch.
         out.append(logits)                                    # (1, vocab): the last position
         tok = logits.argmax(-1, keepdim=True)
         for _ in range(steps):
-            step = decode_logits(model, tok, state)
+            step = decode_step(model, tok, state)
             out.append(step)
             tok = step.argmax(-1, keepdim=True)
     monkeypatch.delenv(whole.plan.SWITCH)

@@ -29,6 +29,11 @@ inline bool is_q5(int64_t fmt) { return fmt == Q5_0 || fmt == Q5_1; }
 inline int64_t kquant_bytes(int64_t fmt) { return KBYTES[fmt - Q4_K]; }
 inline int64_t kquant_values(int64_t fmt) { return KVALUES[fmt - Q4_K]; }
 
+// The SIMD kernels take MR activation rows (1..KMR) against one weight row: each block's codes are
+// unpacked once and multiplied with every row (a prompt's products unpack each block once per KMR rows).
+// Per row the sums and their order do not depend on MR.
+constexpr int KMR = 4;
+
 inline float k_half(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -164,17 +169,16 @@ T_AVX2 inline float h2f_k(const uint8_t* p) {
 
 alignas(64) constexpr int16_t LANE_GROUP[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};   // s16 lane / 8
-template <int F>
-T_AVX2 float kdot_avx2(const uint8_t* w, const KRow& x, int64_t S) {
+template <int F, int MR>
+T_AVX2 void kdot_avx2(const uint8_t* w, const KRow* x, int64_t S, float* out) {
   constexpr int64_t bytes = KBYTES[F - Q4_K];
   const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.0f;
+  __m256 acc[MR];
+  float mins[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
   for (int64_t s = 0; s < S; ++s, w += bytes) {
-    const int8_t* xq = x.q + 256 * s;
-    const int16_t* bs = x.bsums + 16 * s;
-    __m256i isum = _mm256_setzero_si256();
-    float d;
+    __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     if (F == Q6_K) {
       const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
       for (int h = 0; h < 2; ++h) {
@@ -191,13 +195,18 @@ T_AVX2 float kdot_avx2(const uint8_t* w, const KRow& x, int64_t S) {
                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 6), three), 4))};
         for (int k = 0; k < 4; ++k) {
           const int g = 8 * h + 2 * k;                  // q[k] holds groups g (first 16) and g + 1
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 128 * h + 32 * k));
           const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
-          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], xv), scv));
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].q + 256 * s + 128 * h + 32 * k));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], xv), scv));
+          }
         }
       }
-      isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * q6_offset(sc, bs), 0, 0, 0, 0, 0, 0, 0));
-      d = h2f_k(w + 208) * x.d[s];
+      const float dw = h2f_k(w + 208);
+      for (int r = 0; r < MR; ++r) {
+        isum[r] = _mm256_sub_epi32(isum[r], _mm256_setr_epi32(32 * q6_offset(sc, x[r].bsums + 16 * s), 0, 0, 0, 0, 0, 0, 0));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[r].d[s]), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+      }
     } else {
       uint8_t sc[8], m[8];
       scale_min(w + 4, sc, m);
@@ -210,33 +219,38 @@ T_AVX2 float kdot_avx2(const uint8_t* w, const KRow& x, int64_t S) {
           lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
           hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
         }
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * c + 32));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_set1_epi16(sc[2 * c])));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), _mm256_set1_epi16(sc[2 * c + 1])));
+        const __m256i s0 = _mm256_set1_epi16(sc[2 * c]), s1 = _mm256_set1_epi16(sc[2 * c + 1]);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xq = x[r].q + 256 * s + 64 * c;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1));
+        }
       }
-      d = h2f_k(w) * x.d[s];
-      mins += (h2f_k(w + 2) * x.d[s]) * float(mins_term(m, bs));
+      const float dw = h2f_k(w), mw = h2f_k(w + 2);
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[r].d[s]), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+        mins[r] += (mw * x[r].d[s]) * float(mins_term(m, x[r].bsums + 16 * s));
+      }
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(isum), acc);
   }
-  return hsum256(acc) - mins;
+  for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]) - mins[r];
 }
 
 // ---------------------------------------------------------------- AVX-512 VNNI ---------------
 // 64 codes a step: maddubs gives 32 s16 pair sums, one dpwssd multiplies them by their sub-block's
 // scale and adds the pairs into 16 s32 lanes.
-template <int F>
-T_VNNI float kdot_vnni(const uint8_t* w, const KRow& x, int64_t S) {
+template <int F, int MR>
+T_VNNI void kdot_vnni(const uint8_t* w, const KRow* x, int64_t S, float* out) {
   constexpr int64_t bytes = KBYTES[F - Q4_K];
   const __m512i low = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
-  __m512 acc = _mm512_setzero_ps();
-  float mins = 0.0f;
+  __m512 acc[MR];
+  float mins[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = 0.0f;
   for (int64_t s = 0; s < S; ++s, w += bytes) {
-    const int8_t* xq = x.q + 256 * s;
-    const int16_t* bs = x.bsums + 16 * s;
-    __m512i isum = _mm512_setzero_si512();
-    float d;
+    __m512i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
     if (F == Q6_K) {
       const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
       // the 16 scales as s16, spread so that s16 lane l of a 64-code step holds group base + l / 8
@@ -252,12 +266,16 @@ T_VNNI float kdot_vnni(const uint8_t* w, const KRow& x, int64_t S) {
         const __m512i qs[2] = {q0, q1};
         for (int k = 0; k < 2; ++k) {
           const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16(int16_t(8 * h + 4 * k)), _mm512_load_si512(LANE_GROUP));
-          const __m512i xv = _mm512_loadu_si512(xq + 128 * h + 64 * k);
-          isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(qs[k], xv), _mm512_permutexvar_epi16(idx, sc16));
+          const __m512i scv = _mm512_permutexvar_epi16(idx, sc16);
+          for (int r = 0; r < MR; ++r)
+            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(qs[k], _mm512_loadu_si512(x[r].q + 256 * s + 128 * h + 64 * k)), scv);
         }
       }
-      isum = _mm512_sub_epi32(isum, _mm512_maskz_set1_epi32(1, 32 * q6_offset(sc, bs)));
-      d = h2f_k(w + 208) * x.d[s];
+      const float dw = h2f_k(w + 208);
+      for (int r = 0; r < MR; ++r) {
+        isum[r] = _mm512_sub_epi32(isum[r], _mm512_maskz_set1_epi32(1, 32 * q6_offset(sc, x[r].bsums + 16 * s)));
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(dw * x[r].d[s]), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+      }
     } else {
       uint8_t sc[8], m[8];
       scale_min(w + 4, sc, m);
@@ -273,14 +291,17 @@ T_VNNI float kdot_vnni(const uint8_t* w, const KRow& x, int64_t S) {
         if (F == Q5_K)
           q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * c), one), 4));
         const __m512i scv = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(sc[2 * c]), _mm512_set1_epi16(sc[2 * c + 1]));
-        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * c)), scv);
+        for (int r = 0; r < MR; ++r)
+          isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[r].q + 256 * s + 64 * c)), scv);
       }
-      d = h2f_k(w) * x.d[s];
-      mins += (h2f_k(w + 2) * x.d[s]) * float(mins_term(m, bs));
+      const float dw = h2f_k(w), mw = h2f_k(w + 2);
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(dw * x[r].d[s]), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+        mins[r] += (mw * x[r].d[s]) * float(mins_term(m, x[r].bsums + 16 * s));
+      }
     }
-    acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(isum), acc);
   }
-  return _mm512_reduce_add_ps(acc) - mins;
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - mins[r];
 }
 #endif  // TFORMER_X86
 
@@ -315,81 +336,113 @@ T_AVX2 inline __m256i fifth_bits(uint32_t qh) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
-template <int F>
-T_AVX2 float q5dot_avx2(const uint8_t* w, const XRow& x, int64_t G) {
+template <int F, int MR>
+T_AVX2 void q5dot_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) {
   constexpr int64_t bytes = KBYTES[F - Q4_K], at = F == Q5_1 ? 4 : 2;
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.0f;
+  __m256 acc[MR];
+  float mins[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
   for (int64_t g = 0; g < G; ++g, w += bytes) {
     uint32_t qh;
     std::memcpy(&qh, w + at, 4);
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at + 4));
     const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);   // codes 0..15, 16..31
     const __m256i q = _mm256_or_si256(nib, fifth_bits(qh));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * g));
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-    if (F == Q5_0) p = _mm256_sub_epi32(p, _mm256_setr_epi32(16 * x.s[g], 0, 0, 0, 0, 0, 0, 0));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f_k(w) * x.d[g]), _mm256_cvtepi32_ps(p), acc);
-    if (F == Q5_1) mins += h2f_k(w + 2) * x.ds[g];
+    const float dw = h2f_k(w);
+    for (int r = 0; r < MR; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].q + 32 * g));
+      __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+      if (F == Q5_0) p = _mm256_sub_epi32(p, _mm256_setr_epi32(16 * x[r].s[g], 0, 0, 0, 0, 0, 0, 0));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[r].d[g]), _mm256_cvtepi32_ps(p), acc[r]);
+      if (F == Q5_1) mins[r] += h2f_k(w + 2) * x[r].ds[g];
+    }
   }
-  return hsum256(acc) + mins;
+  for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]) + mins[r];
 }
 #endif
 
-using Q5DotFn = float (*)(const uint8_t*, const XRow&, int64_t);
+// kernel(w, rows, G, out): rows x[0..MR) against one Q5 weight row, out[MR]
+using Q5DotFn = void (*)(const uint8_t*, const XRow*, int64_t, float*);
+using Q5DotFns = Q5DotFn[KMR];
+
+template <int F, int MR>
+void q5dot_scalar_rows(const uint8_t* w, const XRow* x, int64_t G, float* out) {
+  for (int r = 0; r < MR; ++r) out[r] = q5dot_scalar<F>(w, x[r], G);
+}
 
 // the AVX-512 path runs the AVX2 loop for these (a block is one 256-bit vector)
-Q5DotFn q5dot_fn(int64_t path, int64_t fmt) {
+const Q5DotFn* q5dot_fns(int64_t path, int64_t fmt) {
+#define TF_ROWS(K, F) {&K<F, 1>, &K<F, 2>, &K<F, 3>, &K<F, 4>}
+  static const Q5DotFns scalar[2] = {TF_ROWS(q5dot_scalar_rows, Q5_0), TF_ROWS(q5dot_scalar_rows, Q5_1)};
 #ifdef TFORMER_X86
-  if (path == AVX2 || path == AVX512VNNI) return fmt == Q5_0 ? &q5dot_avx2<Q5_0> : &q5dot_avx2<Q5_1>;
+  static const Q5DotFns avx2[2] = {TF_ROWS(q5dot_avx2, Q5_0), TF_ROWS(q5dot_avx2, Q5_1)};
+  if (path == AVX2 || path == AVX512VNNI) return avx2[fmt - Q5_0];
 #endif
-  return fmt == Q5_0 ? &q5dot_scalar<Q5_0> : &q5dot_scalar<Q5_1>;
+#undef TF_ROWS
+  return scalar[fmt - Q5_0];
 }
 
 // y (M, N) = act (M, K) . W^T (+ bias) for Q5_0 / Q5_1 rows, as kquant_product
 void q5_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const QAct& a, const float* bias, float* y) {
   const auto start = std::chrono::steady_clock::now();
-  const Q5DotFn dot = q5dot_fn(path, fmt);
+  const Q5DotFn* fns = q5dot_fns(path, fmt);
   const int64_t row_bytes = a.G * kquant_bytes(fmt);
   const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
+  std::vector<XRow> rows(a.M);
+  for (int64_t m = 0; m < a.M; ++m) rows[m] = a.row(m);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < a.M; ++m) {
-      const XRow row = a.row(m);
-      float* out = y + m * N;
-      for (int64_t n = n0; n < n1; ++n) out[n] = dot(w + n * row_bytes, row, a.G) + (bias ? bias[n] : 0.0f);
-    }
+    float tmp[KMR];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < a.M; m += KMR) {
+        const int mr = int(std::min<int64_t>(KMR, a.M - m));
+        fns[mr - 1](w + n * row_bytes, rows.data() + m, a.G, tmp);
+        for (int r = 0; r < mr; ++r) y[(m + r) * N + n] = tmp[r] + (bias ? bias[n] : 0.0f);
+      }
   });
   PRODUCT_NS.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
                        std::memory_order_relaxed);
 }
 
-using KDotFn = float (*)(const uint8_t*, const KRow&, int64_t);
+using KDotFn = void (*)(const uint8_t*, const KRow*, int64_t, float*);
+using KDotFns = KDotFn[KMR];   // [MR - 1]
 
-KDotFn kdot_fn(int64_t path, int64_t fmt) {
-  static const KDotFn scalar[3] = {&kdot_scalar<Q4_K>, &kdot_scalar<Q5_K>, &kdot_scalar<Q6_K>};
+template <int F, int MR>
+void kdot_scalar_rows(const uint8_t* w, const KRow* x, int64_t S, float* out) {
+  for (int r = 0; r < MR; ++r) out[r] = kdot_scalar<F>(w, x[r], S);
+}
+
+const KDotFn* kdot_fns(int64_t path, int64_t fmt) {
+#define TF_ROWS(K, F) {&K<F, 1>, &K<F, 2>, &K<F, 3>, &K<F, 4>}
+  static const KDotFns scalar[3] = {TF_ROWS(kdot_scalar_rows, Q4_K), TF_ROWS(kdot_scalar_rows, Q5_K),
+                                    TF_ROWS(kdot_scalar_rows, Q6_K)};
 #ifdef TFORMER_X86
-  static const KDotFn avx2[3] = {&kdot_avx2<Q4_K>, &kdot_avx2<Q5_K>, &kdot_avx2<Q6_K>};
-  static const KDotFn vnni[3] = {&kdot_vnni<Q4_K>, &kdot_vnni<Q5_K>, &kdot_vnni<Q6_K>};
+  static const KDotFns avx2[3] = {TF_ROWS(kdot_avx2, Q4_K), TF_ROWS(kdot_avx2, Q5_K), TF_ROWS(kdot_avx2, Q6_K)};
+  static const KDotFns vnni[3] = {TF_ROWS(kdot_vnni, Q4_K), TF_ROWS(kdot_vnni, Q5_K), TF_ROWS(kdot_vnni, Q6_K)};
   if (path == AVX2) return avx2[fmt - Q4_K];
   if (path == AVX512VNNI) return vnni[fmt - Q4_K];
 #endif
+#undef TF_ROWS
   return scalar[fmt - Q4_K];
 }
 
 // y (M, N) = act (M, K) . W^T (+ bias) for W (N, S * bytes) K-quant rows; rows of W split between
-// torch's threads, ~16 KB of them per task, each passed by every activation row while it is in L1/L2.
+// torch's threads, ~16 KB of them per task, each passed by the activation rows KMR at a time.
 void kquant_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const Q8K& a, const float* bias, float* y) {
   const auto start = std::chrono::steady_clock::now();
-  const KDotFn dot = kdot_fn(path, fmt);
+  const KDotFn* fns = kdot_fns(path, fmt);
   const int64_t row_bytes = a.S * kquant_bytes(fmt);
   const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
+  std::vector<KRow> rows(a.M);
+  for (int64_t m = 0; m < a.M; ++m) rows[m] = KRow{a.q.data() + m * a.K, a.d.data() + m * a.S, a.bsums.data() + m * a.S * 16};
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < a.M; ++m) {
-      const KRow row{a.q.data() + m * a.K, a.d.data() + m * a.S, a.bsums.data() + m * a.S * 16};
-      float* out = y + m * N;
-      for (int64_t n = n0; n < n1; ++n) out[n] = dot(w + n * row_bytes, row, a.S) + (bias ? bias[n] : 0.0f);
-    }
+    float tmp[KMR];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < a.M; m += KMR) {
+        const int mr = int(std::min<int64_t>(KMR, a.M - m));
+        fns[mr - 1](w + n * row_bytes, rows.data() + m, a.S, tmp);
+        for (int r = 0; r < mr; ++r) y[(m + r) * N + n] = tmp[r] + (bias ? bias[n] : 0.0f);
+      }
   });
   PRODUCT_NS.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
                        std::memory_order_relaxed);
