@@ -65,3 +65,24 @@ def test_this_machine_agrees_with_torch_dispatch_and_lscpu():
         names = [ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.lower().startswith("model name")]
         if names:
             assert cpu.model == names[0]
+
+
+def test_free_cores_counts_other_processes_not_this_one(monkeypatch):
+    """FreeCores: /proc/stat's busy ticks less this process's own, over the window since construction."""
+    import tformer.machine as machine
+
+    ticks = {"cpu": (1000, 5000), "own": 300}
+    monkeypatch.setattr(machine, "_cpu_ticks", lambda: ticks["cpu"])
+    monkeypatch.setattr(machine, "_own_ticks", lambda: ticks["own"])
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(machine, "available_cores", lambda: 2)
+    free = machine.FreeCores()
+    ticks.update(cpu=(1000 + 150, 5000 + 200), own=300 + 50)     # 150 busy ticks of 200, 50 of them ours
+    assert free.threads(2) == 1                                   # others: 100 / 200 of 2 cores = 1 core
+    ticks.update(cpu=(1000 + 120, 5000 + 200), own=300 + 120)    # all the busy time was this process's
+    assert free.threads(2) == 2
+    ticks.update(cpu=(1000 + 200, 5000 + 200), own=300)          # both cores taken by others: still 1 thread
+    assert free.threads(2) == 1
+    ticks.update(cpu=(1000 + 5, 5000 + 10), own=300)             # too short a window to tell: the default
+    assert free.threads(2) == 2
+    assert free.threads(1) == 1

@@ -8,8 +8,9 @@ Each measurement is a fresh process (so load time and peak RSS are its own), alt
 round by round (order reversed every other round). In a process: the load (``open_model`` / llama.cpp's
 ``Llama(...)``), a prompt of P random ids (prefill tok/s = P / its time), then N greedy tokens, each the
 argmax of the logits (no sampler on either side); decode tok/s from two runs cut at N1 and N2 tokens,
-(N2 - N1) / (t2 - t1), so the prompt and the first step cancel. Peak RSS is the process's ``VmHWM``
-(tformer's includes torch's libraries). llama.cpp runs with its defaults (mmap, repacking allowed).
+(N2 - N1) / (t2 - t1), so the prompt and the first step cancel. Load: opening the model, after the
+interpreter and libraries are imported. Peak RSS is the process's ``VmHWM`` (tformer's includes torch's
+libraries, ~230 MB on this machine). llama.cpp runs with its defaults (mmap, repacking allowed).
 
     flock /tmp/tformer-bench.lock env PYTHONPATH=src:/work/llama_native \\
         .venv/bin/python benchmarks/quant/kquant_llama_cpp.py --files /tmp/kq/qwen05-q4_k_m.gguf ... --tag epyc
@@ -45,8 +46,9 @@ if args["who"] == "llama.cpp":
     import numpy as np
     n_ctx = len(ids) + n + 8
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=args["path"], n_ctx=n_ctx, n_batch=len(ids), n_ubatch=len(ids),
-                          n_threads=args["threads"], n_threads_batch=args["threads"], verbose=False)
+    threads = {} if args["threads"] is None else {"n_threads": args["threads"], "n_threads_batch": args["threads"]}
+    llm = llama_cpp.Llama(model_path=args["path"], n_ctx=n_ctx, n_batch=len(ids), n_ubatch=len(ids), verbose=False,
+                          **threads)                                  # None: llama-cpp-python's default
     t1 = time.perf_counter()
     vocab = llm.n_vocab()
 
@@ -62,13 +64,13 @@ if args["who"] == "llama.cpp":
         llm.eval([tok])
         tok = last()
     t4 = time.perf_counter()
-    why = ""
+    why = f"{llm.n_threads} threads" if hasattr(llm, "n_threads") else ""
 else:
     import torch
-    t0 = time.perf_counter()
     from tformer.inference import open_model
     from tformer.generation.step import decode_step, prefill
-    opened = open_model(args["path"], threads=args["threads"])
+    t0 = time.perf_counter()
+    opened = open_model(args["path"], threads=args["threads"])      # None: open_model chooses
     t1 = time.perf_counter()
     model = opened.model
     state = model.new_state(1, len(ids) + n + 8)
@@ -79,7 +81,7 @@ else:
         for _ in range(n):
             tok = decode_step(model, tok, state).argmax(-1, keepdim=True)
         t4 = time.perf_counter()
-    why = f"{opened.dtype}; {opened.path}"
+    why = f"{opened.dtype}; {opened.path}; {torch.get_num_threads()} threads"
 print(json.dumps({"load": t1 - t0, "prefill": t3 - t2, "decode": t4 - t3, "rss": peak_rss(), "how": why}))
 """
 

@@ -16,6 +16,9 @@ Everything a command would otherwise decide for itself is decided here, once:
   a GGUF stored in that format keeps its bytes, otherwise the float weights are cast or re-quantised.
 - **the path** each step takes: whole decoder layers in one C++ call, or the module path, with the reason
   (:func:`choose_path`); chosen when the model is opened, not retried every token.
+- **threads** where none are asked for: torch's count less the cores other processes keep busy while the
+  model loads (:class:`tformer.machine.FreeCores`), so a busy neighbour does not make every parallel region
+  wait out its time slices.
 - **stop ids**: the file's end-of-sequence ids together with the chat template's end-of-turn token, so a
   model whose ``eos`` is not its end-of-turn stops at the same token in ``chat`` and ``serve``.
 - **sampling defaults** a GGUF recommends (``general.sampling.*``), for the commands to use where the
@@ -36,6 +39,7 @@ from pathlib import Path
 import torch
 
 from tformer.errors import CheckpointError, InputError
+from tformer.machine import FreeCores
 
 AUTO = "auto"
 # GGUF general.sampling.* key -> the generation option it sets (llama.cpp's names: gguf-py Keys.General)
@@ -249,7 +253,8 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
     Args:
         spec: ``smollm2`` (default), a ``.gguf`` file, a checkpoint / run folder or a HuggingFace folder.
         dtype: ``auto`` or a weight format of :func:`tformer.quant.quantize.set_precision`.
-        threads: torch threads for this process (``None``: torch's choice).
+        threads: torch threads for this process (``None``: torch's choice less the cores other processes
+            kept busy while the model loaded, :class:`tformer.machine.FreeCores`).
         kernels: float linears become the decode kernels' layers; ``False`` keeps plain ``nn.Linear``
             modules, for what needs their parameters and gradients (fine-tuning, interpretability).
     Raises:
@@ -263,6 +268,7 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
         raise InputError(f"--dtype {dtype} is not a weight format; choose one of {', '.join(known)}.")
     if threads is not None:
         torch.set_num_threads(threads)
+    free = FreeCores() if threads is None else None      # measured while the model loads, not after it
     start = time.perf_counter()
     name, source, kind = resolve_source(spec)
     parts = _gguf_parts(source, dtype, kernels) if kind == "gguf" else _folder_parts(source, kind, dtype, kernels)
@@ -271,6 +277,8 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
         raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
     stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
+    if free is not None:
+        torch.set_num_threads(free.threads(torch.get_num_threads()))   # the cores others leave free now
     path, path_why = choose_path(model)
     return OpenedModel(model, tokenizer, template, stop, defaults, name, source, dtype, why, path, path_why,
                        time.perf_counter() - start, kind)

@@ -184,6 +184,45 @@ def auto_threads(ranks: int = 1) -> int:
     return max(1, min(default, (cores - busy) // ranks))
 
 
+def _own_ticks() -> int:
+    """This process's CPU time, all its threads, in /proc/stat's ticks (utime + stime of /proc/self/stat)."""
+    with open("/proc/self/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+class FreeCores:
+    """The cores other processes leave free, measured while this process works (a model's load, say)
+    instead of sleeping for it: from construction to :meth:`threads`, /proc/stat's busy ticks less this
+    process's own. A browser or a ``yes`` on one of two cores makes it one: intra-op threads on a core
+    that is not free wait out the other process's time slices at every parallel region (a 2-thread
+    decode step ran 2.4x slower than 1 thread beside one ``yes`` on a 2-core machine, issue 47)."""
+
+    MIN_TICKS = 20          # below this the window says nothing (0.1 s on 2 cores): keep the default
+
+    def __init__(self):
+        try:
+            self._start = (*_cpu_ticks(), _own_ticks())
+        except (OSError, ValueError, IndexError):
+            self._start = None
+
+    def threads(self, default: int) -> int:
+        """``default`` less the cores others kept busy since construction (at least 1); ``default`` where
+        /proc cannot tell (not Linux, or too short a window)."""
+        if self._start is None:
+            return default
+        try:
+            b1, t1 = _cpu_ticks()
+            own1 = _own_ticks()
+        except (OSError, ValueError, IndexError):
+            return default
+        b0, t0, own0 = self._start
+        if t1 - t0 < self.MIN_TICKS:
+            return default
+        busy = max(0, (b1 - b0) - (own1 - own0)) / (t1 - t0) * (os.cpu_count() or 1)
+        return max(1, min(default, available_cores() - round(busy)))
+
+
 def available_memory() -> int:
     """Bytes of memory this process could still allocate: ``MemAvailable`` from /proc/meminfo (what
     the kernel can hand out without swapping), else the physical memory, else 2**62 (unknown)."""
