@@ -26,34 +26,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "quant"))
 from common.record import Run, results_dir  # noqa: E402
+from interop.smollm2_parity import nll, windows  # noqa: E402  (the same windows and scoring)
 
 TEXTS = [ROOT.parent / "shared" / "data" / "tinyshakespeare.txt", Path("/work/shared/data/tinyshakespeare.txt")]
-
-
-def windows(n_tokens: int, ctx: int = 512, stride: int = 256) -> list[tuple[int, int, int]]:
-    """(begin, end, first scored position): each token after the first is scored exactly once."""
-    out, prev_end = [], 0
-    for begin in range(0, n_tokens, stride):
-        end = min(begin + ctx, n_tokens)
-        out.append((begin, end, max(prev_end, begin + 1)))
-        prev_end = end
-        if end == n_tokens:
-            break
-    return out
-
-
-def nll(logits: np.ndarray, ids: list[int], begin: int, first: int, end: int) -> float:
-    """Sum of -log p(token p | the tokens before it in the window) for p in [first, end)."""
-    x = torch.from_numpy(np.asarray(logits[first - begin - 1:end - begin - 1])).double()
-    target = torch.tensor(ids[first:end])
-    return float(-torch.log_softmax(x, -1).gather(1, target[:, None]).sum())
 
 
 def main() -> None:

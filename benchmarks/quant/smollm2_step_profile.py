@@ -59,17 +59,7 @@ def profile(model, steps: int) -> dict[str, float]:
         t["step"].append(time.perf_counter() - t0)
         ns = torch.ops.tformer_fused.product_ns(True) + torch.ops.tformer_qgemv.product_ns(True)   # layers + head
         t["products_in_step"].append(ns * 1e-9)
-    for _ in range(steps):                       # the layers by hand, as tformer.fused.decode calls them
-        pos = torch.full((1,), state.length, dtype=torch.long)
-        x = model.tok_emb(tok).reshape(1, -1).float().contiguous()
-        t0 = time.perf_counter()
-        whole.run_layers(p, x, [(s.k, s.v) for s in state.layers], pos, pos, None, None)
-        t1 = time.perf_counter()
-        model.lm_head(model.final_norm(x[:, None]))
-        t["head"].append(time.perf_counter() - t1)
-        t["layers"].append(t1 - t0)
-        state.valid[:, state.length] = True
-        state.advance(state.length + 1)
+    t["layers"], t["head"] = layers_then_head(model, p, tok, state, steps)
     out = {k: statistics.median(v) for k, v in t.items()}
     mats, fmts, ns = [], [], []
     widths = p.dims[0] * p.dims[2] + 2 * p.dims[1] * p.dims[2], model.config.d_model, p.dims[3], p.dims[3], \
@@ -94,6 +84,24 @@ def profile(model, steps: int) -> dict[str, float]:
         s.append(time.perf_counter() - t0)
     out["step_short_cache"] = statistics.median(s)
     return out
+
+
+def layers_then_head(model, p, tok, state, steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of ``steps`` calls of the layers by hand (as tformer.fused.decode calls them) and, after each,
+    of the final norm + LM head; the state advances a token per step."""
+    layers, head = [], []
+    for _ in range(steps):
+        pos = torch.full((1,), state.length, dtype=torch.long)
+        x = model.tok_emb(tok).reshape(1, -1).float().contiguous()
+        t0 = time.perf_counter()
+        whole.run_layers(p, x, [(s.k, s.v) for s in state.layers], pos, pos, None, None)
+        t1 = time.perf_counter()
+        model.lm_head(model.final_norm(x[:, None]))
+        head.append(time.perf_counter() - t1)
+        layers.append(t1 - t0)
+        state.valid[:, state.length] = True
+        state.advance(state.length + 1)
+    return layers, head
 
 
 def op_passes(mats, fmts, ns, x, path_id) -> float:

@@ -114,6 +114,22 @@ def tiles(packed: Tensor, fmt: str, kernel_path: str) -> Tensor | None:
     return op.repack(packed, FMT[fmt], TILE_ROWS[kernel_path])
 
 
+def _op_and_path(kernel_path: str | None):
+    """The built library and the path to run (``kernel_path`` or :func:`path`), or ``(None, None)``: the
+    torch fallback, after one warning per process."""
+    op = load()
+    if op is None:
+        if not _WARNED:
+            _WARNED.append(True)
+            warnings.warn(f"tformer's block-quantised kernels are {STATUS.get('state')}; the block layers run a "
+                          "slow torch implementation of the same arithmetic.", stacklevel=3)
+        return None, None
+    p = kernel_path or path()
+    if p not in PATHS:
+        raise ConfigError(f"unknown kernel path {p!r}; choose one of {', '.join(PATHS)}.")
+    return op, p
+
+
 def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None,
           tiled: Tensor | None = None) -> Tensor:
     """``x (M, K) · Wᵀ + bias`` for ``packed (N, K/32 · bytes)`` ``fmt`` blocks: ``(M, N)`` in x's dtype.
@@ -125,16 +141,9 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
             without it the SIMD paths repack on every call (tests, one-off products).
     """
     blocks.check_format(fmt)
-    op = load()
+    op, p = _op_and_path(kernel_path)
     if op is None:
-        if not _WARNED:
-            _WARNED.append(True)
-            warnings.warn(f"tformer's block-quantised kernels are {STATUS.get('state')}; the q8_0/q4_0/q4_1 "
-                          "layers run a slow torch implementation of the same arithmetic.", stacklevel=2)
         return blocks.dot(packed, fmt, x, bias).to(x.dtype)
-    p = kernel_path or path()
-    if p not in PATHS:
-        raise ConfigError(f"unknown kernel path {p!r}; choose one of {', '.join(PATHS)}.")
     if p in TILE_ROWS:
         t = tiled if tiled is not None else tiles(packed, fmt, p)
         return op.qgemm_tiles(t, FMT[fmt], packed.shape[0], x, bias, PATHS.index(p))
@@ -146,14 +155,7 @@ def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kern
     Q8_K) or Q5_0 / Q5_1 blocks (activations in 8-bit blocks of 32) (:mod:`tformer.quant.kblocks`), read as
     the file stores them: ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``."""
     kblocks.check_format(fmt)
-    op = load()
+    op, p = _op_and_path(kernel_path)
     if op is None:
-        if not _WARNED:
-            _WARNED.append(True)
-            warnings.warn(f"tformer's block-quantised kernels are {STATUS.get('state')}; the K-quant layers run a "
-                          "slow torch implementation of the same arithmetic.", stacklevel=2)
         return kblocks.dot(packed, fmt, x, bias).to(x.dtype)
-    p = kernel_path or path()
-    if p not in PATHS:
-        raise ConfigError(f"unknown kernel path {p!r}; choose one of {', '.join(PATHS)}.")
     return op.kqgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
