@@ -251,8 +251,8 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
             a = llama_rope_unpermute(a, hf["num_key_value_heads"])
         elif arch == "gpt2" and target.endswith(CONV1D):
             a = a.T                                         # (out, in) -> Conv1D's (in, out)
-        # kept blocks stay views of the file's pages (mapped copy-on-write): no copy, the file's size in memory
-        out[target] = torch.from_numpy(a) if kept else torch.from_numpy(np.array(a, dtype=np.float32))
+        # kept blocks stay the mapped file's pages (copy-on-write: nothing reaches the file); floats are fresh arrays
+        out[target] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8 if kept else np.float32))
         if kept and ".self_attn." in target and not target.endswith("o_proj.weight") and len(qkv_types(f, name)) > 1:
             out[target] = out[target].reshape(-1)      # q, k, v in different formats: joined as bytes, split again
     return out
