@@ -80,6 +80,19 @@ def test_every_path_matches_float64_reference(path, fmt, n, k, m):
             assert bool((err <= bound).all()), float((err / bound).max())
 
 
+@pytest.mark.parametrize("path", qgemv.PATHS)
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_1"])
+@pytest.mark.parametrize("n, k, m", [(5, 96, 1), (9, 864, 5)])                # odd block counts: the AVX-512 tail
+def test_q5_odd_block_counts_match_reference(path, fmt, n, k, m):
+    runnable(path)
+    g = torch.Generator().manual_seed(n + k)
+    packed = kblocks.random_blocks(n, k, fmt, g)
+    x = torch.randn(m, k, generator=g)
+    ref = kblocks.reference(packed, fmt, x)
+    err = (qgemv.kqgemm(packed, fmt, x, None, path).double() - ref).abs()
+    assert bool((err <= 1e-5 * kblocks.magnitude(packed, fmt, x) + 1e-30).all())
+
+
 @pytest.mark.parametrize("fmt", kblocks.FORMATS)
 def test_torch_fallback_matches_reference(fmt):
     g = torch.Generator().manual_seed(3)

@@ -12,7 +12,7 @@
 // (2 * 63 * 127 < 2^15). Each row of W is read once per activation row, in the file layout: a weight
 // row (a few KB) stays in L1 while the rows of a prompt pass. Included after tiles.h (its paths, ISA
 // attributes and supports()); internal linkage, like tiles.h.
-// Also here, read the same way: Q5_0 / Q5_1 (blocks of 32, a fifth bit per code in 4 bytes qh), llama.cpp's
+// Also here, read the same way (AVX-512: two blocks per dpbusd): Q5_0 / Q5_1 (blocks of 32, a fifth bit per code in 4 bytes qh), llama.cpp's
 // fallback where a row is no multiple of 256, on tiles.h's 8-bit activation blocks of 32 (QAct):
 //   q5_0: d dx (sum q qx - 16 s)        q5_1: d dx sum q qx + m dx s        (s = sum qx of the block)
 #pragma once
@@ -360,6 +360,48 @@ T_AVX2 void q5dot_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) {
   }
   for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]) + mins[r];
 }
+
+// 32 codes of one Q5 block (0..31) in a 256-bit vector
+T_AVX2 inline __m256i q5_codes(const uint8_t* b, int64_t at) {
+  uint32_t qh;
+  std::memcpy(&qh, b + at, 4);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at + 4));
+  const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+  return _mm256_or_si256(nib, fifth_bits(qh));
+}
+
+// AVX-512: two blocks a step (64 codes), one dpbusd per row; q5_0's -16 s rides in the accumulator's
+// first lane of each block; an odd last block goes through the AVX2 step.
+template <int F, int MR>
+T_VNNI void q5dot_vnni(const uint8_t* w, const XRow* x, int64_t G, float* out) {
+  constexpr int64_t bytes = KBYTES[F - Q4_K], at = F == Q5_1 ? 4 : 2;
+  __m512 acc[MR];
+  float mins[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = 0.0f;
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2, w += 2 * bytes) {
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q5_codes(w, at)), q5_codes(w + bytes, at), 1);
+    const float d0 = h2f_k(w), d1 = h2f_k(w + bytes);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i init = F == Q5_0 ? _mm512_maskz_set1_epi32(0x0001, -16 * x[r].s[g]) : _mm512_setzero_si512();
+      const __m512i p = _mm512_dpbusd_epi32(
+          F == Q5_0 ? _mm512_mask_set1_epi32(init, 0x0100, -16 * x[r].s[g + 1]) : init, q, _mm512_loadu_si512(x[r].q + 32 * g));
+      const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0 * x[r].d[g]), _mm512_set1_ps(d1 * x[r].d[g + 1]));
+      acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(p), acc[r]);
+      if (F == Q5_1) mins[r] += h2f_k(w + 2) * x[r].ds[g] + h2f_k(w + bytes + 2) * x[r].ds[g + 1];
+    }
+  }
+  float tail[MR];
+  for (int r = 0; r < MR; ++r) tail[r] = 0.0f;
+  if (g < G) {                                                         // an odd last block
+    const XRow* rows = x;
+    XRow last[MR];
+    for (int r = 0; r < MR; ++r)
+      last[r] = XRow{rows[r].q + 32 * g, rows[r].d + g, rows[r].s + g, rows[r].ds + g};
+    q5dot_avx2<F, MR>(w, last, 1, tail);
+  }
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + mins[r] + tail[r];
+}
 #endif
 
 // kernel(w, rows, G, out): rows x[0..MR) against one Q5 weight row, out[MR]
@@ -371,13 +413,14 @@ void q5dot_scalar_rows(const uint8_t* w, const XRow* x, int64_t G, float* out) {
   for (int r = 0; r < MR; ++r) out[r] = q5dot_scalar<F>(w, x[r], G);
 }
 
-// the AVX-512 path runs the AVX2 loop for these (a block is one 256-bit vector)
 const Q5DotFn* q5dot_fns(int64_t path, int64_t fmt) {
 #define TF_ROWS(K, F) {&K<F, 1>, &K<F, 2>, &K<F, 3>, &K<F, 4>}
   static const Q5DotFns scalar[2] = {TF_ROWS(q5dot_scalar_rows, Q5_0), TF_ROWS(q5dot_scalar_rows, Q5_1)};
 #ifdef TFORMER_X86
   static const Q5DotFns avx2[2] = {TF_ROWS(q5dot_avx2, Q5_0), TF_ROWS(q5dot_avx2, Q5_1)};
-  if (path == AVX2 || path == AVX512VNNI) return avx2[fmt - Q5_0];
+  static const Q5DotFns vnni[2] = {TF_ROWS(q5dot_vnni, Q5_0), TF_ROWS(q5dot_vnni, Q5_1)};
+  if (path == AVX2) return avx2[fmt - Q5_0];
+  if (path == AVX512VNNI) return vnni[fmt - Q5_0];
 #endif
 #undef TF_ROWS
   return scalar[fmt - Q5_0];
