@@ -70,14 +70,14 @@ def test_blocks_dequantise_to_the_float_import(opened):
         assert torch.equal(q.blocks[0].get_submodule(name).dequantized(), f.blocks[0].get_submodule(name).weight), name
 
 
-def _prompt_and_steps(model, fused: bool, monkeypatch, steps: int = 4) -> torch.Tensor:
+def _prompt_and_steps(model, fused: bool, monkeypatch, ids: list[int] = IDS, steps: int = 4) -> torch.Tensor:
     """Logits after the prompt and after each of ``steps`` greedy decode steps, ``(1 + steps, vocab)``."""
     monkeypatch.setenv(whole.plan.SWITCH, "1" if fused else "0")
     whole.choose(model)
     state = model.new_state(1, 64)
     out = []
     with torch.inference_mode():
-        logits = prefill(model, torch.tensor([IDS]), state)
+        logits = prefill(model, torch.tensor([ids]), state)
         out.append(logits)                                    # (1, vocab): the last position
         tok = logits.argmax(-1, keepdim=True)
         for _ in range(steps):
@@ -133,3 +133,39 @@ def test_other_k_files_equal_llama_cpp(kind, tmp_path):
     with torch.inference_mode():
         got = opened.model(torch.tensor([IDS]))[0][0]
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+def _q5_model():
+    """quant_models.tiny with its products as Q5_0 / Q5_1 blocks quantised by gguf-py (``gguf.quants``, an
+    independent quantiser): gate Q5_1, the rest Q5_0, and q | k | v stacked as Q5_0 | Q5_1 | Q5_0 so the
+    layer call takes them apart."""
+    import gguf
+
+    from quant_models import tiny
+
+    model = tiny()
+    kinds = {"q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1}
+
+    def blocks(weight, fmt):
+        return BlockLinear(torch.from_numpy(gguf.quants.quantize(weight.detach().numpy(), kinds[fmt])), fmt)
+
+    for b in model.blocks:
+        q, k, v = b.attn.qkv_proj.weight.split([64, 32, 32])
+        b.attn.qkv_proj = StackedLinear([blocks(q, "q5_0"), blocks(k, "q5_1"), blocks(v, "q5_0")])
+        b.attn.out_proj = blocks(b.attn.out_proj.weight, "q5_0")
+        b.ffn.gate, b.ffn.up, b.ffn.down = (blocks(b.ffn.gate.weight, "q5_1"), blocks(b.ffn.up.weight, "q5_0"),
+                                            blocks(b.ffn.down.weight, "q5_0"))
+    return model
+
+
+def test_q5_layers_whole_equal_module_path(monkeypatch):
+    """Q5_0 / Q5_1 products in the whole-layer call (q, k, v apart) against the module path's BlockLinears."""
+    if qgemv.path() not in qgemv.TILE_ROWS:
+        pytest.skip("no SIMD path on this CPU: no whole-layer call")
+    model = _q5_model()
+    assert whole.choose(model).plan is not None, whole.chosen(model).reason
+    ids = [i % 61 for i in IDS]                          # the tiny model's vocabulary
+    a = _prompt_and_steps(model, True, monkeypatch, ids)
+    b = _prompt_and_steps(model, False, monkeypatch, ids)
+    assert b.abs().max() > 0.1
+    assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
