@@ -36,6 +36,7 @@ from tformer.exits import STOP_SIGNALS
 from tformer.machine import bf16_supported
 from tformer.ops import activation_cpu, attention_cpu
 from tformer.training import dist_checkpoint, distributed
+from tformer.training.checkpointing import enable_checkpointing
 from tformer.training.config import AUTO_BF16_MIN_WIDTH, TrainConfig
 from tformer.training.optim import build_optimizer
 from tformer.training.schedule import schedule_at
@@ -82,6 +83,8 @@ class Loop:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         self.device = self.dist.place(device)
         self.model = model.to(self.device)
+        if cfg.checkpointing:                     # before DDP / FSDP wrap the blocks
+            enable_checkpointing(self.model)
         self.forward = self.dist.wrap(self.model, cfg.strategy, self.device)   # the model, DDP, or FSDP-sharded
         self.optimizer = self._new_optimizer(self.model)
         if cfg.compile:           # build the training kernels now: a first build inside the trace breaks the graph
