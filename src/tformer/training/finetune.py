@@ -29,17 +29,21 @@ from tformer.tokenizers import load_tokenizer
 from tformer.training import distributed
 from tformer.training.chat_data import ChatTemplate, chat_example, encode, number_task, read_chat, text_examples, truncate
 from tformer.training.config import TrainConfig, cast_value
+from tformer.training.dpo import LOSSES, REFERENCE_FREE
 from tformer.training.lora import TARGETS, LoRASpec, add_lora, merge_lora, model_targets
 from tformer.training.loop import Loop
 from tformer.training.peft_adapter import save_adapter
 from tformer.training.runlock import check_run_folder, locked_run
 from tformer.training.runstate import read_latest, resumed_settings, start_metrics
+from tformer.training.preference_data import preference_task, read_preferences
 from tformer.training.tasks.finetune import FinetuneTask
+from tformer.training.tasks.preference import PreferenceTask
 
 METHODS = ("lora", "full")
+OBJECTIVES = ("sft", "dpo")
 UNUSED = ("tokenizer", "bpe_vocab_size", "cache_dir", "sample_tokens", "sample_prompt", "strategy", "max_hours")
 RESUME_KEEPS = ("model", "data", "encoding", "method", "share_prefix", "lora_r", "lora_alpha", "lora_dropout",
-                "lora_targets",
+                "lora_targets", "objective", "dpo_loss", "dpo_beta", "label_smoothing", "simpo_gamma",
                 "max_length", "val_fraction", "n_train", "n_test", "max_number", "seed")
 
 
@@ -62,6 +66,11 @@ class FinetuneSettings(TrainConfig):
         merge: also write ``merged/``, the model with the adapters folded in.
         share_prefix: run the tokens every row of a batch begins with (a default system prompt) once
             per batch (:mod:`tformer.training.shared_prefix`: the same loss and gradients up to rounding).
+        objective: ``sft`` (the answers' cross-entropy) or ``dpo`` (preference pairs; ``data`` a preference
+            JSONL, :mod:`tformer.training.preference_data`; without it the built-in preference task).
+        dpo_loss, dpo_beta, label_smoothing, simpo_gamma: the preference loss (``sigmoid``: DPO, cDPO with
+            label smoothing; ``robust``; ``ipo``; ``simpo``, reference-free), its ``β``, ``ε`` and SimPO's ``γ``
+            (:mod:`tformer.training.dpo`).
     """
 
     model: str | None = None
@@ -79,6 +88,11 @@ class FinetuneSettings(TrainConfig):
     eval_exact: int = 100
     merge: bool = False
     share_prefix: bool = True
+    objective: str = "sft"
+    dpo_loss: str = "sigmoid"
+    dpo_beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
     batch_size: int = 8
     max_steps: int = 200
     warmup_steps: int = 10
@@ -93,12 +107,20 @@ class FinetuneSettings(TrainConfig):
     RANGES = {"lora_r": (1, None, True, True), "lora_alpha": (0.0, None, False, True),
               "lora_dropout": (0.0, 1.0, True, False), "max_length": (2, None, True, True),
               "val_fraction": (0.0, 1.0, True, False), "n_train": (1, None, True, True),
-              "n_test": (1, None, True, True), "max_number": (1, None, True, True), "eval_exact": (0, None, True, True)}
+              "n_test": (1, None, True, True), "max_number": (1, None, True, True), "eval_exact": (0, None, True, True),
+              "dpo_beta": (0.0, None, False, True), "label_smoothing": (0.0, 0.5, True, False),
+              "simpo_gamma": (0.0, None, True, True)}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.method not in METHODS:
             raise ConfigError(f"method={self.method!r} is not known; choose lora or full.")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective={self.objective!r} is not known; choose sft or dpo.")
+        if self.dpo_loss not in LOSSES:
+            raise ConfigError(f"dpo_loss={self.dpo_loss!r} is not known; choose one of {', '.join(LOSSES)}.")
+        if self.dpo_loss == "ipo" and self.label_smoothing:
+            raise ConfigError("label_smoothing has no meaning for dpo_loss=ipo; drop it, or use sigmoid or robust.")
         self.lora_spec()
 
     def lora_spec(self, model: torch.nn.Module | None = None) -> LoRASpec:
@@ -173,6 +195,8 @@ def read_template(folder: Path) -> ChatTemplate:
 # ---------------------------------------------------------------------------------------- the data
 def load_examples(s: FinetuneSettings, tokenizer, template: ChatTemplate, stops) -> tuple[list, list, list]:
     """``(train, val, questions)``: examples and, for the built-in task, held-out questions."""
+    if s.objective == "dpo":
+        return load_pairs(s, tokenizer, template) + ([],)
     questions = []
     if s.data is None:
         train_convs, test_convs = number_task(s.n_train, s.n_test, s.max_number, s.seed)
@@ -198,6 +222,32 @@ def load_examples(s: FinetuneSettings, tokenizer, template: ChatTemplate, stops)
     random.Random(s.seed).shuffle(order)
     n_val = min(len(examples) - 1, round(len(examples) * s.val_fraction)) if s.val_fraction else 0
     return [examples[i] for i in order[n_val:]], [examples[i] for i in order[:n_val]], questions
+
+
+def load_pairs(s: FinetuneSettings, tokenizer, template: ChatTemplate) -> tuple[list, list]:
+    """``(train, val)`` preference pairs ``(chosen example, rejected example)``: the built-in preference task
+    (its ``n_test`` held out) or a preference JSONL (``val_fraction`` held out)."""
+    def example(prompt, answer):
+        return truncate(chat_example(prompt + [{"role": "assistant", "content": answer}], template, tokenizer),
+                        s.max_length)
+
+    def pairs(items):
+        out = [(example(p, c), example(p, r)) for p, c, r in items]
+        return [pr for pr in out if all(any(t != -100 for t in e[1][1:]) for e in pr)]
+    if s.data is None:
+        train, test = preference_task(s.n_train, s.n_test, s.max_number, s.seed)
+        return pairs(train), pairs(test)
+    path = Path(s.data)
+    if not path.is_file() or path.suffix not in (".jsonl", ".json"):
+        raise InputError(f"--data {s.data} is not a .jsonl file; objective=dpo reads preference pairs, one JSON "
+                         f"object per line.")
+    items = pairs(read_preferences(path, s.encoding))
+    if not items:
+        raise InputError(f"no pair of {path} keeps an answer token within max_length={s.max_length}; raise max_length.")
+    order = list(range(len(items)))
+    random.Random(s.seed).shuffle(order)
+    n_val = min(len(items) - 1, round(len(items) * s.val_fraction)) if s.val_fraction else 0
+    return [items[i] for i in order[n_val:]], [items[i] for i in order[:n_val]]
 
 
 def prompt_ids(template: ChatTemplate, messages: list[dict], tokenizer) -> list[int]:
@@ -255,11 +305,17 @@ def _new(out: Path, s: FinetuneSettings, log) -> FinetuneLoop:
     return loop
 
 
-def _loop(model, tokenizer, template, stops, s, out, log) -> FinetuneLoop:
+def _loop(model, tokenizer, template, stops, s, out, log, reference: dict | None = None) -> FinetuneLoop:
     train, val, questions = load_examples(s, tokenizer, template, stops)
     pad = stops[0] if stops else 0
-    task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops, labelled_only=isinstance(model, DecoderLM),
-                        share_prefix=s.share_prefix)
+    if s.objective == "dpo":
+        if not isinstance(model, DecoderLM):
+            raise ConfigError(f"objective=dpo needs a decoder language model; {type(model).__name__} is not one.")
+        task = PreferenceTask(train, val, s, tokenizer, pad, stops)
+        task.reference = reference
+    else:
+        task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops,
+                            labelled_only=isinstance(model, DecoderLM), share_prefix=s.share_prefix)
     base_state = task.state
 
     def state() -> dict:      # what resume needs beyond the weights
@@ -268,6 +324,10 @@ def _loop(model, tokenizer, template, stops, s, out, log) -> FinetuneLoop:
     task.state = state
     loop = FinetuneLoop(model.train(), task, s, out_dir=out, log=log,
                         resume_hint=f"tformer finetune --resume --out {out}")
+    if s.objective == "dpo" and reference is None and s.dpo_loss not in REFERENCE_FREE:
+        # the model as it starts (LoRA's B = 0: the base), on the run's device and precision; once, before any step
+        log(f"reference log-probabilities of {len(train) + len(val)} pairs (once, kept in the checkpoints) ...")
+        task.compute_reference(loop.model, loop.device, loop.dtype)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"{s.method}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters trained; "
         f"{len(train)} training / {len(val)} held-out examples" + (f", {len(questions)} questions" if questions else ""))
@@ -288,7 +348,8 @@ def _resume(out: Path, s: FinetuneSettings, log, given: set[str]) -> FinetuneLoo
     if s.method == "lora":
         add_lora(model, s.lora_spec(model))
     template = ChatTemplate(**state["chat_template"])
-    loop = _loop(model, load_tokenizer(folder), template, tuple(state["stop_ids"]), s, out, log)
+    loop = _loop(model, load_tokenizer(folder), template, tuple(state["stop_ids"]), s, out, log,
+                 reference=state.get("reference_logps"))
     if loop.task.fingerprint != state["corpus_fingerprint"]:
         raise InputError(f"the data {s.data or '(built-in task)'} differs from what the checkpoint in {folder} was "
                          f"trained on; resume with the original --data or start a new run with another --out.")
