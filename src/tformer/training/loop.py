@@ -222,12 +222,16 @@ class Loop:
         state = {"step": self.step, "train_config": dataclasses.asdict(self.cfg), "tokens_seen": self.tokens_seen,
                  "elapsed_s": self.elapsed, "best_val_loss": self.best_val, "torch": torch.__version__,
                  **self.task.state()}
-        folder = dist_checkpoint.save(self.dist, self.out_dir, self.step, self.model, self.optimizer,
+        folder = dist_checkpoint.save(self.dist, self.out_dir, self.step, self.checkpoint_model(), self.optimizer,
                                       self.task.tokenizer, state, final=self.step >= self.cfg.max_steps)
         self.saved_step = self.step
         return folder
 
     # ------------------------------------------------------------------ helpers
+    def checkpoint_model(self) -> torch.nn.Module:
+        """What a checkpoint's weights are read from: the model (a subclass may save a part of it)."""
+        return self.model
+
     def _new_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         cfg = self.cfg
         return build_optimizer(model, cfg, self.device)
