@@ -55,6 +55,7 @@ def main() -> None:
                 break
             out.append(tok)
         theirs.append(tokenizer.decode(out).strip())
+    llm.close()
     run.finish()
     same = sum(x == y for x, y in zip(ours, theirs))
     right = sum(x == ref for x, (_, ref) in zip(ours, questions))

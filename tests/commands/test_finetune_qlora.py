@@ -93,3 +93,28 @@ def test_qlora_false_widens_the_base(q4_1_file, tmp_path, capsys):
     assert main(["finetune", "--model", str(q4_1_file), "--out", str(tmp_path / "w"), *QUICK,
                  "--set", "max_steps=1", "--set", "qlora=false"]) == 0
     assert "QLoRA" not in capsys.readouterr().out
+
+
+def test_merged_gguf_greedy_tokens_equal_in_llama_cpp(q4_1_file, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tformer.generation.generate import generate
+    from tformer.inference import open_model
+    run = tmp_path / "m"
+    assert main(["finetune", "--model", str(q4_1_file), "--out", str(run), "--merge", *QUICK,
+                 "--set", "max_steps=3", "--set", "lr=5e-2"]) == 0
+    path = str(run / "merged.gguf")
+    ours = open_model(path)
+    assert ours.dtype == "q4_1"
+    llm = llama_cpp.Llama(model_path=path, n_ctx=128, n_threads=1, verbose=False)
+    try:
+        for prompt in ([1, 5, 7, 9], [3, 40, 41, 42, 43, 44]):
+            llm.reset()
+            theirs = []
+            for tok in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+                theirs.append(tok)
+                if len(theirs) == 8:
+                    break
+            mine = generate(ours.model, torch.tensor([prompt]), 8, temperature=0.0)[0, len(prompt):].tolist()
+            assert mine == theirs
+    finally:
+        llm.close()
