@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.record import Run, results_dir  # noqa: E402
+from common.child import memory_cells, timed_steps, worker_rows, write_result  # noqa: E402
+from common.record import Run  # noqa: E402
 
 # The public configs' dimensions (config.json of each HF repository), weights random.
 SHAPES = {
@@ -75,17 +71,7 @@ def worker(a) -> dict:
     cfg = TrainConfig(precision=a.dtype, checkpointing=a.checkpointing == "on", threads=a.threads, progress=False,
                       lr=LR, weight_decay=0.0, grad_clip=1.0, device="cpu")
     loop = Loop(model.train(), RandomTokens(config.vocab_size, a.batch, a.context, a.labelled), cfg)
-    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    times, losses = [], []
-    for i in range(a.warmup + a.steps):
-        t0 = time.perf_counter()
-        loop.step = i
-        losses.append(loop._train_step(LR))
-        if i >= a.warmup:
-            times.append(time.perf_counter() - t0)
-    return {"params": sum(p.numel() for p in model.parameters()),
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "rss_built_mb": built, "times": times, "losses": losses}
+    return {"params": sum(p.numel() for p in model.parameters()), **timed_steps(loop, LR, a.warmup, a.steps)}
 
 
 def main() -> None:
@@ -108,20 +94,9 @@ def main() -> None:
         print(json.dumps(worker(a)))
         return
     run = Run()
-    rows = []
-    for method in a.methods.split(","):
-        for ckpt in ("off", "on"):
-            argv = [sys.executable, __file__, "--worker", method, ckpt] + \
-                   [x for k in ("shape", "layers", "batch", "context", "labelled", "steps", "warmup", "threads", "dtype")
-                    for x in (f"--{k}", str(getattr(a, k)))]
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
-            out = proc.stdout.read()
-            _, status, usage = os.wait4(proc.pid, 0)
-            if status != 0:
-                raise SystemExit(f"the {method} checkpointing={ckpt} worker failed (status {status})")
-            rows.append({"method": method, "checkpointing": ckpt, **json.loads(out.decode().splitlines()[-1]),
-                         "peak_rss_mb": usage.ru_maxrss / 1024})
-            print(rows[-1], flush=True)
+    rows = worker_rows(__file__, a, ("shape", "layers", "batch", "context", "labelled", "steps", "warmup", "threads",
+                                     "dtype"), [(m, c) for m in a.methods.split(",") for c in ("off", "on")],
+                       ("method", "checkpointing"))
     run.finish()
     layers = a.layers or SHAPES[a.shape]["n_layers"]
     name = f"checkpointing_memory-{a.shape}-{layers}l-{a.dtype}" + (f"-{a.tag}" if a.tag else "")
@@ -130,19 +105,12 @@ def main() -> None:
              f"batch {a.batch} x context {a.context}, targets on the last {a.labelled:.0%} of each row; AdamW lr {LR:g}, "
              f"clip 1.0; {a.threads} threads; {a.warmup} untimed + {a.steps} timed steps, each configuration alone "
              f"in its own process (peak = the process's max RSS).", "",
-             "| method | checkpointing | trained | RSS after building MB | peak RSS MB | peak ratio on / off | s/step (median) | time ratio on / off | losses |",
+             "| method | checkpointing | trained | RSS once built MB | peak RSS MB | peak on / off | s/step (median) | s/step on / off | losses |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         off = next(x for x in rows if x["method"] == r["method"] and x["checkpointing"] == "off")
-        mem = r["peak_rss_mb"] / off["peak_rss_mb"]
-        t = statistics.median(r["times"]) / statistics.median(off["times"])
-        lines.append(f"| {r['method']} | {r['checkpointing']} | {r['trainable']:,} | {r['rss_built_mb']:,.0f} | "
-                     f"{r['peak_rss_mb']:,.0f} | {mem:.2f}x | {statistics.median(r['times']):.1f} | {t:.2f}x | "
-                     f"{', '.join(f'{v:.4f}' for v in r['losses'])} |")
-    out = results_dir("training")
-    run.write(out / f"{name}.md", "\n".join(lines))
-    run.write_json(out / f"{name}.json", {"rows": rows, "settings": vars(a)})
-    print("\n".join(lines))
+        lines.append(f"| {r['method']} | {r['checkpointing']} | " + memory_cells(r, off))
+    write_result(run, name, lines, rows, vars(a))
 
 
 if __name__ == "__main__":

@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.record import Run, results_dir  # noqa: E402
+from common.child import memory_cells, timed_steps, worker_rows, write_result  # noqa: E402
+from common.record import Run  # noqa: E402
 
 LR = 1e-3
 
@@ -48,16 +44,7 @@ def worker(a) -> dict:
     task = FinetuneTask(train, val, s, tokenizer, stops[0], questions, stops, labelled_only=isinstance(model, DecoderLM),
                         share_prefix=True)
     loop = Loop(model.train(), task, s)
-    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    times, losses = [], []
-    for i in range(a.warmup + a.steps):
-        t0 = time.perf_counter()
-        loop.step = i
-        losses.append(loop._train_step(LR))
-        if i >= a.warmup:
-            times.append(time.perf_counter() - t0)
-    return {"rss_built_mb": built, "times": times, "losses": losses,
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    return timed_steps(loop, LR, a.warmup, a.steps)
 
 
 def main() -> None:
@@ -76,22 +63,11 @@ def main() -> None:
         print(json.dumps(worker(a)))
         return
     run = Run()
-    rows = []
-    for ckpt in a.checkpointing.split(","):
-        for base in ("float", "blocks"):
-            argv = [sys.executable, __file__, "--worker", base, ckpt] + \
-                   [x for k in ("model", "batch", "steps", "warmup", "threads") for x in (f"--{k}", str(getattr(a, k)))]
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
-            out = proc.stdout.read()
-            _, status, usage = os.wait4(proc.pid, 0)
-            if status != 0:
-                raise SystemExit(f"the {base} checkpointing={ckpt} worker failed (status {status})")
-            rows.append({"base": base, "checkpointing": ckpt, **json.loads(out.decode().splitlines()[-1]),
-                         "peak_rss_mb": usage.ru_maxrss / 1024})
-            print(rows[-1], flush=True)
+    rows = worker_rows(__file__, a, ("model", "batch", "steps", "warmup", "threads"),
+                       [(b, c) for c in a.checkpointing.split(",") for b in ("float", "blocks")], ("base", "checkpointing"))
     run.finish()
     name = "qlora_memory" + (f"-{a.tag}" if a.tag else "")
-    lines = [f"# QLoRA (the GGUF file's blocks) against LoRA over the float32 base: peak memory and s/step", "",
+    lines = ["# QLoRA (the GGUF file's blocks) against LoRA over the float32 base: peak memory and s/step", "",
              f"{a.model}; LoRA r=16 alpha=32 on all seven projections; the built-in task's batches of {a.batch} "
              f"(shared prefix on), fp32, AdamW lr {LR:g}; {a.threads} threads; {a.warmup} untimed + {a.steps} timed "
              f"steps, each configuration alone in its own process (peak = the process's max RSS).", "",
@@ -99,15 +75,9 @@ def main() -> None:
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         ref = next(x for x in rows if x["base"] == "float" and x["checkpointing"] == r["checkpointing"])
-        t, t0 = statistics.median(r["times"]), statistics.median(ref["times"])
         label = "GGUF blocks (QLoRA)" if r["base"] == "blocks" else "float32 (widened)"
-        lines.append(f"| {label} | {r['checkpointing']} | {r['trainable']:,} | {r['rss_built_mb']:,.0f} | "
-                     f"{r['peak_rss_mb']:,.0f} | {r['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x | {t:.2f} | {t / t0:.2f}x | "
-                     f"{', '.join(f'{v:.4f}' for v in r['losses'])} |")
-    out = results_dir("training")
-    run.write(out / f"{name}.md", "\n".join(lines))
-    run.write_json(out / f"{name}.json", {"rows": rows, "settings": vars(a)})
-    print("\n".join(lines))
+        lines.append(f"| {label} | {r['checkpointing']} | " + memory_cells(r, ref))
+    write_result(run, name, lines, rows, vars(a))
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ end-of-turn token, as supervised fine-tuning labels them.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 from tformer.errors import InputError
-from tformer.training.chat_data import ROLES, number_task
+from tformer.training.chat_data import ROLES, number_task, read_jsonl
 
 SHAPE = ('each line must be {"prompt": ..., "chosen": ..., "rejected": ...} (strings, or message lists) or '
          '{"chosen": [messages], "rejected": [messages]}')
@@ -61,20 +60,7 @@ def parse_pair(obj, where: str) -> tuple[list[dict], str, str]:
 
 def read_preferences(path: Path, encoding: str = "utf-8") -> list[tuple[list[dict], str, str]]:
     """The pairs of a JSONL file (blank lines skipped); a bad line is refused by number."""
-    try:
-        lines = path.read_text(encoding=encoding).splitlines()
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path} is not {encoding} text ({e.reason} at byte {e.start}); pass --set encoding=...") from None
-    pairs = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise InputError(f"{path} line {n} is not JSON ({e.msg} at column {e.colno}); write one JSON object "
-                             f"per line.") from None
-        pairs.append(parse_pair(obj, f"{path} line {n}"))
+    pairs = read_jsonl(path, parse_pair, encoding)
     if not pairs:
         raise InputError(f"{path} holds no preference pairs; {SHAPE}.")
     return pairs
