@@ -153,3 +153,20 @@ def test_the_loop_turns_it_on_from_the_setting(tmp_path):
         assert t.model.checkpointing is on
         runs[on] = [r["loss"] for r in t.fit()["history"] if "loss" in r]
     assert len(runs[True]) == 3 and runs[True] == pytest.approx(runs[False], rel=TOL)
+
+
+def test_finetune_with_checkpointing_takes_the_plain_steps(tmp_path):
+    """``tformer finetune --set checkpointing=true`` (LoRA, the shared prefix): the same losses as without."""
+    import json
+    from finetune_fixtures import tiny_llama
+    from tformer.cli import main
+    base = tiny_llama(tmp_path / "base")
+    quick = ["--set", "n_train=40", "--set", "n_test=4", "--set", "eval_exact=0", "--set", "progress=false",
+             "--set", "threads=1", "--set", "batch_size=4", "--set", "max_length=48", "--set", "max_steps=4",
+             "--set", "log_interval=1", "--set", "precision=fp32", "--set", "lr=1e-2", "--set", "eval_interval=4"]
+    losses = {}
+    for on in ("false", "true"):
+        run = tmp_path / on
+        assert main(["finetune", "--model", str(base), "--out", str(run), *quick, "--set", f"checkpointing={on}"]) == 0
+        losses[on] = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert len(losses["true"]) == 4 and losses["true"] == pytest.approx(losses["false"], rel=TOL)
