@@ -259,7 +259,7 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
             silently misread (no tokens, a token twice, a merge of unknown tokens or without a space,
             ``token_types`` not one per token, a bos / eos id outside the vocabulary), naming the GGUF key.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     if pre not in GGUF_PRE_SPLITS:
         raise CheckpointError(f"GGUF metadata tokenizer.ggml.pre={pre!r} names a pre-tokenizer tformer does not "
@@ -281,11 +281,18 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
                             for i, k in enumerate(types) if k == CONTROL])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i, k in enumerate(types) if k == USER_DEFINED])
+    tok.post_processor = bos_eos_processor(tokens, bos_id, add_bos, eos_id, add_eos)
+    return HFTokenizer(tok)
+
+
+def bos_eos_processor(tokens: list[str], bos_id: int | None, add_bos: bool, eos_id: int | None, add_eos: bool):
+    """The ``tokenizers`` post-processor putting BOS before / EOS after every encoded text, as asked."""
+    from tokenizers import processors
+
     single = ([f"{tokens[bos_id]}:0"] if add_bos and bos_id is not None else []) + ["$A:0"] + \
         ([f"{tokens[eos_id]}:0"] if add_eos and eos_id is not None else [])
     specials = [(tokens[i], i) for i, flag in ((bos_id, add_bos), (eos_id, add_eos)) if flag and i is not None]
-    tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
-    return HFTokenizer(tok)
+    return processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
 
 
 # ------------------------------------------------------------------ chat templates

@@ -1,0 +1,110 @@
+"""The vocabularies of Llama 3 (``llama-bpe``), Qwen2/3 (``qwen2``) and the SentencePiece kind (Llama 2, Phi-3,
+Gemma), trained here (:mod:`trained_vocabs`), tokenize in tformer as in transformers and sentencepiece (in CI)
+and llama.cpp (where llama-cpp-python is installed), on 2,000 varied lines each: the GGUF file's tokenizer as
+tformer builds it from ``tokenizer.ggml.*``, and the ``tokenizer.json`` as tformer reads it.
+
+Qwen's ``tokenizer.json`` normalizes text to NFC and llama.cpp does not: a GGUF file tokenizes as llama.cpp
+does, so it is compared with transformers on the lines normalized first (61 of the 2,000 change).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+import pytest
+
+pytest.importorskip("gguf", reason="the optional extra 'gguf' is not installed")
+transformers = pytest.importorskip("transformers")
+
+from trained_vocabs import bpe_files, spm_files, spm_model  # noqa: E402
+from varied_text import varied_lines  # noqa: E402
+
+from tformer.errors import CheckpointError  # noqa: E402
+from tformer.interop.gguf_import import gguf_tokenizer  # noqa: E402
+from tformer.interop.gguf_reader import GGUFFile  # noqa: E402
+from tformer.tokenizers import gguf_bpe_tokenizer, load_tokenizer  # noqa: E402
+
+LINES = varied_lines(2000, seed=0)
+CHAT = {"llama-bpe": "<|start_header_id|>user<|end_header_id|>\n\nhi 123<|eot_id|>",
+        "qwen2": "<|im_start|>user\n<think>\nhello  2</think><|im_end|>\n",
+        "spm": "<start_of_turn>user\nhi  there<end_of_turn>\n<|user|> a<|end|>"}
+
+
+@pytest.fixture(scope="module", params=["llama-bpe", "qwen2", "spm-prefix", "spm-gemma"])
+def family(request, tmp_path_factory):
+    """``(name, tformer from GGUF, tformer from tokenizer.json, transformers' tokenizer, GGUF path)``."""
+    name, folder = request.param, tmp_path_factory.mktemp(request.param)
+    path, hf = spm_files(folder, request.param == "spm-prefix") if name.startswith("spm") else bpe_files(folder, name)
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf))
+    return name, gguf_tokenizer(GGUFFile(path)), load_tokenizer(hf), ref, path
+
+
+def test_ids_equal_transformers(family):
+    name, from_gguf, from_json, ref, _ = family
+    for line in LINES:
+        want = ref.encode(line, add_special_tokens=False)
+        assert from_json.encode(line, add_special_tokens=False) == want, repr(line)
+        nfc = unicodedata.normalize("NFC", line) if name == "qwen2" else line     # what Qwen's normalizer does
+        assert from_gguf.encode(nfc, add_special_tokens=False) == want, repr(line)
+        assert from_gguf.decode(want) == ref.decode(want), repr(line)
+    chat = CHAT["spm" if name.startswith("spm") else name]
+    assert from_gguf.encode(chat) == from_json.encode(chat) == ref.encode(chat)       # BOS as the file says
+    assert from_gguf.decode(ref.encode(chat), skip_special_tokens=False) == ref.decode(ref.encode(chat))
+
+
+def test_decode_round_trips(family):
+    """``decode(encode(x)) == x``: transformers round-trips each of these lines, and so does tformer."""
+    name, from_gguf, _, ref, _ = family
+    for line in LINES:
+        if name == "qwen2" and unicodedata.normalize("NFC", line) != line:
+            continue
+        assert ref.decode(ref.encode(line, add_special_tokens=False)) == line
+        assert from_gguf.decode(from_gguf.encode(line)) == line, repr(line)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_sentencepiece_ids_equal_the_sentencepiece_library(tmp_path, prefix):
+    """The reference implementation of the model kind itself (Google's sentencepiece), in CI."""
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(spm_model())
+    proto.normalizer_spec.add_dummy_prefix = prefix
+    sp = sentencepiece.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    path, _ = spm_files(tmp_path, prefix)
+    tok = gguf_tokenizer(GGUFFile(path))
+    for line in LINES:
+        ids = sp.encode(line)
+        assert tok.encode(line, add_special_tokens=False) == ids, repr(line)
+        assert tok.decode(ids) == sp.decode(ids)
+
+
+def test_an_unknown_pre_tokenizer_is_refused_in_one_sentence():
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.pre='tekken' names a pre-tokenizer") as e:
+        gguf_bpe_tokenizer(["a", "b", "ab"], ["a b"], None, "tekken")
+    assert "\n" not in str(e.value)
+
+
+def test_sentencepiece_without_scores_is_refused(tmp_path):
+    from trained_vocabs import write_gguf
+
+    path = write_gguf(tmp_path / "x.gguf", "llama", ["<unk>", "a"], [2, 1])
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.scores must hold one number per token"):
+        gguf_tokenizer(GGUFFile(path))
+
+
+def test_ids_equal_llama_cpp(family):
+    """llama.cpp's own tokenizer (src/llama-vocab.cpp, its regexes in src/unicode.cpp): independent C++."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `bench` extra) is not installed")
+    name, from_gguf, _, _, path = family
+    ref = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for line in LINES:
+        want = ref.tokenize(line.encode("utf-8"), add_bos=False, special=False)
+        assert from_gguf.encode(line, add_special_tokens=False) == want, repr(line)
+        # the binding drops the text's first space after a BOS (what llama.cpp does for add_space_prefix)
+        ids = ref.tokenize(line.encode("utf-8"), add_bos=name == "spm-prefix", special=False)
+        assert from_gguf.decode(ids).encode("utf-8") == ref.detokenize(ids), repr(line)
+    chat = CHAT["spm" if name.startswith("spm") else name]
+    assert from_gguf.encode(chat) == ref.tokenize(chat.encode(), add_bos=True, special=True)
+    assert from_gguf.encode(chat, parse_special=False) == ref.tokenize(chat.encode(), add_bos=True, special=False)
