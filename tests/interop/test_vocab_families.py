@@ -108,3 +108,40 @@ def test_ids_equal_llama_cpp(family):
     chat = CHAT["spm" if name.startswith("spm") else name]
     assert from_gguf.encode(chat) == ref.tokenize(chat.encode(), add_bos=True, special=True)
     assert from_gguf.encode(chat, parse_special=False) == ref.tokenize(chat.encode(), add_bos=True, special=False)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_export_names_the_pre_tokenizer_by_the_tokenizer_json(tmp_path, pre):
+    """`tformer convert --to-gguf` writes tokenizer.ggml.pre from the tokenizer.json's split, and the file it
+    writes tokenizes as transformers does."""
+    import gguf
+
+    from tformer.interop.gguf import hf_bpe_tokenizer, write_tokenizer
+
+    _, hf = bpe_files(tmp_path / "hf", pre)
+    tok = hf_bpe_tokenizer(hf.parent)
+    assert tok["gguf_pre"] == pre
+    w = gguf.GGUFWriter(str(tmp_path / "out.gguf"), "llama")
+    write_tokenizer(w, tok, "llama", len(tok["model"]["vocab"]) + len(tok["added_tokens"]), [])
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    ours, ref = gguf_tokenizer(GGUFFile(tmp_path / "out.gguf")), transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf))
+    for line in LINES[:300]:
+        line = unicodedata.normalize("NFC", line)
+        assert ours.encode(line, add_special_tokens=False) == ref.encode(line, add_special_tokens=False), repr(line)
+
+
+def test_export_refuses_a_split_or_a_vocabulary_llama_cpp_would_read_otherwise(tmp_path):
+    import json
+
+    from tformer.errors import InputError
+    from tformer.interop.gguf import hf_bpe_tokenizer
+
+    _, hf = bpe_files(tmp_path / "bpe", "llama-bpe")
+    data = json.loads(hf.read_text())
+    data["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\p{N}{1,4}|\s+"
+    hf.write_text(json.dumps(data))
+    with pytest.raises(InputError, match="none llama.cpp has a name for"):
+        hf_bpe_tokenizer(hf.parent)
+    _, hf = spm_files(tmp_path / "spm", True)
+    with pytest.raises(InputError, match="SentencePiece-style BPE"):
+        hf_bpe_tokenizer(hf.parent)
