@@ -35,16 +35,17 @@ def merges_from_scores(tokens: list[str], scores: list[float], types: list[int])
     A token of n characters has n - 1 splits; only those whose halves are both tokens can be joined.
     Byte tokens (``<0xNN>``) are never joined (llama.cpp writes them only for characters no token has)."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    ranked = []
-    for i, t in enumerate(tokens):
-        if types[i] == BYTE or len(t) < 2:
+    byte = {i for i, k in enumerate(types) if k == BYTE}
+    merges = []
+    for i in sorted(range(len(tokens)), key=lambda i: (-scores[i], i)):     # the tokens, best first
+        t = tokens[i]
+        if i in byte or len(t) < 2:
             continue
         for k in range(1, len(t)):
-            a, b = t[:k], t[k:]
-            if a in vocab and b in vocab and types[vocab[a]] != BYTE and types[vocab[b]] != BYTE:
-                ranked.append((-scores[i], i, k, a, b))
-    ranked.sort()
-    return [(a, b) for *_, a, b in ranked]
+            a, b = vocab.get(t[:k]), vocab.get(t[k:])
+            if a is not None and b is not None and a not in byte and b not in byte:
+                merges.append((t[:k], t[k:]))
+    return merges
 
 
 def gguf_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_types: list[int] | None, *,
