@@ -66,9 +66,9 @@ def gguf_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_type
         CheckpointError: tokens, scores or types missing or not one per token, a token twice, or a
             special id outside the vocabulary, naming the GGUF key.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
-    from tformer.tokenizers import HFTokenizer, bos_eos_processor
+    from tformer.tokenizers import gguf_special_tokens
 
     def refuse(key: str, why: str) -> CheckpointError:
         return CheckpointError(f"GGUF metadata tokenizer.ggml.{key} {why}; the file is damaged.")
@@ -100,9 +100,4 @@ def gguf_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_type
     tok.normalizer = normalizers.Sequence(([normalizers.Prepend(SPACE)] if add_space_prefix else []) + spaces)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
                                     + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, k in enumerate(types) if k == CONTROL])
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i, k in enumerate(types) if k == USER_DEFINED])
-    tok.post_processor = bos_eos_processor(tokens, bos_id, add_bos, eos_id, add_eos)
-    return HFTokenizer(tok)
+    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos)

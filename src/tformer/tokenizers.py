@@ -272,7 +272,7 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
             silently misread (no tokens, a token twice, a merge of unknown tokens or without a space,
             ``token_types`` not one per token, a bos / eos id outside the vocabulary), naming the GGUF key.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     if pre not in GGUF_PRE_SPLITS:
         raise CheckpointError(f"GGUF metadata tokenizer.ggml.pre={pre!r} names a pre-tokenizer tformer does not "
@@ -293,22 +293,25 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in GGUF_PRE_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
+    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos)
+
+
+def gguf_special_tokens(tok, tokens: list[str], types: list[int], bos_id: int | None, add_bos: bool,
+                        eos_id: int | None, add_eos: bool) -> HFTokenizer:
+    """A GGUF vocabulary's ``tokenizers`` object finished: its control tokens (type 3) as special tokens (matched
+    whole, left out of decoded text), its user-defined ones (4) as plain added tokens (matched whole, as
+    llama.cpp always does), and BOS before / EOS after every encoded text, as asked."""
+    from tokenizers import AddedToken, processors
+
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i, k in enumerate(types) if k == CONTROL])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i, k in enumerate(types) if k == USER_DEFINED])
-    tok.post_processor = bos_eos_processor(tokens, bos_id, add_bos, eos_id, add_eos)
-    return HFTokenizer(tok)
-
-
-def bos_eos_processor(tokens: list[str], bos_id: int | None, add_bos: bool, eos_id: int | None, add_eos: bool):
-    """The ``tokenizers`` post-processor putting BOS before / EOS after every encoded text, as asked."""
-    from tokenizers import processors
-
     single = ([f"{tokens[bos_id]}:0"] if add_bos and bos_id is not None else []) + ["$A:0"] + \
         ([f"{tokens[eos_id]}:0"] if add_eos and eos_id is not None else [])
     specials = [(tokens[i], i) for i, flag in ((bos_id, add_bos), (eos_id, add_eos)) if flag and i is not None]
-    return processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
+    tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
+    return HFTokenizer(tok)
 
 
 # ------------------------------------------------------------------ chat templates
