@@ -145,3 +145,18 @@ def test_export_refuses_a_split_or_a_vocabulary_llama_cpp_would_read_otherwise(t
     _, hf = spm_files(tmp_path / "spm", True)
     with pytest.raises(InputError, match="SentencePiece-style BPE"):
         hf_bpe_tokenizer(hf.parent)
+
+
+def test_a_sentencepiece_gguf_converts_to_a_checkpoint_tokenizer_that_reads_back_equal(tmp_path):
+    """What `tformer convert --from-gguf` writes (tokenizer.json, tokenizer_config.json) for such a vocabulary."""
+    from tformer.interop.gguf_import import tokenizer_config
+
+    path, _ = spm_files(tmp_path / "spm", True)
+    f = GGUFFile(path)
+    tok = gguf_tokenizer(f)
+    tok.save(tmp_path / "tokenizer.json")
+    again = load_tokenizer(tmp_path / "tokenizer.json")
+    for line in LINES[:300]:
+        assert again.encode(line) == tok.encode(line) and again.encode(line)[0] == 1     # BOS, as llama.cpp adds it
+    config = tokenizer_config(f)
+    assert config["add_bos_token"] is True and config["bos_token"] == "<s>" and config["eos_token"] == "</s>"
