@@ -124,7 +124,8 @@ def test_export_names_the_pre_tokenizer_by_the_tokenizer_json(tmp_path, pre):
     w = gguf.GGUFWriter(str(tmp_path / "out.gguf"), "llama")
     write_tokenizer(w, tok, "llama", len(tok["model"]["vocab"]) + len(tok["added_tokens"]), [])
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    ours, ref = gguf_tokenizer(GGUFFile(tmp_path / "out.gguf")), transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf))
+    ours = gguf_tokenizer(GGUFFile(tmp_path / "out.gguf"))
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf))
     for line in LINES[:300]:
         line = unicodedata.normalize("NFC", line)
         assert ours.encode(line, add_special_tokens=False) == ref.encode(line, add_special_tokens=False), repr(line)
@@ -160,3 +161,37 @@ def test_a_sentencepiece_gguf_converts_to_a_checkpoint_tokenizer_that_reads_back
         assert again.encode(line) == tok.encode(line) and again.encode(line)[0] == 1     # BOS, as llama.cpp adds it
     config = tokenizer_config(f)
     assert config["add_bos_token"] is True and config["bos_token"] == "<s>" and config["eos_token"] == "</s>"
+
+
+@pytest.mark.parametrize("template, prefix", [("phi-3.5", True), ("gemma-3", False)])
+def test_a_sentencepiece_gguf_chat_prompt_equals_transformers_and_stops_at_its_end_of_turn(tmp_path, template, prefix):
+    """The rendered chat's ids from the GGUF tokenizer (each piece between the template's markers gets the prefix
+    space, as llama.cpp gives it after a special token) equal transformers' apply_chat_template(tokenize=True) on
+    the same vocabulary's tokenizer.json, and llama.cpp's where installed; the end-of-turn token stops."""
+    from pathlib import Path
+
+    from tformer.inference import end_of_turn_ids
+    from tformer.tokenizers import ChatTemplate
+
+    source = (Path(__file__).parents[1] / "data" / "chat_templates" / f"{template}.jinja").read_text(encoding="utf-8")
+    path, hf = spm_files(tmp_path, prefix)
+    tok = gguf_tokenizer(GGUFFile(path))
+    special = {"bos_token": "<s>", "eos_token": "</s>"}
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf), chat_template=source, **special)
+    ours = ChatTemplate(source, **special)
+    chat = [{"role": "user", "content": "  Hello there, 日本 🙂\n"}, {"role": "assistant", "content": "Hi! 12345"},
+            {"role": "user", "content": "typed <end_of_turn> <|end|> stays text"}]
+    ids = ours.encode(tok, chat)
+    want = ref.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=False)
+    marker = {"phi-3.5": "<|end|>", "gemma-3": "<end_of_turn>"}[template]
+    turn = tok.tok.token_to_id(marker)
+    assert ids.count(turn) == want.count(turn) - 1 == 3          # transformers parses the typed marker; tformer not
+    assert ours.encode(tok, chat, parse_special=True) == want
+    assert turn in end_of_turn_ids(ours, tok)
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    lc = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    text = ours.render(chat)
+    assert ours.encode(tok, chat, parse_special=True) == lc.tokenize(text.encode(), add_bos=False, special=True)
