@@ -1,6 +1,6 @@
 """tformer checkpoint -> GGUF file (llama.cpp's format), for GPT-2- and Llama-layout decoders.
 
-    tformer convert --to-gguf CKPT --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0]
+    tformer convert --to-gguf CKPT --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0|q4_1]
 
 The weights go through the HF converters first (``tformer.interop.hf``: the model as transformers
 would hold it), then each HF name is mapped to llama.cpp's name by the ``gguf`` package's own
@@ -15,8 +15,8 @@ layout changes follow llama.cpp's ``convert_hf_to_gguf.py`` (ggml-org/llama.cpp,
   index (half h, i) moves to (i, half h), i.e. ``W.reshape(heads, 2, d/2, -1).swapaxes(1, 2)``.
 
 Types: 1-D tensors (norms, biases) stay f32, as llama.cpp keeps them; 2-D tensors take ``--type``
-(q8_0 and q4_0 need rows that are a multiple of 32 long; other rows fall back to f16, and the
-report says which). ``gguf.quants`` does the f16/bf16/q8_0/q4_0 encoding.
+(q8_0, q4_0 and q4_1 need rows that are a multiple of 32 long; other rows fall back to f16, and the
+report says which). ``gguf.quants`` does the f16/bf16/q8_0/q4_0/q4_1 encoding.
 
 Tokenizer: an HF ``tokenizer.json`` of byte-level BPE (GPT-2, Llama 3 style) next to the weights
 is written as ``tokenizer.ggml.model = "gpt2"`` with its tokens, token types and merges, and
@@ -36,7 +36,7 @@ import torch
 
 from tformer.errors import CheckpointError, InputError
 
-TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 ARCHES = {"gpt2": "gpt2", "llama": "llama"}          # tformer/HF model_type -> GGUF general.architecture
 # The hyper-parameter keys llama.cpp reads (and requires) for each architecture ("{arch}." prefix).
 REQUIRED_KEYS = {
@@ -180,11 +180,11 @@ def encode(a: np.ndarray, kind: str) -> tuple[np.ndarray, object, str]:
     q = gguf.GGMLQuantizationType
     if a.ndim < 2 or kind == "f32":
         return a.astype(np.float32), None, "f32"
-    if kind in ("q8_0", "q4_0") and a.shape[-1] % 32 != 0:
+    if kind in ("q8_0", "q4_0", "q4_1") and a.shape[-1] % 32 != 0:
         kind = "f16"                                          # Q8_0/Q4_0 blocks are 32 values of one row
     if kind == "f16":
         return a.astype(np.float16), None, "f16"
-    qt = {"bf16": q.BF16, "q8_0": q.Q8_0, "q4_0": q.Q4_0}[kind]
+    qt = {"bf16": q.BF16, "q8_0": q.Q8_0, "q4_0": q.Q4_0, "q4_1": q.Q4_1}[kind]
     return gguf.quants.quantize(a.astype(np.float32), qt), qt, kind
 
 
@@ -216,7 +216,7 @@ def save_gguf(model: torch.nn.Module, path: str | Path, kind: str = "f32", model
     tok = hf_bpe_tokenizer(Path(tokenizer_dir)) if tokenizer_dir else None
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                 "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[kind]
+                 "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[kind]
     report = {"arch": ARCHES[model_type], "tensors": len(tensors), "types": {}}
 
     def write(tmp: str) -> None:
