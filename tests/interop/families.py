@@ -31,6 +31,14 @@ SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header
            "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 640
 
+# The families' chat formats, written here from their published layout (Llama 3's headers, Qwen's ChatML).
+LLAMA3_CHAT = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+               "{{ m['content'] }}<|eot_id|>{% endfor %}"
+               "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATES = {"llama": LLAMA3_CHAT, "qwen2": CHATML, "qwen3": CHATML}
+
 # family -> (transformers config class, GGUF architecture, published config fields, (bos, eos, eot) tokens)
 LLAMA3 = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=8192)
@@ -215,6 +223,7 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
     w.add_add_bos_token(bos is not None)
     w.add_eos_token_id(vocab[eos])
     w.add_eot_token_id(vocab[eot])
+    w.add_chat_template(TEMPLATES[arch])
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     if rope["rope_type"] == "llama3":
         w.add_tensor("rope_freqs.weight", rope_factors(model))
