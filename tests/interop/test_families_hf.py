@@ -133,3 +133,35 @@ def test_run_with_cache_gives_transformer_lens_names(pair):
         assert name in hook_names(ours) and name in cache.keys(), name
     with torch.no_grad():
         assert F.relative(logits, ours(x)[0]) < 1e-5
+
+
+def test_lora_steps_and_the_peft_adapter_loads_in_peft(pair, tmp_path):
+    """A few LoRA steps on every projection; the adapter saved in PEFT's format gives, in peft on
+    transformers' model of the same folder, the logits tformer gives (1e-4 of their scale)."""
+    peft = pytest.importorskip("peft")
+    from tformer.training.lora import LoRASpec, add_lora, lora_parameters
+    from tformer.training.peft_adapter import save_adapter
+
+    family, folder, _, _ = pair
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    model = add_lora(load_hf(folder), LoRASpec(r=4, alpha=8, targets=targets)).train()
+    opt = torch.optim.AdamW(lora_parameters(model).values(), lr=1e-2)
+    ids = torch.tensor([F.prompts()[3][:64]])
+    losses = []
+    for _ in range(3):
+        _, loss = model(ids[:, :-1], ids[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+    model.eval()
+    save_adapter(model, tmp_path / "adapter", base_model=str(folder))
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    F.float64_angles(ref.base_model.model)
+    x = torch.tensor([F.prompts()[2]])
+    with torch.no_grad():
+        ours, theirs = model(x)[0], ref(x).logits
+        assert F.relative(ours, theirs) < TOL, family
+        assert F.relative(load_hf(folder)(x)[0], theirs) > 1e-3          # the adapter matters
