@@ -128,3 +128,19 @@ def test_serve_chat_completion_runs(files):
     finally:
         running.stop()
         server.close()
+
+
+def test_llama3_export_writes_the_divisors_transformers_gives(tmp_path):
+    """tformer's own exporter on a Llama 3.2 model: ``rope_freqs.weight`` equals the divisors computed from
+    transformers' own llama3 function (float32, 1e-6), and the file reads back as llama3."""
+    import numpy as np
+
+    from tformer.interop.gguf import save_gguf
+    from tformer.interop.hf import load_hf
+
+    folder = F.hf_folder("llama-3.2-1b", tmp_path / "hf")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    save_gguf(load_hf(folder), tmp_path / "out.gguf", "f32")
+    f = GGUFFile(tmp_path / "out.gguf")
+    np.testing.assert_allclose(f.array("rope_freqs.weight"), F.rope_factors(ref), rtol=1e-6)
+    assert load_gguf(tmp_path / "out.gguf").config.rope_scaling["rope_type"] == "llama3"

@@ -70,3 +70,16 @@ def test_blocks_kept_are_nearer_llama_cpp_than_the_float_import(files, kind):
             mine, plain = blocks(torch.tensor([ids]))[0][0], floats(torch.tensor([ids]))[0][0]
         assert (mine - theirs).abs().mean() < (plain - theirs).abs().mean(), (family, kind, len(ids))
         assert F.relative(mine, theirs) < 5e-2, (family, kind, len(ids))
+
+
+def test_exported_llama3_file_equals_llama_cpp(tmp_path):
+    """tformer's exporter (``save_gguf``) on Llama 3.2: llama.cpp runs the file to 1e-3 of tformer's logits."""
+    from tformer.interop.gguf import save_gguf
+    from tformer.interop.hf import load_hf
+
+    model = load_hf(F.hf_folder("llama-3.2-1b", tmp_path / "hf"))
+    save_gguf(model, tmp_path / "out.gguf", "f32")
+    for ids in F.prompts()[1:]:
+        with torch.no_grad():
+            ours = model(torch.tensor([ids]))[0][0]
+        assert F.relative(ours, cpp_logits(tmp_path / "out.gguf", ids, True)) < 1e-3
