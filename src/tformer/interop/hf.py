@@ -17,8 +17,8 @@ module provides the names in :data:`PROTOCOL`:
   ``state_to_hf(state, config) -> HF tensors``; optionally ``export_options(state) -> options``
   when the HF config depends on the weights (BERT's MLM head).
 
-Anything a converter does not implement (scaled RoPE, an unknown activation, an unknown model_type,
-an unexpected tensor) is refused with a message naming it. ``transformers`` is never imported.
+Anything a converter does not implement (a RoPE scaling other than linear, llama3 and YaRN, an unknown
+activation, an unknown model_type, an unexpected tensor) is refused with a message naming it. ``transformers`` is never imported.
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 The three differ only in config: Qwen2 has biases on q/k/v (not on o or the MLP), Mistral a
 sliding window. HF stores q, k and v separately; tformer fuses them as [W_Q; W_K; W_V]. HF's RoPE
-is the rotate-half layout tformer uses, so q/k need no permutation.
+is the rotate-half layout tformer uses, so q/k need no permutation. A scaled RoPE (Llama 3.1's
+``llama3``, ``linear``, Qwen's ``yarn``) is read from ``rope_parameters`` (transformers 5) or
+``rope_scaling`` (older) into ``config.rope_scaling`` with transformers' own keys, and written back as
+``rope_parameters``.
 """
 
 from __future__ import annotations
