@@ -46,6 +46,14 @@ class TransformerConfig:
         positions: ``none``, ``learned``, ``sinusoidal`` (added to the embedding), ``rope``
             (rotates q and k) or ``alibi`` (a linear bias on the scores).
         rope_base: the base θ of the RoPE frequencies.
+        rope_scaling: ``None`` (plain RoPE) or a dict scaling its frequencies for a longer context, keyed as
+            transformers' ``rope_parameters`` (see :data:`ROPE_SCALINGS`): ``{"rope_type": "linear", "factor": 4}``
+            (every frequency / factor), ``"llama3"`` (Llama 3.1: low frequencies / factor, high ones kept, a
+            smooth ramp between; ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``),
+            ``"yarn"`` (Peng et al. 2023: the same ramp by rotations per original context, ``beta_fast``,
+            ``beta_slow``, and cos/sin times ``attention_factor``, default ``0.1·ln(factor) + 1``) or
+            ``"factors"`` (``factors``: one divisor per frequency, head_dim/2 of them, as a GGUF
+            ``rope_freqs.weight`` stores them). On the command line: ``--set 'rope_scaling={"rope_type": ...}'``.
         norm: ``layernorm`` or ``rmsnorm``; ``norm_eps`` its epsilon.
         norm_placement: ``pre`` (x + f(norm(x)), GPT-2/Llama) or ``post`` (norm(x + f(x)), Vaswani/BERT).
         ffn: ``mlp`` (Linear, activation, Linear), ``swiglu`` (gated, Llama) or ``none`` (no
@@ -80,6 +88,8 @@ class TransformerConfig:
             (Vaswani et al. §3.4, Marian).
         qk_norm: RMS-normalise each head's q and k (no gain) before RoPE, so a score is at most
             ``head_dim · scale`` and the logits cannot grow without bound (Dehghani et al. 2023).
+        qk_norm_gain: with ``qk_norm``, a learned gain of ``head_dim`` values shared by the heads (one for q,
+            one for k) and ``norm_eps`` as the norm's epsilon: Qwen3's ``q_norm`` / ``k_norm``.
         zero_init_residual: initialise every projection that writes into the residual stream (attention's
             ``out_proj``, the feed-forward's ``down``) to zero, so each block starts as the identity.
         logit_softcap: ``cap · tanh(z / cap)`` on the LM head's logits (Gemma 2); 0 = off.
@@ -98,6 +108,7 @@ class TransformerConfig:
     ffn_multiple_of: int = 64
     positions: str = "learned"
     rope_base: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     norm_placement: str = "pre"
@@ -121,6 +132,7 @@ class TransformerConfig:
     encoder_d_ff: int | None = None
     embedding_scale: bool = False
     qk_norm: bool = False
+    qk_norm_gain: bool = False
     zero_init_residual: bool = False
     logit_softcap: float = 0.0
     hf_model_type: str | None = None
@@ -197,9 +209,13 @@ class TransformerConfig:
         cap = self.logit_softcap
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
             raise ConfigError(f"logit_softcap={cap!r} must be a finite number >= 0 (0 = no soft-cap; e.g. 15).")
-        for f in ("qk_norm", "zero_init_residual"):
+        for f in ("qk_norm", "qk_norm_gain", "zero_init_residual"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"{f}={getattr(self, f)!r} must be true or false.")
+        if self.qk_norm_gain and not self.qk_norm:
+            raise ConfigError("qk_norm_gain=true needs qk_norm=true (the gain is the QK-norm's).")
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling, self.head_dim)
         if self.model is None:
             self.model = "decoder" if self.causal else "encoder"
         self._check_mixers()
@@ -256,6 +272,47 @@ class TransformerConfig:
     def n_kv_groups(self) -> int:
         """Query heads per key/value head (1 for MHA, n_heads for MQA)."""
         return self.n_heads // self.n_kv_heads
+
+
+# rope_scaling["rope_type"] -> (the keys it needs, the keys it may have); the maths is tformer.nn.rope_scaling's.
+ROPE_SCALINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"), ("beta_fast", "beta_slow", "attention_factor", "truncate")),
+    "factors": (("factors",), ()),
+}
+
+
+def check_rope_scaling(scaling: Any, head_dim: int) -> None:
+    """Refuse a ``rope_scaling`` dict that does not name a known type with exactly its keys, each a
+    positive number (``truncate`` a boolean, ``factors`` head_dim/2 positive numbers)."""
+    kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
+    if kind not in ROPE_SCALINGS:
+        raise ConfigError(f"rope_scaling={scaling!r} must be a dict whose rope_type is one of "
+                          f"{', '.join(ROPE_SCALINGS)} (or rope_scaling=None for plain RoPE).")
+    need, may = ROPE_SCALINGS[kind]
+    keys = set(scaling) - {"rope_type"}
+    if not set(need) <= keys <= set(need) | set(may):
+        raise ConfigError(f"rope_scaling of type {kind!r} needs the keys {', '.join(need)}"
+                          f"{' and may have ' + ', '.join(may) if may else ''}; it has {', '.join(sorted(keys))}.")
+    for key in keys:
+        value = scaling[key]
+        if key == "truncate":
+            ok = isinstance(value, bool)
+        elif key == "factors":
+            ok = isinstance(value, list) and len(value) == head_dim // 2 and all(_positive(v) for v in value)
+        else:
+            ok = _positive(value) or (key == "attention_factor" and value is None)
+        if not ok:
+            want = {"truncate": "true or false", "factors": f"a list of {head_dim // 2} numbers > 0"}.get(key, "a number > 0")
+            raise ConfigError(f"rope_scaling[{key!r}]={value!r} must be {want}.")
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ConfigError(f"rope_scaling high_freq_factor={scaling['high_freq_factor']} must exceed "
+                          f"low_freq_factor={scaling['low_freq_factor']} (Llama 3.1: 4 and 1).")
+
+
+def _positive(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
 def _divisors_hint(n: int) -> str:

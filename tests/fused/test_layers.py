@@ -145,7 +145,7 @@ def test_plan_names_what_it_does_not_implement():
     from tformer import DecoderLM, TransformerConfig
     gpt = set_precision(DecoderLM(TransformerConfig(vocab_size=61, context_length=16, n_layers=1, d_model=64,
                                                     n_heads=2, qk_norm=True)).eval(), "q8_0")
-    assert plan_of(gpt) is None and whole.chosen(gpt).reason == "module path: QK-norm, a window or ALiBi"
+    assert plan_of(gpt) is None and whole.chosen(gpt).reason == "module path: QK-norm without gains"
 
 
 @needs_tiles

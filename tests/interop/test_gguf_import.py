@@ -256,8 +256,11 @@ def test_bad_files_get_one_sentence_and_exit_2(tmp_path, capsys, damage, words):
 
 @pytest.mark.parametrize("arch,extra,key", [
     ("bert", {}, "general.architecture"),
-    ("llama", {"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type"),
+    ("llama", {"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0}, "llama.rope.scaling.type"),
+    ("llama", {"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.factor"),
     ("llama", {"llama.rope.scaling.factor": 4.0}, "llama.rope.scaling.factor"),
+    ("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+               "llama.rope.scaling.yarn_log_multiplier": 0.1}, "llama.rope.scaling.yarn_log_multiplier"),
     ("llama", {"llama.expert_count": 8}, "llama.expert_count"),
     ("llama", {"llama.attention.sliding_window": 4096}, "llama.attention.sliding_window"),
     ("llama", {"llama.rope.dimension_count": 8}, "llama.rope.dimension_count"),
@@ -269,9 +272,15 @@ def test_metadata_it_cannot_honour_is_refused_naming_the_key(tmp_path, capsys, a
 
 
 def test_an_unknown_tensor_is_refused_by_name(tmp_path, capsys):
-    data = good_file(tmp_path / "m.gguf", more={"rope_freqs.weight": (np.ones(8, np.float32), None)})
+    data = good_file(tmp_path / "m.gguf", more={"rope_factors_long.weight": (np.ones(8, np.float32), None)})
     err = convert_error(tmp_path, capsys, data)
-    assert "rope_freqs.weight" in err, err
+    assert "rope_factors_long.weight" in err, err
+
+
+def test_rope_divisors_of_the_wrong_size_are_refused(tmp_path, capsys):
+    data = good_file(tmp_path / "m.gguf", more={"rope_freqs.weight": (np.ones(5, np.float32), None)})
+    err = convert_error(tmp_path, capsys, data)
+    assert "rope_freqs.weight must hold 8" in err, err
 
 
 def test_the_readers_type_table_is_ggmls():

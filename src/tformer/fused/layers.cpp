@@ -10,6 +10,7 @@
 // several new tokens of a row); a static one (the server's pool) its per-row index and count.
 //   h = norm_attn(x)       RMSNorm x / sqrt(mean(x^2) + eps) g, or LayerNorm (x - mean) / sqrt(var + eps) g + b
 //   [q | k | v] = h . Wqkv^T (+ b)                              (one product)
+//   q_h <- RMSNorm(q_h) gq, k_h <- RMSNorm(k_h) gk               (QK-norm with gains, Qwen3: each head, eps)
 //   q, k <- q cos[p_i] + rot(q) sin[p_i], rot(u) = [-u_hi, u_lo]   (with RoPE: each head, hs/2 halves)
 //   K[r_i, w_i] <- k, V[r_i, w_i] <- v                          (the cache buffers (rows, nkv, L, hs),
 //                                                                float32, bfloat16 or float16)
@@ -59,6 +60,15 @@ void rms_norm_rows(const float* x, const float* g, double eps, int64_t M, int64_
     for (int64_t c = 0; c < C; ++c) ss += double(r[c]) * r[c];
     const float inv = float(1.0 / std::sqrt(ss / double(C) + eps));
     for (int64_t c = 0; c < C; ++c) out[m * C + c] = (r[c] * inv) * g[c];
+  }
+}
+
+// QK-norm with gains (Qwen3): each q head and k head of every token's projection row, in place (hs,)
+void qk_norm_heads(float* proj, int64_t N, int64_t NQKV, int64_t nh, int64_t nkv, int64_t hs, const float* gq,
+                   const float* gk, double eps) {
+  for (int64_t i = 0; i < N; ++i) {
+    rms_norm_rows(proj + i * NQKV, gq, eps, nh, hs, proj + i * NQKV);
+    rms_norm_rows(proj + i * NQKV + nh * hs, gk, eps, nkv, hs, proj + i * NQKV + nh * hs);
   }
 }
 
@@ -466,7 +476,9 @@ void write_kv(const float* proj, int64_t N, int64_t NQKV, int64_t Q, int64_t KV,
 
 // norms: (g_attn, g_ffn) for RMSNorm, (g_attn, b_attn, g_ffn, b_ffn) for LayerNorm, float32 (C,).
 // mats / biases / fmts: (qkv, o, gate, up, down) for SwiGLU, (qkv, o, up, down) for a plain MLP (GELU, ReLU, ReLU², SiLU).
-// dims: (nh, nkv, hs, d_ff, mlp). cos / sin: the rotary tables, absent for a model without RoPE.
+// dims: (nh, nkv, hs, d_ff, mlp[, qkv parts[, qk]]); parts 1 (one qkv matrix) or 3 (q, k, v apart);
+// qk = 1: QK-norm with gains, whose (hs,) gains follow the norms (gq, gk).
+// cos / sin: the rotary tables, absent for a model without RoPE.
 void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
                const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef fmts, at::IntArrayRef dims,
                const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_index,
@@ -474,10 +486,11 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
                const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cos,
                const c10::optional<at::Tensor>& sin, int64_t path) {
   TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "layer: this CPU cannot run path ", path);
-  TORCH_CHECK((dims.size() == 5 || dims.size() == 6) && dims[4] >= SWIGLU && dims[4] <= SILU,
-              "layer: dims (nh, nkv, hs, d_ff, mlp 0 swiglu | 1 gelu_tanh | 2 relu | 3 relu2 | 4 gelu | 5 silu[, qkv parts])");
+  TORCH_CHECK(dims.size() >= 5 && dims.size() <= 7 && dims[4] >= SWIGLU && dims[4] <= SILU,
+              "layer: dims (nh, nkv, hs, d_ff, mlp 0 swiglu | 1 gelu_tanh | 2 relu | 3 relu2 | 4 gelu | 5 silu[, qkv parts[, qk]])");
+  const bool qk = dims.size() == 7 && dims[6] != 0;
   const int64_t nh = dims[0], nkv = dims[1], hs = dims[2], F = dims[3], mlp = dims[4];
-  const int64_t parts = dims.size() == 6 ? dims[5] : 1;               // qkv as one matrix, or q, k, v apart
+  const int64_t parts = dims.size() >= 6 ? dims[5] : 1;               // qkv as one matrix, or q, k, v apart
   TORCH_CHECK(parts == 1 || parts == 3, "layer: qkv comes as 1 matrix or 3 (q, k, v)");
   const size_t n_mats = (mlp == SWIGLU ? 5 : 4) + (parts - 1);
   TORCH_CHECK(mats.size() == n_mats && biases.size() == n_mats && fmts.size() == n_mats,
@@ -509,10 +522,13 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   TORCH_CHECK(!rows.has_value() || (rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == N),
               "layer: rows must be contiguous int64 (N,)");
   const int64_t vs = valid.has_value() ? valid->stride(0) : 0;
-  TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "layer: norms (g, g) for RMSNorm or (g, b, g, b) for LayerNorm");
-  for (const at::Tensor& t : norms)
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == C, "layer: norm weights (C,) float32");
-  const bool layer_norm = norms.size() == 4;
+  const size_t n_norms = norms.size() - (qk ? 2 : 0);                 // the QK-norm's gains come last
+  TORCH_CHECK(norms.size() >= (qk ? 4 : 2) && (n_norms == 2 || n_norms == 4),
+              "layer: norms (g, g) for RMSNorm or (g, b, g, b) for LayerNorm, then (gq, gk) with qk");
+  for (size_t i = 0; i < norms.size(); ++i)
+    TORCH_CHECK(norms[i].scalar_type() == at::kFloat && norms[i].is_contiguous() && norms[i].numel() == (i < n_norms ? C : hs),
+                "layer: norm weights (C,) float32, QK-norm gains (hs,)");
+  const bool layer_norm = n_norms == 4;
   const bool rope = cos.has_value();
   TORCH_CHECK(rope == sin.has_value(), "layer: give both rotary tables or neither");
   if (rope)
@@ -560,6 +576,8 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   // attention sub-layer: every token's key and value into the cache first, then every token attends
   norm(0);
   project_qkv(W.data(), parts, h.data(), N, acts, proj.data(), NQKV, path);   // (N, NQKV): q heads, k heads, v heads
+  if (qk) qk_norm_heads(proj.data(), N, NQKV, nh, nkv, hs, norms[n_norms].data_ptr<float>(),
+                        norms[n_norms + 1].data_ptr<float>(), eps);
   if (rope) {
     const float* cp = cos->data_ptr<float>();
     const float* sp = sin->data_ptr<float>();

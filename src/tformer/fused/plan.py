@@ -74,8 +74,11 @@ def why_not(model) -> str | None:
             return "a layer that is not self-attention"
         if not (isinstance(f, SwiGLU) or (type(f) is PlainMLP and c.activation in MLP)):
             return "a feed-forward that is not SwiGLU or a GELU / ReLU / ReLU² / SiLU MLP"
-        if a.qk_norm or a.window is not None or a.alibi_slopes is not None or (a.rope is None) != (c.positions != "rope"):
-            return "QK-norm, a window or ALiBi"
+        if a.window is not None or a.alibi_slopes is not None or (a.rope is None) != (c.positions != "rope"):
+            return "a window or ALiBi"
+        why = _qk_norm_why(a, b)
+        if why:
+            return why
         if not (type(b.attn_norm) is norm_type and type(b.ffn_norm) is norm_type):
             return "a norm that is neither RMSNorm nor LayerNorm"
         if b.attn_norm.eps != b.ffn_norm.eps:
@@ -117,6 +120,23 @@ def _qkv_why_not(model, path: str) -> str | None:
         if tiled and (q % qgemv.TILE_ROWS[path] or kv % qgemv.TILE_ROWS[path]):
             return f"q, k and v in different formats beside a tiled qkv whose rows do not split at {qgemv.TILE_ROWS[path]}-row tiles"
     return None
+
+
+def _qk_norm_why(a, b) -> str | None:
+    """Why a layer's QK-norm cannot run in the call (``None``: none, or gains with the layer's eps)."""
+    if not a.qk_norm:
+        return None
+    if not hasattr(a, "q_norm"):
+        return "QK-norm without gains"
+    if not (a.q_norm.eps == a.k_norm.eps == b.attn_norm.eps):
+        return "a QK-norm whose eps differs from the layer norms'"
+    return None
+
+
+def _qk_gains(a) -> list[Tensor]:
+    """The QK-norm's gains (q, k), float32 (hs,), after the layer's norms; none without QK-norm."""
+    return [a.q_norm.weight.detach().float().contiguous(), a.k_norm.weight.detach().float().contiguous()] \
+        if a.qk_norm else []
 
 
 def _norm_weights(norm) -> list[Tensor]:
@@ -187,14 +207,18 @@ class Plan:
         mlp = 0 if hasattr(first.ffn, "gate") else MLP[c.activation]
         split = _split_qkv(model)
         q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, first.ffn.up.out_features, mlp] + ([3] if split else [])
+        # dims: (nh, nkv, hs, d_ff, mlp[, qkv parts[, QK-norm]]), the optional entries only when needed
+        self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, first.ffn.up.out_features, mlp]
+        if split or c.qk_norm:
+            self.dims += [3 if split else 1] + ([1] if c.qk_norm else [])
         self.eps = float(first.attn_norm.eps)
         self.layers = []
         names: dict[str, None] = {}                        # the products' formats, in order of appearance
         for b in model.blocks:
             lins = _products(b)
             mats, biases, fmts = _layer_products(lins, path, split, q, kv)
-            self.layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm), mats, biases, fmts))
+            self.layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm) + _qk_gains(b.attn), mats, biases,
+                                fmts))
             names.update((n, None) for lin in lins for n in _names(lin))
         # the same, each list one layer after another: the arguments of tformer_fused::layers
         self.flat = tuple([t for layer in self.layers for t in layer[i]] for i in range(4))
@@ -220,7 +244,7 @@ class Plan:
 class Choice(NamedTuple):
     """How a model's prompts, decode steps and speculative checks run: ``plan`` (whole layers in one
     C++ call) or ``None`` (the module path), and why, in one line: ``"whole layers in one C++ call
-    (avx512vnni kernels, q4_1 blocks)"`` or ``"module path: QK-norm, a window or ALiBi"``."""
+    (avx512vnni kernels, q4_1 blocks)"`` or ``"module path: a window or ALiBi"``."""
     plan: Plan | None
     reason: str
 

@@ -29,6 +29,7 @@ own char/BPE tokenizers have no llama.cpp counterpart: for them (and when there 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +103,35 @@ def write_metadata(w, c, model_type: str, file_type) -> None:
         if c.head_dim != c.d_model // c.n_heads:              # llama.cpp assumes d_model / heads otherwise
             w.add_key_length(c.head_dim)
             w.add_value_length(c.head_dim)
+        write_rope_scaling(w, c)
+
+
+def write_rope_scaling(w, c) -> None:
+    """A scaled RoPE as llama.cpp reads it (:mod:`tformer.interop.gguf_rope`): ``linear`` and ``yarn`` as
+    ``rope.scaling.*`` keys (YaRN's attention factor as llama.cpp's multiplier of its own default), ``llama3``
+    and ``factors`` as the divisors ``rope_freqs.weight``."""
+    import gguf
+
+    from tformer.interop.gguf_rope import divisors
+
+    s = c.rope_scaling
+    if s is None:
+        return
+    if s["rope_type"] in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if s["rope_type"] == "linear" else gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(s["factor"]))
+    if s["rope_type"] == "yarn":
+        w.add_rope_scaling_orig_ctx_len(int(s["original_max_position_embeddings"]))
+        w.add_rope_scaling_yarn_beta_fast(float(s.get("beta_fast", 32.0)))
+        w.add_rope_scaling_yarn_beta_slow(float(s.get("beta_slow", 1.0)))
+        if s.get("truncate", True) is False:
+            raise InputError("YaRN with truncate=false has no GGUF key (llama.cpp always rounds the ramp's ends); "
+                             "export it to HuggingFace instead.")
+        if s.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(float(s["attention_factor"]) / (0.1 * math.log(s["factor"]) + 1.0))
+    freqs = divisors(s, c.head_dim, c.rope_base)
+    if freqs is not None:
+        w.add_tensor("rope_freqs.weight", freqs)
 
 
 def hf_bpe_tokenizer(folder: Path) -> dict | None:

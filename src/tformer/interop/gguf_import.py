@@ -3,8 +3,8 @@
     model = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")          # DecoderLM, float32, eval mode
     tformer convert --from-gguf FILE.gguf --out CKPT                # a checkpoint folder with tokenizer
 
-Architectures (``general.architecture``): ``llama`` (Llama, Mistral-style, SmolLM2), ``qwen2`` and
-``gpt2``, which include every file ``tformer convert --to-gguf`` writes. The metadata becomes an HF
+Architectures (``general.architecture``): ``llama`` (Llama 1-3, Mistral-style, SmolLM2), ``qwen2``,
+``qwen3`` and ``gpt2``, which include every file ``tformer convert --to-gguf`` writes. The metadata becomes an HF
 ``config.json`` dict and llama.cpp's tensor names become HF names, so the HF family converters
 (``tformer.interop.llama`` / ``gpt2``) build the model and refuse what they cannot express. Two
 layout changes undo what llama.cpp's ``convert_hf_to_gguf.py`` did (see ``tformer.interop.gguf``):
@@ -12,8 +12,12 @@ layout changes undo what llama.cpp's ``convert_hf_to_gguf.py`` did (see ``tforme
 - ``llama`` Q and K rows are stored for interleaved RoPE (dimension 2i pairs with 2i+1); tformer
   and HF rotate halves (j pairs with j + d/2). Per head the stored row (i, half h) goes back to
   (half h, i): ``W.reshape(heads, d/2, 2, -1).swapaxes(1, 2)``, the inverse of
-  :func:`tformer.interop.gguf.llama_rope_permute`. ``qwen2`` files are stored in rotate-half order
-  already (llama.cpp runs them with NEOX RoPE), so they are not permuted.
+  :func:`tformer.interop.gguf.llama_rope_permute`. ``qwen2`` and ``qwen3`` files are stored in
+  rotate-half order already (llama.cpp runs them with NEOX RoPE), so they are not permuted.
+
+Scaled RoPE (:mod:`tformer.interop.gguf_rope`): ``rope.scaling.type`` ``linear`` or ``yarn`` with its
+keys, or Llama 3.1's scaling baked into ``rope_freqs.weight`` (one divisor per frequency), become
+``config.rope_scaling``.
 - ``gpt2`` matrices are stored ``(out, in)``; HF's ``Conv1D`` wants ``(in, out)``.
 
 Every tensor is dequantised to float32 by ``gguf.quants`` (:mod:`tformer.interop.gguf_reader`), unless
@@ -25,11 +29,12 @@ weights in the model. The two layout changes are exact on blocks: the RoPE un-pe
 whole rows, and q, k, v are joined row after row; a ``gpt2`` file (whose matrices would have to be
 transposed) is refused with ``keep_quant``.
 Metadata that tformer cannot honour is refused with one sentence naming the key: an architecture
-it does not implement, RoPE scaling, mixture-of-experts, or any ``{arch}.*`` key it does not know.
+it does not implement, a RoPE scaling other than these, mixture-of-experts, or any ``{arch}.*`` key it does not know.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -39,27 +44,29 @@ import torch
 from tformer.errors import CheckpointError
 from tformer.interop.gguf import CONV1D
 from tformer.interop.gguf_reader import GGUFFile
+from tformer.interop.gguf_rope import ROPE_KEYS, check_rope, rope_scaling
 from tformer.interop.loader import TensorSource
 from tformer.quant import kblocks
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
 # The "{arch}." keys understood; any other one is refused (it may change the maths).
 KNOWN_KEYS = {
     "llama": {"context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
               "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.dimension_count", "rope.freq_base",
-              "vocab_size", "attention.key_length", "attention.value_length", "rope.scaling.type",
-              "rope.scaling.factor", "expert_count", "expert_used_count"},
+              "vocab_size", "attention.key_length", "attention.value_length", "expert_count",
+              "expert_used_count", *ROPE_KEYS},
     "gpt2": {"context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
              "attention.layer_norm_epsilon", "vocab_size"},
 }
-KNOWN_KEYS["qwen2"] = KNOWN_KEYS["llama"]
+KNOWN_KEYS["qwen2"] = KNOWN_KEYS["qwen3"] = KNOWN_KEYS["llama"]
 
 # llama.cpp tensor name (under blk.{i}. for layers) -> HF name (under model.layers.{i}. / transformer.h.{i}.).
 LLAMA_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 LLAMA_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}    # the norms: qwen3's
 GPT2_TOP = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
             "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
             "output.weight": "lm_head.weight"}
@@ -92,12 +99,8 @@ def check_metadata(f: GGUFFile, arch: str) -> None:
     for key, value in f.metadata.items():
         if key.startswith(arch + ".") and key[len(arch) + 1:] not in KNOWN_KEYS[arch]:
             raise refuse_key(f.path, key, value, "tformer does not implement what this key describes.")
-    scaling = f.field(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise refuse_key(f.path, f"{arch}.rope.scaling.type", scaling, "tformer implements unscaled RoPE only.")
-    factor = f.field(f"{arch}.rope.scaling.factor", 1.0)
-    if factor not in (0.0, 1.0):
-        raise refuse_key(f.path, f"{arch}.rope.scaling.factor", factor, "tformer implements unscaled RoPE only.")
+    if arch != "gpt2":
+        check_rope(f, arch)
     if f.field(f"{arch}.expert_count", 0):
         raise refuse_key(f.path, f"{arch}.expert_count", f.field(f"{arch}.expert_count"),
                          "mixture-of-experts layers are not implemented.")
@@ -144,7 +147,7 @@ def hf_config(f: GGUFFile, arch: str) -> dict:
           "max_position_embeddings": need("context_length"), "hidden_act": "silu",
           "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
           "rope_theta": float(f.field(f"{arch}.rope.freq_base", 10000.0)), "tie_word_embeddings": tied}
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         hf.update(attention_bias=bias, mlp_bias="blk.0.ffn_up.bias" in f.tensors)
     return hf
 
@@ -217,9 +220,8 @@ def hf_name(f: GGUFFile, arch: str, name: str) -> str:
     m = LAYER_NAME.match(name)
     if m and m.group(2) in layer:
         return f"{prefix}{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
-    raise CheckpointError(f"{f.path}: tensor {name!r} is not part of a {arch} model as tformer implements it "
-                          f"(rope_freqs.weight would mean scaled RoPE); tformer refuses to drop a weight it does "
-                          f"not understand.")
+    raise CheckpointError(f"{f.path}: tensor {name!r} is not part of a {arch} model as tformer implements it; "
+                          f"tformer refuses to drop a weight it does not understand.")
 
 
 # GGUF type -> tformer block format kept as stored
@@ -237,6 +239,8 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
     Q4_1 matrices are their file bytes instead, ``(rows, row bytes)`` uint8."""
     out = {}
     for name in f.tensors:
+        if name == "rope_freqs.weight":              # the RoPE's divisors: config.rope_scaling (gguf_rope)
+            continue
         target = hf_name(f, arch, name)
         kept = keep_quant and f.tensors[name].type in KEPT and len(f.tensors[name].shape) == 2 and \
             (".self_attn." not in target or target.endswith("o_proj.weight") or qkv_types(f, name) <= set(KEPT))
@@ -335,6 +339,8 @@ def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
     check_sizes(f, arch, hf)
     module = family(arch, "general.architecture")
     config = module.config_from_hf(hf)
+    if arch != "gpt2":
+        config = dataclasses.replace(config, rope_scaling=rope_scaling(f, arch, config))
     config.hf_model_type = arch
     src = TensorSource(hf_tensors(f, arch, hf, keep_quant), prefix=module.PREFIX)
     state = module.state_from_hf(src, config)

@@ -67,6 +67,10 @@ ARCH_KEY_TYPES = {
     "attention.value_length": INT, "rope.dimension_count": INT, "vocab_size": INT, "expert_count": INT,
     "expert_used_count": INT, "attention.layer_norm_rms_epsilon": NUMBER, "attention.layer_norm_epsilon": NUMBER,
     "rope.freq_base": NUMBER, "rope.scaling.factor": NUMBER, "rope.scaling.type": TEXT,
+    "rope.scaling.original_context_length": INT, "rope.scaling.attn_factor": NUMBER, "rope.scaling.finetuned": FLAG,
+    "rope.scaling.yarn_attn_factor": NUMBER, "rope.scaling.yarn_beta_fast": NUMBER,
+    "rope.scaling.yarn_beta_slow": NUMBER, "rope.scaling.yarn_ext_factor": NUMBER,
+    "rope.scaling.yarn_log_multiplier": NUMBER,
 }
 
 

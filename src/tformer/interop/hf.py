@@ -17,8 +17,8 @@ module provides the names in :data:`PROTOCOL`:
   ``state_to_hf(state, config) -> HF tensors``; optionally ``export_options(state) -> options``
   when the HF config depends on the weights (BERT's MLM head).
 
-Anything a converter does not implement (scaled RoPE, an unknown activation, an unknown model_type,
-an unexpected tensor) is refused with a message naming it. ``transformers`` is never imported.
+Anything a converter does not implement (a RoPE scaling other than linear, llama3 and YaRN, an unknown
+activation, an unknown model_type, an unexpected tensor) is refused with a message naming it. ``transformers`` is never imported.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tformer.interop.loader import TensorSource, read_config, read_tensors, requ
 from tformer.models import model_class
 
 # The family modules of tformer.interop: a new family is one module plus its name here.
-FAMILY_MODULES = ("gpt2", "gpt_neox", "llama", "bloom", "bert", "mamba", "longformer", "bigbird", "bart", "marian")
+FAMILY_MODULES = ("gpt2", "gpt_neox", "llama", "qwen3", "bloom", "bert", "mamba", "longformer", "bigbird", "bart", "marian")
 
 # What every family module provides (``export_options`` is optional).
 PROTOCOL = ("MODEL_TYPES", "PREFIX", "config_from_hf", "state_from_hf", "model_type_for", "check_exportable",
@@ -122,8 +122,11 @@ def infer_model_type(config: TransformerConfig) -> str:
 
 def check_plain(c, model_type: str, module) -> None:
     """Refuse what no exported family expresses: tformer's training switches that change the forward
-    (QK-norm, logit soft-capping), and ReLU² in a family whose module does not declare ``HAS_RELU2``."""
-    require(c, model_type, qk_norm=False, logit_softcap=0.0)
+    (QK-norm, unless the module declares ``HAS_QK_NORM``; logit soft-capping), and ReLU² in a family
+    whose module does not declare ``HAS_RELU2``."""
+    require(c, model_type, logit_softcap=0.0)
+    if not getattr(module, "HAS_QK_NORM", False):
+        require(c, model_type, qk_norm=False)
     if c.activation == "relu2" and c.ffn == "mlp" and not getattr(module, "HAS_RELU2", False):
         raise ConfigError(f"cannot export as {model_type}: it needs an activation other than activation='relu2', "
                           f"which that family has no name for.")

@@ -2,14 +2,18 @@
 
 The three differ only in config: Qwen2 has biases on q/k/v (not on o or the MLP), Mistral a
 sliding window. HF stores q, k and v separately; tformer fuses them as [W_Q; W_K; W_V]. HF's RoPE
-is the rotate-half layout tformer uses, so q/k need no permutation.
+is the rotate-half layout tformer uses, so q/k need no permutation. A scaled RoPE (Llama 3.1's
+``llama3``, ``linear``, Qwen's ``yarn``) is read from ``rope_parameters`` (transformers 5) or
+``rope_scaling`` (older) into ``config.rope_scaling`` with transformers' own keys, and written back as
+``rope_parameters``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tformer.config import TransformerConfig
+from tformer.config import ROPE_SCALINGS, TransformerConfig
+from tformer.errors import ConfigError
 from tformer.interop.loader import TensorSource, hf_get, refuse, require
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -28,27 +32,67 @@ LAYER = [
 BIASES = [("attn.out_proj.bias", "self_attn.o_proj.bias"), ("ffn.gate.bias", "mlp.gate_proj.bias"),
           ("ffn.up.bias", "mlp.up_proj.bias"), ("ffn.down.bias", "mlp.down_proj.bias")]
 QKV = ("q_proj", "k_proj", "v_proj")
+ROPE_TYPES = ("default",) + tuple(t for t in ROPE_SCALINGS if t != "factors")
+
+
+HF_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+                "beta_slow", "attention_factor", "truncate")
+
+
+def rope_parameters(hf: dict) -> dict:
+    """The RoPE dict of an HF config: ``rope_parameters`` (transformers >= 5) or ``rope_theta`` and
+    ``rope_scaling`` (older; its type under ``type`` or ``rope_type``)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    params.update(scaling, rope_type=scaling.get("rope_type", scaling.get("type", params.get("rope_type"))))
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    return params
 
 
 def rope_theta(hf: dict) -> float:
-    """RoPE base from ``rope_parameters`` (transformers >= 5) or ``rope_theta``/``rope_scaling`` (older);
-    refuses any scaled RoPE, which tformer does not implement."""
-    params = hf.get("rope_parameters") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise refuse("rope_parameters.rope_type", rope_type, "only unscaled RoPE ('default') is implemented.")
-    if hf.get("rope_scaling") is not None:
-        raise refuse("rope_scaling", hf["rope_scaling"], "tformer implements unscaled RoPE only.")
+    """RoPE base from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` (older); refuses a
+    partial rotation, which tformer does not implement."""
+    params = rope_parameters(hf)
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
         raise refuse("partial_rotary_factor", factor, "tformer rotates the whole head.")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return float(params["rope_theta"])
+
+
+def rope_scaling(hf: dict) -> dict | None:
+    """tformer's ``rope_scaling`` (:data:`tformer.config.ROPE_SCALINGS`) from the HF RoPE dict: ``None``
+    for ``default``; ``linear``, ``llama3`` and ``yarn`` keep transformers' keys; others are refused."""
+    params = rope_parameters(hf)
+    kind = params.get("rope_type") or params.get("type", "default")
+    if kind == "default":
+        return None
+    if kind not in ROPE_SCALINGS or kind == "factors":
+        source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+        raise refuse(f"{source}.rope_type", kind, f"tformer implements {', '.join(ROPE_TYPES)} RoPE.")
+    if kind == "yarn" and (params.get("mscale") or params.get("mscale_all_dim")):
+        raise refuse("rope_parameters.mscale", params.get("mscale"), "YaRN's mscale (DeepSeek's) is not implemented.")
+    out = {"rope_type": kind, **{k: params[k] for k in HF_ROPE_KEYS if params.get(k) is not None}}
+    if kind == "yarn":
+        out.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    for k in ("beta_fast", "beta_slow", "factor", "low_freq_factor", "high_freq_factor"):
+        if k in out:
+            out[k] = float(out[k])
+    return out
+
+
+def rope_to_hf(c: TransformerConfig) -> dict:
+    """The HF ``rope_parameters`` of a config (refusing tformer's ``factors``, which HF has no name for)."""
+    scaling = dict(c.rope_scaling or {"rope_type": "default"})
+    if scaling["rope_type"] == "factors":
+        raise ConfigError("cannot export RoPE given as per-frequency factors (a GGUF file's rope_freqs.weight that is "
+                          "not Llama 3.1's scaling) to HuggingFace; transformers has no such rope_type.")
+    return {**scaling, "rope_theta": c.rope_base}
 
 
 def sliding_window(hf: dict, model_type: str) -> int | None:
     if model_type == "mistral":
         return hf.get("sliding_window")
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         types = set(hf.get("layer_types") or [])
         if hf.get("use_sliding_window") and types != {"full_attention"}:
             if types == {"sliding_attention"}:
@@ -75,7 +119,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
         vocab_size=hf["vocab_size"], context_length=hf.get("max_position_embeddings", 2048),
         n_layers=hf["num_hidden_layers"], d_model=d, n_heads=nh,
         n_kv_heads=hf_get(hf, "num_key_value_heads", default=nh), head_dim=hf_get(hf, "head_dim", default=d // nh),
-        d_ff=hf["intermediate_size"], positions="rope", rope_base=rope_theta(hf), norm="rmsnorm",
+        d_ff=hf["intermediate_size"], positions="rope", rope_base=rope_theta(hf), rope_scaling=rope_scaling(hf), norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), norm_placement="pre", ffn="swiglu", bias=bias, qkv_bias=qkv_bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), causal=True,
         sliding_window=sliding_window(hf, model_type), name=model_type,
@@ -102,7 +146,7 @@ def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
         "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layers,
         "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
         "max_position_embeddings": c.context_length, "hidden_act": "silu", "rms_norm_eps": c.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_base}, "rope_theta": c.rope_base,
+        "rope_parameters": rope_to_hf(c), "rope_theta": c.rope_base,
         "tie_word_embeddings": c.tie_embeddings, "attention_dropout": 0.0,
     }
     if model_type == "llama":
@@ -119,8 +163,8 @@ def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
 def model_type_for(c: TransformerConfig) -> str | None:
     """For a decoder of softmax attention with RoPE (other than GPT-NeoX's LayerNorm and plain MLP):
     ``"qwen2"`` (biases on q/k/v only), ``"mistral"`` (a sliding window) or ``"llama"``; else ``None``."""
-    if c.model != "decoder" or c.mixer != "attention" or c.positions != "rope":
-        return None
+    if c.model != "decoder" or c.mixer != "attention" or c.positions != "rope" or c.qk_norm_gain:
+        return None                                      # QK-norm gains: Qwen3's (qwen3.py)
     if c.norm == "layernorm" and c.ffn == "mlp":
         return None                                      # GPT-NeoX's (gpt_neox.py)
     if c.qkv_bias and not c.bias:

@@ -28,7 +28,7 @@ from tformer.config import TransformerConfig
 from tformer.errors import InputError
 from tformer.mixers.kv_cache import KeyView, KVCache, StaticKVCache
 from tformer.mixers.base import Shared, Step
-from tformer.mixers.projected import ProjectedAttention, merge_heads, projection_parameters, qk_rms_norm, split_heads
+from tformer.mixers.projected import ProjectedAttention, merge_heads, projection_parameters, split_heads
 from tformer.nn.markers import mark_residual
 from tformer.nn.positions import RotaryEmbedding
 from tformer.ops.alibi import alibi_slopes
@@ -143,7 +143,7 @@ class MultiHeadAttention(ProjectedAttention):
         q, k, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, hs).split([nh, nkv, nkv], dim=2)   # (B, T, heads, hs)
         q, k, v = (hook(p + name, t).transpose(1, 2) for name, t in (("hook_q", q), ("hook_k", k), ("hook_v", v)))
         if self.qk_norm:                                  # as project(): RMS over each head's q and k, before RoPE
-            q, k = qk_rms_norm(q), qk_rms_norm(k)
+            q, k = self.normalise_qk(q, k)
         if self.rope is not None:
             q = hook(p + "hook_rot_q", self.rope(q, step.positions).transpose(1, 2)).transpose(1, 2)
             k = hook(p + "hook_rot_k", self.rope(k, step.positions).transpose(1, 2)).transpose(1, 2)

@@ -22,6 +22,7 @@ from tformer.config import TransformerConfig
 from tformer.errors import ConfigError
 from tformer.mixers.base import Shared, Step
 from tformer.nn.markers import mark_residual
+from tformer.nn.norms import RMSNorm
 
 Tensor = torch.Tensor
 
@@ -50,6 +51,11 @@ def projection_parameters(config: TransformerConfig) -> int:
     c = config
     q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     return (c.d_model + c.qkv_bias) * (q_dim + 2 * kv_dim) + q_dim * c.d_model + c.d_model * c.bias
+
+
+def qk_norm_parameters(config: TransformerConfig) -> int:
+    """The QK-norm's gains of one self-attention layer: ``2·hs`` with ``qk_norm_gain``, else none."""
+    return 2 * config.head_dim if config.qk_norm_gain else 0
 
 
 class ProjectedAttention(nn.Module):
@@ -86,6 +92,8 @@ class ProjectedAttention(nn.Module):
             rope = shared.rope
         self.rope = rope if c.positions == "rope" else None
         self.qk_norm = c.qk_norm
+        if c.qk_norm_gain:          # Qwen3: RMSNorm(head_dim) with a gain, one for q and one for k, shared by heads
+            self.q_norm, self.k_norm = RMSNorm(c.head_dim, c.norm_eps), RMSNorm(c.head_dim, c.norm_eps)
 
     def option(self, key: str, default=None):
         """``config.mixer_options[self.name][key]``; a list there gives one value per layer (cycled)."""
@@ -111,10 +119,17 @@ class ProjectedAttention(nn.Module):
         qkv = (proj or self.qkv_proj)(x).view(B, T, nh + 2 * nkv, hs)                 # (B, T, nh+2nkv, hs)
         q, k, v = (t.transpose(1, 2) for t in qkv.split([nh, nkv, nkv], dim=2))   # (B, nh|nkv, T, hs)
         if self.qk_norm:
-            q, k = qk_rms_norm(q), qk_rms_norm(k)
+            q, k = self.normalise_qk(q, k)
         if self.rope is not None:  # rotate the new q and k (a cache holds keys rotated when written)
             q, k = self.rope(q, step.positions), self.rope(k, step.positions)
         return q, k, v
+
+    def normalise_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """QK-norm of ``q (B, nh, T, hs)`` and ``k (B, nkv, T, hs)``: :func:`qk_rms_norm`, or with
+        ``qk_norm_gain`` each head's RMSNorm with the shared gains ``q_norm`` / ``k_norm`` ``(hs,)``."""
+        if hasattr(self, "q_norm"):
+            return self.q_norm(q), self.k_norm(k)
+        return qk_rms_norm(q), qk_rms_norm(k)
 
     def expand(self, t: Tensor) -> Tensor:
         """``(B, nkv, m, hs)`` -> ``(B, nh, m, hs)``: each K/V head serves ``nh / nkv`` query heads."""
@@ -153,8 +168,9 @@ class ProjectedAttention(nn.Module):
 
     @classmethod
     def count_parameters(cls, config: TransformerConfig) -> int:
-        """Parameters of one layer: the projections, :func:`projection_parameters` (subclasses add their own)."""
-        return projection_parameters(config)
+        """Parameters of one layer: the projections, :func:`projection_parameters`, and the QK-norm's
+        gains, :func:`qk_norm_parameters` (subclasses add their own)."""
+        return projection_parameters(config) + qk_norm_parameters(config)
 
     @classmethod
     def state_bytes(cls, config: TransformerConfig, n_tokens: int, batch_size: int = 1,

@@ -57,7 +57,7 @@ class TransformerStack(nn.Module):
         self.pos_emb = position_table(c)                                        # learned / sinusoidal, or None
         self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
         self.emb_norm = make_norm(c) if c.embedding_norm else None             # BERT, BLOOM
-        rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base) if c.positions == "rope" else None
+        rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base, c.rope_scaling) if c.positions == "rope" else None
         shared = Shared(rope=rope)
         self.blocks = nn.ModuleList(Block(c, i, shared, cross_attention=cross_attention(i) if cross_attention else None)
                                     for i in range(c.n_layers))
@@ -242,6 +242,8 @@ class TransformerStack(nn.Module):
             else:
                 positions = self.default_positions(T, start, attention_mask)
             self._ensure_positions(end)
+        elif positions.numel():
+            self._ensure_positions(int(positions.max()) + 1)    # given ones may leap ahead (one read, per call)
         mask = tokens = None
         if attention_mask is not None:
             tokens = attention_mask[:, -T:].bool()                                # (B, T)

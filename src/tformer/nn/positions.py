@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn as nn
 
+from tformer.nn.rope_scaling import frequencies
 from tformer.ops import attention_cpu
 
 Tensor = torch.Tensor
@@ -71,18 +72,19 @@ class RotaryEmbedding(nn.Module):
 
     FIRST_ROWS = 4096
 
-    def __init__(self, head_dim: int, context_length: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, context_length: int, base: float = 10000.0, scaling: dict | None = None):
         super().__init__()
         self.head_dim, self.base = head_dim, base
-        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
-        self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies. A scaled RoPE
+        # (tformer.nn.rope_scaling) changes them, and YaRN multiplies the tables by its attention factor.
+        self.inv_freq, self.attention_factor = frequencies(head_dim, base, scaling)
         self._build(max(1, min(context_length, self.FIRST_ROWS)))
 
     def _build(self, length: int) -> None:
         angles = torch.arange(length, dtype=torch.float64).unsqueeze(1) * self.inv_freq  # (L, hs/2)
         angles = torch.cat([angles, angles], dim=-1)                                      # (L, hs)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", (angles.cos() * self.attention_factor).float(), persistent=False)
+        self.register_buffer("sin", (angles.sin() * self.attention_factor).float(), persistent=False)
 
     def ensure(self, length: int) -> None:
         """Extend the tables so positions ``< length`` can be looked up."""

@@ -1,0 +1,272 @@
+"""Shared fixtures of the model families, made without downloads.
+
+Each family is built by transformers from its own config class at the published configuration
+(:data:`PUBLISHED`, copied from the models' ``config.json`` on the Hub), depth cut to 2 layers and the
+vocabulary cut to this file's byte-level BPE (:func:`tokenizer`, trained here on :mod:`varied_text`, with
+the special tokens the families' chat formats use), with random weights (every norm gain too, so that a
+swapped or dropped gain shows). :func:`write_gguf` writes a GGUF file from those HF weights with the
+``gguf`` package alone, as llama.cpp's ``convert_hf_to_gguf.py`` lays them out (not with tformer's
+exporter, which would check tformer against itself); block formats are quantised by gguf-py's quantiser.
+
+:func:`float64_angles` makes a transformers model compute its RoPE angles in float64 from transformers'
+own frequency formula (it computes them in float32, whose error grows with the position), the reference
+past a few hundred positions. Part 2's families add an entry to :data:`PUBLISHED` and, where their GGUF
+layout differs, a branch in :func:`write_gguf`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import torch
+
+from varied_text import varied_lines
+
+N_LAYERS = 2
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
+           "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 640
+
+# The families' chat formats, written here from their published layout (Llama 3's headers, Qwen's ChatML).
+LLAMA3_CHAT = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+               "{{ m['content'] }}<|eot_id|>{% endfor %}"
+               "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATES = {"llama": LLAMA3_CHAT, "qwen2": CHATML, "qwen3": CHATML}
+
+# family -> (transformers config class, GGUF architecture, published config fields, (bos, eos, eot) tokens)
+LLAMA3 = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=8192)
+PUBLISHED = {
+    "llama-3.2-1b": ("LlamaConfig", "llama", dict(   # meta-llama/Llama-3.2-1B
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3,
+        tie_word_embeddings=True, attention_bias=False, mlp_bias=False),
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")),
+    "llama-3.1-8b": ("LlamaConfig", "llama", dict(   # meta-llama/Llama-3.1-8B
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling={**LLAMA3, "factor": 8.0},
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")),
+    "qwen3-0.6b": ("Qwen3Config", "qwen3", dict(     # Qwen/Qwen3-0.6B
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        attention_bias=False, use_sliding_window=False),
+        (None, "<|im_end|>", "<|im_end|>")),
+    "qwen2.5-0.5b-yarn": ("Qwen2Config", "qwen2", dict(   # Qwen/Qwen2.5-0.5B with its model card's YaRN (factor 4)
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        use_sliding_window=False,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)),
+        (None, "<|endoftext|>", "<|im_end|>")),
+}
+
+
+def tokenizer(folder: Path) -> Path:
+    """A byte-level BPE of :data:`VOCAB` tokens (GPT-2's split) trained on varied text, with :data:`SPECIAL`
+    as added tokens, saved as ``folder/tokenizer.json``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path = folder / "tokenizer.json"
+    if path.is_file():
+        return path
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(varied_lines(3000, seed=5) + ["hi there, hello! how are you?"] * 20, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def hf_config(family: str):
+    """transformers' config of ``family``: published, 2 layers, this file's vocabulary."""
+    import transformers
+
+    cls, _, fields, (bos, eos, _eot) = PUBLISHED[family]
+    vocab = json.loads(tokenizer_json_text())
+    ids = {a["content"]: a["id"] for a in vocab["added_tokens"]}
+    fields = {**fields, "num_hidden_layers": N_LAYERS, "vocab_size": VOCAB,
+              "bos_token_id": ids.get(bos), "eos_token_id": ids[eos]}
+    return getattr(transformers, cls)(**fields)
+
+
+_TOKENIZER_DIR: list[Path] = []
+
+
+def tokenizer_json_text() -> str:
+    """The fixture tokenizer's JSON (trained once per process, in a temporary folder)."""
+    import tempfile
+
+    if not _TOKENIZER_DIR:
+        _TOKENIZER_DIR.append(Path(tempfile.mkdtemp(prefix="tformer-families-")))
+    return tokenizer(_TOKENIZER_DIR[0]).read_text(encoding="utf-8")
+
+
+def special_id(token: str) -> int:
+    return {a["content"]: a["id"] for a in json.loads(tokenizer_json_text())["added_tokens"]}[token]
+
+
+def hf_model(family: str, seed: int = 0):
+    """The transformers model of ``family`` with random weights, every 1-D weight (norm gains) random around 1."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.05)               # sharper than the 0.02 init: greedy tokens far from ties
+    return model.eval()
+
+
+def hf_folder(family: str, folder: Path, seed: int = 0) -> Path:
+    """``family``'s model saved by transformers (``save_pretrained``) with the fixture tokenizer."""
+    if (folder / "config.json").is_file():
+        return folder
+    model = hf_model(family, seed)
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(tokenizer_json_text(), encoding="utf-8")
+    return folder
+
+
+def float64_angles(model) -> None:
+    """Make the transformers ``model``'s rotary embedding compute its angles in float64: its own frequency
+    function evaluated with ``torch.float`` meaning float64, and positions times frequencies in float64."""
+    rotary = model.model.rotary_emb
+    fn = rotary.rope_init_fn if hasattr(rotary, "rope_init_fn") else None
+    if rotary.rope_type == "default":
+        fn = type(rotary).compute_default_rope_parameters
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        fn = ROPE_INIT_FUNCTIONS[rotary.rope_type]
+    with mock.patch.object(torch, "float", torch.float64):
+        inv_freq, scale = fn(model.config)
+    inv_freq = inv_freq.to(torch.float64)
+
+    def forward(x, position_ids):
+        freqs = position_ids[..., None].to(torch.float64) * inv_freq             # (B, T, hs/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
+
+    rotary.forward = forward
+
+
+def rope_factors(model) -> np.ndarray:
+    """Llama 3.1's scaling as the divisors llama.cpp reads from ``rope_freqs.weight``: plain frequencies over
+    the scaled ones, both from transformers' own functions (float32, as convert_hf_to_gguf.py computes them)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    c = model.config
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](c)
+    plain, _ = type(model.model.rotary_emb).compute_default_rope_parameters(c)
+    return (plain / scaled).numpy().astype(np.float32)
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF rotate-half rows -> llama.cpp's interleaved rows (convert_hf_to_gguf.py's LlamaModel.permute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
+    """``model`` (``hf_model(family)``) as a GGUF file written with the ``gguf`` package: metadata, the
+    fixture tokenizer, and every tensor under llama.cpp's name (f32 1-D, ``kind`` for matrices: f32, f16,
+    or q8_0 / q4_0 quantised by gguf-py)."""
+    import gguf
+
+    _, arch, _, (bos, eos, eot) = PUBLISHED[family]
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(family)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != c.hidden_size // c.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[kind])
+    rope = c.rope_parameters
+    if rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    tok = json.loads(tokenizer_json_text())
+    vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    if bos:
+        w.add_bos_token_id(vocab[bos])
+    w.add_add_bos_token(bos is not None)
+    w.add_eos_token_id(vocab[eos])
+    w.add_eot_token_id(vocab[eot])
+    w.add_chat_template(TEMPLATES[arch])
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    if rope["rope_type"] == "llama3":
+        w.add_tensor("rope_freqs.weight", rope_factors(model))
+    for hf_name, t in model.state_dict().items():
+        a = t.detach().float().numpy()
+        if c.tie_word_embeddings and hf_name == "lm_head.weight":
+            continue
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            a = permute(a, c.num_attention_heads)
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            a = permute(a, c.num_key_value_heads)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        if a.ndim < 2 or kind == "f32":
+            w.add_tensor(name, a.astype(np.float32))
+        elif kind == "f16":
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            qt = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[kind]
+            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+PROMPT_LENGTHS = (1, 7, 33, 120)
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    """Four prompts of fixture ids (1 to 120 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - len(SPECIAL) - 1, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def far_positions(original: int, n: int = 6) -> torch.Tensor:
+    """Positions ``0..n-1`` then ``original + 1 ..``: a prompt whose last tokens attend across more than
+    ``original`` positions (a scaled RoPE's slow frequencies, at no cost of a prompt that long)."""
+    return torch.cat([torch.arange(n), torch.arange(original + 1, original + 1 + n)])
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|."""
+    return float((a - b).abs().max() / b.abs().max())
+

@@ -1,0 +1,85 @@
+"""The families' GGUF files (written by the ``gguf`` package, :func:`families.write_gguf`) against llama.cpp's
+own logits (llama-cpp-python; skipped where it is not installed; llama.cpp's cache in float32, as its float16
+default alone moves logits by ~1e-3):
+
+- the float file: tformer within 1e-3 of llama.cpp's logits, relative to their scale, on four prompts, and for
+  Llama 3.2 on a fifth of 8,200 tokens, past ``original_max_position_embeddings`` (8,192; its last four
+  positions compared). Qwen2.5's YaRN original context (32,768) is out of reach of a test here: its scaling
+  acts at every position and is checked on the four prompts;
+- the block files kept as blocks (llama.cpp's arithmetic, except that llama.cpp rounds the activation blocks'
+  scales to float16): closer to llama.cpp than the float import of the same file, as
+  ``test_gguf_keep_quant.py`` holds SmolLM2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+
+import families as F  # noqa: E402
+
+from tformer.interop.gguf_import import load_gguf  # noqa: E402
+from tformer.interop.llama_cpp import LlamaCpp  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=[f for f in F.PUBLISHED if f != "llama-3.1-8b"])
+def files(request, tmp_path_factory):
+    family = request.param
+    folder = tmp_path_factory.mktemp(family)
+    ref = F.hf_model(family)
+    yield family, {kind: F.write_gguf(family, ref, folder / f"{kind}.gguf", kind) for kind in ("f32", "q8_0", "q4_0")}
+
+
+def cpp_logits(path, ids: list[int], repack: bool) -> torch.Tensor:
+    cpp = LlamaCpp(path, n_ctx=len(ids) + 8, threads=2, logits_all=True, f32_cache=True, n_batch=min(len(ids), 512),
+                   repack=repack)
+    return torch.from_numpy(cpp.logits(ids))
+
+
+def test_float_file_logits_equal_llama_cpp(files):
+    family, paths = files
+    model = load_gguf(paths["f32"])
+    for ids in F.prompts():
+        with torch.no_grad():
+            ours = model(torch.tensor([ids]))[0][0]
+        assert F.relative(ours, cpp_logits(paths["f32"], ids, True)) < 1e-3, (family, len(ids))
+
+
+def test_past_the_original_context_equals_llama_cpp(files):
+    family, paths = files
+    if family != "llama-3.2-1b":
+        pytest.skip("the llama3 scaling's original context (8,192) is the one within reach")
+    model = load_gguf(paths["f32"])
+    n = model.config.rope_scaling["original_max_position_embeddings"] + 8
+    ids = torch.randint(0, F.VOCAB - len(F.SPECIAL) - 1, (n,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0][0, -4:]
+    assert F.relative(ours, cpp_logits(paths["f32"], ids, True)[-4:]) < 1e-3
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_blocks_kept_are_nearer_llama_cpp_than_the_float_import(files, kind):
+    family, paths = files
+    blocks, floats = load_gguf(paths[kind], keep_quant=True), load_gguf(paths[kind])
+    for ids in F.prompts()[1:]:
+        theirs = cpp_logits(paths[kind], ids, False)
+        with torch.no_grad():
+            mine, plain = blocks(torch.tensor([ids]))[0][0], floats(torch.tensor([ids]))[0][0]
+        assert (mine - theirs).abs().mean() < (plain - theirs).abs().mean(), (family, kind, len(ids))
+        assert F.relative(mine, theirs) < 5e-2, (family, kind, len(ids))
+
+
+def test_exported_llama3_file_equals_llama_cpp(tmp_path):
+    """tformer's exporter (``save_gguf``) on Llama 3.2: llama.cpp runs the file to 1e-3 of tformer's logits."""
+    from tformer.interop.gguf import save_gguf
+    from tformer.interop.hf import load_hf
+
+    model = load_hf(F.hf_folder("llama-3.2-1b", tmp_path / "hf"))
+    save_gguf(model, tmp_path / "out.gguf", "f32")
+    for ids in F.prompts()[1:]:
+        with torch.no_grad():
+            ours = model(torch.tensor([ids]))[0][0]
+        assert F.relative(ours, cpp_logits(tmp_path / "out.gguf", ids, True)) < 1e-3
