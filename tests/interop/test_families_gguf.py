@@ -9,6 +9,9 @@ the server on the file.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
 import torch
@@ -17,6 +20,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 import families as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))   # the server helper the serve tests use
 from serve_util import Running  # noqa: E402
 
 from tformer.cli import main  # noqa: E402
