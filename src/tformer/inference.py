@@ -40,7 +40,8 @@ from tformer.errors import CheckpointError, InputError
 AUTO = "auto"
 # GGUF general.sampling.* key -> the generation option it sets (llama.cpp's names: gguf-py Keys.General)
 SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
-                 "general.sampling.top_p": "top_p"}
+                 "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
 @dataclass
@@ -52,7 +53,8 @@ class OpenedModel:
         tokenizer: ``encode`` / ``decode``; ``None`` where the source has none.
         template: the chat template (:class:`tformer.tokenizers.ChatTemplate`), or ``None``.
         stop_ids: token ids that end an answer: ``eos`` ∪ the template's end-of-turn.
-        defaults: sampling defaults the source recommends (``temperature``, ``top_k``, ``top_p``).
+        defaults: sampling defaults the source recommends (``temperature``, ``top_k``, ``top_p``, ``min_p``,
+            ``repetition_penalty``).
         name: what to call it (``smollm2``, the file's stem, the folder's name).
         source: the GGUF file or checkpoint folder read.
         dtype, dtype_reason: the weights as opened, and why.
@@ -152,12 +154,18 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
     source = conf.pop("chat_template", None)
     special = {k: v for k, v in conf.items() if k.endswith("_token") and isinstance(v, str)}
     template = ChatTemplate(source, **special) if isinstance(source, str) else None
+    return model, tokenizer, template, stop_token_ids(f), sampling_defaults(f), dtype, why
+
+
+def sampling_defaults(f) -> dict:
+    """The sampling options a GGUF (a :class:`~tformer.interop.gguf_reader.GGUFFile`) recommends in its
+    ``general.sampling.*`` keys, by the generation option each sets; keys absent or not numbers are left out."""
     defaults = {}
     for key, option in SAMPLING_KEYS.items():
         value = f.field(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             defaults[option] = int(value) if option == "top_k" else float(value)
-    return model, tokenizer, template, stop_token_ids(f), defaults, dtype, why
+    return defaults
 
 
 def require_decoder(model, source) -> None:

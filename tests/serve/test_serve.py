@@ -181,7 +181,9 @@ def test_errors_have_openai_shape_and_status(served):
              (json.dumps({"model": server.name, "prompt": "a", "max_tokens": "many"}).encode(), 400),
              (json.dumps({"model": server.name, "prompt": 5}).encode(), 400),
              (json.dumps({"model": server.name, "prompt": "a", "temperature": 9}).encode(), 400),
-             (json.dumps({"model": server.name, "prompt": "a", "logit_bias": {"1": 5}}).encode(), 400),
+             (json.dumps({"model": server.name, "prompt": "a", "logit_bias": {"x": 5}}).encode(), 400),
+             (json.dumps({"model": server.name, "prompt": "a", "logit_bias": {"1": 500}}).encode(), 400),
+             (json.dumps({"model": server.name, "prompt": "a", "logit_bias": {"99999": 1}}).encode(), 400),
              (json.dumps({"model": server.name, "prompt": [10**6]}).encode(), 400),
              (json.dumps({"model": server.name, "prompt": "a" * 1_000_000}).encode(), 413)]
     for body, status in cases:

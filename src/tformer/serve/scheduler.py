@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from tformer.generation.penalties import History, Penalties, penalize
 from tformer.generation.speculative import ModelDraft, accept, lookup_draft
 from tformer.generation.text import TextTracker
 from tformer.serve.metrics import BATCH_BUCKETS, Metrics
@@ -68,6 +69,8 @@ class Params:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None          # None: none; k >= 0: the chosen token's and the top k
+    min_p: float | None = None
+    penalties: Penalties = field(default_factory=Penalties)     # repetition, presence, frequency, logit_bias
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Sequence:
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     constraint: object | None = None       # structured output: mask(row) before each choice, advance(token) after
+    history: History | None = None         # seen / generated tokens, made at the first choice when penalties are set
 
     def __post_init__(self):
         self.tracker = TextTracker(self.tokenizer, self.params.stop)
@@ -318,7 +322,7 @@ class Scheduler:
     def _take(self, seqs: list[Sequence], logits: Tensor) -> None:
         """Pick each sequence's next token from its row of ``logits (len(seqs), vocab)`` with its own
         options, send it, and finish the sequences that are done."""
-        seqs, logits = self._constrain(seqs, logits)
+        seqs, logits = self._constrain(seqs, self._penalize(seqs, logits))
         if not seqs:
             return
         picked = choose(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -335,6 +339,8 @@ class Scheduler:
                 continue
             if seq.constraint is not None:
                 seq.constraint.advance(tok)
+            if seq.history is not None:
+                seq.history.add(torch.tensor([tok]))
             seq.generated.append(tok)
             seq.last = tok
             seq.tracker.add(tok)
@@ -343,6 +349,20 @@ class Scheduler:
                 self._finish(seq, "stop")
             elif len(seq.generated) >= p.max_tokens or seq.positions >= self.max_len:
                 self._finish(seq, "length")
+
+    def _penalize(self, seqs: list[Sequence], logits: Tensor) -> Tensor:
+        """``logits (len(seqs), vocab)`` with the rows whose sequence sets penalties or a logit_bias
+        penalised (:mod:`tformer.generation.penalties`), all such rows in one call."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.penalties.active]
+        if not rows:
+            return logits
+        for i in rows:
+            if seqs[i].history is None:                          # its first choice: the prompt's tokens
+                seqs[i].history = History([seqs[i].prompt], logits.shape[-1])
+        history = History.stack([seqs[i].history for i in rows])              # (r, vocab) each
+        logits = logits.float().clone()                         # the pool's output is an inference tensor
+        logits[rows] = penalize(logits[rows], history, [seqs[i].params.penalties for i in rows])
+        return logits
 
     def _constrain(self, seqs: list[Sequence], logits: Tensor) -> tuple[list[Sequence], Tensor]:
         """Mask, in place, the rows of ``logits (len(seqs), vocab)`` whose sequence has a constraint
@@ -394,9 +414,10 @@ class Scheduler:
         """One speculative step for ``seq`` decoded alone: draft by prompt lookup, verify the drafts in
         one forward of its row, keep the accepted ones (:mod:`tformer.generation.speculative`).
         False (nothing done: decode normally) when no draft is found or the sequence needs what a
-        step over several tokens does not give: log-probabilities, or a per-token logit constraint."""
+        step over several tokens does not give: log-probabilities, a per-token logit constraint, min-p or
+        penalties (the accept rule here knows temperature, top-k and top-p only)."""
         p = seq.params
-        if p.logprobs is not None or getattr(seq, "constraint", None) is not None:
+        if p.logprobs is not None or seq.constraint is not None or p.min_p or p.penalties.active:
             return False
         k = min(self.speculative, p.max_tokens - len(seq.generated) - 1, self.max_len - seq.positions - 1)
         history = seq.prompt + seq.generated                   # the row holds all but the newest token

@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies (validated), response objects, stream chunks, error bodies.
 
 Requests are pydantic models that accept the fields OpenAI documents and ignore unknown ones (clients
-send extras); a field tformer cannot honour (``logit_bias``, penalties, ``tools``, ...) is refused
+send extras); a field tformer cannot honour (``tools``, ``suffix``, ...) is refused
 with a 400 naming it rather than silently ignored.
 ``response_format`` (structured output) is validated here and applied by :mod:`tformer.serve.grammar`. Responses are plain dicts built by the helpers
 below, shaped exactly like OpenAI's (``id``, ``object``, ``created``, ``model``, ``choices``,
@@ -15,6 +15,8 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+from tformer.generation.penalties import Penalties
 
 INT64 = 2**63           # OpenAI's seed is a signed 64-bit integer
 
@@ -51,22 +53,29 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
-    presence_penalty: StrictFloat = Field(default=0.0, allow_inf_nan=False)
-    frequency_penalty: StrictFloat = Field(default=0.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)     # vLLM's, llama.cpp's
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)  # vLLM's, llama.cpp's
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, StrictFloat] | None = None        # {"token id": bias in [-100, 100]}
     user: StrictStr | None = None
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported; leave it out")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f'logit_bias keys are token ids as strings ("50256"), not {key!r}')
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100]; token {key} has {value}")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop takes at most 4 strings")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def penalties(self) -> Penalties:
+        bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, bias)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
