@@ -75,8 +75,9 @@ async def watch_disconnect(request: Request, seqs, queue: asyncio.Queue) -> None
     queue.put_nowait((-1, ("gone",)))
 
 
-async def collect(request: Request, seqs, queue: asyncio.Queue, on_token) -> list[str]:
-    """Wait for every sequence to finish (or the client to leave); return each one's finish reason."""
+async def collect(request: Request, seqs, queue: asyncio.Queue, on_token, on_prompt=None) -> list[str]:
+    """Wait for every sequence to finish (or the client to leave); return each one's finish reason.
+    ``on_prompt(index, entries)`` receives a scored prompt's token logprobs (echo with logprobs)."""
     reasons: list[str | None] = [None] * len(seqs)
     left = len(seqs)
     watcher = asyncio.ensure_future(watch_disconnect(request, seqs, queue))
@@ -85,6 +86,8 @@ async def collect(request: Request, seqs, queue: asyncio.Queue, on_token) -> lis
             index, event = await queue.get()
             if isinstance(event, Token):
                 on_token(index, event)
+            elif event[0] == "prompt":
+                on_prompt(index, event[1])
             elif event[0] == "done":
                 reasons[index], left = event[1], left - 1
             elif event[0] == "gone":
@@ -121,15 +124,23 @@ class CompletionFormat(_Format):
     obj = staticmethod(S.completion_object)
     prefix = "cmpl"
 
-    def logprobs_of(self, tokens: list[Token], offset: int) -> dict | None:
+    def logprobs_of(self, tokens: list[Token], offset: int, prompt: list[Token] | None = None) -> dict | None:
+        """OpenAI's legacy ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``;
+        with ``prompt`` (echo) the prompt's tokens come first, the first one's logprob and top ``null``
+        (nothing predicts it), and the offsets count from the prompt's start."""
         if not self.logprobs:
             return None
-        offsets, pos = [], offset
+        offsets, pos, texts = [], 0 if prompt else offset, []
+        for t in (prompt or []):
+            texts.append(self.tok(t.id) if t.id >= 0 else "")
         for t in tokens:
+            texts.append(t.text)
+        for text in texts:
             offsets.append(pos)
-            pos += len(t.text)
-        return {"tokens": [self.tok(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [None if t.top is None else {self.tok(i): v for i, v in t.top} for t in tokens],
+            pos += len(text)
+        every = (prompt or []) + tokens
+        return {"tokens": [self.tok(t.id) for t in every], "token_logprobs": [t.logprob for t in every],
+                "top_logprobs": [None if t.top is None else {self.tok(i): v for i, v in t.top} for t in every],
                 "text_offset": offsets}
 
     def delta(self, index: int, tok: Token, offset: int) -> dict:
@@ -143,8 +154,8 @@ class CompletionFormat(_Format):
     def first(self, index: int) -> dict | None:
         return None
 
-    def full(self, index: int, text: str, tokens: list[Token], reason: str) -> dict:
-        return {"index": index, "text": text, "logprobs": self.logprobs_of(tokens, 0), "finish_reason": reason}
+    def full(self, index: int, text: str, tokens: list[Token], reason: str, prompt: list[Token] | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs_of(tokens, 0, prompt), "finish_reason": reason}
 
 
 class ChatFormat(_Format):
@@ -170,34 +181,43 @@ class ChatFormat(_Format):
     def last(self, index: int, reason: str) -> dict:
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
 
-    def full(self, index: int, text: str, tokens: list[Token], reason: str) -> dict:
+    def full(self, index: int, text: str, tokens: list[Token], reason: str, prompt=None) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": self.logprobs_of(tokens), "finish_reason": reason}
 
 
 # --------------------------------------------------------------------------------- running
 async def run(request: Request, server: Server, req, prompts: list[list[int]], fmt: _Format,
-              max_tokens: int, top: int | None, prefix_text: str = "", constraint=None):
-    """Schedule the request's sequences and answer with one object or an SSE stream."""
-    seqs, queue = server.start(prompts, req, max_tokens, top, constraint)
+              max_tokens: int, top: int | None, echo: list[str] | None = None, constraint=None,
+              score: int | None = None):
+    """Schedule the request's sequences and answer with one object or an SSE stream. ``echo``: each
+    prompt's text, put before its choices' text; ``score``: the prompts' own token logprobs (top ``score``)
+    go before the generated tokens' (echo with logprobs)."""
+    seqs, queue = server.start(prompts, req, max_tokens, top, constraint, score)
     id_, n_prompt = S.new_id(fmt.prefix), sum(len(p) for p in prompts)
     started = time.monotonic()
     if not req.stream:
-        texts, tokens = [prefix_text] * len(seqs), [[] for _ in seqs]
+        texts = [echo[i // req.n] if echo else "" for i in range(len(seqs))]
+        tokens = [[] for _ in seqs]
+        scored: list[list[Token] | None] = [None] * len(seqs)
 
         def on_token(i: int, tok: Token) -> None:
             texts[i] += tok.text
             if tok.id >= 0:
                 tokens[i].append(tok)
+
+        def on_prompt(i: int, entries: list[tuple]) -> None:
+            first = Token(prompts[i // req.n][0], "", None, None)        # nothing predicts the first token
+            scored[i] = [first] + [Token(t, "", lp, top) for t, lp, top in entries]
         try:
-            reasons = await collect(request, seqs, queue, on_token)
+            reasons = await collect(request, seqs, queue, on_token, on_prompt)
         finally:
             for seq in seqs:
                 seq.cancel()
         n_out = sum(len(t) for t in tokens)
         server.metrics.inc("tformer_requests_total", status="200", help="requests answered, by HTTP status")
         server.metrics.observe("tformer_request_seconds", time.monotonic() - started, help="request latency")
-        choices = [fmt.full(i, texts[i], tokens[i], reasons[i]) for i in range(len(seqs))]
+        choices = [fmt.full(i, texts[i], tokens[i], reasons[i], scored[i]) for i in range(len(seqs))]
         return JSONResponse(fmt.obj(id_, server.name, choices, S.usage(n_prompt, n_out)))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return StreamingResponse(_stream(server, seqs, queue, fmt, id_, n_prompt, include_usage, started),
@@ -254,16 +274,15 @@ async def completions(request: Request):
     server: Server = request.app.state.server
     req = await read_json(request, server.limits.max_body_bytes, S.CompletionRequest)
     check_model(server, req.model)
-    if req.echo and (req.stream or req.logprobs is not None):
-        raise S.APIError(400, "echo is not supported with stream or logprobs; leave one of them out.", param="echo")
+    if req.echo and req.stream:
+        raise S.APIError(400, "echo is not supported with stream; leave one of them out.", param="echo")
     server.check_work(req.prompt, req.n)                     # before anything is encoded or allocated
     prompts = server.encode_prompts(req.prompt)
-    if req.echo and len(prompts) > 1:
-        raise S.APIError(400, "echo takes one prompt; send the prompts in separate requests.", param="echo")
     max_tokens = server.check_length(prompts, req.max_tokens, 16)
     fmt = CompletionFormat(server, req.logprobs is not None, req.return_tokens_as_token_ids)
-    echo = server.tokenizer.decode(prompts[0]) if req.echo else ""
-    return await run(request, server, req, prompts, fmt, max_tokens, req.logprobs, echo)
+    echo = [server.tokenizer.decode(p) for p in prompts] if req.echo else None
+    score = req.logprobs if req.echo and req.logprobs is not None else None     # the prompt's own logprobs
+    return await run(request, server, req, prompts, fmt, max_tokens, req.logprobs, echo, score=score)
 
 
 async def chat_completions(request: Request):

@@ -70,6 +70,7 @@ class Params:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None          # None: none; k >= 0: the chosen token's and the top k
     min_p: float | None = None
+    prompt_logprobs: int | None = None   # echo with logprobs: each prompt token's logprob and its top k (None: not wanted)
     penalties: Penalties = field(default_factory=Penalties)     # repetition, presence, frequency, logit_bias
 
 
@@ -87,8 +88,9 @@ class Token:
 class Sequence:
     """A request's sequence: prompt, options, slot, output so far, and where to send results.
 
-    ``emit(event)`` receives :class:`Token` objects, then one ``("done", finish_reason)`` or
-    ``("error", message, http_status)``. Called from the scheduler thread.
+    ``emit(event)`` receives, when ``params.prompt_logprobs`` is set, one ``("prompt", [(token, logprob,
+    top)])`` for the prompt's tokens after the first; then :class:`Token` objects, then one
+    ``("done", finish_reason)`` or ``("error", message, http_status)``. Called from the scheduler thread.
     """
 
     prompt: list[int]
@@ -293,12 +295,32 @@ class Scheduler:
                 seqs.append(seq)
         if not seqs:
             return
+        scored = [s for s in seqs if s.params.prompt_logprobs is not None]
+        for group, score in ((scored, True), ([s for s in seqs if s.params.prompt_logprobs is None], False)):
+            if group:
+                self._prefill(group, score)
+
+    def _prefill(self, seqs: list[Sequence], score: bool) -> None:
+        """Prefill ``seqs`` in one batch and choose their first tokens; with ``score`` (echo with logprobs)
+        each prompt's own token log-probabilities are sent first, as a ``("prompt", entries)`` event."""
         try:
-            logits = self.pool.prefill([s.slot for s in seqs], [s.prompt for s in seqs])     # (b, vocab)
+            slots, prompts = [s.slot for s in seqs], [s.prompt for s in seqs]
+            if score:
+                logits, entries = self.pool.score(slots, prompts, max(s.params.prompt_logprobs for s in seqs))
+                for seq, e in zip(seqs, entries):
+                    k = seq.params.prompt_logprobs
+                    seq.emit(("prompt", [(t, lp, top[:k] if k else None) for t, lp, top in e]))
+            else:
+                logits = self.pool.prefill(slots, prompts)                                # (b, vocab)
             self.metrics.inc("tformer_prompt_tokens_total", sum(len(s.prompt) for s in seqs),
                              help="prompt tokens prefilled")
             self.metrics.observe("tformer_prefill_batch_size", len(seqs), BATCH_BUCKETS, help="prompts in each prefill")
-            self._take(seqs, logits)
+            done = [s for s in seqs if s.params.max_tokens == 0]                # scored only: nothing to generate
+            for seq in done:
+                self._finish(seq, "length")
+            if len(done) < len(seqs):
+                keep = [i for i, s in enumerate(seqs) if s.params.max_tokens > 0]
+                self._take([seqs[i] for i in keep], logits[keep])
         except Exception as e:  # fail these requests only (a ValueError is bad input the server did not catch)
             self._fail([s for s in seqs if self.running.get(s.slot) is s], e, 400 if isinstance(e, ValueError) else 500)
 

@@ -133,9 +133,11 @@ class Server:
                                   f"to at most {room}.", param="max_tokens", code="context_length_exceeded")
         return n
 
-    def start(self, prompts: list[list[int]], req, max_tokens: int, logprobs: int | None, constraint=None):
+    def start(self, prompts: list[list[int]], req, max_tokens: int, logprobs: int | None, constraint=None,
+              prompt_logprobs: int | None = None):
         """Submit ``len(prompts) * n`` sequences; return them and the queue their events arrive on.
-        ``constraint``: a function giving each sequence its own structured-output constraint, or None.
+        ``constraint``: a function giving each sequence its own structured-output constraint, or None;
+        ``prompt_logprobs``: k to score the prompts' own tokens (their logprobs and top k), or None.
         A full queue is a 429 (retry after a second), a server shutting down a 503."""
         if self.draining:
             raise S.APIError(503, "The server is shutting down; send the request to another instance or retry "
@@ -160,11 +162,11 @@ class Server:
             for j in range(req.n):
                 params = Params(max_tokens, chosen["temperature"], chosen["top_p"], chosen["top_k"],
                                 None if req.seed is None else (req.seed + j) % 2**64,   # int64 seeds -> [0, 2**64)
-                                req.stops(), logprobs, chosen["min_p"], penalties)
+                                req.stops(), logprobs, chosen["min_p"], prompt_logprobs, penalties)
                 seqs.append(Sequence(ids, params, emitter(p * req.n + j), self.tokenizer, self.eos,
                                      timeout=self.limits.request_timeout,
                                      constraint=None if constraint is None else constraint()))
-        if max_tokens == 0:
+        if max_tokens == 0 and prompt_logprobs is None:
             for seq in seqs:
                 seq.emit(("done", "length"))
             return seqs, queue
