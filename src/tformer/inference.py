@@ -204,17 +204,24 @@ def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
     return model, tokenizer, load_chat_template(folder), eos, {}, dtype, why
 
 
-def end_of_turn_ids(template, tokenizer) -> list[int]:
-    """The id of the token a chat template ends a turn with (its ``eos_token``: ``<|im_end|>`` for
-    SmolLM2's ChatML), when that is one token of the vocabulary; a checkpoint's eos ids may not name it."""
-    name = None if template is None else template.special.get("eos_token")
+def special_token_id(template, tokenizer, key: str) -> int | None:
+    """The id of the chat template's special token ``key`` (``"eos_token"``, ``"bos_token"``), when it is one
+    token of the vocabulary; else None."""
+    name = None if template is None else template.special.get(key)
     if not name or tokenizer is None:
-        return []
+        return None
     try:
         ids = tokenizer.encode(name, add_special_tokens=False)
     except Exception:  # noqa: BLE001  a vocabulary without it (a character tokenizer): nothing to add
-        return []
-    return ids if len(ids) == 1 else []
+        return None
+    return ids[0] if len(ids) == 1 else None
+
+
+def end_of_turn_ids(template, tokenizer) -> list[int]:
+    """The id of the token a chat template ends a turn with (its ``eos_token``: ``<|im_end|>`` for
+    SmolLM2's ChatML), when that is one token of the vocabulary; a checkpoint's eos ids may not name it."""
+    found = special_token_id(template, tokenizer, "eos_token")
+    return [] if found is None else [found]
 
 
 def require_tokenizer(opened: "OpenedModel") -> None:
