@@ -20,7 +20,6 @@ from tformer.serve.build import build_server
 from tformer.generation.text import generate_text
 from tformer.serve.app import build_app
 from tformer.serve.openai_api import chat_prompt
-from tformer.serve.schemas import Message
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +56,7 @@ def test_chat_equals_generate_on_the_joined_messages(served):
     model, tok, server, _, client = served
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
     out = client.chat.completions.create(model=server.name, messages=messages, max_tokens=8, temperature=0)
-    prompt = chat_prompt([Message(**m) for m in messages])
+    prompt = chat_prompt(messages)
     assert prompt == "Be brief.\nSay hi\n"
     assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == generate_text(model, tok, prompt, 8, temperature=0)

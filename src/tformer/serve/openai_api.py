@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tformer.errors import TformerError
-from tformer.serve import grammar
+from tformer.serve import grammar, tools
 from tformer.serve import schemas as S
 from tformer.serve.scheduler import Token
 from tformer.serve.server import Server
@@ -159,8 +159,37 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
+    """Chat choices; with ``tools`` each answer is parsed for tool calls (:func:`tformer.serve.tools.parse`),
+    and a stream holds the text back until the answer is whole (a call is only a call once it is complete)."""
+
     obj = staticmethod(S.chat_object)
     prefix = "chatcmpl"
+
+    def __init__(self, server: Server, logprobs: bool, as_ids: bool = False, tools: bool = False):
+        super().__init__(server, logprobs, as_ids)
+        self.tools = tools
+
+    def answer(self, text: str, reason: str) -> tuple[dict, str]:
+        """The message (content, or content and tool_calls) and the finish reason for a whole answer."""
+        if not self.tools:
+            return {"role": "assistant", "content": text, "refusal": None}, reason
+        content, calls = tools.parse(text)
+        message = {"role": "assistant", "content": content, "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        return message, ("tool_calls" if calls and reason == "stop" else reason)
+
+    def whole(self, index: int, text: str, reason: str) -> list[dict]:
+        """A held-back streamed answer as deltas: the content, or one delta per tool call, then the last."""
+        message, reason = self.answer(text, reason)
+        out = []
+        if message.get("content"):
+            out.append({"index": index, "delta": {"content": message["content"]}, "logprobs": None,
+                        "finish_reason": None})
+        for k, call in enumerate(message.get("tool_calls", [])):
+            out.append({"index": index, "delta": {"tool_calls": [{"index": k, **call}]}, "logprobs": None,
+                        "finish_reason": None})
+        return out + [self.last(index, reason)]
 
     def entry(self, t: Token) -> dict:
         s = self.tok(t.id)
@@ -182,8 +211,8 @@ class ChatFormat(_Format):
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
 
     def full(self, index: int, text: str, tokens: list[Token], reason: str, prompt=None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": self.logprobs_of(tokens), "finish_reason": reason}
+        message, reason = self.answer(text, reason)
+        return {"index": index, "message": message, "logprobs": self.logprobs_of(tokens), "finish_reason": reason}
 
 
 # --------------------------------------------------------------------------------- running
@@ -234,6 +263,7 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
             obj["usage"] = None
         return sse(obj)
     left, offsets, n_out = len(seqs), [0] * len(seqs), 0
+    held = [""] * len(seqs) if getattr(fmt, "tools", False) else None     # tool mode: whole answers only
     try:
         for i in range(len(seqs)):
             first = fmt.first(i)
@@ -243,12 +273,18 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
             index, event = await queue.get()
             if isinstance(event, Token):
                 n_out += event.id >= 0
-                if event.text or (fmt.logprobs and event.id >= 0):
+                if held is not None:
+                    held[index] += event.text
+                elif event.text or (fmt.logprobs and event.id >= 0):
                     yield chunk([fmt.delta(index, event, offsets[index])])
                     offsets[index] += len(event.text)
             elif event[0] == "done":
                 left -= 1
-                yield chunk([fmt.last(index, event[1])])
+                if held is not None:
+                    for piece in fmt.whole(index, held[index], event[1]):
+                        yield chunk([piece])
+                else:
+                    yield chunk([fmt.last(index, event[1])])
             else:
                 yield sse(error_of(event).body())
                 break
@@ -263,11 +299,11 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
 
 
 # ------------------------------------------------------------------------------- endpoints
-def chat_prompt(messages: list[S.Message], sep: str = "\n") -> str:
+def chat_prompt(messages: list[dict], sep: str = "\n") -> str:
     """The model's input for a chat: the messages' texts each followed by ``sep`` (a newline; see
     :attr:`Server.chat_separator` for a vocabulary without one): the checkpoints tformer trains have
     no chat template."""
-    return "".join(m.text() + sep for m in messages)
+    return "".join(m["content"] + sep for m in messages)
 
 
 async def completions(request: Request):
@@ -290,16 +326,23 @@ async def chat_completions(request: Request):
     req = await read_json(request, server.limits.max_body_bytes, S.ChatRequest)
     check_model(server, req.model)
     server.check_work("", req.n)
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    shown = [t.model_dump() for t in req.tools] if use_tools else None
+    messages = tools.render_messages([m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages],
+                                     shown)
     if server.chat_template is not None:       # the model's own template (a GGUF's, an HF tokenizer_config's)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompts = [await run_in_threadpool(server.chat_template.encode, server.tokenizer, messages, True,
                                            server.parse_special)]          # bounded, and off the event loop
     else:
-        prompts = server.encode_prompts(chat_prompt(req.messages, server.chat_separator))
+        prompts = server.encode_prompts(chat_prompt(messages, server.chat_separator))
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = server.check_length(prompts, limit, None)
-    constraint = await response_constraint(server, req.response_format)
-    fmt = ChatFormat(server, req.logprobs)
+    if use_tools and req.tool_choice not in (None, "auto"):    # required, or a named function: a call, by grammar
+        name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+        constraint = await json_constraint(server, tools.call_schema(shown, name), "tool_choice")
+    else:
+        constraint = await response_constraint(server, req.response_format)
+    fmt = ChatFormat(server, req.logprobs, tools=use_tools)
     return await run(request, server, req, prompts, fmt, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                      constraint=constraint)
 
@@ -309,11 +352,16 @@ async def response_constraint(server: Server, fmt: S.ResponseFormat | None):
     for plain text. The schema is compiled here, once, so a bad one is a 400 before anything is queued."""
     if fmt is None or fmt.type == "text":
         return None
-    if not grammar.available():
-        raise S.APIError(400, f"This server cannot honour response_format: {grammar.MISSING}", param="response_format")
     schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
     if fmt.type == "json_schema" and schema is None:
         schema = {}                                           # OpenAI's default: any JSON value
+    return await json_constraint(server, schema, "response_format")
+
+
+async def json_constraint(server: Server, schema: dict | None, param: str):
+    """:func:`response_constraint`'s work for a JSON ``schema`` (None: any object); errors name ``param``."""
+    if not grammar.available():
+        raise S.APIError(400, f"This server cannot honour {param}: {grammar.MISSING}", param=param)
     try:
         async with server.grammar_lock:                       # one engine per server, made once
             if server.grammar is None:
@@ -321,7 +369,7 @@ async def response_constraint(server: Server, fmt: S.ResponseFormat | None):
                                                          server.model.config.vocab_size, server.eos)
         compiled = await run_in_threadpool(server.grammar.json, schema)     # once, off the event loop
     except TformerError as e:
-        raise S.APIError(400, str(e), param="response_format") from None
+        raise S.APIError(400, str(e), param=param) from None
     return compiled.copy                                      # each of the n sequences: a copy, not a compile
 
 

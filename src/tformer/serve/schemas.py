@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies (validated), response objects, stream chunks, error bodies.
 
 Requests are pydantic models that accept the fields OpenAI documents and ignore unknown ones (clients
-send extras); a field tformer cannot honour (``tools``, ``suffix``, ...) is refused
+send extras); a field tformer cannot honour (``suffix``, ...) is refused
 with a 400 naming it rather than silently ignored.
 ``response_format`` (structured output) is validated here and applied by :mod:`tformer.serve.grammar`. Responses are plain dicts built by the helpers
 below, shaped exactly like OpenAI's (``id``, ``object``, ``created``, ``model``, ``choices``,
@@ -103,12 +103,36 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr                 # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None      # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None         # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may "
+                             f"leave it out)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -137,11 +161,17 @@ class ResponseFormat(BaseModel):
         return self
 
 
-# Tool calls: SmolLM2's template (and every template tformer's own checkpoints have) never renders
-# ``tools`` and the model was not trained to call them, so the server refuses them in one sentence
-# rather than inventing a format; response_format json_schema gives the same guarantee of shape.
-NO_TOOLS = ("tools are not supported: this model's chat template has no tool calling; describe the function in a "
-            "message and ask for its arguments with response_format json_schema instead")
+class Function(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: Function
 
 
 class ChatRequest(_Sampling):
@@ -149,15 +179,23 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=64)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _chat_only(self):
-        if self.tools or self.tool_choice not in (None, "none", "auto"):
-            raise ValueError(NO_TOOLS)
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice other than none / auto needs tools")
+        if isinstance(self.tool_choice, dict):
+            name = (self.tool_choice.get("function") or {}).get("name")
+            if self.tool_choice.get("type") != "function" or name not in {t.function.name for t in self.tools}:
+                raise ValueError('tool_choice names a function: {"type": "function", "function": {"name": ...}} '
+                                 'with the name of one of tools')
+        if self.tools and self.tool_choice not in (None, "none") and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("response_format and tools cannot be combined; send one of them")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
