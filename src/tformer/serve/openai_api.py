@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tformer.errors import TformerError
-from tformer.serve import grammar, tools
+from tformer.serve import grammar, reasoning, tools
 from tformer.serve import schemas as S
 from tformer.serve.scheduler import Token
 from tformer.serve.server import Server
@@ -154,6 +154,9 @@ class CompletionFormat(_Format):
     def first(self, index: int) -> dict | None:
         return None
 
+    def tail(self, index: int) -> list[dict]:
+        return []
+
     def full(self, index: int, text: str, tokens: list[Token], reason: str, prompt: list[Token] | None = None) -> dict:
         return {"index": index, "text": text, "logprobs": self.logprobs_of(tokens, 0, prompt), "finish_reason": reason}
 
@@ -165,16 +168,21 @@ class ChatFormat(_Format):
     obj = staticmethod(S.chat_object)
     prefix = "chatcmpl"
 
-    def __init__(self, server: Server, logprobs: bool, as_ids: bool = False, tools: bool = False):
+    def __init__(self, server: Server, logprobs: bool, as_ids: bool = False, tools: bool = False,
+                 thinking: bool = False):
         super().__init__(server, logprobs, as_ids)
-        self.tools = tools
+        self.tools, self.thinking = tools, thinking          # thinking: the prompt opened <think>
+        self.splitters: dict[int, reasoning.Splitter] = {}       # streamed choices: thinking vs answer
 
     def answer(self, text: str, reason: str) -> tuple[dict, str]:
-        """The message (content, or content and tool_calls) and the finish reason for a whole answer."""
+        """The message (content, with the thinking split off as reasoning_content, and tool_calls when tools
+        are on) and the finish reason for a whole answer."""
+        thinking, text = reasoning.split(text, self.thinking)
+        extra = {} if thinking is None else {"reasoning_content": thinking}
         if not self.tools:
-            return {"role": "assistant", "content": text, "refusal": None}, reason
+            return {"role": "assistant", "content": text, "refusal": None, **extra}, reason
         content, calls = tools.parse(text)
-        message = {"role": "assistant", "content": content, "refusal": None}
+        message = {"role": "assistant", "content": content, "refusal": None, **extra}
         if calls:
             message["tool_calls"] = calls
         return message, ("tool_calls" if calls and reason == "stop" else reason)
@@ -183,6 +191,9 @@ class ChatFormat(_Format):
         """A held-back streamed answer as deltas: the content, or one delta per tool call, then the last."""
         message, reason = self.answer(text, reason)
         out = []
+        if message.get("reasoning_content"):
+            out.append({"index": index, "delta": {"reasoning_content": message["reasoning_content"]},
+                        "logprobs": None, "finish_reason": None})
         if message.get("content"):
             out.append({"index": index, "delta": {"content": message["content"]}, "logprobs": None,
                         "finish_reason": None})
@@ -204,8 +215,22 @@ class ChatFormat(_Format):
 
     def delta(self, index: int, tok: Token, offset: int) -> dict:
         real = [tok] if tok.id >= 0 else []
-        return {"index": index, "delta": {"content": tok.text}, "logprobs": self.logprobs_of(real) if real else None,
-                "finish_reason": None}
+        return {"index": index, "delta": self.pieces(index, self.splitters.setdefault(index, reasoning.Splitter(self.thinking)).feed(
+                    tok.text)), "logprobs": self.logprobs_of(real) if real else None, "finish_reason": None}
+
+    @staticmethod
+    def pieces(index: int, parts: list[tuple[str, str]]) -> dict:
+        """A delta from a reasoning splitter's pieces (``content`` "" when it held everything back)."""
+        delta: dict = {}
+        for field, text in parts:
+            delta[field] = delta.get(field, "") + text
+        return delta or {"content": ""}
+
+    def tail(self, index: int) -> list[dict]:
+        """What the stream's reasoning splitter still holds for choice ``index``, as one delta (or none)."""
+        parts = self.splitters.pop(index).flush() if index in self.splitters else []
+        return [{"index": index, "delta": self.pieces(index, parts), "logprobs": None, "finish_reason": None}] \
+            if parts else []
 
     def last(self, index: int, reason: str) -> dict:
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
@@ -284,6 +309,8 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
                     for piece in fmt.whole(index, held[index], event[1]):
                         yield chunk([piece])
                 else:
+                    for piece in fmt.tail(index):
+                        yield chunk([piece])
                     yield chunk([fmt.last(index, event[1])])
             else:
                 yield sse(error_of(event).body())
@@ -342,7 +369,7 @@ async def chat_completions(request: Request):
         constraint = await json_constraint(server, tools.call_schema(shown, name), "tool_choice")
     else:
         constraint = await response_constraint(server, req.response_format)
-    fmt = ChatFormat(server, req.logprobs, tools=use_tools)
+    fmt = ChatFormat(server, req.logprobs, tools=use_tools, thinking=reasoning.opens_thinking(server.tokenizer, prompts[0]))
     return await run(request, server, req, prompts, fmt, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                      constraint=constraint)
 

@@ -201,6 +201,41 @@ class ChatRequest(_Sampling):
         return self
 
 
+class InputPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text", "text"]
+    text: StrictStr
+
+
+class InputMessage(BaseModel):
+    """A Responses ``input`` message: a role and a string or text parts."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[InputPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponsesRequest(_Sampling):
+    """``POST /v1/responses``: ``input`` and ``instructions`` instead of ``messages``, ``max_output_tokens``."""
+
+    input: StrictStr | list[InputMessage] = Field(min_length=1)
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _responses_only(self):
+        if self.tools:
+            raise ValueError("tools are not supported on /v1/responses; use /v1/chat/completions for tool calls")
+        if self.n != 1:
+            raise ValueError("n is not a Responses option; leave it out")
+        return self
+
+
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr
