@@ -28,8 +28,10 @@ its blocks are copied once into the model; nothing is written to the cache (``tf
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,6 +248,19 @@ def choose_path(model) -> tuple[str, str]:
     return ("whole-layer" if choice.plan is not None else "module"), choice.reason
 
 
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while a model opens: opening makes ~10^5 long-lived strings
+    (the vocabulary) and creates no cycles worth finding, so a full collection would only rescan them."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads: int | None = None, *,
                kernels: bool = True) -> OpenedModel:
     """Open a model spec for inference (see the module docstring).
@@ -269,7 +284,8 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
         torch.set_num_threads(threads)
     start = time.perf_counter()
     name, source, kind = resolve_source(spec)
-    parts = _gguf_parts(source, dtype, kernels) if kind == "gguf" else _folder_parts(source, kind, dtype, kernels)
+    with _collector_paused():
+        parts = _gguf_parts(source, dtype, kernels) if kind == "gguf" else _folder_parts(source, kind, dtype, kernels)
     model, tokenizer, template, eos, defaults, dtype, why = parts
     if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
         raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "

@@ -221,17 +221,9 @@ def _checked_gguf_vocabulary(tokens, merges, token_types, *, bos_id, eos_id):
             seen[t] = i
     if not isinstance(merges, list) or not set(map(type, merges)) <= {str}:
         raise refuse("merges", "is not an array of strings")
-    split = [m.partition(" ") for m in merges]
-    pairs = [(left, right) for left, _, right in split]
-    # every merge is two tokens and makes a token: checked as sets, the entry named only when one fails
-    pieces = {p for left, space, right in split for p in (left, right, left + right) if space and left and right}
-    if len(pairs) and (not all(space and left and right for left, space, right in split) or not pieces <= vocab.keys()):
-        for n, (m, (left, space, right)) in enumerate(zip(merges, split)):
-            if not space or not left or not right:
-                raise refuse("merges", f"entry {n} ({m!r}) is not two tokens separated by a space")
-            for piece in (left, right, left + right):
-                if piece not in vocab:
-                    raise refuse("merges", f"entry {n} ({m!r}) needs {piece!r}, which is not one of the tokens")
+    # that every merge is two tokens making a token is checked by the BPE model as it is built
+    # (:func:`_merge_fault` names the entry when it refuses)
+    pairs = [m.partition(" ")[::2] for m in merges]
     types = list(token_types) if token_types is not None else []
     if token_types is not None and (len(types) != len(tokens)
                                     or not all(isinstance(k, int) and not isinstance(k, bool) for k in types)):
@@ -240,6 +232,19 @@ def _checked_gguf_vocabulary(tokens, merges, token_types, *, bos_id, eos_id):
         if i is not None and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(tokens)):
             raise refuse(key, f"is {i!r}, which is not the id of one of the {len(tokens)} tokens")
     return vocab, pairs, types
+
+
+def _merge_fault(merges: list[str], vocab: dict[str, int]) -> str | None:
+    """Why the first bad entry of ``tokenizer.ggml.merges`` is bad (not two tokens separated by a space, or
+    a piece that is not a token), or None when every merge is two tokens making a token."""
+    for n, m in enumerate(merges):
+        left, space, right = m.partition(" ")
+        if not space or not left or not right:
+            return f"entry {n} ({m!r}) is not two tokens separated by a space"
+        for piece in (left, right, left + right):
+            if piece not in vocab:
+                return f"entry {n} ({m!r}) needs {piece!r}, which is not one of the tokens"
+    return None
 
 
 def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str, *,
@@ -270,6 +275,9 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
     except BaseException as e:  # noqa: BLE001  the Rust library panics (a BaseException) on what it cannot build
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
+        fault = _merge_fault(merges, vocab)
+        if fault is not None:
+            raise CheckpointError(f"GGUF metadata tokenizer.ggml.merges {fault}; the file is damaged.") from None
         raise CheckpointError(f"the GGUF vocabulary (tokenizer.ggml.tokens / tokenizer.ggml.merges) cannot be "
                               f"built: {str(e).splitlines()[0] if str(e) else type(e).__name__}; the file is "
                               f"damaged.") from None

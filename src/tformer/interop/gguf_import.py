@@ -243,8 +243,8 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
             a = llama_rope_unpermute(a, hf["num_key_value_heads"])
         elif arch == "gpt2" and target.endswith(CONV1D):
             a = a.T                                         # (out, in) -> Conv1D's (in, out)
-        # a copy: the file is mapped read-only
-        out[target] = torch.from_numpy(np.array(a, dtype=np.uint8 if kept else np.float32))
+        # kept blocks stay the mapped file's pages (copy-on-write: nothing reaches the file); floats are fresh arrays
+        out[target] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8 if kept else np.float32))
     return out
 
 

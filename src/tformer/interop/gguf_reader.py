@@ -193,7 +193,8 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path} is not a file; pass the path of a .gguf model file.")
-        self.raw = np.memmap(self.path, dtype=np.uint8, mode="r") if self.path.stat().st_size else np.zeros(0, np.uint8)
+        # copy-on-write: block tensors are used in place (no copy), and nothing written to them reaches the file
+        self.raw = np.memmap(self.path, dtype=np.uint8, mode="c") if self.path.stat().st_size else np.zeros(0, np.uint8)
         cur = _Cursor(memoryview(self.raw), self.path)
         head = bytes(self.raw[:4])
         if head != MAGIC:
@@ -305,7 +306,8 @@ class GGUFFile:
 
     def blocks(self, name: str) -> np.ndarray:
         """Tensor ``name``'s bytes as they are in the file, one row a line: ``(rows, row bytes)`` uint8
-        (a read-only view of the mapped file; a quantised row is ``K / block_size`` blocks)."""
+        (a view of the file, mapped copy-on-write: a write stays in this process; a quantised row is
+        ``K / block_size`` blocks)."""
         t = self.tensors[name]
         rows = math.prod(t.shape[:-1])
         return np.asarray(self.raw[t.offset:t.offset + t.nbytes]).reshape(rows, t.nbytes // rows)
