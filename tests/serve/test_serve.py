@@ -15,22 +15,15 @@ import openai
 import pytest
 import torch
 
-from serve_util import Running, tiny_checkpoint
-from tformer.serve.build import build_server
+from serve_util import tiny_checkpoint, tiny_server
 from tformer.generation.text import generate_text
-from tformer.serve.app import build_app
 from tformer.serve.openai_api import chat_prompt
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, one_thread):
-    folder = tmp_path_factory.mktemp("ckpt")
-    model, tok = tiny_checkpoint(folder)
-    server = build_server(str(folder), slots=4)
-    running = Running(build_app(server))
-    client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-    yield model, tok, server, running, client
-    running.stop()
+    with tiny_server(tmp_path_factory.mktemp("ckpt"), slots=4, timeout=30) as served:
+        yield served
 
 
 def test_models_health_metrics(served):

@@ -6,24 +6,16 @@ benchmarks/serving/lm_eval_check.py's."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
 
-from serve_util import Running, tiny_checkpoint
-from tformer.serve.app import build_app
-from tformer.serve.build import build_server
+from serve_util import tiny_server
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, one_thread):
-    folder = tmp_path_factory.mktemp("ckpt")
-    model, tok = tiny_checkpoint(folder)
-    server = build_server(str(folder), slots=4)
-    running = Running(build_app(server))
-    client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield model, tok, server, client
-    running.stop()
+    with tiny_server(tmp_path_factory.mktemp("ckpt"), slots=4, eos=[1]) as (model, tok, server, _, client):
+        yield model, tok, server, client
 
 
 def reference(model, ids: list[int]) -> torch.Tensor:
@@ -69,3 +61,14 @@ def test_echo_scoring_leaves_no_slot_held_and_decoding_still_works(served):
     assert plain == again
     url = str(client.base_url).rsplit("/v1", 1)[0]
     assert httpx.get(url + "/health").json()["free_slots"] == 4
+
+
+def test_a_next_token_that_ends_the_sequence_is_still_reported(served):
+    """lm-eval reads token_logprobs[ctxlen:-1], assuming one generated token after the prompt: when that token is
+    an end-of-sequence id (here forced by logit_bias) it is still listed, with its logprob, and adds no text."""
+    model, tok, server, client = served
+    out = client.completions.create(model=server.name, prompt=["abc", "de f"], max_tokens=1, logprobs=1, echo=True,
+                                    temperature=0, logit_bias={"1": 100})
+    for text, choice in zip(["abc", "de f"], out.choices):
+        assert choice.text == text and choice.finish_reason == "stop"
+        assert len(choice.logprobs.tokens) == len(tok.encode(text)) + 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from serve_util import Running, tiny_checkpoint
+from serve_util import Running, tiny_server
 from tformer.serve import reasoning
 from tformer.serve.app import build_app
 from tformer.serve.build import build_server
@@ -35,12 +35,8 @@ def test_split_whole_and_streamed(text, thinking, expected):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, one_thread):
-    folder = tmp_path_factory.mktemp("ckpt")
-    tiny_checkpoint(folder)
-    server = build_server(str(folder), slots=4)
-    running = Running(build_app(server))
-    yield server, openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    running.stop()
+    with tiny_server(tmp_path_factory.mktemp("ckpt"), slots=4) as (_, _, server, _, client):
+        yield server, client
 
 
 def test_responses_plain_and_streamed_equal_chat(tiny):

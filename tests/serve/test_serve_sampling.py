@@ -11,10 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from serve_util import Running, tiny_checkpoint
+from serve_util import tiny_server
 from tformer.generation.text import generate_text
-from tformer.serve.app import build_app
-from tformer.serve.build import build_server
 
 CASES = [dict(temperature=0.0, repetition_penalty=1.8),
          dict(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5),
@@ -26,13 +24,8 @@ CASES = [dict(temperature=0.0, repetition_penalty=1.8),
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, one_thread):
-    folder = tmp_path_factory.mktemp("ckpt")
-    model, tok = tiny_checkpoint(folder)
-    server = build_server(str(folder), slots=8)
-    running = Running(build_app(server))
-    client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield model, tok, server, client
-    running.stop()
+    with tiny_server(tmp_path_factory.mktemp("ckpt"), slots=8) as (model, tok, server, _, client):
+        yield model, tok, server, client
 
 
 def options(case: dict) -> dict:

@@ -357,6 +357,8 @@ class Scheduler:
                 self.metrics.observe("tformer_time_to_first_token_seconds", now - seq.submitted,
                                      help="from submission to the first token")
             if tok in seq.stop_ids:
+                if p.prompt_logprobs is not None:       # a scored prompt reports its next token even when it ends
+                    seq.emit(Token(tok, "", lp, top))   # the text (lm-eval reads the logprobs after the prompt's)
                 self._finish(seq, "stop")
                 continue
             if seq.constraint is not None:
