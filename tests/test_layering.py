@@ -25,7 +25,7 @@ LAYERS = [
     ["checkpoint", "quant"],
     ["fused"],
     ["generation"],
-    ["template_worker", "tokenizers"],
+    ["template_worker", "tokenizers", "spm"],
     ["training", "interop", "interp", "inference"],
     ["serve", "scaling", "claims", "evaluation"],
     ["commands"],

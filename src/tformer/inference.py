@@ -219,11 +219,26 @@ def special_token_id(template, tokenizer, key: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
+# Tokens that end a turn, as llama.cpp lists them (its end-of-generation ids): Llama 3's <|eot_id|> and
+# <|eom_id|>, ChatML's <|im_end|> (Qwen, SmolLM2), Gemma's <end_of_turn>, Phi-3's <|end|>, ...
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>",
+                      "<|end_of_text|>", "<EOT>", "<end_of_utterance>")
+
+
 def end_of_turn_ids(template, tokenizer) -> list[int]:
-    """The id of the token a chat template ends a turn with (its ``eos_token``: ``<|im_end|>`` for
-    SmolLM2's ChatML), when that is one token of the vocabulary; a checkpoint's eos ids may not name it."""
-    found = special_token_id(template, tokenizer, "eos_token")
-    return [] if found is None else [found]
+    """The ids of the tokens a chat template ends a turn with, which a checkpoint's eos ids may not name:
+    its ``eos_token`` when that is one token of the vocabulary (``<|im_end|>`` for SmolLM2's ChatML), and
+    each special token of :data:`END_OF_TURN_TOKENS` the template writes (Gemma's ``<end_of_turn>`` where
+    the eos token is ``<eos>``, Phi-3.5's ``<|end|>`` where it is ``<|endoftext|>``)."""
+    from tformer.tokenizers import special_strings
+
+    if template is None or tokenizer is None:
+        return []
+    eos = special_token_id(template, tokenizer, "eos_token")
+    ids = [] if eos is None else [eos]
+    specials = special_strings(tokenizer)
+    ids += [specials[t] for t in END_OF_TURN_TOKENS if t in specials and t in template.source]
+    return sorted(set(ids))
 
 
 def require_tokenizer(opened: "OpenedModel") -> None:

@@ -9,9 +9,9 @@ parent's to handle). The parent (:mod:`tformer.tokenizers`) gives each render a 
 process when it is past it: a template looping for ever, or a single huge computation such as
 ``10 ** (10 ** 8)``, which no thread could interrupt.
 
-Once started it writes ``{"ready": true}``. Request: ``{"source", "special", "messages", "add_generation_prompt",
-"max_chars"}``. Answer: ``{"text": ...}``,
-``{"refused": message}`` (the template's own ``raise_exception``), or ``{"error": "TypeName: message"}``
+Once started it writes ``{"ready": true}``. Request: ``{"source", "special", "messages", "tools",
+"add_generation_prompt", "max_chars"}`` (``special``: the special tokens by name and the template's own
+options). Answer: ``{"text": ...}``, ``{"refused": message}`` (the template's own ``raise_exception``), or ``{"error": "TypeName: message"}``
 (anything else the template did: division by zero, a recursive macro, out of memory).
 """
 
@@ -64,8 +64,10 @@ def render(env, cache: dict, request: dict) -> dict:
         template = cache[source] = env.from_string(source)
     limit = request["max_chars"]
     parts, size = [], 0
-    for piece in template.generate(messages=request["messages"], add_generation_prompt=request["add_generation_prompt"],
-                                   **request["special"]):
+    # the variables transformers' apply_chat_template defines: tools and documents are None when not given
+    for piece in template.generate(messages=request["messages"], tools=request.get("tools"),
+                                   add_generation_prompt=request["add_generation_prompt"],
+                                   **{"documents": None, **request["special"]}):
         size += len(piece)
         if size > limit:
             raise TooLong(str(limit))

@@ -198,6 +198,14 @@ GGUF_PRE_SPLITS = {
     "qwen2": [QWEN2_SPLIT],
     "default": [r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"],
 }
+# The same splits as the families' tokenizer.json files write them (a Split pre-tokenizer before ByteLevel),
+# by llama.cpp's name for them: how a tokenizer.json is named when it is written into a GGUF file
+HF_PRE_SPLITS = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
 IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")   # a piece that is a whole token is taken as it is
 CONTROL, USER_DEFINED, UNUSED = 3, 4, 5                 # llama.cpp token types (llama_token_type)
 
@@ -264,7 +272,7 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
             silently misread (no tokens, a token twice, a merge of unknown tokens or without a space,
             ``token_types`` not one per token, a bos / eos id outside the vocabulary), naming the GGUF key.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     if pre not in GGUF_PRE_SPLITS:
         raise CheckpointError(f"GGUF metadata tokenizer.ggml.pre={pre!r} names a pre-tokenizer tformer does not "
@@ -285,6 +293,16 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in GGUF_PRE_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
+    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos)
+
+
+def gguf_special_tokens(tok, tokens: list[str], types: list[int], bos_id: int | None, add_bos: bool,
+                        eos_id: int | None, add_eos: bool) -> HFTokenizer:
+    """A GGUF vocabulary's ``tokenizers`` object finished: its control tokens (type 3) as special tokens (matched
+    whole, left out of decoded text), its user-defined ones (4) as plain added tokens (matched whole, as
+    llama.cpp always does), and BOS before / EOS after every encoded text, as asked."""
+    from tokenizers import AddedToken, processors
+
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i, k in enumerate(types) if k == CONTROL])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
@@ -451,14 +469,27 @@ class ChatTemplate:
                                   "tokenizer_config.json.") from None
         self.source, self.special, self.seconds = source, special, seconds
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               **variables) -> str:
         """The conversation as the model's prompt text; with ``add_generation_prompt`` it ends where
-        the assistant's next answer begins."""
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise InputError(f"a chat message must be {{'role': str, 'content': str}}; got {m!r}.")
-        request = {"source": self.source, "special": self.special, "messages": messages,
-                   "add_generation_prompt": bool(add_generation_prompt), "max_chars": RENDER_CHARS}
+        the assistant's next answer begins.
+
+        As transformers' ``apply_chat_template``: a message is a dict with a ``role`` and its ``content``
+        (a string, or a list of parts such as ``{"type": "text", "text": ...}``; it may be left out of an
+        assistant's ``tool_calls`` message), any other keys as they are; keys whose value is ``None`` are
+        dropped; a ``reasoning_content`` / ``thinking`` / ``reasoning`` is passed under all three names.
+        ``tools``: JSON schemas of the functions the model may call (the template's ``tools``, ``None``
+        when not given). ``variables``: the template's own options (Qwen3's ``enable_thinking``, Llama 3's
+        ``date_string``, ...), which override the special tokens by name."""
+        messages = [normalize_message(m) for m in messages]
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise InputError(f"tools must be a list of JSON schemas (dicts); got {tools!r:.200}.")
+        try:
+            json.dumps([messages, tools, variables])
+        except (TypeError, ValueError) as e:
+            raise InputError(f"the chat messages, tools and template options must be JSON data ({e}).") from None
+        request = {"source": self.source, "special": {**self.special, **variables}, "messages": messages,
+                   "tools": tools, "add_generation_prompt": bool(add_generation_prompt), "max_chars": RENDER_CHARS}
         answer = _RENDERERS.ask(request, self.seconds)
         if answer is None:
             raise InputError(f"the chat template did not finish rendering these messages within {self.seconds:g} s "
@@ -489,7 +520,7 @@ class ChatTemplate:
         return self._specials_made
 
     def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-               parse_special: bool = False) -> list[int]:
+               parse_special: bool = False, tools: list[dict] | None = None, **variables) -> list[int]:
         """Token ids of the rendered conversation (nothing added: the template writes any BOS itself).
 
         The template's own markers (``<|im_start|>``, ...) become their special tokens; the same strings
@@ -497,19 +528,28 @@ class ChatTemplate:
         cannot forge turn boundaries or a system message. ``parse_special=True``: the old behaviour,
         special-token strings in the content become special tokens too (as transformers does)."""
         specials, pattern = self._specials(tokenizer)
+
+        def render(messages):
+            return self.render(messages, add_generation_prompt, tools, **variables)
         if parse_special or not specials:
-            return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+            return tokenizer.encode(render(messages), add_special_tokens=False)
         hidden: dict[str, str] = {}
 
         def hide(match) -> str:                # a typed special string -> a private-use placeholder
             key = f"\ue000{len(hidden)}\ue001"
             hidden[key] = match.group(0)
             return key
-        safe = [{**m, "content": pattern.sub(hide, m["content"].replace("\ue000", "\ue000\ue002"))}
-                for m in messages]
+        def hidden_in(content):                # a string, or the text of each part of a list
+            if isinstance(content, str):
+                return pattern.sub(hide, content.replace("\ue000", "\ue000\ue002"))
+            if isinstance(content, list):
+                return [{**p, "text": hidden_in(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str)
+                        else p for p in content]
+            return content
+        safe = [{**m, "content": hidden_in(m.get("content"))} if isinstance(m, dict) else m for m in messages]
         if not hidden:
-            return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
-        text = self.render(safe, add_generation_prompt)
+            return tokenizer.encode(render(messages), add_special_tokens=False)
+        text = render(safe)
         restore = _RESTORE
 
         def unhide(piece: str) -> str:
@@ -523,6 +563,22 @@ class ChatTemplate:
         if at < len(text):
             ids += tokenizer.encode(unhide(text[at:]), add_special_tokens=False, parse_special=False)
         return ids
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")     # names templates read a message's reasoning by
+
+
+def normalize_message(m) -> dict:
+    """A chat message as transformers hands it to a template: checked, ``None`` values dropped, its reasoning
+    under each of :data:`REASONING_FIELDS` (the first is the standard one; gpt-oss's templates read ``thinking``)."""
+    content = m.get("content") if isinstance(m, dict) else None
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+            isinstance(content, (str, list)) or (content is None and m.get("tool_calls"))):
+        raise InputError(f"a chat message must be {{'role': str, 'content': str or a list of parts}} (content may be "
+                         f"left out beside tool_calls); got {m!r:.200}.")
+    out = {k: v for k, v in m.items() if v is not None}
+    reasoning = next((out[k] for k in REASONING_FIELDS if k in out), None)
+    return out if reasoning is None else {"thinking": reasoning, **out, "reasoning_content": reasoning}
 
 
 # a placeholder of ChatTemplate.encode (private-use characters around its number), or an escaped \ue000

@@ -123,6 +123,11 @@ def runs(tmp_path_factory):
     jobs = {
         "fsdp": Job([sys.executable, "-m", "tformer", "train", "--nproc", "2", *args, "--set", "strategy=fsdp",
                      "--set", "sample_tokens=8", "--out", str(root / "fsdp")], root),
+        # activation checkpointing under DDP and FSDP: the same steps as the plain single process
+        "ddp-ckpt": Job([sys.executable, "-m", "tformer", "train", "--nproc", "2", *args, "--set", "checkpointing=true",
+                         "--out", str(root / "ddp-ckpt")], root),
+        "fsdp-ckpt": Job([sys.executable, "-m", "tformer", "train", "--nproc", "2", *args, "--set", "strategy=fsdp",
+                          "--set", "checkpointing=true", "--out", str(root / "fsdp-ckpt")], root),
         "node0": Job([*node, "--rdzv-conf=is_host=1", "-m", "tformer", "train", *args, "--out", str(root / "ddp")], root),
         "node1": Job([*node, "--rdzv-conf=is_host=0", "-m", "tformer", "train", *args, "--out", str(root / "ddp")], root),
         "resume-on-2": Job([*_torchrun("--standalone", "--nproc-per-node=2"), "-m", "tformer", "train", "--resume",
@@ -182,6 +187,17 @@ def test_fsdp_on_two_ranks_equals_one_process(runs):
     assert (root / "fsdp" / "ckpt" / "step-0000020" / "model.safetensors").is_file()   # final: consolidated
     assert _max_weight_diff(root / "ref", root / "fsdp") < TOL
     assert _max_weight_diff(root / "ref", shards.parent) > 10 * TOL                  # weights did move after step 10
+
+
+@pytest.mark.parametrize("job", ["ddp-ckpt", "fsdp-ckpt"])
+def test_activation_checkpointing_on_two_ranks_equals_one_plain_process(runs, job):
+    root, jobs = runs
+    out = _ok(jobs[job])
+    assert f"2 ranks ({job[:-5]}, gloo)" in out
+    ref, got = _steps(root / "ref"), _steps(root / job)
+    assert sorted(got) == list(range(1, 21))
+    assert max(abs(ref[s] - got[s]) for s in ref) < TOL
+    assert _max_weight_diff(root / "ref", root / job) < TOL
 
 
 def test_ddp_on_two_nodes_equals_one_process(runs):

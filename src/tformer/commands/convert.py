@@ -2,7 +2,7 @@
 
     tformer convert --from-hf HF_DIR --out CKPT_DIR     # config.json + *.safetensors -> tformer
     tformer convert --to-hf CKPT_DIR --out HF_DIR       # tformer -> folder transformers loads
-    tformer convert --to-gguf CKPT_DIR --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0]   # -> llama.cpp
+    tformer convert --to-gguf CKPT_DIR --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0|q4_1]   # -> llama.cpp
     tformer convert --from-gguf MODEL.gguf --out CKPT_DIR   # llama.cpp file -> tformer (float32, tokenizer,
                                                             # chat template)
     tformer convert --from-nanogpt ckpt.pt --out CKPT_DIR [--vocab-text input.txt]   # nanoGPT's train.py
@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                        "(llama.cpp; GPT-2 and Llama layouts)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be empty or new); "
                                                                 "with --to-gguf the .gguf file")
-    p.add_argument("--type", default="f32", choices=["f32", "f16", "bf16", "q8_0", "q4_0"],
+    p.add_argument("--type", default="f32", choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"],
                    help="with --to-gguf: type of the weight matrices (norms and biases stay f32)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--vocab-text", metavar="FILE", default=None,

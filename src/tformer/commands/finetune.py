@@ -8,19 +8,26 @@ import sys
 
 EPILOG = """settings (--set KEY=VALUE; tformer.training.finetune.FinetuneSettings): the loop's (lr, min_lr,
 warmup_steps, max_steps, batch_size, grad_accum, weight_decay, precision, eval_interval, log_interval,
-time_limit, seed, device, threads, ...) and lora_r, lora_alpha, lora_dropout, lora_targets (q_proj,v_proj
-by default; comma-separated HF names or 'all'), max_length, val_fraction, eval_exact, merge, and for the
-built-in task n_train, n_test, max_number.
+time_limit, seed, device, threads, checkpointing (activation checkpointing per block), ...) and lora_r,
+lora_alpha, lora_dropout, lora_targets (q_proj,v_proj by default; comma-separated HF names or 'all'), qlora
+(a GGUF file's blocks as the frozen base; true by default), max_length, val_fraction, eval_exact, merge,
+and for the built-in task n_train, n_test, max_number; preference tuning: objective=dpo, dpo_loss (sigmoid, robust,
+ipo, simpo), dpo_beta, label_smoothing, simpo_gamma.
 
 data: a .jsonl file of {"messages": [{"role": ..., "content": ...}, ...]} lines (rendered with the model's
 chat template, ChatML if it has none; the loss on the assistant's tokens only), or a plain-text file
 (every token). Without --data: the built-in task "Write 4372 in French words." -> "quatre mille trois
-cent soixante-douze", with held-out exact match at each evaluation.
+cent soixante-douze", with held-out exact match at each evaluation. With objective=dpo: a .jsonl of
+{"prompt": ..., "chosen": ..., "rejected": ...} lines (strings or message lists), or {"chosen": [messages],
+"rejected": [messages]}; without --data the built-in preference task (the French words preferred to the
+English words or to another number's French words), with held-out preference accuracy at each evaluation.
 
 examples:
   tformer finetune --model smollm2-ckpt --out runs/fr                  # LoRA on the built-in task
+  tformer finetune --model smollm2 --out runs/q --merge                # QLoRA over the Q4_1 file's blocks
   tformer finetune --model hf-folder --data chats.jsonl --method full --set max_steps=500
   tformer finetune --resume --out runs/fr --set max_steps=400          # continue a run exactly
+  tformer finetune --model smollm2-ckpt --set objective=dpo --set dpo_beta=0.1 --out runs/dpo   # DPO, built-in pairs
   python -c "import peft"  # runs/fr/adapter loads with peft.PeftModel.from_pretrained(hf_model, 'runs/fr/adapter')
 """
 
@@ -70,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     last = [r for r in records if "val_loss" in r or "exact_match" in r]
     first = last[0] if last else {}
     shown = ", ".join(f"{k.replace('_', ' ')} {first.get(k, float('nan')):.4f} -> {last[-1][k]:.4f}"
-                      for k in ("val_loss", "exact_match") if last and k in last[-1])
+                      for k in ("val_loss", "exact_match", "pref_accuracy") if last and k in last[-1])
     print(f"\nfine-tuned {summary['step']} steps ({loop.elapsed:.0f} s); {shown}; "
           + "; ".join(f"{k} in {v}" for k, v in written.items()), flush=True)
     if loop.task.questions:

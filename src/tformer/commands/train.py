@@ -26,6 +26,7 @@ TRAIN_HELP = {
     "grad_clip": "gradient-norm clipping (0 = off)",
     "precision": "auto, bf16 (autocast) or fp32",
     "compile": "torch.compile the model (true/false)",
+    "checkpointing": "activation checkpointing per block: less memory, one more forward (true/false)",
     "threads": "torch threads (0 = the cores the load average leaves free)",
     "device": "auto, cpu or cuda", "seed": "init, batch order and sampling seed",
     "eval_interval": "evaluate, sample and save every N steps",

@@ -1,6 +1,6 @@
 """tformer checkpoint -> GGUF file (llama.cpp's format), for GPT-2- and Llama-layout decoders.
 
-    tformer convert --to-gguf CKPT --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0]
+    tformer convert --to-gguf CKPT --out MODEL.gguf [--type f32|f16|bf16|q8_0|q4_0|q4_1]
 
 The weights go through the HF converters first (``tformer.interop.hf``: the model as transformers
 would hold it), then each HF name is mapped to llama.cpp's name by the ``gguf`` package's own
@@ -15,11 +15,12 @@ layout changes follow llama.cpp's ``convert_hf_to_gguf.py`` (ggml-org/llama.cpp,
   index (half h, i) moves to (i, half h), i.e. ``W.reshape(heads, 2, d/2, -1).swapaxes(1, 2)``.
 
 Types: 1-D tensors (norms, biases) stay f32, as llama.cpp keeps them; 2-D tensors take ``--type``
-(q8_0 and q4_0 need rows that are a multiple of 32 long; other rows fall back to f16, and the
-report says which). ``gguf.quants`` does the f16/bf16/q8_0/q4_0 encoding.
+(q8_0, q4_0 and q4_1 need rows that are a multiple of 32 long; other rows fall back to f16, and the
+report says which). ``gguf.quants`` does the f16/bf16/q8_0/q4_0/q4_1 encoding.
 
 Tokenizer: an HF ``tokenizer.json`` of byte-level BPE (GPT-2, Llama 3 style) next to the weights
-is written as ``tokenizer.ggml.model = "gpt2"`` with its tokens, token types and merges. tformer's
+is written as ``tokenizer.ggml.model = "gpt2"`` with its tokens, token types and merges, and
+``tokenizer.ggml.pre`` named by its pre-tokenizer (Llama 3's split: ``llama-bpe``, Qwen's: ``qwen2``). tformer's
 own char/BPE tokenizers have no llama.cpp counterpart: for them (and when there is no tokenizer)
 ``tokenizer.ggml.model = "none"`` is written, so llama.cpp runs the model on token ids only
 (``llama-bench``, the id-level API), and the command says so. Any other HF tokenizer is refused.
@@ -35,7 +36,7 @@ import torch
 
 from tformer.errors import CheckpointError, InputError
 
-TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 ARCHES = {"gpt2": "gpt2", "llama": "llama"}          # tformer/HF model_type -> GGUF general.architecture
 # The hyper-parameter keys llama.cpp reads (and requires) for each architecture ("{arch}." prefix).
 REQUIRED_KEYS = {
@@ -111,9 +112,12 @@ def hf_bpe_tokenizer(folder: Path) -> dict | None:
     tok = json.loads(path.read_text(encoding="utf-8"))
     if "kind" in tok:                                          # tformer's own tokenizer format
         return None
-    if (tok.get("model") or {}).get("type") != "BPE":
-        raise InputError(f"{path} is a {(tok.get('model') or {}).get('type')} tokenizer; GGUF export writes only "
-                         f"byte-level BPE tokenizers, so remove tokenizer.json to export the weights alone.")
+    model = tok.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        kind = "SentencePiece-style BPE (byte fallback)" if model.get("type") == "BPE" else model.get("type")
+        raise InputError(f"{path} is a {kind} tokenizer; GGUF export writes only byte-level BPE tokenizers, so "
+                         f"remove tokenizer.json to export the weights alone.")
+    tok["gguf_pre"] = gguf_pre(tok, path)
     return tok
 
 
@@ -122,6 +126,26 @@ def gpt2_split(tok: dict) -> bool:
     llama.cpp calls ``tokenizer.ggml.pre = "gpt-2"``; its ``"default"`` splits punctuation and digits apart."""
     pre = tok.get("pre_tokenizer") or {}
     return pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+
+
+def gguf_pre(tok: dict, path: Path) -> str | None:
+    """llama.cpp's name (``tokenizer.ggml.pre``) for a tokenizer.json that splits text by one regular
+    expression before its bytes (``Split`` then ``ByteLevel``: Llama 3's ``llama-bpe``, Qwen's ``qwen2``);
+    ``None`` for any other layout (GPT-2's own, or "default"). An expression llama.cpp has no name for
+    is refused: llama.cpp would split the text otherwise, and so give other ids."""
+    from tformer.tokenizers import HF_PRE_SPLITS
+
+    pre = tok.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else []
+    if [p.get("type") for p in parts] != ["Split", "ByteLevel"]:
+        return None
+    regex = (parts[0].get("pattern") or {}).get("Regex")
+    name = next((n for n, r in HF_PRE_SPLITS.items() if r == regex), None)
+    if name is None:
+        raise InputError(f"{path} splits text by the expression {str(regex)[:60]!r}..., which is none llama.cpp has "
+                         f"a name for (tformer writes {', '.join(HF_PRE_SPLITS)}); remove tokenizer.json to export "
+                         f"the weights alone.")
+    return name
 
 
 def write_tokenizer(w, tok: dict | None, model_type: str, vocab_size: int, eos: list[int]) -> str:
@@ -140,7 +164,7 @@ def write_tokenizer(w, tok: dict | None, model_type: str, vocab_size: int, eos: 
     types = [3 if t in special else (5 if i >= len(by_id) else 1) for i, t in enumerate(tokens)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2" if model_type == "gpt2" or gpt2_split(tok) else "default")
+    w.add_tokenizer_pre(tok.get("gguf_pre") or ("gpt-2" if model_type == "gpt2" or gpt2_split(tok) else "default"))
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -156,11 +180,11 @@ def encode(a: np.ndarray, kind: str) -> tuple[np.ndarray, object, str]:
     q = gguf.GGMLQuantizationType
     if a.ndim < 2 or kind == "f32":
         return a.astype(np.float32), None, "f32"
-    if kind in ("q8_0", "q4_0") and a.shape[-1] % 32 != 0:
+    if kind in ("q8_0", "q4_0", "q4_1") and a.shape[-1] % 32 != 0:
         kind = "f16"                                          # Q8_0/Q4_0 blocks are 32 values of one row
     if kind == "f16":
         return a.astype(np.float16), None, "f16"
-    qt = {"bf16": q.BF16, "q8_0": q.Q8_0, "q4_0": q.Q4_0}[kind]
+    qt = {"bf16": q.BF16, "q8_0": q.Q8_0, "q4_0": q.Q4_0, "q4_1": q.Q4_1}[kind]
     return gguf.quants.quantize(a.astype(np.float32), qt), qt, kind
 
 
@@ -192,7 +216,7 @@ def save_gguf(model: torch.nn.Module, path: str | Path, kind: str = "f32", model
     tok = hf_bpe_tokenizer(Path(tokenizer_dir)) if tokenizer_dir else None
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                 "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[kind]
+                 "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[kind]
     report = {"arch": ARCHES[model_type], "tensors": len(tensors), "types": {}}
 
     def write(tmp: str) -> None:

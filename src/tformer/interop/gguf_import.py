@@ -338,23 +338,36 @@ def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
 
 
 def gguf_tokenizer(f: GGUFFile):
-    """The file's byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``) as a
-    :class:`~tformer.tokenizers.HFTokenizer`, or ``None`` when the file has none (``none``)."""
+    """The file's tokenizer as a :class:`~tformer.tokenizers.HFTokenizer`, or ``None`` when the file has none
+    (``tokenizer.ggml.model = none``): byte-level BPE (``gpt2``: SmolLM2, Llama 3, Qwen) split by the
+    file's ``tokenizer.ggml.pre``, or SentencePiece-style (``llama``: Llama 2, Gemma, Phi-3; see
+    :mod:`tformer.spm`), tokenizing as llama.cpp does."""
+    from tformer.spm import gguf_spm_tokenizer
     from tformer.tokenizers import gguf_bpe_tokenizer
 
     kind = f.field("tokenizer.ggml.model", "none")
     if kind == "none":
         return None
-    if kind != "gpt2":
-        raise refuse_key(f.path, "tokenizer.ggml.model", kind, "tformer reads byte-level BPE vocabularies ('gpt2') "
-                         "only; load the weights with load_gguf and bring the tokenizer separately.")
+    if kind not in ("gpt2", "llama"):
+        raise refuse_key(f.path, "tokenizer.ggml.model", kind, "tformer reads byte-level BPE ('gpt2') and "
+                         "SentencePiece-style ('llama') vocabularies only; load the weights with load_gguf and bring "
+                         "the tokenizer separately.")
     tokens = f.field("tokenizer.ggml.tokens")
+    ids = {k: f.field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos")}
     try:
-        tok = gguf_bpe_tokenizer(
-            tokens=tokens, merges=f.field("tokenizer.ggml.merges", []),
-            token_types=f.field("tokenizer.ggml.token_type"), pre=f.field("tokenizer.ggml.pre", "default"),
-            bos_id=f.field("tokenizer.ggml.bos_token_id"), add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
-            eos_id=f.field("tokenizer.ggml.eos_token_id"), add_eos=bool(f.field("tokenizer.ggml.add_eos_token", False)))
+        if kind == "gpt2":
+            tok = gguf_bpe_tokenizer(
+                tokens=tokens, merges=f.field("tokenizer.ggml.merges", []),
+                token_types=f.field("tokenizer.ggml.token_type"), pre=f.field("tokenizer.ggml.pre", "default"),
+                bos_id=ids["bos"], add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
+                eos_id=ids["eos"], add_eos=bool(f.field("tokenizer.ggml.add_eos_token", False)))
+        else:                                   # llama.cpp adds BOS to these unless the file says not to
+            tok = gguf_spm_tokenizer(
+                tokens, f.field("tokenizer.ggml.scores"), f.field("tokenizer.ggml.token_type"),
+                add_space_prefix=bool(f.field("tokenizer.ggml.add_space_prefix", True)),
+                bos_id=ids["bos"], eos_id=ids["eos"], unk_id=f.field("tokenizer.ggml.unknown_token_id"),
+                add_bos=bool(f.field("tokenizer.ggml.add_bos_token", True)),
+                add_eos=bool(f.field("tokenizer.ggml.add_eos_token", False)))
     except CheckpointError as e:
         raise CheckpointError(f"{f.path}: {e}") from None
     for key in ("eot_token_id", "padding_token_id", "unknown_token_id"):
@@ -373,7 +386,8 @@ def gguf_tokenizer(f: GGUFFile):
 def tokenizer_config(f: GGUFFile) -> dict:
     """HF ``tokenizer_config.json`` fields: the chat template and the special tokens by name."""
     tokens = f.field("tokenizer.ggml.tokens") or []
-    out = {"add_bos_token": bool(f.field("tokenizer.ggml.add_bos_token", False))}
+    spm = f.field("tokenizer.ggml.model") == "llama"            # llama.cpp's default differs by kind
+    out = {"add_bos_token": bool(f.field("tokenizer.ggml.add_bos_token", spm))}
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id"),
                       ("unk_token", "unknown_token_id")):
         i = f.field(f"tokenizer.ggml.{key}")

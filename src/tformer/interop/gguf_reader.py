@@ -52,12 +52,14 @@ MAX_DIMS = 4             # ggml's GGML_MAX_DIMS
 # integer or a float, "ints" / "strs": an array of those); a key under "{arch}." is matched without it.
 INT, NUMBER, TEXT, FLAG, INTS, STRS = "an integer", "a number", "a string", "a boolean", "an array of integers", \
     "an array of strings"
+NUMBERS = "an array of numbers"
 KEY_TYPES = {
     "general.architecture": TEXT, "general.alignment": INT, "tokenizer.ggml.model": TEXT, "tokenizer.ggml.pre": TEXT,
     "tokenizer.ggml.tokens": STRS, "tokenizer.ggml.merges": STRS, "tokenizer.ggml.token_type": INTS,
     "tokenizer.ggml.bos_token_id": INT, "tokenizer.ggml.eos_token_id": INT, "tokenizer.ggml.eot_token_id": INT,
     "tokenizer.ggml.padding_token_id": INT, "tokenizer.ggml.unknown_token_id": INT,
     "tokenizer.ggml.add_bos_token": FLAG, "tokenizer.ggml.add_eos_token": FLAG, "tokenizer.chat_template": TEXT,
+    "tokenizer.ggml.scores": NUMBERS, "tokenizer.ggml.add_space_prefix": FLAG,
 }
 ARCH_KEY_TYPES = {
     "context_length": INT, "embedding_length": INT, "feed_forward_length": INT, "block_count": INT,
@@ -71,8 +73,8 @@ ARCH_KEY_TYPES = {
 def _is(value, kind: str) -> bool:
     """Whether a metadata value has the type ``kind`` (a vocabulary's 100k items are checked by their
     Python types at once, not one by one)."""
-    if kind in (INTS, STRS):
-        return isinstance(value, list) and set(map(type, value)) <= ({int} if kind == INTS else {str})
+    if kind in (INTS, STRS, NUMBERS):
+        return isinstance(value, list) and set(map(type, value)) <= {INTS: {int}, STRS: {str}, NUMBERS: {int, float}}[kind]
     integer = isinstance(value, int) and not isinstance(value, bool)
     if kind == INT:
         return integer

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from tformer.ops.dropout import dropout as cpu_dropout
 from tformer.ops.masks import padding_mask
@@ -65,6 +66,9 @@ class TransformerStack(nn.Module):
         self.rope = rope
         # tformer.interp's hook function while it runs a model (see Step.hooks); None otherwise.
         self.hooks: Callable[[str, Tensor], Tensor] | None = None
+        # Activation checkpointing (training/checkpointing.py sets it): keep each block's input only, run the
+        # block again in the backward. Off by default.
+        self.checkpointing = False
 
     def init_weights(self, scale_residual: bool = True) -> None:
         """GPT-2's init: N(0, init_std) everywhere (then a mixer's own ``init_weights()``, if it has one), and (``scale_residual``) the projections that write
@@ -208,9 +212,14 @@ class TransformerStack(nn.Module):
             step.global_tokens = global_attention_mask.bool()
         x = cpu_dropout(self.embed(ids, step.positions, token_type_ids), self.config.dropout, step.dropout)
         weights = []
+        recompute = self.checkpointing and self.training and torch.is_grad_enabled() and not return_weights
         for i, block in enumerate(self.blocks):
             layer_state = state.layers[i] if state is not None else None
-            x = block(x, step, layer_state, context=context, context_mask=context_mask)
+            if recompute:     # saves x (B, T, C) per block; the block's insides are recomputed in the backward
+                x = checkpoint(block, x, step, layer_state, context=context, context_mask=context_mask,
+                               use_reentrant=False)
+            else:
+                x = block(x, step, layer_state, context=context, context_mask=context_mask)
             if return_weights:
                 x, w = x
                 weights.append(w)

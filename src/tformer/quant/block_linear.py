@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from tformer.errors import InputError
 from tformer.quant import blocks, qgemv
+from tformer.quant.tiled import tiled_linear
 
 Tensor = torch.Tensor
 
@@ -32,6 +33,7 @@ class BlockLinear(nn.Module):
     """
 
     inference_only = True  # blocks, not nn.Linear's weight: tformer.checkpoint refuses to save it
+    float_tiles = False    # True (use_float_tiles): float products tile by tile, for training (quant/tiled.py)
 
     def __init__(self, packed: Tensor, fmt: str, bias: Tensor | None = None):
         super().__init__()
@@ -49,6 +51,8 @@ class BlockLinear(nn.Module):
         return cls(blocks.quantize(linear.weight, fmt), fmt, linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.float_tiles:
+            return tiled_linear(x, self.blocks, self.fmt, self.bias)
         x2 = x.reshape(-1, self.in_features)                                           # (M, K)
         if x2.requires_grad and torch.is_grad_enabled():     # a gradient w.r.t. the input is asked (attribution)
             y = _InputGradient.apply(x2, self)
@@ -104,3 +108,13 @@ def quantize_blocks(model: nn.Module, fmt: str) -> nn.Module:
             if isinstance(child, nn.Linear) and child.in_features % blocks.BLOCK == 0:
                 setattr(module, name, BlockLinear.from_linear(child, fmt))
     return model
+
+
+def use_float_tiles(model: nn.Module) -> int:
+    """Make every :class:`BlockLinear` of ``model`` compute in float tile by tile (:mod:`tformer.quant.tiled`:
+    exact float products over the dequantised blocks, differentiable w.r.t. the input), for training over the
+    blocks; the number of layers switched."""
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    for m in layers:
+        m.float_tiles = True
+    return len(layers)

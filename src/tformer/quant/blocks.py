@@ -131,6 +131,16 @@ def quantize(weight: Tensor, fmt: str) -> Tensor:
     return out.reshape(N, K // BLOCK * BYTES[fmt]).contiguous()
 
 
+def _per_block(blocks: Tensor, fmt: str) -> Tensor:
+    """``(N, G · size)`` uint8 blocks viewed as ``(N, G, size)``, refused in one sentence if they are not."""
+    check_format(fmt)
+    size = BYTES[fmt]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
+        raise InputError(f"{fmt} blocks must be an (N, G·{size}) uint8 matrix; got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}.")
+    return blocks.reshape(blocks.shape[0], -1, size)
+
+
 def unpack(blocks: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor | None]:
     """The integer codes and float scales of packed blocks.
 
@@ -140,13 +150,7 @@ def unpack(blocks: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor | None]:
         ``(q (N, G, 32) int32, d (N, G) float32, m (N, G) float32 | None)``: q in [-128, 127] for
         q8_0 and in [0, 15] for q4_0 / q4_1 (the ``-8`` of q4_0 is not applied); ``m`` for q4_1 only.
     """
-    check_format(fmt)
-    size = BYTES[fmt]
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
-        raise InputError(f"{fmt} blocks must be an (N, G·{size}) uint8 matrix; got {blocks.dtype} "
-                         f"{tuple(blocks.shape)}.")
-    N = blocks.shape[0]
-    b = blocks.reshape(N, -1, size)                                                  # (N, G, size)
+    size, b = BYTES.get(fmt), _per_block(blocks, fmt)                               # (N, G, size)
     d = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]                # (N, G)
     if fmt == "q8_0":
         return b[..., 2:].contiguous().view(torch.int8).to(torch.int32), d, None
@@ -156,11 +160,23 @@ def unpack(blocks: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor | None]:
 
 
 def dequantize(blocks: Tensor, fmt: str) -> Tensor:
-    """The float32 matrix ``(N, K)`` that packed blocks stand for (equals ``gguf.quants.dequantize``)."""
-    q, d, m = unpack(blocks, fmt)
-    q = q.float() - 8 if fmt == "q4_0" else q.float()
-    w = d[..., None] * q + (m[..., None] if m is not None else 0)
-    return w.reshape(q.shape[0], -1)
+    """The float32 matrix ``(N, K)`` that packed blocks stand for (equals ``gguf.quants.dequantize``).
+
+    The codes go from bytes to float32 once and are scaled in place (no int32 copies): QLoRA widens every
+    tile of the base twice a step (:mod:`tformer.quant.tiled`), so this is its cost."""
+    size, b = BYTES.get(fmt), _per_block(blocks, fmt)                               # (N, G, size)
+    N = blocks.shape[0]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()                         # (N, G, 1)
+    if fmt == "q8_0":
+        w = b[..., 2:].contiguous().view(torch.int8).float().mul_(d)                 # (N, G, 32)
+    else:
+        qs = b[..., size - 16:]                                                      # (N, G, 16) nibbles
+        w = torch.cat([qs & 15, qs >> 4], -1).float()                                # (N, G, 32)
+        if fmt == "q4_0":
+            w.sub_(8).mul_(d)
+        else:
+            w.mul_(d).add_(b[..., 2:4].contiguous().view(torch.float16).float())
+    return w.reshape(N, -1)
 
 
 def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -110,13 +110,14 @@ def check_messages(obj, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]
 
 
-def read_chat(path: Path, encoding: str = "utf-8") -> list[list[dict]]:
-    """The conversations of a JSONL file (blank lines skipped); a bad line is refused by number."""
-    convs = []
+def read_jsonl(path: Path, check, encoding: str = "utf-8") -> list:
+    """``check(obj, where)`` of each line of a JSONL file (blank lines skipped); a line that is not JSON is
+    refused by number (``where`` names the file and line for ``check``'s own refusals)."""
     try:
         lines = path.read_text(encoding=encoding).splitlines()
     except UnicodeDecodeError as e:
         raise InputError(f"{path} is not {encoding} text ({e.reason} at byte {e.start}); pass --set encoding=...") from None
+    out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -125,7 +126,13 @@ def read_chat(path: Path, encoding: str = "utf-8") -> list[list[dict]]:
         except ValueError as e:
             raise InputError(f"{path} line {n} is not JSON ({e.msg} at column {e.colno}); write one JSON object "
                              f"per line.") from None
-        convs.append(check_messages(obj, f"{path} line {n}"))
+        out.append(check(obj, f"{path} line {n}"))
+    return out
+
+
+def read_chat(path: Path, encoding: str = "utf-8") -> list[list[dict]]:
+    """The conversations of a JSONL file (blank lines skipped); a bad line is refused by number."""
+    convs = read_jsonl(path, check_messages, encoding)
     if not convs:
         raise InputError(f"{path} holds no conversations; write one {{\"messages\": [...]}} object per line.")
     return convs

@@ -52,6 +52,8 @@ class TrainConfig:
         precision: ``auto`` (bf16 autocast where the hardware has bf16 — on CPU, AVX-512-BF16/AMX — and,
             on CPU, d_model >= 128, where it measured faster; else fp32), ``bf16``, ``fp32``.
         compile: wrap the model in ``torch.compile``.
+        checkpointing: activation checkpointing per block (keep each block's input, recompute the rest in
+            the backward: less memory, one more forward; see :mod:`tformer.training.checkpointing`).
         threads: torch threads (0 = :func:`tformer.machine.auto_threads`).
         device: ``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``.
         seed: model init, batch order and sampling.
@@ -94,6 +96,7 @@ class TrainConfig:
     recipe: str = "auto"
     precision: str = "auto"
     compile: bool = False
+    checkpointing: bool = False
     threads: int = 0
     device: str = "auto"
     seed: int = 1337

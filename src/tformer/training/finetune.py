@@ -29,17 +29,22 @@ from tformer.tokenizers import load_tokenizer
 from tformer.training import distributed
 from tformer.training.chat_data import ChatTemplate, chat_example, encode, number_task, read_chat, text_examples, truncate
 from tformer.training.config import TrainConfig, cast_value
-from tformer.training.lora import TARGETS, LoRASpec, add_lora, merge_lora, model_targets
+from tformer.training.dpo import LOSSES, REFERENCE_FREE
+from tformer.training.lora import TARGETS, LoRASpec, add_lora, lora_parameters, merge_lora, model_targets
 from tformer.training.loop import Loop
 from tformer.training.peft_adapter import save_adapter
 from tformer.training.runlock import check_run_folder, locked_run
 from tformer.training.runstate import read_latest, resumed_settings, start_metrics
+from tformer.quant.block_linear import BlockLinear, use_float_tiles
+from tformer.training.preference_data import preference_task, read_preferences
 from tformer.training.tasks.finetune import FinetuneTask
+from tformer.training.tasks.preference import PreferenceTask
 
 METHODS = ("lora", "full")
+OBJECTIVES = ("sft", "dpo")
 UNUSED = ("tokenizer", "bpe_vocab_size", "cache_dir", "sample_tokens", "sample_prompt", "strategy", "max_hours")
 RESUME_KEEPS = ("model", "data", "encoding", "method", "share_prefix", "lora_r", "lora_alpha", "lora_dropout",
-                "lora_targets",
+                "lora_targets", "qlora", "objective", "dpo_loss", "dpo_beta", "label_smoothing", "simpo_gamma",
                 "max_length", "val_fraction", "n_train", "n_test", "max_number", "seed")
 
 
@@ -59,9 +64,18 @@ class FinetuneSettings(TrainConfig):
         n_train, n_test, max_number: the built-in task's size and largest number.
         eval_exact: held-out questions answered greedily for ``exact_match`` at each evaluation
             (the built-in task; 0 = none).
-        merge: also write ``merged/``, the model with the adapters folded in.
+        merge: also write ``merged/``, the model with the adapters folded in (over a GGUF file's blocks also
+            ``merged.gguf``, in the file's block format).
+        qlora: with ``method=lora`` and a GGUF file whose matrices are in one block format tformer keeps, train
+            over the file's blocks as they are (QLoRA, :mod:`tformer.quant.tiled`); ``false`` widens the base
+            to float32 first.
         share_prefix: run the tokens every row of a batch begins with (a default system prompt) once
             per batch (:mod:`tformer.training.shared_prefix`: the same loss and gradients up to rounding).
+        objective: ``sft`` (the answers' cross-entropy) or ``dpo`` (preference pairs; ``data`` a preference
+            JSONL, :mod:`tformer.training.preference_data`; without it the built-in preference task).
+        dpo_loss, dpo_beta, label_smoothing, simpo_gamma: the preference loss (``sigmoid``: DPO, cDPO with
+            label smoothing; ``robust``; ``ipo``; ``simpo``, reference-free), its ``β``, ``ε`` and SimPO's ``γ``
+            (:mod:`tformer.training.dpo`).
     """
 
     model: str | None = None
@@ -78,7 +92,13 @@ class FinetuneSettings(TrainConfig):
     max_number: int = 9999
     eval_exact: int = 100
     merge: bool = False
+    qlora: bool = True
     share_prefix: bool = True
+    objective: str = "sft"
+    dpo_loss: str = "sigmoid"
+    dpo_beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
     batch_size: int = 8
     max_steps: int = 200
     warmup_steps: int = 10
@@ -93,12 +113,20 @@ class FinetuneSettings(TrainConfig):
     RANGES = {"lora_r": (1, None, True, True), "lora_alpha": (0.0, None, False, True),
               "lora_dropout": (0.0, 1.0, True, False), "max_length": (2, None, True, True),
               "val_fraction": (0.0, 1.0, True, False), "n_train": (1, None, True, True),
-              "n_test": (1, None, True, True), "max_number": (1, None, True, True), "eval_exact": (0, None, True, True)}
+              "n_test": (1, None, True, True), "max_number": (1, None, True, True), "eval_exact": (0, None, True, True),
+              "dpo_beta": (0.0, None, False, True), "label_smoothing": (0.0, 0.5, True, False),
+              "simpo_gamma": (0.0, None, True, True)}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.method not in METHODS:
             raise ConfigError(f"method={self.method!r} is not known; choose lora or full.")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective={self.objective!r} is not known; choose sft or dpo.")
+        if self.dpo_loss not in LOSSES:
+            raise ConfigError(f"dpo_loss={self.dpo_loss!r} is not known; choose one of {', '.join(LOSSES)}.")
+        if self.dpo_loss == "ipo" and self.label_smoothing:
+            raise ConfigError("label_smoothing has no meaning for dpo_loss=ipo; drop it, or use sigmoid or robust.")
         self.lora_spec()
 
     def lora_spec(self, model: torch.nn.Module | None = None) -> LoRASpec:
@@ -123,13 +151,15 @@ class FinetuneSettings(TrainConfig):
 
 
 # ---------------------------------------------------------------------------------------- the base model
-def load_base(path: str) -> tuple[torch.nn.Module, Any, ChatTemplate, tuple[int, ...]]:
+def load_base(path: str, blocks: bool = False) -> tuple[torch.nn.Module, Any, ChatTemplate, tuple[int, ...]]:
     """``(model, tokenizer, chat template, stop ids)`` of a tformer checkpoint / run folder, a HuggingFace
-    folder or a GGUF file (widened to float32), opened by :func:`tformer.inference.open_model` with plain
-    float modules (their parameters train)."""
+    folder or a GGUF file, opened by :func:`tformer.inference.open_model` with plain float modules (their
+    parameters train); a GGUF file widened to float32, or with ``blocks`` (QLoRA) kept in its own blocks
+    where every matrix is in one block format tformer keeps, their products in float tile by tile."""
     from tformer.inference import open_model, require_tokenizer
 
-    opened = open_model(path, "fp32", kernels=False)
+    opened = open_model(path, "auto" if blocks else "fp32", kernels=False)
+    use_float_tiles(opened.model)                     # the blocks (if any) as a frozen base that passes gradients
     require_tokenizer(opened)                         # fine-tuning needs the base model's tokenizer
     if opened.kind == "gguf":                         # the file's own template and special tokens
         special = opened.template.special if opened.template is not None else {}
@@ -173,6 +203,8 @@ def read_template(folder: Path) -> ChatTemplate:
 # ---------------------------------------------------------------------------------------- the data
 def load_examples(s: FinetuneSettings, tokenizer, template: ChatTemplate, stops) -> tuple[list, list, list]:
     """``(train, val, questions)``: examples and, for the built-in task, held-out questions."""
+    if s.objective == "dpo":
+        return load_pairs(s, tokenizer, template) + ([],)
     questions = []
     if s.data is None:
         train_convs, test_convs = number_task(s.n_train, s.n_test, s.max_number, s.seed)
@@ -200,6 +232,32 @@ def load_examples(s: FinetuneSettings, tokenizer, template: ChatTemplate, stops)
     return [examples[i] for i in order[n_val:]], [examples[i] for i in order[:n_val]], questions
 
 
+def load_pairs(s: FinetuneSettings, tokenizer, template: ChatTemplate) -> tuple[list, list]:
+    """``(train, val)`` preference pairs ``(chosen example, rejected example)``: the built-in preference task
+    (its ``n_test`` held out) or a preference JSONL (``val_fraction`` held out)."""
+    def example(prompt, answer):
+        return truncate(chat_example(prompt + [{"role": "assistant", "content": answer}], template, tokenizer),
+                        s.max_length)
+
+    def pairs(items):
+        out = [(example(p, c), example(p, r)) for p, c, r in items]
+        return [pr for pr in out if all(any(t != -100 for t in e[1][1:]) for e in pr)]
+    if s.data is None:
+        train, test = preference_task(s.n_train, s.n_test, s.max_number, s.seed)
+        return pairs(train), pairs(test)
+    path = Path(s.data)
+    if not path.is_file() or path.suffix not in (".jsonl", ".json"):
+        raise InputError(f"--data {s.data} is not a .jsonl file; objective=dpo reads preference pairs, one JSON "
+                         f"object per line.")
+    items = pairs(read_preferences(path, s.encoding))
+    if not items:
+        raise InputError(f"no pair of {path} keeps an answer token within max_length={s.max_length}; raise max_length.")
+    order = list(range(len(items)))
+    random.Random(s.seed).shuffle(order)
+    n_val = min(len(items) - 1, round(len(items) * s.val_fraction)) if s.val_fraction else 0
+    return [items[i] for i in order[n_val:]], [items[i] for i in order[:n_val]]
+
+
 def prompt_ids(template: ChatTemplate, messages: list[dict], tokenizer) -> list[int]:
     """The tokens a model answering ``messages`` is given: the conversation, then the assistant header
     (tokenised piece by piece, as :func:`chat_example` does for training)."""
@@ -209,9 +267,30 @@ def prompt_ids(template: ChatTemplate, messages: list[dict], tokenizer) -> list[
 
 
 # ---------------------------------------------------------------------------------------- the run
+class AdapterState(torch.nn.Module):
+    """What a QLoRA run's checkpoints hold: the adapters alone (the base is the GGUF file, opened again on
+    resume), under their names in the model, and the model's config."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.config, self.adapters = model.config, lora_parameters(model)
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return {n: p.detach() for n, p in self.adapters.items()}
+
+
+def on_blocks(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s frozen base is (partly) a GGUF file's blocks."""
+    return any(isinstance(m, BlockLinear) or getattr(m, "fmt", None) for m in model.modules())
+
+
 class FinetuneLoop(Loop):
     """The one loop, reading its LoRA checkpoints back itself: a step folder's ``model.safetensors``
-    holds the base and the adapters, which :func:`tformer.checkpoint.load_model` (a base model) refuses."""
+    holds the base and the adapters, which :func:`tformer.checkpoint.load_model` (a base model) refuses;
+    over a GGUF file's blocks (QLoRA) it holds the adapters only."""
+
+    def checkpoint_model(self) -> torch.nn.Module:
+        return AdapterState(self.model) if on_blocks(self.model) else self.model
 
     def resume(self, folder: Path, state: dict, opt_state: dict | None) -> None:
         from safetensors.torch import load_file
@@ -220,6 +299,8 @@ class FinetuneLoop(Loop):
         weights = load_file(str(folder / WEIGHTS))
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_embeddings", False) else set()
+        if on_blocks(self.model):                      # the base is the file's: only the adapters were saved
+            missing = [k for k in missing if k in lora_parameters(self.model)]
         if set(missing) - tied or unexpected:
             raise CheckpointError(f"{folder}/{WEIGHTS} does not fit this run's model: missing {sorted(missing)[:3]}, "
                                   f"unexpected {sorted(unexpected)[:3]}; resume with the run's own settings.")
@@ -246,7 +327,7 @@ def _new(out: Path, s: FinetuneSettings, log) -> FinetuneLoop:
                          f"or choose another --out to start a new run.")
     if s.model is None:
         raise ConfigError("tformer finetune needs --model: a tformer checkpoint or a HuggingFace model folder.")
-    model, tokenizer, template, stops = load_base(s.model)
+    model, tokenizer, template, stops = load_base(s.model, blocks=s.method == "lora" and s.qlora)
     torch.manual_seed(s.seed)
     if s.method == "lora":
         add_lora(model, s.lora_spec(model))
@@ -255,20 +336,40 @@ def _new(out: Path, s: FinetuneSettings, log) -> FinetuneLoop:
     return loop
 
 
-def _loop(model, tokenizer, template, stops, s, out, log) -> FinetuneLoop:
+def _loop(model, tokenizer, template, stops, s, out, log, reference: dict | None = None) -> FinetuneLoop:
     train, val, questions = load_examples(s, tokenizer, template, stops)
     pad = stops[0] if stops else 0
-    task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops, labelled_only=isinstance(model, DecoderLM),
-                        share_prefix=s.share_prefix)
+    if s.objective == "dpo":
+        if not isinstance(model, DecoderLM):
+            raise ConfigError(f"objective=dpo needs a decoder language model; {type(model).__name__} is not one.")
+        task = PreferenceTask(train, val, s, tokenizer, pad, stops)
+        task.reference = reference
+    else:
+        task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops,
+                            labelled_only=isinstance(model, DecoderLM), share_prefix=s.share_prefix)
     base_state = task.state
 
+    blocks = on_blocks(model)
+
     def state() -> dict:      # what resume needs beyond the weights
-        return {**base_state(), "chat_template": dataclasses.asdict(template), "stop_ids": list(stops)}
+        return {**base_state(), "chat_template": dataclasses.asdict(template), "stop_ids": list(stops),
+                "base_blocks": blocks}
 
     task.state = state
     loop = FinetuneLoop(model.train(), task, s, out_dir=out, log=log,
                         resume_hint=f"tformer finetune --resume --out {out}")
+    if s.objective == "dpo" and reference is None and s.dpo_loss not in REFERENCE_FREE:
+        # the model as it starts (LoRA's B = 0: the base), on the run's device and precision; once, before any step
+        log(f"reference log-probabilities of {len(train) + len(val)} pairs (once, kept in the checkpoints) ...")
+        task.compute_reference(loop.model, loop.device, loop.dtype)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if blocks:
+        held = [m for m in model.modules() if getattr(m, "fmt", None)]
+        fmts = sorted({m.fmt for m in held})
+        weights = sum(getattr(m, "in_features", 0) * getattr(m, "out_features", 0)
+                      or getattr(m, "num_embeddings", 0) * getattr(m, "embedding_dim", 0) for m in held)
+        log(f"QLoRA: the frozen base is the file's {', '.join(fmts)} blocks ({weights:,} weights, not counted "
+            f"below), multiplied in float tile by tile")
     log(f"{s.method}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters trained; "
         f"{len(train)} training / {len(val)} held-out examples" + (f", {len(questions)} questions" if questions else ""))
     return loop
@@ -283,12 +384,16 @@ def _resume(out: Path, s: FinetuneSettings, log, given: set[str]) -> FinetuneLoo
         raise CheckpointError(f"{out} is not a tformer finetune run; resume it with the command that made it.")
     asked = {k: getattr(s, k) for k in given if k != "out_dir"}
     s = resumed_settings(FinetuneSettings, state, asked, RESUME_KEEPS, folder, out)
-    config, _ = load_config(folder)
-    model = build_model(config)
+    if state.get("base_blocks"):                      # QLoRA: the base is the file's blocks, opened again
+        model = load_base(s.model, blocks=True)[0]
+    else:
+        config, _ = load_config(folder)
+        model = build_model(config)
     if s.method == "lora":
         add_lora(model, s.lora_spec(model))
     template = ChatTemplate(**state["chat_template"])
-    loop = _loop(model, load_tokenizer(folder), template, tuple(state["stop_ids"]), s, out, log)
+    loop = _loop(model, load_tokenizer(folder), template, tuple(state["stop_ids"]), s, out, log,
+                 reference=state.get("reference_logps"))
     if loop.task.fingerprint != state["corpus_fingerprint"]:
         raise InputError(f"the data {s.data or '(built-in task)'} differs from what the checkpoint in {folder} was "
                          f"trained on; resume with the original --data or start a new run with another --out.")
@@ -306,15 +411,50 @@ def finish(loop: FinetuneLoop) -> dict:
         written["adapter"] = str(save_adapter(model, out / "adapter", base_model=s.model))
     if s.merge or s.method == "full":
         merged = out / "merged"
+        fmt = base_format(model)
         plain = merge_lora(_copy(model)) if s.method == "lora" else model
+        widen_blocks(plain)
         save_model(merged, plain, generation={"eos_token_id": list(loop.task.stop_ids)})
         loop.task.tokenizer.save(merged / "tokenizer.json")
         template = loop.task.state()["chat_template"]["source"]
         atomic_write(merged / "chat_template.jinja", lambda tmp: Path(tmp).write_text(template, encoding="utf-8"))
         written["merged"] = str(merged)
+        if fmt is not None:                            # back to the file's own block format, for llama.cpp
+            from tformer.interop.gguf import save_gguf
+            save_gguf(plain, out / "merged.gguf", fmt, tokenizer_dir=merged, eos=list(loop.task.stop_ids))
+            written["merged GGUF"] = str(out / "merged.gguf")
     return written
 
 
 def _copy(model: torch.nn.Module) -> torch.nn.Module:
     import copy
     return copy.deepcopy(model)
+
+
+def base_format(model: torch.nn.Module) -> str | None:
+    """The block format of ``model``'s (merged) layer matrices, ``None`` for a float model: the most common
+    one among its block layers (a GGUF file's embedding may be in another)."""
+    from collections import Counter
+    fmts = Counter(m.fmt for m in model.modules() if isinstance(m, BlockLinear) or getattr(m, "lora_A", None)
+                   and getattr(m, "fmt", None))
+    return fmts.most_common(1)[0][0] if fmts else None
+
+
+def widen_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """Every block layer of ``model`` as its float32 module (dequantised), in place; a head tied to the
+    embedding stays tied."""
+    from tformer.quant.block_embedding import BlockEmbedding
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, BlockLinear):
+                lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    lin.weight.copy_(child.dequantized())
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias)
+                setattr(module, name, lin)
+            elif isinstance(child, BlockEmbedding):
+                setattr(module, name, torch.nn.Embedding.from_pretrained(child.dequantized(), freeze=False))
+    if getattr(model.config, "tie_embeddings", False) and hasattr(model, "lm_head"):
+        model.lm_head.weight = model.tok_emb.weight
+    return model

@@ -36,6 +36,7 @@ from tformer.exits import STOP_SIGNALS
 from tformer.machine import bf16_supported
 from tformer.ops import activation_cpu, attention_cpu
 from tformer.training import dist_checkpoint, distributed
+from tformer.training.checkpointing import enable_checkpointing
 from tformer.training.config import AUTO_BF16_MIN_WIDTH, TrainConfig
 from tformer.training.optim import build_optimizer
 from tformer.training.schedule import schedule_at
@@ -82,6 +83,8 @@ class Loop:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         self.device = self.dist.place(device)
         self.model = model.to(self.device)
+        if cfg.checkpointing:                     # before DDP / FSDP wrap the blocks
+            enable_checkpointing(self.model)
         self.forward = self.dist.wrap(self.model, cfg.strategy, self.device)   # the model, DDP, or FSDP-sharded
         self.optimizer = self._new_optimizer(self.model)
         if cfg.compile:           # build the training kernels now: a first build inside the trace breaks the graph
@@ -219,12 +222,16 @@ class Loop:
         state = {"step": self.step, "train_config": dataclasses.asdict(self.cfg), "tokens_seen": self.tokens_seen,
                  "elapsed_s": self.elapsed, "best_val_loss": self.best_val, "torch": torch.__version__,
                  **self.task.state()}
-        folder = dist_checkpoint.save(self.dist, self.out_dir, self.step, self.model, self.optimizer,
+        folder = dist_checkpoint.save(self.dist, self.out_dir, self.step, self.checkpoint_model(), self.optimizer,
                                       self.task.tokenizer, state, final=self.step >= self.cfg.max_steps)
         self.saved_step = self.step
         return folder
 
     # ------------------------------------------------------------------ helpers
+    def checkpoint_model(self) -> torch.nn.Module:
+        """What a checkpoint's weights are read from: the model (a subclass may save a part of it)."""
+        return self.model
+
     def _new_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         cfg = self.cfg
         return build_optimizer(model, cfg, self.device)

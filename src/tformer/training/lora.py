@@ -28,6 +28,9 @@ from torch import nn
 
 from tformer.errors import ConfigError
 from tformer.interop.llama import LAYER, QKV
+from tformer.quant import blocks as block_formats
+from tformer.quant.block_linear import BlockLinear
+from tformer.quant.tiled import tiled_linear
 from tformer.training.frozen_cast import cache_frozen_casts, cast_weight
 
 # The HF Llama projections LoRA can adapt (``all`` = every one).
@@ -65,6 +68,10 @@ class LoRALinear(nn.Module):
     """A frozen linear (``weight (out, in)``, ``bias``, the wrapped ``nn.Linear``'s own tensors under the
     same names, so a checkpoint's base keys are unchanged) plus one adapter per output slice.
 
+    QLoRA: over a :class:`~tformer.quant.block_linear.BlockLinear` the frozen base stays the GGUF file's
+    blocks (``blocks``, ``fmt``; ``weight`` is ``None``), multiplied in float tile by tile
+    (:func:`tformer.quant.tiled.tiled_linear`: never widened as a whole); the adapters are float32.
+
     Args:
         base: the linear to adapt; its parameters are frozen.
         slices: adapter name (the HF module, e.g. ``q_proj``) -> ``(start, stop)`` output rows.
@@ -73,14 +80,20 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, slices: dict[str, tuple[int, int]], spec: LoRASpec):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias
+        self.fmt = base.fmt if isinstance(base, BlockLinear) else None
+        if self.fmt is not None:                           # QLoRA: the file's blocks, as they are
+            self.weight = None
+            self.register_buffer("blocks", base.blocks)
+            self.register_buffer("bias", base.bias)
+        else:
+            self.weight, self.bias = base.weight, base.bias
         for p in (self.weight, self.bias):
             if p is not None:
                 p.requires_grad_(False)
         self.slices = dict(sorted(slices.items(), key=lambda kv: kv[1]))
         self.r, self.scale = spec.r, spec.scale
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
-        device, dtype = base.weight.device, base.weight.dtype
+        device, dtype = (base.weight.device, base.weight.dtype) if self.fmt is None else (base.blocks.device, torch.float32)
         self.lora_A = nn.ParameterDict({n: nn.Parameter(torch.empty(spec.r, self.in_features, device=device, dtype=dtype))
                                         for n in self.slices})
         self.lora_B = nn.ParameterDict({n: nn.Parameter(torch.zeros(e - s, spec.r, device=device, dtype=dtype))
@@ -97,7 +110,10 @@ class LoRALinear(nn.Module):
         for every slice's ``A``, one for every slice's ``B`` and one add. ``B_full`` (:meth:`b_full`)
         puts ``scale · B_i`` in slice i's rows and columns and zeros elsewhere, so no output is sliced
         and concatenated (whose backward fills a zero gradient of the whole output per slice)."""
-        y = F.linear(x, cast_weight(self, self.weight, x.device.type), self.bias)   # (..., out)
+        if self.fmt is not None:
+            y = tiled_linear(x, self.blocks, self.fmt, self.bias)                   # (..., out)
+        else:
+            y = F.linear(x, cast_weight(self, self.weight, x.device.type), self.bias)   # (..., out)
         names = list(self.slices)
         a = self.lora_A[names[0]] if len(names) == 1 else torch.cat([self.lora_A[n] for n in names])
         z = F.linear(self.dropout(x), a)                                           # (..., r · k)
@@ -117,12 +133,20 @@ class LoRALinear(nn.Module):
             rows.append(rows[-1].new_zeros(self.out_features - pos, k * r))
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
+    def base_weight(self) -> torch.Tensor:
+        """The frozen ``W (out, in)`` in float: the weight, or the blocks dequantised (a copy)."""
+        if self.fmt is not None:
+            return block_formats.dequantize(self.blocks, self.fmt)
+        return self.weight.detach()
+
     def merged(self) -> nn.Linear:
-        """A plain ``nn.Linear`` whose weight is ``W`` plus every slice's update."""
+        """A plain ``nn.Linear`` whose weight is ``W`` plus every slice's update (over blocks: the
+        dequantised blocks plus the update, float32)."""
+        w0 = self.base_weight()
         out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                        device=self.weight.device, dtype=self.weight.dtype)
+                        device=w0.device, dtype=w0.dtype)
         with torch.no_grad():
-            w = self.weight.detach().clone()
+            w = w0.clone()
             for n, (s, e) in self.slices.items():
                 w[s:e] += self.delta_weight(n).to(w.dtype)
             out.weight.copy_(w)
@@ -172,7 +196,7 @@ def model_targets(model: nn.Module) -> tuple[str, ...]:
     no ``gate_proj``)."""
     block = dict(model.blocks[0].named_modules())
     have = {hf.split(".")[-2] for ours, hf in LAYER
-            if hf.endswith("proj.weight") and isinstance(block.get(ours.rsplit(".", 1)[0]), nn.Linear)}
+            if hf.endswith("proj.weight") and isinstance(block.get(ours.rsplit(".", 1)[0]), (nn.Linear, BlockLinear))}
     return tuple(t for t in TARGETS if t in QKV or t in have)
 
 
