@@ -27,7 +27,7 @@ LAYERS = [
     ["generation"],
     ["template_worker", "tokenizers", "spm"],
     ["training", "interop", "interp", "inference"],
-    ["serve", "scaling", "claims"],
+    ["serve", "scaling", "claims", "evaluation"],
     ["commands"],
     ["cli", "__main__"],
 ]

@@ -24,7 +24,7 @@ from tformer.errors import TformerError
 from tformer.exits import INTERRUPTED, exit_code_for_signal
 
 # Subcommand modules, in the order ``tformer --help`` lists them.
-COMMANDS = ["train", "finetune", "sample", "generate", "chat", "count", "convert", "embed", "claims", "plan", "sweep", "serve",
+COMMANDS = ["train", "finetune", "sample", "generate", "chat", "count", "convert", "embed", "claims", "plan", "sweep", "serve", "eval",
             "translate", "kernels"]
 
 # OSError conditions that are the user's to fix, and the advice that goes with each.

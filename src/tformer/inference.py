@@ -46,7 +46,8 @@ from tformer.machine import FreeCores
 AUTO = "auto"
 # GGUF general.sampling.* key -> the generation option it sets (llama.cpp's names: gguf-py Keys.General)
 SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
-                 "general.sampling.top_p": "top_p"}
+                 "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
 @dataclass
@@ -58,7 +59,8 @@ class OpenedModel:
         tokenizer: ``encode`` / ``decode``; ``None`` where the source has none.
         template: the chat template (:class:`tformer.tokenizers.ChatTemplate`), or ``None``.
         stop_ids: token ids that end an answer: ``eos`` ∪ the template's end-of-turn.
-        defaults: sampling defaults the source recommends (``temperature``, ``top_k``, ``top_p``).
+        defaults: sampling defaults the source recommends (``temperature``, ``top_k``, ``top_p``, ``min_p``,
+            ``repetition_penalty``).
         name: what to call it (``smollm2``, the file's stem, the folder's name).
         source: the GGUF file or checkpoint folder read.
         dtype, dtype_reason: the weights as opened, and why.
@@ -169,12 +171,18 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
     source = conf.pop("chat_template", None)
     special = {k: v for k, v in conf.items() if k.endswith("_token") and isinstance(v, str)}
     template = ChatTemplate(source, **special) if isinstance(source, str) else None
+    return model, tokenizer, template, stop_token_ids(f), sampling_defaults(f), dtype, why
+
+
+def sampling_defaults(f) -> dict:
+    """The sampling options a GGUF (a :class:`~tformer.interop.gguf_reader.GGUFFile`) recommends in its
+    ``general.sampling.*`` keys, by the generation option each sets; keys absent or not numbers are left out."""
     defaults = {}
     for key, option in SAMPLING_KEYS.items():
         value = f.field(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             defaults[option] = int(value) if option == "top_k" else float(value)
-    return model, tokenizer, template, stop_token_ids(f), defaults, dtype, why
+    return defaults
 
 
 def require_decoder(model, source) -> None:
@@ -213,6 +221,19 @@ def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
     return model, tokenizer, load_chat_template(folder), eos, {}, dtype, why
 
 
+def special_token_id(template, tokenizer, key: str) -> int | None:
+    """The id of the chat template's special token ``key`` (``"eos_token"``, ``"bos_token"``), when it is one
+    token of the vocabulary; else None."""
+    name = None if template is None else template.special.get(key)
+    if not name or tokenizer is None:
+        return None
+    try:
+        ids = tokenizer.encode(name, add_special_tokens=False)
+    except Exception:  # noqa: BLE001  a vocabulary without it (a character tokenizer): nothing to add
+        return None
+    return ids[0] if len(ids) == 1 else None
+
+
 # Tokens that end a turn, as llama.cpp lists them (its end-of-generation ids): Llama 3's <|eot_id|> and
 # <|eom_id|>, ChatML's <|im_end|> (Qwen, SmolLM2), Gemma's <end_of_turn>, Phi-3's <|end|>, ...
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>",
@@ -226,16 +247,10 @@ def end_of_turn_ids(template, tokenizer) -> list[int]:
     the eos token is ``<eos>``, Phi-3.5's ``<|end|>`` where it is ``<|endoftext|>``)."""
     from tformer.tokenizers import special_strings
 
-    name = None if template is None else template.special.get("eos_token")
     if template is None or tokenizer is None:
         return []
-    ids = []
-    if name:
-        try:
-            one = tokenizer.encode(name, add_special_tokens=False)
-        except Exception:  # noqa: BLE001  a vocabulary without it (a character tokenizer): nothing to add
-            one = []
-        ids += one if len(one) == 1 else []
+    eos = special_token_id(template, tokenizer, "eos_token")
+    ids = [] if eos is None else [eos]
     specials = special_strings(tokenizer)
     ids += [specials[t] for t in END_OF_TURN_TOKENS if t in specials and t in template.source]
     return sorted(set(ids))

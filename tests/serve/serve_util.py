@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from contextlib import contextmanager
 import string
 import threading
 import time
@@ -71,3 +72,22 @@ def run_alone(scheduler, tokenizer, prompt, max_tokens, **params) -> list[int]:
     scheduler.submit(Sequence(prompt, Params(max_tokens, **params), emit, tokenizer))
     assert done.wait(timeout=60)
     return out
+
+
+@contextmanager
+def tiny_server(folder, slots: int = 4, timeout: float = 60, **checkpoint):
+    """A tiny random checkpoint in ``folder`` served on a free port: ``(model, tokenizer, server, running,
+    openai client)``, stopped on exit."""
+    import openai
+
+    from tformer.serve.app import build_app
+    from tformer.serve.build import build_server
+
+    model, tok = tiny_checkpoint(folder, **checkpoint)
+    server = build_server(str(folder), slots=slots)
+    running = Running(build_app(server))
+    client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    try:
+        yield model, tok, server, running, client
+    finally:
+        running.stop()

@@ -15,23 +15,15 @@ import openai
 import pytest
 import torch
 
-from serve_util import Running, tiny_checkpoint
-from tformer.serve.build import build_server
+from serve_util import tiny_checkpoint, tiny_server
 from tformer.generation.text import generate_text
-from tformer.serve.app import build_app
 from tformer.serve.openai_api import chat_prompt
-from tformer.serve.schemas import Message
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, one_thread):
-    folder = tmp_path_factory.mktemp("ckpt")
-    model, tok = tiny_checkpoint(folder)
-    server = build_server(str(folder), slots=4)
-    running = Running(build_app(server))
-    client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-    yield model, tok, server, running, client
-    running.stop()
+    with tiny_server(tmp_path_factory.mktemp("ckpt"), slots=4, timeout=30) as served:
+        yield served
 
 
 def test_models_health_metrics(served):
@@ -57,7 +49,7 @@ def test_chat_equals_generate_on_the_joined_messages(served):
     model, tok, server, _, client = served
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
     out = client.chat.completions.create(model=server.name, messages=messages, max_tokens=8, temperature=0)
-    prompt = chat_prompt([Message(**m) for m in messages])
+    prompt = chat_prompt(messages)
     assert prompt == "Be brief.\nSay hi\n"
     assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == generate_text(model, tok, prompt, 8, temperature=0)
@@ -181,7 +173,9 @@ def test_errors_have_openai_shape_and_status(served):
              (json.dumps({"model": server.name, "prompt": "a", "max_tokens": "many"}).encode(), 400),
              (json.dumps({"model": server.name, "prompt": 5}).encode(), 400),
              (json.dumps({"model": server.name, "prompt": "a", "temperature": 9}).encode(), 400),
-             (json.dumps({"model": server.name, "prompt": "a", "logit_bias": {"1": 5}}).encode(), 400),
+             (json.dumps({"model": server.name, "prompt": "a", "logit_bias": {"x": 5}}).encode(), 400),
+             (json.dumps({"model": server.name, "prompt": "a", "logit_bias": {"1": 500}}).encode(), 400),
+             (json.dumps({"model": server.name, "prompt": "a", "logit_bias": {"99999": 1}}).encode(), 400),
              (json.dumps({"model": server.name, "prompt": [10**6]}).encode(), 400),
              (json.dumps({"model": server.name, "prompt": "a" * 1_000_000}).encode(), 413)]
     for body, status in cases:

@@ -76,13 +76,16 @@ def test_json_object_mode_returns_an_object(served):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
-def test_tools_and_bad_response_formats_are_400s(served):
+def test_bad_tool_choices_and_response_formats_are_400s(served):
     _, running = served
     c = client(running)
     msgs = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
-        c.chat.completions.create(model="smollm2", messages=msgs, tools=[tool])
+    with pytest.raises(openai.BadRequestError, match="tool_choice names a function"):
+        c.chat.completions.create(model="smollm2", messages=msgs, tools=[tool],
+                                  tool_choice={"type": "function", "function": {"name": "g"}})
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        c.chat.completions.create(model="smollm2", messages=msgs, tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="json_schema"):
         c.chat.completions.create(model="smollm2", messages=msgs, response_format={"type": "json_schema"})
     with pytest.raises(openai.BadRequestError, match="cannot be used"):

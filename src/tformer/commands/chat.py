@@ -32,6 +32,7 @@ MAX_NEW_TOKENS = 512
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from tformer.commands.generate import add_penalty_arguments
     from tformer.inference import AUTO
     from tformer.quant.quantize import WEIGHT_FORMATS
 
@@ -52,6 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None,
                    help="nucleus sampling mass in (0, 1] (default: the file's recommendation, else 0.9)")
     p.add_argument("--seed", type=int, default=None, help="random seed, for reproducible answers")
+    add_penalty_arguments(p)
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *WEIGHT_FORMATS],
                    help="weights (default: auto: a GGUF's own block format, q4_1 for smollm2; float32 otherwise)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -54,6 +54,24 @@ def add_arguments(p: argparse.ArgumentParser, prompt_default: str | None = None,
                    help="nucleus sampling mass in (0, 1] (default: the file's recommendation, else 1)")
     p.set_defaults(fallback={"temperature": 0.8, "top_k": top_k_default, "top_p": None})
     p.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling")
+    add_penalty_arguments(p)
+
+
+def add_penalty_arguments(p: argparse.ArgumentParser) -> None:
+    """min-p, the penalties and logit biases: the options ``generate``, ``sample`` and ``chat`` share
+    beyond temperature, top-k and top-p (:mod:`tformer.generation.penalties`)."""
+    p.add_argument("--min-p", type=float, default=None, metavar="P",
+                   help="keep tokens at least P times as likely as the most likely one (default: the file's "
+                        "recommendation, else off)")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                   help="divide a positive logit (multiply a negative one) of every token already in the prompt or "
+                        "the answer by R, e.g. 1.2 (default: the file's recommendation, else 1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X from the logit of every token already generated, in [-2, 2] (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X times its count from the logit of every token generated, in [-2, 2] (default 0)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit; repeatable (-100 bans the token)")
 
 
 # The most tokens one command generates: the output buffer (B, T + N) is allocated up front.
@@ -62,7 +80,7 @@ MAX_NEW_TOKENS = 1 << 20
 
 def check_options(args: argparse.Namespace) -> None:
     """Every generation option's range and finiteness, before anything is loaded, naming the option
-    (the checks are generation's own: :mod:`tformer.generation.sampling`)."""
+    (the checks are generation's own: :mod:`tformer.generation.sampling`, :mod:`tformer.generation.penalties`)."""
     from tformer.generation.sampling import check_max_new_tokens, check_sampling
     from tformer.machine import available_cores
 
@@ -70,16 +88,48 @@ def check_options(args: argparse.Namespace) -> None:
     if threads is not None and not 1 <= threads <= cores:
         raise InputError(f"--threads {threads} is out of range; pass between 1 and {cores} (the cores available).")
     check_max_new_tokens(args.max_new_tokens, MAX_NEW_TOKENS, flags=True)
-    check_sampling(args.temperature, args.top_k, args.top_p, args.seed, flags=True)
+    check_sampling(args.temperature, args.top_k, args.top_p, args.seed, min_p=getattr(args, "min_p", None), flags=True)
+    penalties(args).check(flags=True)
+
+
+def logit_bias(pairs: list[str]) -> tuple[tuple[int, float], ...]:
+    """``--logit-bias ID=BIAS`` values as ``(id, bias)`` pairs; one sentence for a malformed one."""
+    out = []
+    for pair in pairs:
+        tok, _, bias = pair.partition("=")
+        try:
+            out.append((int(tok), float(bias)))
+        except ValueError:
+            raise InputError(f"--logit-bias {pair}: write a token id and a bias, e.g. --logit-bias 2=-100.") from None
+    return tuple(out)
+
+
+def penalties(args: argparse.Namespace):
+    """The :class:`~tformer.generation.penalties.Penalties` the command line names (unset: none)."""
+    from tformer.generation.penalties import Penalties
+
+    rep = getattr(args, "repetition_penalty", None)
+    return Penalties(1.0 if rep is None else rep, getattr(args, "presence_penalty", 0.0),
+                     getattr(args, "frequency_penalty", 0.0), logit_bias(getattr(args, "logit_bias", [])))
+
+
+# The options a model's file may recommend (a GGUF's general.sampling.*), and their defaults when it does not.
+RECOMMENDED = {"min_p": None, "repetition_penalty": None}
 
 
 def sampling_options(args: argparse.Namespace, file_defaults: dict, fallback: dict) -> dict:
-    """Temperature, top-k, top-p and seed: as given on the command line, else as the model's file recommends
-    (a GGUF's ``general.sampling.*``), else the command's ``fallback``; checked (naming the option)."""
-    chosen = {k: getattr(args, k) if getattr(args, k) is not None else file_defaults.get(k, fallback[k])
-              for k in ("temperature", "top_k", "top_p")}
-    check_options(argparse.Namespace(**{**vars(args), **chosen}))
-    return {**chosen, "seed": args.seed}
+    """Temperature, top-k, top-p, min-p, the penalties and the seed: as given on the command line, else as the
+    model's file recommends (a GGUF's ``general.sampling.*``), else the command's ``fallback``; checked (naming
+    the option). Returns :class:`~tformer.generation.generate.GenerationOptions` fields."""
+    fallback = {**RECOMMENDED, **fallback}
+    chosen = {k: getattr(args, k, None) if getattr(args, k, None) is not None else file_defaults.get(k, fallback[k])
+              for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
+    checked = argparse.Namespace(**{**vars(args), **chosen})
+    check_options(checked)
+    p = penalties(checked)
+    return {**{k: chosen[k] for k in ("temperature", "top_k", "top_p", "min_p")}, "seed": args.seed,
+            "repetition_penalty": p.repetition, "presence_penalty": p.presence, "frequency_penalty": p.frequency,
+            "logit_bias": p.bias}
 
 
 def run(args: argparse.Namespace, echo: bool = False) -> int:

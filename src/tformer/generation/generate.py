@@ -37,6 +37,7 @@ from typing import Iterator
 import torch
 
 from tformer.errors import InputError, TformerError
+from tformer.generation.penalties import History, Penalties, penalize
 from tformer.generation.sampling import check_max_new_tokens, check_sampling, sample
 from tformer.generation.step import decode_step, prefill
 from tformer.nn.embedding import check_ids
@@ -52,6 +53,9 @@ class GenerationOptions:
         temperature: 0 is greedy; higher is more random.
         top_k: sample only among the k most likely tokens.
         top_p: nucleus sampling: the smallest set of tokens whose probability reaches ``top_p``.
+        min_p: keep only tokens at least ``min_p`` times as likely as the most likely one.
+        repetition_penalty, presence_penalty, frequency_penalty, logit_bias: see
+            :mod:`tformer.generation.penalties` (``logit_bias``: ``{token id: added logit}``).
         seed: makes sampling reproducible (each row gets its own generator seeded with it).
         stop_tokens: ids that end a sequence (the stop token is kept; ``pad_id`` follows it).
         pad_id: fills a stopped sequence; default the first stop token.
@@ -67,6 +71,11 @@ class GenerationOptions:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop_tokens: tuple[int, ...] = ()
     pad_id: int | None = None
@@ -77,7 +86,10 @@ class GenerationOptions:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed, min_p=self.min_p)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
+        self.penalties.check()
         object.__setattr__(self, "stop_tokens", tuple(sorted(set(int(t) for t in (self.stop_tokens or ())))))
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise InputError(f"prefill_chunk={self.prefill_chunk} must be >= 1 (or None for one pass).")
@@ -93,6 +105,10 @@ class GenerationOptions:
             raise InputError(f"unknown generation option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
         overrides = {k: (() if k == "stop_tokens" and v is None else v) for k, v in overrides.items()}
         return dataclasses.replace(options or cls(), **overrides)
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.logit_bias)
 
     @property
     def is_static(self) -> bool:
@@ -236,6 +252,10 @@ def generate_tokens(
     generators = None
     if opts.seed is not None:  # one generator per row: a batched result equals each prompt alone
         generators = [torch.Generator(device=ids.device).manual_seed(opts.seed) for _ in range(B)]
+    penalties = opts.penalties
+    if penalties.active:
+        penalties.check(model.config.vocab_size)
+    history = History(ids, model.config.vocab_size, attention_mask) if penalties.active else None
     stepper = _Stepper(model, ids, attention_mask, max_new_tokens, opts)
     logits = stepper.first()
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
@@ -245,7 +265,11 @@ def generate_tokens(
                 raise TformerError(f"the model produced non-finite logits (NaN or inf) at generation step {step}; "
                                    f"its weights are damaged or overflow in {logits.dtype}: use another checkpoint "
                                    f"or a wider dtype (fp32).")
-            tok = sample(logits, opts.temperature, opts.top_k, opts.top_p, generators)     # (B,)
+            if history is not None:
+                logits = penalize(logits, history, [penalties])
+            tok = sample(logits, opts.temperature, opts.top_k, opts.top_p, generators, opts.min_p)     # (B,)
+            if history is not None:
+                history.add(tok)
             if stops.numel():
                 tok = tok.masked_fill(finished, pad)
                 finished = finished | torch.isin(tok, stops)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tformer.errors import InputError
-from tformer.generation.sampling import check_sampling, filter_logits, is_greedy
+from tformer.generation.sampling import check_sampling, is_greedy, probabilities
 from tformer.generation.step import extend, prefill
 
 Tensor = torch.Tensor
@@ -57,13 +57,6 @@ def lookup_draft(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int =
                 return [tokens[start + n + i - period * ((start + n + i - L) // period + 1)]
                         if start + n + i >= L else tokens[start + n + i] for i in range(k)]
     return []
-
-
-def target_probs(logits: Tensor, temperature: float, top_k: int | None = None,
-                 top_p: float | None = None) -> Tensor:
-    """``softmax(filter(logits / temperature))``, ``(T, V)`` -> ``(T, V)`` float32: the distribution
-    plain sampling draws from (:func:`tformer.generation.sampling.sample`)."""
-    return torch.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
 
 
 def accept_greedy(logits: Tensor, draft: list[int]) -> list[int]:
@@ -119,7 +112,7 @@ def accept(logits: Tensor, draft: list[int], temperature: float = 0.0, top_k: in
     distributions otherwise; ``logits (k+1, V)``."""
     if is_greedy(temperature):
         return accept_greedy(logits, draft)
-    return accept_sampled(target_probs(logits, temperature, top_k, top_p), draft, generator, draft_probs)
+    return accept_sampled(probabilities(logits, temperature, top_k, top_p), draft, generator, draft_probs)
 
 
 @dataclass
@@ -199,7 +192,7 @@ def _pick(logits: Tensor, temperature: float, top_k, top_p, generator) -> int:
     """One token from ``logits (1, V)`` as plain generation picks it."""
     if is_greedy(temperature):
         return int(logits[0].argmax())
-    return int(torch.multinomial(target_probs(logits, temperature, top_k, top_p)[0], 1, generator=generator))
+    return int(torch.multinomial(probabilities(logits, temperature, top_k, top_p)[0], 1, generator=generator))
 
 
 class ModelDraft:
@@ -240,7 +233,7 @@ class ModelDraft:
                 q = torch.zeros(logits.shape[-1])
                 q[logits[0].argmax()] = 1.0
             else:
-                q = target_probs(logits, temperature, top_k, top_p)[0]
+                q = probabilities(logits, temperature, top_k, top_p)[0]
             t = int(torch.multinomial(q, 1, generator=generator)) if not is_greedy(temperature) else int(q.argmax())
             draft.append(t)
             qs.append(q)

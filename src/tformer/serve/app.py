@@ -1,6 +1,6 @@
 """The ASGI app (Starlette): OpenAI's API, health, metrics, and the playground.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/embeddings``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /v1/inspect`` (the
 playground's attention and attribution for one token; not part of OpenAI's API), ``GET /`` and
 ``/static/*`` (the playground, served from this package: no CDN).
@@ -31,6 +31,7 @@ from tformer.errors import TformerError
 from tformer.serve import schemas as S
 from tformer.serve.inspect import explain
 from tformer.serve.openai_api import chat_completions, completions, embeddings, read_json
+from tformer.serve.responses_api import responses
 from tformer.serve.server import PLAYGROUND, Server
 
 
@@ -202,6 +203,7 @@ def build_app(server: Server, api_key: str | None = None, allowed_hosts=()) -> S
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", models),
         Route("/v1/inspect", inspect, methods=["POST"]),
         Route("/health", health),

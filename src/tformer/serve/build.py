@@ -98,5 +98,6 @@ def build_server(spec: str | None = None, slots: int = 16, max_queue: int = 64, 
                                   speculative=speculative, threads=threads), draft_model=draft_model)
     server.chat_template = opened.template
     server.parse_special = parse_special
+    server.defaults = dict(opened.defaults)
     server.opened = opened
     return server

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tformer.errors import TformerError
-from tformer.serve import grammar
+from tformer.serve import grammar, reasoning, tools
 from tformer.serve import schemas as S
 from tformer.serve.scheduler import Token
 from tformer.serve.server import Server
@@ -75,8 +75,9 @@ async def watch_disconnect(request: Request, seqs, queue: asyncio.Queue) -> None
     queue.put_nowait((-1, ("gone",)))
 
 
-async def collect(request: Request, seqs, queue: asyncio.Queue, on_token) -> list[str]:
-    """Wait for every sequence to finish (or the client to leave); return each one's finish reason."""
+async def collect(request: Request, seqs, queue: asyncio.Queue, on_token, on_prompt=None) -> list[str]:
+    """Wait for every sequence to finish (or the client to leave); return each one's finish reason.
+    ``on_prompt(index, entries)`` receives a scored prompt's token logprobs (echo with logprobs)."""
     reasons: list[str | None] = [None] * len(seqs)
     left = len(seqs)
     watcher = asyncio.ensure_future(watch_disconnect(request, seqs, queue))
@@ -85,6 +86,8 @@ async def collect(request: Request, seqs, queue: asyncio.Queue, on_token) -> lis
             index, event = await queue.get()
             if isinstance(event, Token):
                 on_token(index, event)
+            elif event[0] == "prompt":
+                on_prompt(index, event[1])
             elif event[0] == "done":
                 reasons[index], left = event[1], left - 1
             elif event[0] == "gone":
@@ -121,15 +124,23 @@ class CompletionFormat(_Format):
     obj = staticmethod(S.completion_object)
     prefix = "cmpl"
 
-    def logprobs_of(self, tokens: list[Token], offset: int) -> dict | None:
+    def logprobs_of(self, tokens: list[Token], offset: int, prompt: list[Token] | None = None) -> dict | None:
+        """OpenAI's legacy ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``;
+        with ``prompt`` (echo) the prompt's tokens come first, the first one's logprob and top ``null``
+        (nothing predicts it), and the offsets count from the prompt's start."""
         if not self.logprobs:
             return None
-        offsets, pos = [], offset
+        offsets, pos, texts = [], 0 if prompt else offset, []
+        for t in (prompt or []):
+            texts.append(self.tok(t.id) if t.id >= 0 else "")
         for t in tokens:
+            texts.append(t.text)
+        for text in texts:
             offsets.append(pos)
-            pos += len(t.text)
-        return {"tokens": [self.tok(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [None if t.top is None else {self.tok(i): v for i, v in t.top} for t in tokens],
+            pos += len(text)
+        every = (prompt or []) + tokens
+        return {"tokens": [self.tok(t.id) for t in every], "token_logprobs": [t.logprob for t in every],
+                "top_logprobs": [None if t.top is None else {self.tok(i): v for i, v in t.top} for t in every],
                 "text_offset": offsets}
 
     def delta(self, index: int, tok: Token, offset: int) -> dict:
@@ -143,13 +154,53 @@ class CompletionFormat(_Format):
     def first(self, index: int) -> dict | None:
         return None
 
-    def full(self, index: int, text: str, tokens: list[Token], reason: str) -> dict:
-        return {"index": index, "text": text, "logprobs": self.logprobs_of(tokens, 0), "finish_reason": reason}
+    def tail(self, index: int) -> list[dict]:
+        return []
+
+    def full(self, index: int, text: str, tokens: list[Token], reason: str, prompt: list[Token] | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs_of(tokens, 0, prompt), "finish_reason": reason}
 
 
 class ChatFormat(_Format):
+    """Chat choices; with ``tools`` each answer is parsed for tool calls (:func:`tformer.serve.tools.parse`),
+    and a stream holds the text back until the answer is whole (a call is only a call once it is complete)."""
+
     obj = staticmethod(S.chat_object)
     prefix = "chatcmpl"
+
+    def __init__(self, server: Server, logprobs: bool, as_ids: bool = False, tools: bool = False,
+                 thinking: bool = False):
+        super().__init__(server, logprobs, as_ids)
+        self.tools, self.thinking = tools, thinking          # thinking: the prompt opened <think>
+        self.splitters: dict[int, reasoning.Splitter] = {}       # streamed choices: thinking vs answer
+
+    def answer(self, text: str, reason: str) -> tuple[dict, str]:
+        """The message (content, with the thinking split off as reasoning_content, and tool_calls when tools
+        are on) and the finish reason for a whole answer."""
+        thinking, text = reasoning.split(text, self.thinking)
+        extra = {} if thinking is None else {"reasoning_content": thinking}
+        if not self.tools:
+            return {"role": "assistant", "content": text, "refusal": None, **extra}, reason
+        content, calls = tools.parse(text)
+        message = {"role": "assistant", "content": content, "refusal": None, **extra}
+        if calls:
+            message["tool_calls"] = calls
+        return message, ("tool_calls" if calls and reason == "stop" else reason)
+
+    def whole(self, index: int, text: str, reason: str) -> list[dict]:
+        """A held-back streamed answer as deltas: the content, or one delta per tool call, then the last."""
+        message, reason = self.answer(text, reason)
+        out = []
+        if message.get("reasoning_content"):
+            out.append({"index": index, "delta": {"reasoning_content": message["reasoning_content"]},
+                        "logprobs": None, "finish_reason": None})
+        if message.get("content"):
+            out.append({"index": index, "delta": {"content": message["content"]}, "logprobs": None,
+                        "finish_reason": None})
+        for k, call in enumerate(message.get("tool_calls", [])):
+            out.append({"index": index, "delta": {"tool_calls": [{"index": k, **call}]}, "logprobs": None,
+                        "finish_reason": None})
+        return out + [self.last(index, reason)]
 
     def entry(self, t: Token) -> dict:
         s = self.tok(t.id)
@@ -164,40 +215,63 @@ class ChatFormat(_Format):
 
     def delta(self, index: int, tok: Token, offset: int) -> dict:
         real = [tok] if tok.id >= 0 else []
-        return {"index": index, "delta": {"content": tok.text}, "logprobs": self.logprobs_of(real) if real else None,
-                "finish_reason": None}
+        return {"index": index, "delta": self.pieces(index, self.splitters.setdefault(index, reasoning.Splitter(self.thinking)).feed(
+                    tok.text)), "logprobs": self.logprobs_of(real) if real else None, "finish_reason": None}
+
+    @staticmethod
+    def pieces(index: int, parts: list[tuple[str, str]]) -> dict:
+        """A delta from a reasoning splitter's pieces (``content`` "" when it held everything back)."""
+        delta: dict = {}
+        for field, text in parts:
+            delta[field] = delta.get(field, "") + text
+        return delta or {"content": ""}
+
+    def tail(self, index: int) -> list[dict]:
+        """What the stream's reasoning splitter still holds for choice ``index``, as one delta (or none)."""
+        parts = self.splitters.pop(index).flush() if index in self.splitters else []
+        return [{"index": index, "delta": self.pieces(index, parts), "logprobs": None, "finish_reason": None}] \
+            if parts else []
 
     def last(self, index: int, reason: str) -> dict:
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
 
-    def full(self, index: int, text: str, tokens: list[Token], reason: str) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": self.logprobs_of(tokens), "finish_reason": reason}
+    def full(self, index: int, text: str, tokens: list[Token], reason: str, prompt=None) -> dict:
+        message, reason = self.answer(text, reason)
+        return {"index": index, "message": message, "logprobs": self.logprobs_of(tokens), "finish_reason": reason}
 
 
 # --------------------------------------------------------------------------------- running
 async def run(request: Request, server: Server, req, prompts: list[list[int]], fmt: _Format,
-              max_tokens: int, top: int | None, prefix_text: str = "", constraint=None):
-    """Schedule the request's sequences and answer with one object or an SSE stream."""
-    seqs, queue = server.start(prompts, req, max_tokens, top, constraint)
+              max_tokens: int, top: int | None, echo: list[str] | None = None, constraint=None,
+              score: int | None = None):
+    """Schedule the request's sequences and answer with one object or an SSE stream. ``echo``: each
+    prompt's text, put before its choices' text; ``score``: the prompts' own token logprobs (top ``score``)
+    go before the generated tokens' (echo with logprobs)."""
+    seqs, queue = server.start(prompts, req, max_tokens, top, constraint, score)
     id_, n_prompt = S.new_id(fmt.prefix), sum(len(p) for p in prompts)
     started = time.monotonic()
     if not req.stream:
-        texts, tokens = [prefix_text] * len(seqs), [[] for _ in seqs]
+        texts = [echo[i // req.n] if echo else "" for i in range(len(seqs))]
+        tokens = [[] for _ in seqs]
+        scored: list[list[Token] | None] = [None] * len(seqs)
 
         def on_token(i: int, tok: Token) -> None:
             texts[i] += tok.text
             if tok.id >= 0:
                 tokens[i].append(tok)
+
+        def on_prompt(i: int, entries: list[tuple]) -> None:
+            first = Token(prompts[i // req.n][0], "", None, None)        # nothing predicts the first token
+            scored[i] = [first] + [Token(t, "", lp, top) for t, lp, top in entries]
         try:
-            reasons = await collect(request, seqs, queue, on_token)
+            reasons = await collect(request, seqs, queue, on_token, on_prompt)
         finally:
             for seq in seqs:
                 seq.cancel()
         n_out = sum(len(t) for t in tokens)
         server.metrics.inc("tformer_requests_total", status="200", help="requests answered, by HTTP status")
         server.metrics.observe("tformer_request_seconds", time.monotonic() - started, help="request latency")
-        choices = [fmt.full(i, texts[i], tokens[i], reasons[i]) for i in range(len(seqs))]
+        choices = [fmt.full(i, texts[i], tokens[i], reasons[i], scored[i]) for i in range(len(seqs))]
         return JSONResponse(fmt.obj(id_, server.name, choices, S.usage(n_prompt, n_out)))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return StreamingResponse(_stream(server, seqs, queue, fmt, id_, n_prompt, include_usage, started),
@@ -214,6 +288,7 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
             obj["usage"] = None
         return sse(obj)
     left, offsets, n_out = len(seqs), [0] * len(seqs), 0
+    held = [""] * len(seqs) if getattr(fmt, "tools", False) else None     # tool mode: whole answers only
     try:
         for i in range(len(seqs)):
             first = fmt.first(i)
@@ -223,12 +298,20 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
             index, event = await queue.get()
             if isinstance(event, Token):
                 n_out += event.id >= 0
-                if event.text or (fmt.logprobs and event.id >= 0):
+                if held is not None:
+                    held[index] += event.text
+                elif event.text or (fmt.logprobs and event.id >= 0):
                     yield chunk([fmt.delta(index, event, offsets[index])])
                     offsets[index] += len(event.text)
             elif event[0] == "done":
                 left -= 1
-                yield chunk([fmt.last(index, event[1])])
+                if held is not None:
+                    for piece in fmt.whole(index, held[index], event[1]):
+                        yield chunk([piece])
+                else:
+                    for piece in fmt.tail(index):
+                        yield chunk([piece])
+                    yield chunk([fmt.last(index, event[1])])
             else:
                 yield sse(error_of(event).body())
                 break
@@ -243,27 +326,26 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
 
 
 # ------------------------------------------------------------------------------- endpoints
-def chat_prompt(messages: list[S.Message], sep: str = "\n") -> str:
+def chat_prompt(messages: list[dict], sep: str = "\n") -> str:
     """The model's input for a chat: the messages' texts each followed by ``sep`` (a newline; see
     :attr:`Server.chat_separator` for a vocabulary without one): the checkpoints tformer trains have
     no chat template."""
-    return "".join(m.text() + sep for m in messages)
+    return "".join(m["content"] + sep for m in messages)
 
 
 async def completions(request: Request):
     server: Server = request.app.state.server
     req = await read_json(request, server.limits.max_body_bytes, S.CompletionRequest)
     check_model(server, req.model)
-    if req.echo and (req.stream or req.logprobs is not None):
-        raise S.APIError(400, "echo is not supported with stream or logprobs; leave one of them out.", param="echo")
+    if req.echo and req.stream:
+        raise S.APIError(400, "echo is not supported with stream; leave one of them out.", param="echo")
     server.check_work(req.prompt, req.n)                     # before anything is encoded or allocated
     prompts = server.encode_prompts(req.prompt)
-    if req.echo and len(prompts) > 1:
-        raise S.APIError(400, "echo takes one prompt; send the prompts in separate requests.", param="echo")
     max_tokens = server.check_length(prompts, req.max_tokens, 16)
     fmt = CompletionFormat(server, req.logprobs is not None, req.return_tokens_as_token_ids)
-    echo = server.tokenizer.decode(prompts[0]) if req.echo else ""
-    return await run(request, server, req, prompts, fmt, max_tokens, req.logprobs, echo)
+    echo = [server.tokenizer.decode(p) for p in prompts] if req.echo else None
+    score = req.logprobs if req.echo and req.logprobs is not None else None     # the prompt's own logprobs
+    return await run(request, server, req, prompts, fmt, max_tokens, req.logprobs, echo, score=score)
 
 
 async def chat_completions(request: Request):
@@ -271,16 +353,23 @@ async def chat_completions(request: Request):
     req = await read_json(request, server.limits.max_body_bytes, S.ChatRequest)
     check_model(server, req.model)
     server.check_work("", req.n)
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    shown = [t.model_dump() for t in req.tools] if use_tools else None
+    messages = tools.render_messages([m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages],
+                                     shown)
     if server.chat_template is not None:       # the model's own template (a GGUF's, an HF tokenizer_config's)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         prompts = [await run_in_threadpool(server.chat_template.encode, server.tokenizer, messages, True,
                                            server.parse_special)]          # bounded, and off the event loop
     else:
-        prompts = server.encode_prompts(chat_prompt(req.messages, server.chat_separator))
+        prompts = server.encode_prompts(chat_prompt(messages, server.chat_separator))
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = server.check_length(prompts, limit, None)
-    constraint = await response_constraint(server, req.response_format)
-    fmt = ChatFormat(server, req.logprobs)
+    if use_tools and req.tool_choice not in (None, "auto"):    # required, or a named function: a call, by grammar
+        name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+        constraint = await json_constraint(server, tools.call_schema(shown, name), "tool_choice")
+    else:
+        constraint = await response_constraint(server, req.response_format)
+    fmt = ChatFormat(server, req.logprobs, tools=use_tools, thinking=reasoning.opens_thinking(server.tokenizer, prompts[0]))
     return await run(request, server, req, prompts, fmt, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                      constraint=constraint)
 
@@ -290,11 +379,16 @@ async def response_constraint(server: Server, fmt: S.ResponseFormat | None):
     for plain text. The schema is compiled here, once, so a bad one is a 400 before anything is queued."""
     if fmt is None or fmt.type == "text":
         return None
-    if not grammar.available():
-        raise S.APIError(400, f"This server cannot honour response_format: {grammar.MISSING}", param="response_format")
     schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
     if fmt.type == "json_schema" and schema is None:
         schema = {}                                           # OpenAI's default: any JSON value
+    return await json_constraint(server, schema, "response_format")
+
+
+async def json_constraint(server: Server, schema: dict | None, param: str):
+    """:func:`response_constraint`'s work for a JSON ``schema`` (None: any object); errors name ``param``."""
+    if not grammar.available():
+        raise S.APIError(400, f"This server cannot honour {param}: {grammar.MISSING}", param=param)
     try:
         async with server.grammar_lock:                       # one engine per server, made once
             if server.grammar is None:
@@ -302,7 +396,7 @@ async def response_constraint(server: Server, fmt: S.ResponseFormat | None):
                                                          server.model.config.vocab_size, server.eos)
         compiled = await run_in_threadpool(server.grammar.json, schema)     # once, off the event loop
     except TformerError as e:
-        raise S.APIError(400, str(e), param="response_format") from None
+        raise S.APIError(400, str(e), param=param) from None
     return compiled.copy                                      # each of the n sequences: a copy, not a compile
 
 

@@ -53,6 +53,7 @@ from tformer.serve.prefix_cache import PrefixCache
 Tensor = torch.Tensor
 KEY_BUCKET = 64     # decode reads the first multiple of 64 positions that holds every row's keys
 PREFIX_BLOCK = 16   # tokens per prefix-cache block
+SCORE_FLOATS = 2**25    # logits one scoring forward keeps (128 MiB of float32; its log-softmax as much again)
 
 
 class KVPool:
@@ -153,6 +154,57 @@ class KVPool:
         self.state.hold(rows, n)                                                # the rows hold their prompts only
         self.active[rows] = True
         return logits
+
+    @torch.inference_mode()
+    def score(self, slots: list[int], prompts: list[list[int]], top: int) -> tuple[Tensor, list[list[tuple]]]:
+        """Write ``prompts`` into rows ``slots`` as :meth:`prefill` does, keeping the logits at EVERY
+        position: the prompt's own log-probabilities (``echo`` with ``logprobs``, what lm-eval scores).
+
+        Returns ``(next-token logits (b, vocab), per prompt [(token, logprob, top)] for tokens 1 .. n-1)``,
+        ``logprob = log softmax(logits at t - 1)[token t]`` and ``top`` its ``top`` best ``(id, logprob)``
+        (``None`` when ``top`` is 0). Prompts are grouped so that a forward's logits stay under
+        :data:`SCORE_FLOATS` floats; the prompts' blocks then go into the prefix cache for later requests
+        (a scoring request computes every position, so it reads none from it).
+        """
+        vocab, out_logits, entries = self.model.config.vocab_size, [None] * len(slots), [None] * len(slots)
+        order = sorted(range(len(slots)), key=lambda i: len(prompts[i]))
+        groups, group = [], []
+        for i in order:                                                  # shortest first: little padding
+            if group and (len(group) + 1) * len(prompts[i]) * vocab > SCORE_FLOATS:
+                groups.append(group)
+                group = []
+            group.append(i)
+        groups.append(group)
+        for group in groups:
+            b, T = len(group), max(len(prompts[i]) for i in group)
+            ids = torch.zeros(b, T, dtype=torch.long)
+            for r, i in enumerate(group):
+                ids[r, :len(prompts[i])] = torch.tensor(prompts[i])           # right padding with token 0
+            rows = torch.tensor([slots[i] for i in group], device=self.device)
+            n = torch.tensor([len(prompts[i]) for i in group], device=self.device)
+            logits, _ = self.model(ids.to(self.device), state=self.state.writer(rows, 0))    # (b, T, vocab)
+            self.state.hold(rows, n)
+            self.active[rows] = True
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1) if T > 1 else None     # (b, T-1, vocab)
+            for r, i in enumerate(group):
+                out_logits[i] = logits[r, len(prompts[i]) - 1]
+                m = len(prompts[i]) - 1
+                if m == 0:
+                    entries[i] = []
+                    continue
+                lp = logp[r, :m]                                               # (m, vocab) predicting 1 .. m
+                tok = torch.tensor(prompts[i][1:], device=lp.device)
+                chosen = lp.gather(1, tok[:, None])[:, 0].tolist()
+                if top:
+                    tv, ti = lp.topk(top, dim=-1)
+                    tops = [list(zip(a, v)) for a, v in zip(ti.tolist(), tv.tolist())]
+                else:
+                    tops = [None] * m
+                entries[i] = list(zip(prompts[i][1:], chosen, tops))
+        if self.prefix is not None:
+            for slot, p in zip(slots, prompts):
+                self.prefix.insert(p, len(p) // self.prefix.block, lambda a, b, slot=slot: self._read_row(slot, a, b))
+        return torch.stack(out_logits), entries
 
     def _copy_in(self, slot: int, blocks: list) -> None:
         """Copy cached ``blocks`` (a chain from position 0) into row ``slot``'s keys and values."""

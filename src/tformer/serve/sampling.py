@@ -1,9 +1,9 @@
 """The scheduler's token choice for a whole batch: each row with its own options, one host transfer.
 
-Rows differ in temperature, top-k, top-p, seed and whether they want log-probabilities. Greedy rows
+Rows differ in temperature, top-k, top-p, min-p, seed and whether they want log-probabilities. Greedy rows
 (temperature 0, or below ``MIN_TEMPERATURE``) take the argmax of their logits; rows that sample are grouped by their options and drawn with
 :func:`tformer.generation.sampling.sample`, each row from its own random generator, so a seeded
-request gets the same tokens alone or in any batch. Everything stays in tensors until ONE
+request gets the same tokens alone or in any batch. Penalties and ``logit_bias`` are applied to the rows before (``Scheduler._penalize``). Everything stays in tensors until ONE
 ``.tolist()`` brings the tokens (and, when some row asks, their log-probabilities) to Python.
 """
 
@@ -28,9 +28,9 @@ def choose(logits: Tensor, params: list, generators: list[torch.Generator]) -> l
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         if not is_greedy(p.temperature):
-            groups.setdefault((p.temperature, p.top_k, p.top_p if p.top_p < 1 else None), []).append(i)
-    for (temperature, top_k, top_p), rows in groups.items():
-        picked[rows] = sample(logits[rows], temperature, top_k, top_p, [generators[i] for i in rows])
+            groups.setdefault((p.temperature, p.top_k, p.top_p if p.top_p < 1 else None, p.min_p or None), []).append(i)
+    for (temperature, top_k, top_p, min_p), rows in groups.items():
+        picked[rows] = sample(logits[rows], temperature, top_k, top_p, [generators[i] for i in rows], min_p)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:
         return [(t, None, None) for t in picked.tolist()]

@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from tformer.generation.penalties import History, Penalties, penalize
 from tformer.generation.speculative import ModelDraft, accept, lookup_draft
 from tformer.generation.text import TextTracker
 from tformer.serve.metrics import BATCH_BUCKETS, Metrics
@@ -68,6 +69,9 @@ class Params:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None          # None: none; k >= 0: the chosen token's and the top k
+    min_p: float | None = None
+    prompt_logprobs: int | None = None   # echo with logprobs: each prompt token's logprob and its top k (None: not wanted)
+    penalties: Penalties = field(default_factory=Penalties)     # repetition, presence, frequency, logit_bias
 
 
 @dataclass
@@ -84,8 +88,9 @@ class Token:
 class Sequence:
     """A request's sequence: prompt, options, slot, output so far, and where to send results.
 
-    ``emit(event)`` receives :class:`Token` objects, then one ``("done", finish_reason)`` or
-    ``("error", message, http_status)``. Called from the scheduler thread.
+    ``emit(event)`` receives, when ``params.prompt_logprobs`` is set, one ``("prompt", [(token, logprob,
+    top)])`` for the prompt's tokens after the first; then :class:`Token` objects, then one
+    ``("done", finish_reason)`` or ``("error", message, http_status)``. Called from the scheduler thread.
     """
 
     prompt: list[int]
@@ -101,6 +106,7 @@ class Sequence:
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     constraint: object | None = None       # structured output: mask(row) before each choice, advance(token) after
+    history: History | None = None         # seen / generated tokens, made at the first choice when penalties are set
 
     def __post_init__(self):
         self.tracker = TextTracker(self.tokenizer, self.params.stop)
@@ -289,12 +295,32 @@ class Scheduler:
                 seqs.append(seq)
         if not seqs:
             return
+        scored = [s for s in seqs if s.params.prompt_logprobs is not None]
+        for group, score in ((scored, True), ([s for s in seqs if s.params.prompt_logprobs is None], False)):
+            if group:
+                self._prefill(group, score)
+
+    def _prefill(self, seqs: list[Sequence], score: bool) -> None:
+        """Prefill ``seqs`` in one batch and choose their first tokens; with ``score`` (echo with logprobs)
+        each prompt's own token log-probabilities are sent first, as a ``("prompt", entries)`` event."""
         try:
-            logits = self.pool.prefill([s.slot for s in seqs], [s.prompt for s in seqs])     # (b, vocab)
+            slots, prompts = [s.slot for s in seqs], [s.prompt for s in seqs]
+            if score:
+                logits, entries = self.pool.score(slots, prompts, max(s.params.prompt_logprobs for s in seqs))
+                for seq, e in zip(seqs, entries):
+                    k = seq.params.prompt_logprobs
+                    seq.emit(("prompt", [(t, lp, top[:k] if k else None) for t, lp, top in e]))
+            else:
+                logits = self.pool.prefill(slots, prompts)                                # (b, vocab)
             self.metrics.inc("tformer_prompt_tokens_total", sum(len(s.prompt) for s in seqs),
                              help="prompt tokens prefilled")
             self.metrics.observe("tformer_prefill_batch_size", len(seqs), BATCH_BUCKETS, help="prompts in each prefill")
-            self._take(seqs, logits)
+            done = [s for s in seqs if s.params.max_tokens == 0]                # scored only: nothing to generate
+            for seq in done:
+                self._finish(seq, "length")
+            if len(done) < len(seqs):
+                keep = [i for i, s in enumerate(seqs) if s.params.max_tokens > 0]
+                self._take([seqs[i] for i in keep], logits[keep])
         except Exception as e:  # fail these requests only (a ValueError is bad input the server did not catch)
             self._fail([s for s in seqs if self.running.get(s.slot) is s], e, 400 if isinstance(e, ValueError) else 500)
 
@@ -318,7 +344,7 @@ class Scheduler:
     def _take(self, seqs: list[Sequence], logits: Tensor) -> None:
         """Pick each sequence's next token from its row of ``logits (len(seqs), vocab)`` with its own
         options, send it, and finish the sequences that are done."""
-        seqs, logits = self._constrain(seqs, logits)
+        seqs, logits = self._constrain(seqs, self._penalize(seqs, logits))
         if not seqs:
             return
         picked = choose(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -331,10 +357,14 @@ class Scheduler:
                 self.metrics.observe("tformer_time_to_first_token_seconds", now - seq.submitted,
                                      help="from submission to the first token")
             if tok in seq.stop_ids:
+                if p.prompt_logprobs is not None:       # a scored prompt reports its next token even when it ends
+                    seq.emit(Token(tok, "", lp, top))   # the text (lm-eval reads the logprobs after the prompt's)
                 self._finish(seq, "stop")
                 continue
             if seq.constraint is not None:
                 seq.constraint.advance(tok)
+            if seq.history is not None:
+                seq.history.add(torch.tensor([tok]))
             seq.generated.append(tok)
             seq.last = tok
             seq.tracker.add(tok)
@@ -343,6 +373,20 @@ class Scheduler:
                 self._finish(seq, "stop")
             elif len(seq.generated) >= p.max_tokens or seq.positions >= self.max_len:
                 self._finish(seq, "length")
+
+    def _penalize(self, seqs: list[Sequence], logits: Tensor) -> Tensor:
+        """``logits (len(seqs), vocab)`` with the rows whose sequence sets penalties or a logit_bias
+        penalised (:mod:`tformer.generation.penalties`), all such rows in one call."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.penalties.active]
+        if not rows:
+            return logits
+        for i in rows:
+            if seqs[i].history is None:                          # its first choice: the prompt's tokens
+                seqs[i].history = History([seqs[i].prompt], logits.shape[-1])
+        history = History.stack([seqs[i].history for i in rows])              # (r, vocab) each
+        logits = logits.float().clone()                         # the pool's output is an inference tensor
+        logits[rows] = penalize(logits[rows], history, [seqs[i].params.penalties for i in rows])
+        return logits
 
     def _constrain(self, seqs: list[Sequence], logits: Tensor) -> tuple[list[Sequence], Tensor]:
         """Mask, in place, the rows of ``logits (len(seqs), vocab)`` whose sequence has a constraint
@@ -394,9 +438,10 @@ class Scheduler:
         """One speculative step for ``seq`` decoded alone: draft by prompt lookup, verify the drafts in
         one forward of its row, keep the accepted ones (:mod:`tformer.generation.speculative`).
         False (nothing done: decode normally) when no draft is found or the sequence needs what a
-        step over several tokens does not give: log-probabilities, or a per-token logit constraint."""
+        step over several tokens does not give: log-probabilities, a per-token logit constraint, min-p or
+        penalties (the accept rule here knows temperature, top-k and top-p only)."""
         p = seq.params
-        if p.logprobs is not None or getattr(seq, "constraint", None) is not None:
+        if p.logprobs is not None or seq.constraint is not None or p.min_p or p.penalties.active:
             return False
         k = min(self.speculative, p.max_tokens - len(seq.generated) - 1, self.max_len - seq.positions - 1)
         history = seq.prompt + seq.generated                   # the row holds all but the newest token

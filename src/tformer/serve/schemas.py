@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies (validated), response objects, stream chunks, error bodies.
 
 Requests are pydantic models that accept the fields OpenAI documents and ignore unknown ones (clients
-send extras); a field tformer cannot honour (``logit_bias``, penalties, ``tools``, ...) is refused
+send extras); a field tformer cannot honour (``suffix``, ...) is refused
 with a 400 naming it rather than silently ignored.
 ``response_format`` (structured output) is validated here and applied by :mod:`tformer.serve.grammar`. Responses are plain dicts built by the helpers
 below, shaped exactly like OpenAI's (``id``, ``object``, ``created``, ``model``, ``choices``,
@@ -15,6 +15,8 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+from tformer.generation.penalties import Penalties
 
 INT64 = 2**63           # OpenAI's seed is a signed 64-bit integer
 
@@ -51,22 +53,29 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
-    presence_penalty: StrictFloat = Field(default=0.0, allow_inf_nan=False)
-    frequency_penalty: StrictFloat = Field(default=0.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)     # vLLM's, llama.cpp's
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)  # vLLM's, llama.cpp's
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, StrictFloat] | None = None        # {"token id": bias in [-100, 100]}
     user: StrictStr | None = None
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; leave them at 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported; leave it out")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f'logit_bias keys are token ids as strings ("50256"), not {key!r}')
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100]; token {key} has {value}")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop takes at most 4 strings")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def penalties(self) -> Penalties:
+        bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, bias)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -94,12 +103,36 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr                 # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None      # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None         # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may "
+                             f"leave it out)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -128,11 +161,17 @@ class ResponseFormat(BaseModel):
         return self
 
 
-# Tool calls: SmolLM2's template (and every template tformer's own checkpoints have) never renders
-# ``tools`` and the model was not trained to call them, so the server refuses them in one sentence
-# rather than inventing a format; response_format json_schema gives the same guarantee of shape.
-NO_TOOLS = ("tools are not supported: this model's chat template has no tool calling; describe the function in a "
-            "message and ask for its arguments with response_format json_schema instead")
+class Function(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: Function
 
 
 class ChatRequest(_Sampling):
@@ -140,17 +179,60 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=64)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _chat_only(self):
-        if self.tools or self.tool_choice not in (None, "none", "auto"):
-            raise ValueError(NO_TOOLS)
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice other than none / auto needs tools")
+        if isinstance(self.tool_choice, dict):
+            name = (self.tool_choice.get("function") or {}).get("name")
+            if self.tool_choice.get("type") != "function" or name not in {t.function.name for t in self.tools}:
+                raise ValueError('tool_choice names a function: {"type": "function", "function": {"name": ...}} '
+                                 'with the name of one of tools')
+        if self.tools and self.tool_choice not in (None, "none") and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("response_format and tools cannot be combined; send one of them")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+class InputPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text", "text"]
+    text: StrictStr
+
+
+class InputMessage(BaseModel):
+    """A Responses ``input`` message: a role and a string or text parts."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[InputPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponsesRequest(_Sampling):
+    """``POST /v1/responses``: ``input`` and ``instructions`` instead of ``messages``, ``max_output_tokens``."""
+
+    input: StrictStr | list[InputMessage] = Field(min_length=1)
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _responses_only(self):
+        if self.tools:
+            raise ValueError("tools are not supported on /v1/responses; use /v1/chat/completions for tool calls")
+        if self.n != 1:
+            raise ValueError("n is not a Responses option; leave it out")
         return self
 
 

@@ -5,6 +5,7 @@ step from a parsed request to scheduled sequences (prompt encoding, length check
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ class Server:
         self.started = time.time()
         self.chat_separator = self._separator()
         self.chat_template = None        # a tformer.tokenizers.ChatTemplate: /v1/chat/completions renders with it
+        self.defaults: dict = {}         # sampling a GGUF recommends (OpenedModel.defaults), for fields a request leaves out
         self.parse_special = False       # special-token strings in chat messages become special tokens (--parse-special)
         self.grammar = None              # a tformer.serve.grammar.GrammarEngine, made by the first response_format
         self.grammar_lock = asyncio.Lock()
@@ -131,9 +133,11 @@ class Server:
                                   f"to at most {room}.", param="max_tokens", code="context_length_exceeded")
         return n
 
-    def start(self, prompts: list[list[int]], req, max_tokens: int, logprobs: int | None, constraint=None):
+    def start(self, prompts: list[list[int]], req, max_tokens: int, logprobs: int | None, constraint=None,
+              prompt_logprobs: int | None = None):
         """Submit ``len(prompts) * n`` sequences; return them and the queue their events arrive on.
-        ``constraint``: a function giving each sequence its own structured-output constraint, or None.
+        ``constraint``: a function giving each sequence its own structured-output constraint, or None;
+        ``prompt_logprobs``: k to score the prompts' own tokens (their logprobs and top k), or None.
         A full queue is a 429 (retry after a second), a server shutting down a 503."""
         if self.draining:
             raise S.APIError(503, "The server is shutting down; send the request to another instance or retry "
@@ -148,15 +152,21 @@ class Server:
                     pass
             return emit
 
-        seqs = []
+        seqs, chosen = [], self.sampling(req)
+        penalties = dataclasses.replace(req.penalties(), repetition=chosen["repetition_penalty"])
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t, _ in penalties.bias):
+            raise S.APIError(400, f"logit_bias names a token outside [0, {vocab}); use this model's token ids.",
+                             param="logit_bias")
         for p, ids in enumerate(prompts):
             for j in range(req.n):
-                params = Params(max_tokens, req.temperature, req.top_p, req.top_k,   # int64 seeds -> [0, 2**64)
-                                None if req.seed is None else (req.seed + j) % 2**64, req.stops(), logprobs)
+                params = Params(max_tokens, chosen["temperature"], chosen["top_p"], chosen["top_k"],
+                                None if req.seed is None else (req.seed + j) % 2**64,   # int64 seeds -> [0, 2**64)
+                                req.stops(), logprobs, chosen["min_p"], prompt_logprobs, penalties)
                 seqs.append(Sequence(ids, params, emitter(p * req.n + j), self.tokenizer, self.eos,
                                      timeout=self.limits.request_timeout,
                                      constraint=None if constraint is None else constraint()))
-        if max_tokens == 0:
+        if max_tokens == 0 and prompt_logprobs is None:
             for seq in seqs:
                 seq.emit(("done", "length"))
             return seqs, queue
@@ -172,6 +182,12 @@ class Server:
             raise S.APIError(429, f"The server is full ({e}); retry in a second.", "requests",
                              code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         return seqs, queue
+
+    def sampling(self, req) -> dict:
+        """Temperature, top-p, top-k, min-p and the repetition penalty: as the request sets them, else as the model's file recommends
+        (a GGUF's ``general.sampling.*``, :attr:`defaults`), else the request's own defaults (OpenAI's)."""
+        return {k: getattr(req, k) if k in req.model_fields_set or k not in self.defaults else self.defaults[k]
+                for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 
     def token_string(self, tok: int, as_ids: bool) -> str:
         return f"token_id:{tok}" if as_ids else self.tokenizer.decode([tok])

@@ -1,0 +1,1 @@
+"""Evaluation with lm-evaluation-harness: a native tformer model class and tformer's own small tasks."""

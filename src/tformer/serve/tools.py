@@ -1,0 +1,113 @@
+"""Tool calls in chat: the functions shown to the model, the shape its answer is held to, and the answer parsed.
+
+**Shown.** A chat template that renders ``tools`` itself would take them as transformers passes them; the
+templates this server renders today do not (SmolLM2's ChatML among them), so the functions go into the
+system message as text, in the Hermes format most small models saw in training: their JSON signatures
+inside ``<tools></tools>`` and the instruction to answer with ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>``. An assistant message that made calls is rendered back in that form, and a
+``role: tool`` message as the tool's turn with its result, so the model reads the whole exchange.
+
+**Held to.** ``tool_choice: "required"`` or a named function constrains the answer with the grammar engine
+structured output uses (:mod:`tformer.serve.grammar`): a JSON value ``{"name": <one of the functions>,
+"arguments": <valid for its parameters schema>}``, so even a small model's call validates.
+``"auto"`` lets the model choose; ``"none"`` shows no tools.
+
+**Parsed** (:func:`parse`), whichever format the model wrote: Hermes / Qwen ``<tool_call>{json}</tool_call>``
+(one or more), Llama 3.x's bare JSON ``{"name": ..., "parameters": {...}}`` (after ``<|python_tag|>`` or
+not), and a generic JSON object with ``name`` and ``arguments``. Text outside the calls stays the content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+SYSTEM = ("You are a function calling AI model. You may call one or more functions to assist with the user query. "
+          "Here are the available tools: <tools>{tools}</tools> For each function call, return a JSON object with "
+          "the function name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
+          '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+
+def functions(tools: list[dict]) -> list[dict]:
+    """The ``function`` objects of OpenAI's ``tools`` (``{"type": "function", "function": {...}}``)."""
+    return [t["function"] for t in tools]
+
+
+def call_schema(tools: list[dict], name: str | None = None) -> dict:
+    """The JSON schema of one call: ``{"name": N, "arguments": <N's parameters>}`` for the function ``name``,
+    or any of them (``anyOf``) when ``name`` is None."""
+    options = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                 "arguments": f.get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False}
+               for f in functions(tools) if name is None or f["name"] == name]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def render_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """``messages`` as plain ``{"role", "content"}`` turns for a template without tool support: the
+    tools in the system message, earlier calls as ``<tool_call>`` text, tool results as the tool's turn."""
+    out = []
+    for m in messages:
+        content = m.get("content") or ""
+        for call in m.get("tool_calls") or []:
+            fn = call["function"]
+            args = fn["arguments"]
+            args = json.loads(args) if isinstance(args, str) and args.strip().startswith("{") else args
+            content += ("\n" if content else "") + "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}) \
+                + "\n</tool_call>"
+        out.append({"role": m["role"], "content": content})
+    if tools:
+        text = SYSTEM.format(tools=" ".join(json.dumps({"type": "function", "function": f}) for f in functions(tools)))
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {"role": out[0]["role"], "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _call(obj) -> dict | None:
+    """``{"name", "arguments"}`` from a parsed JSON object in any of the formats, or None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return {"name": obj["name"], "arguments": args if isinstance(args, dict) else {}}
+
+
+def parse(text: str) -> tuple[str | None, list[dict]]:
+    """``(content, calls)`` from a model's answer; each call is OpenAI's ``{"id", "type": "function",
+    "function": {"name", "arguments": JSON text}}``; content is None when the answer was only calls."""
+    calls, content = [], text
+    tagged = TOOL_CALL.findall(text)
+    if tagged:
+        for body in tagged:
+            try:
+                found = _call(json.loads(body))
+            except ValueError:
+                found = None
+            if found:
+                calls.append(found)
+        content = TOOL_CALL.sub("", text) if calls else text
+    else:
+        body = text.strip()
+        if body.startswith("<|python_tag|>"):
+            body = body[len("<|python_tag|>"):].strip()
+        if body.startswith("{"):
+            try:
+                obj = json.loads(body)
+            except ValueError:
+                obj = None
+            found = _call(obj)
+            if found:
+                calls, content = [found], ""
+    shaped = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+               "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
+    content = content.strip() if content is not None else None
+    return (content or None) if shaped else text, shaped
