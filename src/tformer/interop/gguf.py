@@ -159,22 +159,27 @@ def gpt2_split(tok: dict) -> bool:
 
 
 def gguf_pre(tok: dict, path: Path) -> str | None:
-    """llama.cpp's name (``tokenizer.ggml.pre``) for a tokenizer.json that splits text by one regular
-    expression before its bytes (``Split`` then ``ByteLevel``: Llama 3's ``llama-bpe``, Qwen's ``qwen2``);
-    ``None`` for any other layout (GPT-2's own, or "default"). An expression llama.cpp has no name for
-    is refused: llama.cpp would split the text otherwise, and so give other ids."""
-    from tformer.tokenizers import HF_PRE_SPLITS
+    """llama.cpp's name (``tokenizer.ggml.pre``) for a tokenizer.json that splits text by regular
+    expressions before its bytes (``Split``s then ``ByteLevel``: Llama 3's ``llama-bpe``, Qwen's ``qwen2``,
+    SmolLM's ``smollm``, GPT-2's ``gpt-2``); ``None`` for any other layout (GPT-2's own ByteLevel regex, or
+    "default"). Expressions llama.cpp has no name for are refused: llama.cpp would split the text
+    otherwise, and so give other ids."""
+    from tformer.tokenizers import GGUF_PRE_SPLITS, HF_PRE_SPLITS
 
     pre = tok.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else []
-    if [p.get("type") for p in parts] != ["Split", "ByteLevel"]:
+    kinds = [p.get("type") for p in parts]
+    if len(kinds) < 2 or kinds != ["Split"] * (len(kinds) - 1) + ["ByteLevel"]:
         return None
-    regex = (parts[0].get("pattern") or {}).get("Regex")
-    name = next((n for n, r in HF_PRE_SPLITS.items() if r == regex), None)
+    regexes = [(p.get("pattern") or {}).get("Regex") for p in parts[:-1]]
+    # one name per split: GGUF_PRE_SPLITS also holds aliases; the names written are those llama.cpp lists first
+    names = {tuple(GGUF_PRE_SPLITS[n]): n for n in ("smollm", "gpt-2", "llama-bpe", "qwen2")}
+    names.update({(r,): n for n, r in HF_PRE_SPLITS.items()})
+    name = names.get(tuple(regexes))
     if name is None:
-        raise InputError(f"{path} splits text by the expression {str(regex)[:60]!r}..., which is none llama.cpp has "
-                         f"a name for (tformer writes {', '.join(HF_PRE_SPLITS)}); remove tokenizer.json to export "
-                         f"the weights alone.")
+        raise InputError(f"{path} splits text by the expression {str(regexes[0])[:60]!r}..., which is none llama.cpp "
+                         f"has a name for (tformer writes {', '.join(sorted(set(names.values())))}); remove "
+                         f"tokenizer.json to export the weights alone.")
     return name
 
 
