@@ -407,7 +407,7 @@ void apply(const Product& P, const float* x, int64_t M, Acts& acts, float* y, in
   if (is_q5(P.fmt)) {
     if (!acts.tiles) acts.a.quantize(x, M, P.K);
     acts.tiles = true;
-    q5_product(P.fmt, path, static_cast<const uint8_t*>(P.w), P.N, acts.a, P.bias, y);
+    kquant_product(P.fmt, path, static_cast<const uint8_t*>(P.w), P.N, acts.a, P.bias, y);
     return;
   }
   if (is_kquant(P.fmt)) {
