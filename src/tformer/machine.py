@@ -185,10 +185,11 @@ def auto_threads(ranks: int = 1) -> int:
 
 
 def _own_ticks() -> int:
-    """This process's CPU time, all its threads, in /proc/stat's ticks (utime + stime of /proc/self/stat)."""
+    """This process's CPU time, all its threads and the children it has waited for (a kernel build's
+    compiler during a model's load), in /proc/stat's ticks: utime + stime + cutime + cstime of /proc/self/stat."""
     with open("/proc/self/stat", encoding="ascii") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+    return sum(int(v) for v in fields[11:15])
 
 
 class FreeCores:
