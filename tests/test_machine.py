@@ -94,8 +94,8 @@ def test_own_ticks_count_the_children_this_process_waited_for():
     import tformer.machine as machine
 
     before = machine._own_ticks()
-    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"],
-                   check=True)
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    subprocess.run([sys.executable, "-c", spin], check=True)
     assert machine._own_ticks() - before >= 20                   # 0.3 s of the child's CPU at 100 ticks a second
 
 
