@@ -86,6 +86,9 @@ def test_free_cores_counts_other_processes_not_this_one(monkeypatch):
     ticks.update(cpu=(1000 + 5, 5000 + 10), own=300)             # too short a window to tell: the default
     assert free.threads(2) == 2
     assert free.threads(1) == 1
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 64)      # 200 ticks of 64 cores: 31 ms, too short too
+    ticks.update(cpu=(1000 + 150, 5000 + 200), own=300 + 50)
+    assert free.threads(2) == 2
 
 
 def test_own_ticks_count_the_children_this_process_waited_for():

@@ -199,7 +199,8 @@ class FreeCores:
     that is not free wait out the other process's time slices at every parallel region (a 2-thread
     decode step ran 2.4x slower than 1 thread beside one ``yes`` on a 2-core machine, issue 47)."""
 
-    MIN_TICKS = 20          # below this the window says nothing (0.1 s on 2 cores): keep the default
+    MIN_TICKS = 10          # a core's ticks (0.1 s): a shorter window says nothing (one tick of a neighbour
+                            # would read as 1 / (window x cores) of the machine): keep the default
 
     def __init__(self):
         try:
@@ -218,9 +219,10 @@ class FreeCores:
         except (OSError, ValueError, IndexError):
             return default
         b0, t0, own0 = self._start
-        if t1 - t0 < self.MIN_TICKS:
+        cores = os.cpu_count() or 1                    # /proc/stat's first line sums every core's ticks
+        if t1 - t0 < self.MIN_TICKS * cores:
             return default
-        busy = max(0, (b1 - b0) - (own1 - own0)) / (t1 - t0) * (os.cpu_count() or 1)
+        busy = max(0, (b1 - b0) - (own1 - own0)) / (t1 - t0) * cores
         return max(1, min(default, available_cores() - round(busy)))
 
 
