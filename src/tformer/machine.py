@@ -196,8 +196,8 @@ class FreeCores:
     """The cores other processes leave free, measured while this process works (a model's load, say)
     instead of sleeping for it: from construction to :meth:`threads`, /proc/stat's busy ticks less this
     process's own. A browser or a ``yes`` on one of two cores makes it one: intra-op threads on a core
-    that is not free wait out the other process's time slices at every parallel region (a 2-thread
-    decode step ran 2.4x slower than 1 thread beside one ``yes`` on a 2-core machine, issue 47)."""
+    that is not free wait out the other process's time slices at every parallel region (beside one ``yes`` on
+    a 2-core machine, 2 threads decoded 1.9-7.8x slower than 1: benchmarks/results/quant/busy_threads-epyc.md)."""
 
     MIN_TICKS = 10          # a core's ticks (0.1 s): a shorter window says nothing (one tick of a neighbour
                             # would read as 1 / (window x cores) of the machine): keep the default
