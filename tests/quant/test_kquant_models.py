@@ -179,3 +179,25 @@ def test_q5_layers_whole_equal_module_path(monkeypatch, qk_norm):
     b = _prompt_and_steps(model, False, monkeypatch, ids)
     assert b.abs().max() > 0.1
     assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
+
+
+def test_a_tiled_qkv_beside_stacked_ones_is_split_at_its_tiles(monkeypatch):
+    """A model whose layer 0 has q, k, v in different formats (StackedLinear) and layer 1 one tiled q8_0 qkv:
+    the call takes q, k, v apart in every layer, layer 1's as views of whole tiles (plan._qkv_parts)."""
+    if qgemv.path() not in qgemv.TILE_ROWS:
+        pytest.skip("no SIMD path on this CPU: no whole-layer call")
+    from tformer.quant import blocks
+
+    model = _q5_model()
+    attn = model.blocks[1].attn
+    attn.qkv_proj = BlockLinear(blocks.quantize(attn.qkv_proj.dequantized(), "q8_0"), "q8_0")
+    plan = whole.choose(model).plan
+    assert plan is not None, whole.chosen(model).reason
+    tiles = attn.qkv_proj._tiled[qgemv.path()]
+    qkv1 = plan.layers[1][1][:3]                                       # layer 1's q, k, v: views of its tiles
+    assert qkv1[0].data_ptr() == tiles.data_ptr() and sum(m.shape[0] for m in qkv1) == tiles.shape[0]
+    ids = [i % 61 for i in IDS]
+    a = _prompt_and_steps(model, True, monkeypatch, ids)
+    b = _prompt_and_steps(model, False, monkeypatch, ids)
+    assert b.abs().max() > 0.1
+    assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
