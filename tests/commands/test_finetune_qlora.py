@@ -95,6 +95,26 @@ def test_qlora_false_widens_the_base(q4_1_file, tmp_path, capsys):
     assert "QLoRA" not in capsys.readouterr().out
 
 
+def test_a_file_of_mixed_formats_is_widened_and_says_so(q4_1_file, tmp_path, monkeypatch, capsys):
+    """A file whose q, k and v differ in format (as in a Q4_K_M file) opens as a StackedLinear that LoRA cannot
+    wrap: the base is widened to float32 and the log says why."""
+    from tformer.interop import gguf as gguf_export
+    from tformer.interop.hf import load_hf
+    from tformer.training.finetune import qlora_dtype
+    plain = gguf_export.encode
+    monkeypatch.setattr(gguf_export, "encode",      # k and v (32 rows of 64) in Q8_0, the rest in Q4_1
+                        lambda a, kind: plain(a, "q8_0" if a.shape == (32, 64) else kind))
+    path = tmp_path / "mixed.gguf"
+    gguf_export.save_gguf(load_hf(q4_1_file.parent), path, "q4_1", tokenizer_dir=q4_1_file.parent, eos=[2])
+    monkeypatch.undo()
+    assert qlora_dtype(str(q4_1_file)) == ("q4_1", None)
+    assert qlora_dtype(str(path))[0] == "fp32"
+    assert main(["finetune", "--model", str(path), "--out", str(tmp_path / "w"), *QUICK, "--set", "max_steps=1"]) == 0
+    out = capsys.readouterr().out
+    assert "stores its layer matrices as q4_1, q8_0" in out and "widened to float32" in out
+    assert "multiplied in float tile by tile" not in out
+
+
 def test_merged_gguf_greedy_tokens_equal_in_llama_cpp(q4_1_file, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     from tformer.generation.generate import generate

@@ -151,14 +151,19 @@ class FinetuneSettings(TrainConfig):
 
 
 # ---------------------------------------------------------------------------------------- the base model
-def load_base(path: str, blocks: bool = False) -> tuple[torch.nn.Module, Any, ChatTemplate, tuple[int, ...]]:
+def load_base(path: str, blocks: bool = False, log: Callable[[str], None] | None = None,
+              ) -> tuple[torch.nn.Module, Any, ChatTemplate, tuple[int, ...]]:
     """``(model, tokenizer, chat template, stop ids)`` of a tformer checkpoint / run folder, a HuggingFace
     folder or a GGUF file, opened by :func:`tformer.inference.open_model` with plain float modules (their
     parameters train); a GGUF file widened to float32, or with ``blocks`` (QLoRA) kept in its own blocks
-    where every matrix is in one block format tformer keeps, their products in float tile by tile."""
+    where every matrix is in one block format tformer keeps (:func:`qlora_dtype`; ``log`` is told when a
+    file is widened instead), their products in float tile by tile."""
     from tformer.inference import open_model, require_tokenizer
 
-    opened = open_model(path, "auto" if blocks else "fp32", kernels=False)
+    dtype, why = qlora_dtype(path) if blocks else ("fp32", None)
+    if why and log is not None:
+        log(why)
+    opened = open_model(path, dtype, kernels=False)
     use_float_tiles(opened.model)                     # the blocks (if any) as a frozen base that passes gradients
     require_tokenizer(opened)                         # fine-tuning needs the base model's tokenizer
     if opened.kind == "gguf":                         # the file's own template and special tokens
@@ -173,6 +178,26 @@ def load_base(path: str, blocks: bool = False) -> tuple[torch.nn.Module, Any, Ch
         if tid is not None and tid not in stops:
             stops.append(tid)
     return opened.model, opened.tokenizer, template, tuple(stops)
+
+
+def qlora_dtype(path: str) -> tuple[str, str | None]:
+    """``(dtype, why widened)`` QLoRA opens ``path`` in: a GGUF file's own block format when every layer matrix
+    is in one of Q8_0, Q4_0, Q4_1 (what :class:`~tformer.training.lora.LoRALinear` trains over and ``--merge``
+    writes back), else ``fp32`` (a K-quant or mixed file, e.g. Q4_K_M, whose q, k and v differ in format; with
+    the sentence saying so)."""
+    from tformer.inference import resolve_source
+    from tformer.interop.gguf_import import layer_formats
+    from tformer.interop.gguf_reader import GGUFFile
+    from tformer.quant.quantize import BLOCK_FORMATS
+
+    _, source, kind = resolve_source(path)
+    if kind != "gguf":
+        return "fp32", None
+    formats = layer_formats(GGUFFile(source))
+    if len(formats) == 1 and formats <= set(BLOCK_FORMATS):
+        return next(iter(formats)), None
+    return "fp32", (f"QLoRA: {source} stores its layer matrices as {', '.join(sorted(formats))}; tformer trains "
+                    f"over {', '.join(BLOCK_FORMATS)} blocks only, so the base is widened to float32")
 
 
 def token_id(tokenizer, text: str | None) -> int | None:
@@ -327,7 +352,7 @@ def _new(out: Path, s: FinetuneSettings, log) -> FinetuneLoop:
                          f"or choose another --out to start a new run.")
     if s.model is None:
         raise ConfigError("tformer finetune needs --model: a tformer checkpoint or a HuggingFace model folder.")
-    model, tokenizer, template, stops = load_base(s.model, blocks=s.method == "lora" and s.qlora)
+    model, tokenizer, template, stops = load_base(s.model, blocks=s.method == "lora" and s.qlora, log=log)
     torch.manual_seed(s.seed)
     if s.method == "lora":
         add_lora(model, s.lora_spec(model))
