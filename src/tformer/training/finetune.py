@@ -305,8 +305,8 @@ class AdapterState(torch.nn.Module):
 
 
 def on_blocks(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s frozen base is (partly) a GGUF file's blocks."""
-    return any(isinstance(m, BlockLinear) or getattr(m, "fmt", None) for m in model.modules())
+    """Whether ``model``'s frozen base is (partly) a GGUF file's blocks (a block layer, or LoRA over one)."""
+    return any(getattr(m, "fmt", None) for m in model.modules())
 
 
 class FinetuneLoop(Loop):
@@ -325,7 +325,8 @@ class FinetuneLoop(Loop):
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_embeddings", False) else set()
         if on_blocks(self.model):                      # the base is the file's: only the adapters were saved
-            missing = [k for k in missing if k in lora_parameters(self.model)]
+            adapters = lora_parameters(self.model)
+            missing = [k for k in missing if k in adapters]
         if set(missing) - tied or unexpected:
             raise CheckpointError(f"{folder}/{WEIGHTS} does not fit this run's model: missing {sorted(missing)[:3]}, "
                                   f"unexpected {sorted(unexpected)[:3]}; resume with the run's own settings.")
@@ -367,8 +368,7 @@ def _loop(model, tokenizer, template, stops, s, out, log, reference: dict | None
     if s.objective == "dpo":
         if not isinstance(model, DecoderLM):
             raise ConfigError(f"objective=dpo needs a decoder language model; {type(model).__name__} is not one.")
-        task = PreferenceTask(train, val, s, tokenizer, pad, stops)
-        task.reference = reference
+        task = PreferenceTask(train, val, s, tokenizer, pad, stops, reference)
     else:
         task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops,
                             labelled_only=isinstance(model, DecoderLM), share_prefix=s.share_prefix)
