@@ -82,11 +82,15 @@ def test_qlora_trains_over_the_blocks_resumes_exactly_and_merges(q4_1_file, tmp_
 
     out_reader = gguf.GGUFReader(str(whole / "merged.gguf"))
     kinds = {x.name: x.tensor_type.name for x in out_reader.tensors}
-    assert kinds["blk.1.ffn_down.weight"] == "Q4_1" and kinds["blk.0.attn_q.weight"] == "Q4_1"
+    # a 4-bit base merges into Q8_0 (4 bits again would round the update away)
+    assert kinds["blk.1.ffn_down.weight"] == "Q8_0" and kinds["blk.0.attn_q.weight"] == "Q8_0"
+    assert "merged.gguf in q8_0, not the base's q4_1" in out
     t2 = next(x for x in out_reader.tensors if x.name == "blk.1.ffn_down.weight")
     back = gguf.quants.dequantize(np.asarray(t2.data), t2.tensor_type).reshape(64, 128)
-    step = (base + delta).max(1, keepdims=True) - (base + delta).min(1, keepdims=True)
-    assert np.all(np.abs(back - (base + delta)) <= step / 15 + 1e-3)     # within Q4_1's rounding of each row
+    merged_w = (base + delta).reshape(64, 4, 32)
+    # Q8_0: scale d = max|w|/127 per 32 weights, stored in f16: half a step, plus 127 q's times d's f16 rounding
+    half_step = np.abs(merged_w).max(2, keepdims=True) / 127 * (0.5 + 127 * 2**-11)
+    assert np.all(np.abs(back.reshape(64, 4, 32) - merged_w) <= half_step + 1e-6)
 
 
 def test_qlora_false_widens_the_base(q4_1_file, tmp_path, capsys):
@@ -124,7 +128,7 @@ def test_merged_gguf_greedy_tokens_equal_in_llama_cpp(q4_1_file, tmp_path):
                  "--set", "max_steps=3", "--set", "lr=5e-2"]) == 0
     path = str(run / "merged.gguf")
     ours = open_model(path)
-    assert ours.dtype == "q4_1"
+    assert ours.dtype == "q8_0"                  # a 4-bit base merges into Q8_0 (MERGED_FORMAT)
     llm = llama_cpp.Llama(model_path=path, n_ctx=128, n_threads=1, verbose=False)
     try:
         for prompt in ([1, 5, 7, 9], [3, 40, 41, 42, 43, 44]):

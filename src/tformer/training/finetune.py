@@ -65,7 +65,7 @@ class FinetuneSettings(TrainConfig):
         eval_exact: held-out questions answered greedily for ``exact_match`` at each evaluation
             (the built-in task; 0 = none).
         merge: also write ``merged/``, the model with the adapters folded in (over a GGUF file's blocks also
-            ``merged.gguf``, in the file's block format).
+            ``merged.gguf``: in the file's block format, Q8_0 for a 4-bit one, :data:`MERGED_FORMAT`).
         qlora: with ``method=lora`` and a GGUF file whose matrices are in one block format tformer keeps, train
             over the file's blocks as they are (QLoRA, :mod:`tformer.quant.tiled`); ``false`` widens the base
             to float32 first.
@@ -428,6 +428,11 @@ def _resume(out: Path, s: FinetuneSettings, log, given: set[str]) -> FinetuneLoo
     return loop
 
 
+# the block format merged.gguf is written in, for a base in a 4-bit format: SmolLM2's Q4_1 merge written back
+# as Q4_1 answered 0 of 10 held-out questions right, as Q8_0 all 10 (docs/finetune.md, QLoRA)
+MERGED_FORMAT = {"q4_0": "q8_0", "q4_1": "q8_0"}
+
+
 def finish(loop: FinetuneLoop) -> dict:
     """After the run: ``adapter/`` (LoRA) and, with ``merge``, ``merged/``; a summary."""
     s, out, model = loop.cfg, loop.out_dir, loop.model
@@ -444,9 +449,13 @@ def finish(loop: FinetuneLoop) -> dict:
         template = loop.task.state()["chat_template"]["source"]
         atomic_write(merged / "chat_template.jinja", lambda tmp: Path(tmp).write_text(template, encoding="utf-8"))
         written["merged"] = str(merged)
-        if fmt is not None:                            # back to the file's own block format, for llama.cpp
+        if fmt is not None:                            # back to a block format, for llama.cpp
             from tformer.interop.gguf import save_gguf
-            save_gguf(plain, out / "merged.gguf", fmt, tokenizer_dir=merged, eos=list(loop.task.stop_ids))
+            kept = MERGED_FORMAT.get(fmt, fmt)
+            if kept != fmt:
+                loop.log(f"merged.gguf in {kept}, not the base's {fmt}: rounding the merged weights to 4 bits again "
+                    f"rounds most of the adapters' update away")
+            save_gguf(plain, out / "merged.gguf", kept, tokenizer_dir=merged, eos=list(loop.task.stop_ids))
             written["merged GGUF"] = str(out / "merged.gguf")
     return written
 
