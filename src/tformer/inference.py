@@ -280,8 +280,9 @@ def choose_path(model) -> tuple[str, str]:
 
 @contextmanager
 def _collector_paused():
-    """Python's cyclic garbage collector off while a model opens: opening makes ~10^5 long-lived strings
-    (the vocabulary) and creates no cycles worth finding, so a full collection would only rescan them."""
+    """Python's cyclic garbage collector off while a model opens: the objects opening makes would set off a
+    full collection, which rescans every object the process tracks (torch's ~10^5 among them) and finds no
+    cycles worth freeing."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -198,14 +198,12 @@ GGUF_PRE_SPLITS = {
     "qwen2": [QWEN2_SPLIT],
     "default": [r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"],
 }
-# The same splits as the families' tokenizer.json files write them (a Split pre-tokenizer before ByteLevel),
-# by llama.cpp's name for them: how a tokenizer.json is named when it is written into a GGUF file
-HF_PRE_SPLITS = {
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-}
+# The same splits as the families' tokenizer.json files write them (a Split pre-tokenizer before ByteLevel,
+# the contractions case-insensitive by a flag), by llama.cpp's name for them: how a tokenizer.json is named
+# when it is written into a GGUF file
+HF_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+HF_PRE_SPLITS = {name: HF_CONTRACTIONS + GGUF_PRE_SPLITS[name][0].removeprefix(CONTRACTIONS)
+                 for name in ("llama-bpe", "qwen2")}
 IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")   # a piece that is a whole token is taken as it is
 CONTROL, USER_DEFINED, UNUSED = 3, 4, 5                 # llama.cpp token types (llama_token_type)
 
