@@ -163,9 +163,8 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
         why = f"--dtype {dtype}: re-quantised from the file's {', '.join(sorted(formats))} weights"
     else:
         why = f"--dtype {dtype}"
-    mixed = dtype == file_formats(formats)              # several formats (or K-quants), each kept as stored
-    keep = (dtype in BLOCK_FORMATS and formats == {dtype}) or mixed
-    model = set_precision(load_gguf_file(f, keep_quant=keep), "fp32" if mixed else dtype, decode_kernels=kernels)
+    keep = dtype == file_formats(formats)        # the file's own format(s): each matrix kept as stored, the rest float
+    model = set_precision(load_gguf_file(f, keep_quant=keep), "fp32" if keep else dtype, decode_kernels=kernels)
     tokenizer = gguf_tokenizer(f)
     conf = tokenizer_config(f)
     source = conf.pop("chat_template", None)
