@@ -17,7 +17,6 @@ layout differs, a branch in :func:`write_gguf`.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from unittest import mock
