@@ -1,5 +1,5 @@
-"""What the first write into fresh memory costs, with and without asking for huge pages first: why the
-tile arenas (src/tformer/quant/qgemv.cpp, ``arena_zeros``) ask for huge pages only once written.
+"""What the first write into fresh memory costs, with and without asking for huge pages first: whether the
+tile arenas (src/tformer/quant/qgemv.cpp, ``arena_zeros``) should ask before their first write.
 
 Per round, 128 MB of anonymous memory is mapped fresh and filled twice (``memset``): the first fill
 pays the page faults (and, after ``madvise(MADV_HUGEPAGE)``, the kernel's search for free 2 MB pages),

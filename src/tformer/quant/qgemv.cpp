@@ -279,12 +279,12 @@ at::Tensor qgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, con
 // miss and the hardware prefetcher stops at every page boundary, and each matrix (0.2-0.6 MB) is
 // its own allocation, too small for a huge page. Tiles repacked one after another (BlockLinear at
 // its first call, the whole-layer plan layer by layer: decode order) lie end to end on 2 MB pages
-// instead. An arena (ARENA bytes, or one tensor's if larger) is mapped fresh, handed out front to
+// instead. An arena (ARENA bytes, or one tensor's if larger) is mapped fresh, asked for huge pages
+// (madvise: a hint; where the kernel refuses, 4 KB pages and the same bytes), handed out front to
 // back, and unmapped when the last tensor in it dies (the open one starts again at its front).
-// Its filled 2 MB spans are offered for huge pages only once written (madvise: a hint, taken up by
-// khugepaged in the background): a huge page asked for before its first touch makes that touch
-// wait for the kernel to find or compact 2 MB, which in a virtual machine can multiply the time to
-// open a model, for no decode speed measured on the machines tried.
+// Asked before the first write, not after: the first write is faster so in the median, though now
+// and then a virtual machine makes it wait far longer for its 2 MB pages
+// (benchmarks/results/quant/first_touch-epyc-zen4.md).
 #ifdef TFORMER_ARENA
 constexpr size_t HUGE_PAGE = size_t(2) << 20, ARENA = size_t(64) << 20;
 
@@ -325,6 +325,9 @@ at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts
     auto* a = new Arena;
     a->map = m, a->map_len = size + HUGE_PAGE, a->size = size;
     a->base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(m) + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+#ifdef MADV_HUGEPAGE
+    madvise(a->base, size, MADV_HUGEPAGE);
+#endif
     OPEN_ARENA = a;
   }
   Arena* a = OPEN_ARENA;
@@ -332,10 +335,6 @@ at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts
   a->used += want;
   ++a->live;
   std::memset(p, 0, want);                                          // a reused front is not zero any more
-#ifdef MADV_HUGEPAGE
-  const size_t done = (a->used / HUGE_PAGE) * HUGE_PAGE, from = ((a->used - want) / HUGE_PAGE) * HUGE_PAGE;
-  if (done > from) madvise(a->base + from, done - from, MADV_HUGEPAGE);   // the 2 MB spans this tensor finished
-#endif
   return at::from_blob(p, {rows, cols}, [a](void*) { release_tiles(a); }, opts);
 }
 #else
