@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import time
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tformer.serve import reasoning
 from tformer.serve import schemas as S
-from tformer.serve.openai_api import chat_prompt, check_model, collect, error_of, read_json
+from tformer.serve.openai_api import chat_ids, check_model, collect, error_of, read_json
 from tformer.serve.scheduler import Token
 
 
@@ -53,12 +52,7 @@ async def responses(request: Request):
     server = request.app.state.server
     req = await read_json(request, server.limits.max_body_bytes, S.ResponsesRequest)
     check_model(server, req.model)
-    messages = messages_of(req)
-    if server.chat_template is not None:
-        prompts = [await run_in_threadpool(server.chat_template.encode, server.tokenizer, messages, True,
-                                           server.parse_special)]
-    else:
-        prompts = server.encode_prompts(chat_prompt(messages, server.chat_separator))
+    prompts = await chat_ids(server, messages_of(req))
     max_tokens = server.check_length(prompts, req.max_output_tokens, None)
     thinking = reasoning.opens_thinking(server.tokenizer, prompts[0])
     seqs, queue = server.start(prompts, req, max_tokens, None)
