@@ -215,11 +215,12 @@ class ChatFormat(_Format):
 
     def delta(self, index: int, tok: Token, offset: int) -> dict:
         real = [tok] if tok.id >= 0 else []
-        return {"index": index, "delta": self.pieces(index, self.splitters.setdefault(index, reasoning.Splitter(self.thinking)).feed(
-                    tok.text)), "logprobs": self.logprobs_of(real) if real else None, "finish_reason": None}
+        splitter = self.splitters.setdefault(index, reasoning.Splitter(self.thinking))
+        return {"index": index, "delta": self.pieces(splitter.feed(tok.text)),
+                "logprobs": self.logprobs_of(real) if real else None, "finish_reason": None}
 
     @staticmethod
-    def pieces(index: int, parts: list[tuple[str, str]]) -> dict:
+    def pieces(parts: list[tuple[str, str]]) -> dict:
         """A delta from a reasoning splitter's pieces (``content`` "" when it held everything back)."""
         delta: dict = {}
         for field, text in parts:
@@ -229,7 +230,7 @@ class ChatFormat(_Format):
     def tail(self, index: int) -> list[dict]:
         """What the stream's reasoning splitter still holds for choice ``index``, as one delta (or none)."""
         parts = self.splitters.pop(index).flush() if index in self.splitters else []
-        return [{"index": index, "delta": self.pieces(index, parts), "logprobs": None, "finish_reason": None}] \
+        return [{"index": index, "delta": self.pieces(parts), "logprobs": None, "finish_reason": None}] \
             if parts else []
 
     def last(self, index: int, reason: str) -> dict:
