@@ -22,6 +22,11 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city", "unit"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"], "additionalProperties": False}}}
+# a call made earlier and its result, as a client sends them back
+EXCHANGE = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+            {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}]
 
 
 @pytest.mark.parametrize("text,content,calls", [
@@ -44,10 +49,7 @@ def test_parsers_on_fixed_outputs(text, content, calls):
 
 
 def test_calls_and_results_are_rendered_back():
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-                {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}]
+    messages = EXCHANGE
     out = tools.render_messages(messages, [WEATHER])
     assert out[0]["role"] == "system" and '"name": "get_weather"' in out[0]["content"]
     assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
@@ -77,10 +79,7 @@ def test_a_template_that_takes_tools_renders_them_itself(name):
     source = (Path(__file__).parents[1] / "data" / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8") \
         if name == "qwen3" else CHATML
     server = SimpleNamespace(chat_template=Rendered(source), tokenizer=None, parse_special=False)
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-                {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}]
+    messages = EXCHANGE
     [text] = asyncio.run(chat_ids(server, messages, [WEATHER]))
     assert server.chat_template.takes_tools == (name == "qwen3")
     assert ("You are a function calling AI model" in text) == (name == "chatml")          # the Hermes fallback
