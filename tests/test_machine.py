@@ -86,3 +86,44 @@ def test_free_cores_counts_other_processes_not_this_one(monkeypatch):
     ticks.update(cpu=(1000 + 5, 5000 + 10), own=300)             # too short a window to tell: the default
     assert free.threads(2) == 2
     assert free.threads(1) == 1
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 64)      # 200 ticks of 64 cores: 31 ms, too short too
+    ticks.update(cpu=(1000 + 150, 5000 + 200), own=300 + 50)
+    assert free.threads(2) == 2
+
+
+def test_own_ticks_count_the_children_this_process_waited_for():
+    """A compiler run during a model's load (the kernels' first build) is this process's work, not a busy
+    neighbour's: FreeCores must not take threads away for it."""
+    import tformer.machine as machine
+
+    before = machine._own_ticks()
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    subprocess.run([sys.executable, "-c", spin], check=True)
+    assert machine._own_ticks() - before >= 20                   # 0.3 s of the child's CPU at 100 ticks a second
+
+
+def test_open_model_without_threads_takes_the_free_cores(monkeypatch):
+    """open_model(threads=None) sets torch's threads to what a FreeCores made before the load says, given
+    torch's count; with ``threads`` it sets that and measures nothing."""
+    from pathlib import Path
+
+    import tformer.inference as inference
+
+    asked = []
+
+    class Busy:
+        def threads(self, default):
+            asked.append(default)
+            return 1
+
+    monkeypatch.setattr(inference, "FreeCores", Busy)
+    gguf = Path(__file__).parent / "data" / "qwen2-tiny-q4_k_m.gguf"
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        inference.open_model(gguf)
+        assert asked == [2] and torch.get_num_threads() == 1
+        inference.open_model(gguf, threads=2)
+        assert asked == [2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(n)

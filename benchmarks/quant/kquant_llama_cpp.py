@@ -142,7 +142,7 @@ def main() -> None:
              "| file | threads | tformer decode | llama.cpp decode | ratio | tformer prefill | llama.cpp prefill | ratio "
              "| RSS MiB (t / l) | ratio | load s (t / l) | ratio | tformer weights, path |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    summary = {}
+    summary, uneven = {}, []
     for path in files:
         for t in args.threads:
             a, b = rows[f"{path.name}|{t}|tformer"], rows[f"{path.name}|{t}|llama.cpp"]
@@ -151,10 +151,18 @@ def main() -> None:
             ratio = {k: v[0] / v[1] for k, v in m.items()}
             summary[f"{path.name} {t}t"] = {"tformer": {k: v[0] for k, v in m.items()},
                                             "llama.cpp": {k: v[1] for k, v in m.items()}, "ratio": ratio}
+            # a median of 2 rounds is their mean: one slow round moves it (a llama.cpp round at 10 tok/s once did)
+            for who, xs in (("tformer", a), ("llama.cpp", b)):
+                rates = [x["decode"] for x in xs]
+                if max(rates) > 1.5 * min(rates):
+                    uneven.append(f"{path.name} {t}t {who} decode rounds {', '.join(f'{r:.1f}' for r in rates)}")
             lines.append(f"| {path.name} | {t} | {m['decode'][0]:.1f} | {m['decode'][1]:.1f} | {ratio['decode']:.2f} | "
                          f"{m['prefill'][0]:.1f} | {m['prefill'][1]:.1f} | {ratio['prefill']:.2f} | "
                          f"{m['rss'][0] / 2**20:.0f} / {m['rss'][1] / 2**20:.0f} | {ratio['rss']:.2f} | "
                          f"{m['load'][0]:.2f} / {m['load'][1]:.2f} | {ratio['load']:.2f} | {a[-1]['how']} |")
+    if uneven:
+        lines += ["", "Rounds more than 1.5x apart (their median is no measure of a goal; run again): "
+                  + "; ".join(uneven) + "."]
     out = results_dir("quant") / f"kquant_llama_cpp{'-' + args.tag if args.tag else ''}"
     run.write(out.with_suffix(".md"), "\n".join(lines) + "\n")
     run.write_json(out.with_suffix(".json"), {"rows": rows, "summary": summary, "prompt": args.prompt})

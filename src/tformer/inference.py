@@ -163,9 +163,8 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
         why = f"--dtype {dtype}: re-quantised from the file's {', '.join(sorted(formats))} weights"
     else:
         why = f"--dtype {dtype}"
-    mixed = dtype == file_formats(formats)              # several formats (or K-quants), each kept as stored
-    keep = (dtype in BLOCK_FORMATS and formats == {dtype}) or mixed
-    model = set_precision(load_gguf_file(f, keep_quant=keep), "fp32" if mixed else dtype, decode_kernels=kernels)
+    keep = dtype == file_formats(formats)        # the file's own format(s): each matrix kept as stored, the rest float
+    model = set_precision(load_gguf_file(f, keep_quant=keep), "fp32" if keep else dtype, decode_kernels=kernels)
     tokenizer = gguf_tokenizer(f)
     conf = tokenizer_config(f)
     source = conf.pop("chat_template", None)
@@ -280,8 +279,9 @@ def choose_path(model) -> tuple[str, str]:
 
 @contextmanager
 def _collector_paused():
-    """Python's cyclic garbage collector off while a model opens: opening makes ~10^5 long-lived strings
-    (the vocabulary) and creates no cycles worth finding, so a full collection would only rescan them."""
+    """Python's cyclic garbage collector off while a model opens: the objects opening makes would set off a
+    full collection, which rescans every object the process tracks (torch's ~10^5 among them) and finds no
+    cycles worth freeing."""
     was = gc.isenabled()
     gc.disable()
     try:

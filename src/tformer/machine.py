@@ -185,20 +185,22 @@ def auto_threads(ranks: int = 1) -> int:
 
 
 def _own_ticks() -> int:
-    """This process's CPU time, all its threads, in /proc/stat's ticks (utime + stime of /proc/self/stat)."""
+    """This process's CPU time, all its threads and the children it has waited for (a kernel build's
+    compiler during a model's load), in /proc/stat's ticks: utime + stime + cutime + cstime of /proc/self/stat."""
     with open("/proc/self/stat", encoding="ascii") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+    return sum(int(v) for v in fields[11:15])
 
 
 class FreeCores:
     """The cores other processes leave free, measured while this process works (a model's load, say)
     instead of sleeping for it: from construction to :meth:`threads`, /proc/stat's busy ticks less this
     process's own. A browser or a ``yes`` on one of two cores makes it one: intra-op threads on a core
-    that is not free wait out the other process's time slices at every parallel region (a 2-thread
-    decode step ran 2.4x slower than 1 thread beside one ``yes`` on a 2-core machine, issue 47)."""
+    that is not free wait out the other process's time slices at every parallel region (beside one ``yes`` on
+    a 2-core machine, 2 threads decoded 1.9-7.8x slower than 1: benchmarks/results/quant/busy_threads-epyc.md)."""
 
-    MIN_TICKS = 20          # below this the window says nothing (0.1 s on 2 cores): keep the default
+    MIN_TICKS = 10          # a core's ticks (0.1 s): a shorter window says nothing (one tick of a neighbour
+                            # would read as 1 / (window x cores) of the machine): keep the default
 
     def __init__(self):
         try:
@@ -217,9 +219,10 @@ class FreeCores:
         except (OSError, ValueError, IndexError):
             return default
         b0, t0, own0 = self._start
-        if t1 - t0 < self.MIN_TICKS:
+        cores = os.cpu_count() or 1                    # /proc/stat's first line sums every core's ticks
+        if t1 - t0 < self.MIN_TICKS * cores:
             return default
-        busy = max(0, (b1 - b0) - (own1 - own0)) / (t1 - t0) * (os.cpu_count() or 1)
+        busy = max(0, (b1 - b0) - (own1 - own0)) / (t1 - t0) * cores
         return max(1, min(default, available_cores() - round(busy)))
 
 

@@ -23,8 +23,6 @@ then blocks a better one, which the equality tests on varied text have not met.
 
 from __future__ import annotations
 
-from tformer.errors import CheckpointError
-
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6     # llama.cpp's llama_token_type
 SPACE = "\u2581"                                                             # SentencePiece's visible space
 
@@ -68,26 +66,14 @@ def gguf_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_type
     """
     from tokenizers import Tokenizer, decoders, models, normalizers
 
-    from tformer.tokenizers import gguf_special_tokens
+    from tformer.tokenizers import checked_gguf_tokens, gguf_refusal, gguf_special_tokens
 
-    def refuse(key: str, why: str) -> CheckpointError:
-        return CheckpointError(f"GGUF metadata tokenizer.ggml.{key} {why}; the file is damaged.")
-
-    if not isinstance(tokens, list) or not tokens or set(map(type, tokens)) != {str}:
-        raise refuse("tokens", "is missing or is not a non-empty array of strings")
+    vocab, types = checked_gguf_tokens(tokens, token_types, {"bos_token_id": bos_id, "eos_token_id": eos_id,
+                                                             "unknown_token_id": unk_id})
     n = len(tokens)
     if not isinstance(scores, list) or len(scores) != n or not all(isinstance(s, (int, float)) for s in scores):
-        raise refuse("scores", f"must hold one number per token ({n}) for a SentencePiece vocabulary, which "
-                     f"joins pieces by score")
-    types = list(token_types) if token_types is not None else [NORMAL] * n
-    if len(types) != n or not all(isinstance(k, int) and not isinstance(k, bool) for k in types):
-        raise refuse("token_type", f"must hold one integer per token ({n}); it holds {len(types)} items")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != n:
-        raise refuse("tokens", "lists a token twice, so one of its ids could never be produced")
-    for key, i in (("bos_token_id", bos_id), ("eos_token_id", eos_id), ("unknown_token_id", unk_id)):
-        if i is not None and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n):
-            raise refuse(key, f"is {i!r}, which is not the id of one of the {n} tokens")
+        raise gguf_refusal("scores", f"must hold one number per token ({n}) for a SentencePiece vocabulary, which "
+                           f"joins pieces by score")
     if unk_id is None:
         unk_id = next((i for i, k in enumerate(types) if k == UNKNOWN), None)
 

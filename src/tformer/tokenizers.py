@@ -198,48 +198,45 @@ GGUF_PRE_SPLITS = {
     "qwen2": [QWEN2_SPLIT],
     "default": [r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"],
 }
-# The same splits as the families' tokenizer.json files write them (a Split pre-tokenizer before ByteLevel),
-# by llama.cpp's name for them: how a tokenizer.json is named when it is written into a GGUF file
-HF_PRE_SPLITS = {
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-}
+# The same splits as the families' tokenizer.json files write them (a Split pre-tokenizer before ByteLevel,
+# the contractions case-insensitive by a flag), by llama.cpp's name for them: how a tokenizer.json is named
+# when it is written into a GGUF file
+HF_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+HF_PRE_SPLITS = {name: HF_CONTRACTIONS + GGUF_PRE_SPLITS[name][0].removeprefix(CONTRACTIONS)
+                 for name in ("llama-bpe", "qwen2")}
 IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")   # a piece that is a whole token is taken as it is
 CONTROL, USER_DEFINED, UNUSED = 3, 4, 5                 # llama.cpp token types (llama_token_type)
 
 
-def _checked_gguf_vocabulary(tokens, merges, token_types, *, bos_id, eos_id):
-    """``(vocab, merge pairs, token types)`` of a GGUF vocabulary, refusing (naming the GGUF key) what
-    :func:`gguf_bpe_tokenizer` would crash on or misread."""
-    def refuse(key: str, why: str) -> CheckpointError:
-        return CheckpointError(f"GGUF metadata tokenizer.ggml.{key} {why}; the file is damaged.")
+def gguf_refusal(key: str, why: str) -> CheckpointError:
+    """The refusal of a damaged ``tokenizer.ggml.{key}``, in one sentence."""
+    return CheckpointError(f"GGUF metadata tokenizer.ggml.{key} {why}; the file is damaged.")
 
+
+def checked_gguf_tokens(tokens, token_types, special_ids: dict[str, int | None]) -> tuple[dict[str, int], list[int]]:
+    """``(vocab, token types)`` of a GGUF vocabulary of either kind (types ``[]`` where the file has none),
+    refusing, naming the GGUF key, no tokens, a token twice, types not one per token, or a special id
+    (``special_ids``: ``"bos_token_id"`` -> id or None) outside the vocabulary."""
     if not isinstance(tokens, list) or not tokens or set(map(type, tokens)) != {str}:
-        raise refuse("tokens", "is missing or is not a non-empty array of strings, so the file's token ids mean "
-                     "nothing")
+        raise gguf_refusal("tokens", "is missing or is not a non-empty array of strings, so the file's token ids "
+                           "mean nothing")
     vocab = dict(zip(tokens, range(len(tokens))))
     if len(vocab) != len(tokens):                           # find the first repeat only when there is one
         seen: dict[str, int] = {}
         for i, t in enumerate(tokens):
             if t in seen:
-                raise refuse("tokens", f"lists {t!r} twice (ids {seen[t]} and {i}), so one of the ids could never "
-                             f"be produced")
+                raise gguf_refusal("tokens", f"lists {t!r} twice (ids {seen[t]} and {i}), so one of the ids could "
+                                   f"never be produced")
             seen[t] = i
-    if not isinstance(merges, list) or not set(map(type, merges)) <= {str}:
-        raise refuse("merges", "is not an array of strings")
-    # that every merge is two tokens making a token is checked by the BPE model as it is built
-    # (:func:`_merge_fault` names the entry when it refuses)
-    pairs = [m.partition(" ")[::2] for m in merges]
     types = list(token_types) if token_types is not None else []
     if token_types is not None and (len(types) != len(tokens)
                                     or not all(isinstance(k, int) and not isinstance(k, bool) for k in types)):
-        raise refuse("token_type", f"must hold one integer per token ({len(tokens)}); it holds {len(types)} items")
-    for key, i in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
+        raise gguf_refusal("token_type", f"must hold one integer per token ({len(tokens)}); it holds {len(types)} "
+                           f"items")
+    for key, i in special_ids.items():
         if i is not None and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(tokens)):
-            raise refuse(key, f"is {i!r}, which is not the id of one of the {len(tokens)} tokens")
-    return vocab, pairs, types
+            raise gguf_refusal(key, f"is {i!r}, which is not the id of one of the {len(tokens)} tokens")
+    return vocab, types
 
 
 def _merge_fault(merges: list[str], vocab: dict[str, int]) -> str | None:
@@ -277,7 +274,12 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
     if pre not in GGUF_PRE_SPLITS:
         raise CheckpointError(f"GGUF metadata tokenizer.ggml.pre={pre!r} names a pre-tokenizer tformer does not "
                               f"know (it knows {', '.join(GGUF_PRE_SPLITS)}); its splitting rules decide the ids.")
-    vocab, pairs, types = _checked_gguf_vocabulary(tokens, merges, token_types, bos_id=bos_id, eos_id=eos_id)
+    vocab, types = checked_gguf_tokens(tokens, token_types, {"bos_token_id": bos_id, "eos_token_id": eos_id})
+    if not isinstance(merges, list) or not set(map(type, merges)) <= {str}:
+        raise gguf_refusal("merges", "is not an array of strings")
+    # that every merge is two tokens making a token is checked by the BPE model as it is built
+    # (:func:`_merge_fault` names the entry when it refuses)
+    pairs = [m.partition(" ")[::2] for m in merges]
     try:
         tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in IGNORE_MERGES))
     except BaseException as e:  # noqa: BLE001  the Rust library panics (a BaseException) on what it cannot build
@@ -285,7 +287,7 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
             raise
         fault = _merge_fault(merges, vocab)
         if fault is not None:
-            raise CheckpointError(f"GGUF metadata tokenizer.ggml.merges {fault}; the file is damaged.") from None
+            raise gguf_refusal("merges", fault) from None
         raise CheckpointError(f"the GGUF vocabulary (tokenizer.ggml.tokens / tokenizer.ggml.merges) cannot be "
                               f"built: {str(e).splitlines()[0] if str(e) else type(e).__name__}; the file is "
                               f"damaged.") from None

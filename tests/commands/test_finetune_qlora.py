@@ -82,17 +82,41 @@ def test_qlora_trains_over_the_blocks_resumes_exactly_and_merges(q4_1_file, tmp_
 
     out_reader = gguf.GGUFReader(str(whole / "merged.gguf"))
     kinds = {x.name: x.tensor_type.name for x in out_reader.tensors}
-    assert kinds["blk.1.ffn_down.weight"] == "Q4_1" and kinds["blk.0.attn_q.weight"] == "Q4_1"
+    # a 4-bit base merges into Q8_0 (4 bits again would round the update away)
+    assert kinds["blk.1.ffn_down.weight"] == "Q8_0" and kinds["blk.0.attn_q.weight"] == "Q8_0"
+    assert "merged.gguf in q8_0, not the base's q4_1" in out
     t2 = next(x for x in out_reader.tensors if x.name == "blk.1.ffn_down.weight")
     back = gguf.quants.dequantize(np.asarray(t2.data), t2.tensor_type).reshape(64, 128)
-    step = (base + delta).max(1, keepdims=True) - (base + delta).min(1, keepdims=True)
-    assert np.all(np.abs(back - (base + delta)) <= step / 15 + 1e-3)     # within Q4_1's rounding of each row
+    merged_w = (base + delta).reshape(64, 4, 32)
+    # Q8_0: scale d = max|w|/127 per 32 weights, stored in f16: half a step, plus 127 q's times d's f16 rounding
+    half_step = np.abs(merged_w).max(2, keepdims=True) / 127 * (0.5 + 127 * 2**-11)
+    assert np.all(np.abs(back.reshape(64, 4, 32) - merged_w) <= half_step + 1e-6)
 
 
 def test_qlora_false_widens_the_base(q4_1_file, tmp_path, capsys):
     assert main(["finetune", "--model", str(q4_1_file), "--out", str(tmp_path / "w"), *QUICK,
                  "--set", "max_steps=1", "--set", "qlora=false"]) == 0
     assert "QLoRA" not in capsys.readouterr().out
+
+
+def test_a_file_of_mixed_formats_is_widened_and_says_so(q4_1_file, tmp_path, monkeypatch, capsys):
+    """A file whose q, k and v differ in format (as in a Q4_K_M file) opens as a StackedLinear that LoRA cannot
+    wrap: the base is widened to float32 and the log says why."""
+    from tformer.interop import gguf as gguf_export
+    from tformer.interop.hf import load_hf
+    from tformer.training.finetune import qlora_dtype
+    plain = gguf_export.encode
+    monkeypatch.setattr(gguf_export, "encode",      # k and v (32 rows of 64) in Q8_0, the rest in Q4_1
+                        lambda a, kind: plain(a, "q8_0" if a.shape == (32, 64) else kind))
+    path = tmp_path / "mixed.gguf"
+    gguf_export.save_gguf(load_hf(q4_1_file.parent), path, "q4_1", tokenizer_dir=q4_1_file.parent, eos=[2])
+    monkeypatch.undo()
+    assert qlora_dtype(str(q4_1_file)) == ("q4_1", None)
+    assert qlora_dtype(str(path))[0] == "fp32"
+    assert main(["finetune", "--model", str(path), "--out", str(tmp_path / "w"), *QUICK, "--set", "max_steps=1"]) == 0
+    out = capsys.readouterr().out
+    assert "stores its layer matrices as q4_1, q8_0" in out and "widened to float32" in out
+    assert "multiplied in float tile by tile" not in out
 
 
 def test_merged_gguf_greedy_tokens_equal_in_llama_cpp(q4_1_file, tmp_path):
@@ -104,7 +128,7 @@ def test_merged_gguf_greedy_tokens_equal_in_llama_cpp(q4_1_file, tmp_path):
                  "--set", "max_steps=3", "--set", "lr=5e-2"]) == 0
     path = str(run / "merged.gguf")
     ours = open_model(path)
-    assert ours.dtype == "q4_1"
+    assert ours.dtype == "q8_0"                  # a 4-bit base merges into Q8_0 (MERGED_FORMAT)
     llm = llama_cpp.Llama(model_path=path, n_ctx=128, n_threads=1, verbose=False)
     try:
         for prompt in ([1, 5, 7, 9], [3, 40, 41, 42, 43, 44]):

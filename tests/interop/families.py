@@ -17,7 +17,7 @@ layout differs, a branch in :func:`write_gguf`.
 from __future__ import annotations
 
 import json
-import math
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -25,6 +25,9 @@ import numpy as np
 import torch
 
 from varied_text import varied_lines
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))     # tests/, for gguf_hf
+from gguf_hf import add_llama_hyperparameters, finish  # noqa: E402
 
 N_LAYERS = 2
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -188,14 +191,7 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(family)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    add_llama_hyperparameters(w, c)
     w.add_rope_dimension_count(head_dim)
     if head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(head_dim)
@@ -244,10 +240,7 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
         else:
             qt = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[kind]
             w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 

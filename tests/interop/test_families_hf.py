@@ -165,3 +165,15 @@ def test_lora_steps_and_the_peft_adapter_loads_in_peft(pair, tmp_path):
         ours, theirs = model(x)[0], ref(x).logits
         assert F.relative(ours, theirs) < TOL, family
         assert F.relative(load_hf(folder)(x)[0], theirs) > 1e-3          # the adapter matters
+
+
+def test_qwen3_with_qkv_biases_only_is_refused(tmp_path):
+    """Qwen3's attention_bias puts a bias on o_proj too, so tformer's q/k/v-only biases have no Qwen3 name."""
+    from tformer.config import TransformerConfig
+    from tformer.errors import ConfigError
+    from tformer.models import build_model
+
+    c = TransformerConfig(vocab_size=64, context_length=32, n_layers=1, d_model=32, n_heads=2, positions="rope",
+                          norm="rmsnorm", ffn="swiglu", bias=False, qkv_bias=True, qk_norm=True, qk_norm_gain=True)
+    with pytest.raises(ConfigError, match="qkv_bias"):
+        save_hf(build_model(c), tmp_path, "qwen3")

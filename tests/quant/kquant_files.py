@@ -11,10 +11,14 @@ fallbacks (Q5_0, Q5_1, Q8_0) and only ``ffn_down`` (4864 = 19 · 256 inputs) in 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))     # tests/, for gguf_hf
+from gguf_hf import add_llama_hyperparameters, finish  # noqa: E402
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
@@ -44,14 +48,7 @@ def write_gguf(model, path: Path) -> Path:
     c = model.config
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN2, c.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    add_llama_hyperparameters(w, c)
     w.add_vocab_size(c.vocab_size)
     w.add_file_type(1)                                                # mostly f16
     w.add_tokenizer_model("none")
@@ -60,10 +57,7 @@ def write_gguf(model, path: Path) -> Path:
             continue
         a = v.detach().numpy()
         w.add_tensor(names.get_name(k, try_suffixes=(".weight", ".bias")), a.astype(np.float16 if a.ndim == 2 else np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 

@@ -5,12 +5,14 @@ import torch
 from tformer import DecoderLM, TransformerConfig
 
 
-def tiny(context_length: int = 48):
+def tiny(context_length: int = 48, **config):
     """A random Llama-shaped decoder (RoPE, GQA, RMSNorm, SwiGLU), its head scaled up so the logits are
-    spread like a trained model's (greedy choices that quantisation error can flip)."""
+    spread like a trained model's (greedy choices that quantisation error can flip); ``config`` adds to
+    or overrides its TransformerConfig (``qk_norm=True``, say)."""
     torch.manual_seed(0)
-    c = TransformerConfig(vocab_size=61, context_length=context_length, n_layers=2, d_model=64, n_heads=4,
-                          n_kv_heads=2, positions="rope", norm="rmsnorm", ffn="swiglu", bias=False)
+    c = TransformerConfig(**{**dict(vocab_size=61, context_length=context_length, n_layers=2, d_model=64, n_heads=4,
+                                    n_kv_heads=2, positions="rope", norm="rmsnorm", ffn="swiglu", bias=False),
+                             **config})
     model = DecoderLM(c).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20)

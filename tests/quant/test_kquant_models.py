@@ -135,15 +135,21 @@ def test_other_k_files_equal_llama_cpp(kind, tmp_path):
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
-def _q5_model():
+def _q5_model(qk_norm: bool = False):
     """quant_models.tiny with its products as Q5_0 / Q5_1 blocks quantised by gguf-py (``gguf.quants``, an
     independent quantiser): gate Q5_1, the rest Q5_0, and q | k | v stacked as Q5_0 | Q5_1 | Q5_0 so the
-    layer call takes them apart."""
+    layer call takes them apart. ``qk_norm``: Qwen3's QK-norm with gains too (random, q's and k's apart),
+    so the call gets both optional entries of its dims (3 qkv parts, then QK-norm)."""
     import gguf
 
     from quant_models import tiny
 
-    model = tiny()
+    model = tiny(**(dict(qk_norm=True, qk_norm_gain=True) if qk_norm else {}))
+    if qk_norm:
+        with torch.no_grad():
+            for b in model.blocks:
+                b.attn.q_norm.weight.uniform_(0.2, 3)
+                b.attn.k_norm.weight.uniform_(0.2, 3)
     kinds = {"q5_0": gguf.GGMLQuantizationType.Q5_0, "q5_1": gguf.GGMLQuantizationType.Q5_1}
 
     def blocks(weight, fmt):
@@ -158,13 +164,39 @@ def _q5_model():
     return model
 
 
-def test_q5_layers_whole_equal_module_path(monkeypatch):
-    """Q5_0 / Q5_1 products in the whole-layer call (q, k, v apart) against the module path's BlockLinears."""
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_q5_layers_whole_equal_module_path(monkeypatch, qk_norm):
+    """Q5_0 / Q5_1 products in the whole-layer call (q, k, v apart; with QK-norm gains too) against the
+    module path's BlockLinears."""
     if qgemv.path() not in qgemv.TILE_ROWS:
         pytest.skip("no SIMD path on this CPU: no whole-layer call")
-    model = _q5_model()
-    assert whole.choose(model).plan is not None, whole.chosen(model).reason
+    model = _q5_model(qk_norm)
+    plan = whole.choose(model).plan
+    assert plan is not None, whole.chosen(model).reason
+    assert plan.dims[5:] == ([3, 1] if qk_norm else [3])                # (..., mlp, qkv parts[, QK-norm])
     ids = [i % 61 for i in IDS]                          # the tiny model's vocabulary
+    a = _prompt_and_steps(model, True, monkeypatch, ids)
+    b = _prompt_and_steps(model, False, monkeypatch, ids)
+    assert b.abs().max() > 0.1
+    assert float((a - b).abs().max()) <= 2e-3 * float(b.abs().max())
+
+
+def test_a_tiled_qkv_beside_stacked_ones_is_split_at_its_tiles(monkeypatch):
+    """A model whose layer 0 has q, k, v in different formats (StackedLinear) and layer 1 one tiled q8_0 qkv:
+    the call takes q, k, v apart in every layer, layer 1's as views of whole tiles (plan._qkv_parts)."""
+    if qgemv.path() not in qgemv.TILE_ROWS:
+        pytest.skip("no SIMD path on this CPU: no whole-layer call")
+    from tformer.quant import blocks
+
+    model = _q5_model()
+    attn = model.blocks[1].attn
+    attn.qkv_proj = BlockLinear(blocks.quantize(attn.qkv_proj.dequantized(), "q8_0"), "q8_0")
+    plan = whole.choose(model).plan
+    assert plan is not None, whole.chosen(model).reason
+    tiles = attn.qkv_proj._tiled[qgemv.path()]
+    qkv1 = plan.layers[1][1][:3]                                       # layer 1's q, k, v: views of its tiles
+    assert qkv1[0].data_ptr() == tiles.data_ptr() and sum(m.shape[0] for m in qkv1) == tiles.shape[0]
+    ids = [i % 61 for i in IDS]
     a = _prompt_and_steps(model, True, monkeypatch, ids)
     b = _prompt_and_steps(model, False, monkeypatch, ids)
     assert b.abs().max() > 0.1

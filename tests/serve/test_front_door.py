@@ -109,3 +109,32 @@ def test_a_context_of_2_to_the_40_is_sized_without_allocating_it(tmp_path):
         build_server(str(tmp_path), slots=1)
     server = build_server(str(tmp_path), slots=1, max_model_len=64)
     server.close()
+
+
+def test_kept_blocks_are_the_files_pages_and_the_collector_comes_back(smollm2, tmp_path):
+    """A GGUF's kept blocks are views of the mapped file (no copy of its bytes); the garbage collector,
+    paused while a model opens, is on again afterwards, also when opening fails."""
+    import gc
+
+    from tformer.errors import CheckpointError
+    from tformer.quant.block_linear import BlockLinear
+
+    opened = open_model("smollm2")
+    # a feed-forward matrix: the attention's q, k and v are stacked into one matrix, a copy
+    lin = next(m for n, m in opened.model.named_modules() if isinstance(m, BlockLinear) and n.endswith("ffn.down"))
+
+    def mapping_of(address: int) -> str:                       # the file (or "") a process address lies in
+        for line in open("/proc/self/maps"):
+            span, *rest = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return rest[-1].strip() if len(rest) == 5 else ""
+        return ""
+
+    assert mapping_of(lin.blocks.data_ptr()) == str(opened.source.resolve())
+    assert gc.isenabled()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 8)
+    with pytest.raises(CheckpointError):
+        open_model(str(bad))
+    assert gc.isenabled()

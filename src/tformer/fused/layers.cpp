@@ -392,38 +392,30 @@ void float_product(const T* W, const Product& P, const float* x, int64_t M, floa
   });
 }
 
-// One input quantised both ways, each made at its first use: 8-bit blocks of 32 for tiles and Q8_K for
-// K-quants (gate and up, or q, k and v, read one quantisation of h).
+// One input quantised both ways, each made at its first use: 8-bit blocks of 32 for tiles and Q5_0 / Q5_1,
+// Q8_K for the K-quants (gate and up, or q, k and v, read one quantisation of h).
 struct Acts {
   QAct a;
   Q8K k;
-  bool tiles = false, kq = false;
-  void fresh() { tiles = kq = false; }      // a new input: both made again (their buffers kept)
+  bool has_a = false, has_k = false;
+  void fresh() { has_a = has_k = false; }      // a new input: both made again (their buffers kept)
+  const QAct& blocks32(const float* x, int64_t M, int64_t K) {
+    if (!has_a) a.quantize(x, M, K), has_a = true;
+    return a;
+  }
+  const Q8K& q8k(const float* x, int64_t M, int64_t K) {
+    if (!has_k) k.quantize(x, M, K), has_k = true;
+    return k;
+  }
 };
 
 // y = x . W^T (+ b) for x (M, P.K): a block product quantises x into `acts` unless it holds that
 // quantisation of x already
 void apply(const Product& P, const float* x, int64_t M, Acts& acts, float* y, int64_t path) {
-  if (is_q5(P.fmt)) {
-    if (!acts.tiles) acts.a.quantize(x, M, P.K);
-    acts.tiles = true;
-    q5_product(P.fmt, path, static_cast<const uint8_t*>(P.w), P.N, acts.a, P.bias, y);
-    return;
-  }
-  if (is_kquant(P.fmt)) {
-    if (!acts.kq) acts.k.quantize(x, M, P.K);
-    acts.kq = true;
-    kquant_product(P.fmt, path, static_cast<const uint8_t*>(P.w), P.N, acts.k, P.bias, y);
-    return;
-  }
-  QAct& a = acts.a;
-  bool& quantised = acts.tiles;
-  if (P.blocks()) {
-    if (!quantised) a.quantize(x, M, P.K);
-    quantised = true;
-    tile_product(P.tiles, a, P.bias, y);
-    return;
-  }
+  const auto* w = static_cast<const uint8_t*>(P.w);
+  if (is_q5(P.fmt)) return kquant_product(P.fmt, path, w, P.N, acts.blocks32(x, M, P.K), P.bias, y);
+  if (is_kquant(P.fmt)) return kquant_product(P.fmt, path, w, P.N, acts.q8k(x, M, P.K), P.bias, y);
+  if (P.blocks()) return tile_product(P.tiles, acts.blocks32(x, M, P.K), P.bias, y);
   const bool wide = path == AVX512VNNI;
   if (P.fmt == F32) float_product(static_cast<const float*>(P.w), P, x, M, y, wide);
   else if (P.fmt == BF16) float_product(static_cast<const at::BFloat16*>(P.w), P, x, M, y, wide);

@@ -33,10 +33,8 @@ BIASES = [("attn.out_proj.bias", "self_attn.o_proj.bias"), ("ffn.gate.bias", "ml
           ("ffn.up.bias", "mlp.up_proj.bias"), ("ffn.down.bias", "mlp.down_proj.bias")]
 QKV = ("q_proj", "k_proj", "v_proj")
 ROPE_TYPES = ("default",) + tuple(t for t in ROPE_SCALINGS if t != "factors")
-
-
-HF_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
-                "beta_slow", "attention_factor", "truncate")
+# the keys of those scalings, which HF's rope_parameters name as tformer's config does
+HF_ROPE_KEYS = tuple(dict.fromkeys(k for t in ROPE_TYPES[1:] for k in sum(ROPE_SCALINGS[t], ())))
 
 
 def rope_parameters(hf: dict) -> dict:

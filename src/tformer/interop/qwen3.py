@@ -44,12 +44,13 @@ def model_type_for(c: TransformerConfig) -> str | None:
 
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     require(c, model_type, mixer="attention", positions="rope", norm="rmsnorm", norm_placement="pre", ffn="swiglu",
-            causal=True, embedding_norm=False, type_vocab_size=0, bias=False, qk_norm=True, qk_norm_gain=True)
+            causal=True, embedding_norm=False, type_vocab_size=0, bias=False, qkv_bias=False, qk_norm=True,
+            qk_norm_gain=True)               # Qwen3's attention_bias would put a bias on o_proj as well
 
 
 def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
     hf = llama.config_to_hf(c, "qwen2")                         # Qwen3Config has Qwen2's window fields
-    hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=c.qkv_bias)
+    hf.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False)
     return hf
 
 

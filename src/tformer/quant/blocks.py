@@ -132,13 +132,9 @@ def quantize(weight: Tensor, fmt: str) -> Tensor:
 
 
 def _per_block(blocks: Tensor, fmt: str) -> Tensor:
-    """``(N, G · size)`` uint8 blocks viewed as ``(N, G, size)``, refused in one sentence if they are not."""
-    check_format(fmt)
-    size = BYTES[fmt]
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
-        raise InputError(f"{fmt} blocks must be an (N, G·{size}) uint8 matrix; got {blocks.dtype} "
-                         f"{tuple(blocks.shape)}.")
-    return blocks.reshape(blocks.shape[0], -1, size)
+    """``(N, G · size)`` uint8 blocks viewed as ``(N, G, size)``, refused as :func:`packed_shape` refuses."""
+    packed_shape(blocks, fmt, "blocks")
+    return blocks.reshape(blocks.shape[0], -1, BYTES[fmt])
 
 
 def unpack(blocks: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor | None]:

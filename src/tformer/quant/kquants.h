@@ -17,6 +17,7 @@
 //   q5_0: d dx (sum q qx - 16 s)        q5_1: d dx sum q qx + m dx s        (s = sum qx of the block)
 #pragma once
 #include <c10/util/Half.h>
+#include <type_traits>
 #include "tiles.h"
 
 namespace {
@@ -39,6 +40,12 @@ inline float k_half(const uint8_t* p) {
   std::memcpy(&bits, p, 2);
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
+
+struct KRow {
+  const int8_t* q;       // (K,)
+  const float* d;        // (S,)
+  const int16_t* bsums;  // (S, 16)
+};
 
 // M activation rows as Q8_K (ggml's quantize_row_q8_K_ref): per block of 256, max = the value of
 // largest magnitude (the first on ties), iscale = -127 / max, q = min(127, rne(iscale x)),
@@ -78,12 +85,7 @@ struct Q8K {
       d[b] = 1.0f / iscale;
     }
   }
-};
-
-struct KRow {
-  const int8_t* q;       // (K,)
-  const float* d;        // (S,)
-  const int16_t* bsums;  // (S, 16)
+  KRow row(int64_t m) const { return KRow{q.data() + m * K, d.data() + m * S, bsums.data() + m * S * 16}; }
 };
 
 // q4_k / q5_k's 12 bytes of 6-bit scales and mins -> sc[8], m[8] (ggml's get_scale_min_k4)
@@ -336,19 +338,24 @@ T_AVX2 inline __m256i fifth_bits(uint32_t qh) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
+// 32 codes of one Q5 block (0..31) in a 256-bit vector
+T_AVX2 inline __m256i q5_codes(const uint8_t* b, int64_t at) {
+  uint32_t qh;
+  std::memcpy(&qh, b + at, 4);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at + 4));
+  const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+  return _mm256_or_si256(nib, fifth_bits(qh));
+}
+
 template <int F, int MR>
 T_AVX2 void q5dot_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) {
   constexpr int64_t bytes = KBYTES[F - Q4_K], at = F == Q5_1 ? 4 : 2;
-  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
   float mins[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
   for (int64_t g = 0; g < G; ++g, w += bytes) {
-    uint32_t qh;
-    std::memcpy(&qh, w + at, 4);
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at + 4));
-    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);   // codes 0..15, 16..31
-    const __m256i q = _mm256_or_si256(nib, fifth_bits(qh));
+    const __m256i q = q5_codes(w, at);
     const float dw = h2f_k(w);
     for (int r = 0; r < MR; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].q + 32 * g));
@@ -359,15 +366,6 @@ T_AVX2 void q5dot_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) {
     }
   }
   for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]) + mins[r];
-}
-
-// 32 codes of one Q5 block (0..31) in a 256-bit vector
-T_AVX2 inline __m256i q5_codes(const uint8_t* b, int64_t at) {
-  uint32_t qh;
-  std::memcpy(&qh, b + at, 4);
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at + 4));
-  const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
-  return _mm256_or_si256(nib, fifth_bits(qh));
 }
 
 // AVX-512: two blocks a step (64 codes), one dpbusd per row; q5_0's -16 s rides in the accumulator's
@@ -404,87 +402,66 @@ T_VNNI void q5dot_vnni(const uint8_t* w, const XRow* x, int64_t G, float* out) {
 }
 #endif
 
-// kernel(w, rows, G, out): rows x[0..MR) against one Q5 weight row, out[MR]
-using Q5DotFn = void (*)(const uint8_t*, const XRow*, int64_t, float*);
-using Q5DotFns = Q5DotFn[KMR];
+// kernel(w, rows, n, out): activation rows x[0..MR) against one weight row of n (super-)blocks, out[MR];
+// Row is KRow (K-quants, on Q8_K) or XRow (Q5_0 / Q5_1, on tiles.h's blocks of 32). fns[MR - 1].
+template <typename Row>
+using KDotFn = void (*)(const uint8_t*, const Row*, int64_t, float*);
 
-template <int F, int MR>
-void q5dot_scalar_rows(const uint8_t* w, const XRow* x, int64_t G, float* out) {
-  for (int r = 0; r < MR; ++r) out[r] = q5dot_scalar<F>(w, x[r], G);
+template <typename Row, float (*Dot)(const uint8_t*, const Row&, int64_t), int MR>
+void scalar_rows(const uint8_t* w, const Row* x, int64_t n, float* out) {
+  for (int r = 0; r < MR; ++r) out[r] = Dot(w, x[r], n);
 }
 
-const Q5DotFn* q5dot_fns(int64_t path, int64_t fmt) {
 #define TF_ROWS(K, F) {&K<F, 1>, &K<F, 2>, &K<F, 3>, &K<F, 4>}
-  static const Q5DotFns scalar[2] = {TF_ROWS(q5dot_scalar_rows, Q5_0), TF_ROWS(q5dot_scalar_rows, Q5_1)};
+#define TF_SCALAR_ROWS(K, R, F) {&scalar_rows<R, &K<F>, 1>, &scalar_rows<R, &K<F>, 2>, &scalar_rows<R, &K<F>, 3>, \
+                                 &scalar_rows<R, &K<F>, 4>}
+const KDotFn<KRow>* kdot_fns(int64_t path, int64_t fmt) {
+  static const KDotFn<KRow> scalar[3][KMR] = {TF_SCALAR_ROWS(kdot_scalar, KRow, Q4_K), TF_SCALAR_ROWS(kdot_scalar, KRow, Q5_K),
+                                             TF_SCALAR_ROWS(kdot_scalar, KRow, Q6_K)};
 #ifdef TFORMER_X86
-  static const Q5DotFns avx2[2] = {TF_ROWS(q5dot_avx2, Q5_0), TF_ROWS(q5dot_avx2, Q5_1)};
-  static const Q5DotFns vnni[2] = {TF_ROWS(q5dot_vnni, Q5_0), TF_ROWS(q5dot_vnni, Q5_1)};
-  if (path == AVX2) return avx2[fmt - Q5_0];
-  if (path == AVX512VNNI) return vnni[fmt - Q5_0];
-#endif
-#undef TF_ROWS
-  return scalar[fmt - Q5_0];
-}
-
-// y (M, N) = act (M, K) . W^T (+ bias) for Q5_0 / Q5_1 rows, as kquant_product
-void q5_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const QAct& a, const float* bias, float* y) {
-  const auto start = std::chrono::steady_clock::now();
-  const Q5DotFn* fns = q5dot_fns(path, fmt);
-  const int64_t row_bytes = a.G * kquant_bytes(fmt);
-  const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
-  std::vector<XRow> rows(a.M);
-  for (int64_t m = 0; m < a.M; ++m) rows[m] = a.row(m);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    float tmp[KMR];
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m = 0; m < a.M; m += KMR) {
-        const int mr = int(std::min<int64_t>(KMR, a.M - m));
-        fns[mr - 1](w + n * row_bytes, rows.data() + m, a.G, tmp);
-        for (int r = 0; r < mr; ++r) y[(m + r) * N + n] = tmp[r] + (bias ? bias[n] : 0.0f);
-      }
-  });
-  PRODUCT_NS.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
-                       std::memory_order_relaxed);
-}
-
-using KDotFn = void (*)(const uint8_t*, const KRow*, int64_t, float*);
-using KDotFns = KDotFn[KMR];   // [MR - 1]
-
-template <int F, int MR>
-void kdot_scalar_rows(const uint8_t* w, const KRow* x, int64_t S, float* out) {
-  for (int r = 0; r < MR; ++r) out[r] = kdot_scalar<F>(w, x[r], S);
-}
-
-const KDotFn* kdot_fns(int64_t path, int64_t fmt) {
-#define TF_ROWS(K, F) {&K<F, 1>, &K<F, 2>, &K<F, 3>, &K<F, 4>}
-  static const KDotFns scalar[3] = {TF_ROWS(kdot_scalar_rows, Q4_K), TF_ROWS(kdot_scalar_rows, Q5_K),
-                                    TF_ROWS(kdot_scalar_rows, Q6_K)};
-#ifdef TFORMER_X86
-  static const KDotFns avx2[3] = {TF_ROWS(kdot_avx2, Q4_K), TF_ROWS(kdot_avx2, Q5_K), TF_ROWS(kdot_avx2, Q6_K)};
-  static const KDotFns vnni[3] = {TF_ROWS(kdot_vnni, Q4_K), TF_ROWS(kdot_vnni, Q5_K), TF_ROWS(kdot_vnni, Q6_K)};
+  static const KDotFn<KRow> avx2[3][KMR] = {TF_ROWS(kdot_avx2, Q4_K), TF_ROWS(kdot_avx2, Q5_K), TF_ROWS(kdot_avx2, Q6_K)};
+  static const KDotFn<KRow> vnni[3][KMR] = {TF_ROWS(kdot_vnni, Q4_K), TF_ROWS(kdot_vnni, Q5_K), TF_ROWS(kdot_vnni, Q6_K)};
   if (path == AVX2) return avx2[fmt - Q4_K];
   if (path == AVX512VNNI) return vnni[fmt - Q4_K];
 #endif
-#undef TF_ROWS
   return scalar[fmt - Q4_K];
 }
 
-// y (M, N) = act (M, K) . W^T (+ bias) for W (N, S * bytes) K-quant rows; rows of W split between
-// torch's threads, ~16 KB of them per task, each passed by the activation rows KMR at a time.
-void kquant_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const Q8K& a, const float* bias, float* y) {
+const KDotFn<XRow>* q5dot_fns(int64_t path, int64_t fmt) {
+  static const KDotFn<XRow> scalar[2][KMR] = {TF_SCALAR_ROWS(q5dot_scalar, XRow, Q5_0), TF_SCALAR_ROWS(q5dot_scalar, XRow, Q5_1)};
+#ifdef TFORMER_X86
+  static const KDotFn<XRow> avx2[2][KMR] = {TF_ROWS(q5dot_avx2, Q5_0), TF_ROWS(q5dot_avx2, Q5_1)};
+  static const KDotFn<XRow> vnni[2][KMR] = {TF_ROWS(q5dot_vnni, Q5_0), TF_ROWS(q5dot_vnni, Q5_1)};
+  if (path == AVX2) return avx2[fmt - Q5_0];
+  if (path == AVX512VNNI) return vnni[fmt - Q5_0];
+#endif
+  return scalar[fmt - Q5_0];
+}
+#undef TF_SCALAR_ROWS
+#undef TF_ROWS
+
+// y (M, N) = act (M, K) . W^T (+ bias) for W (N, n * bytes) rows in fmt (is_kquant), act's M rows quantised
+// as the format reads them (Q8K for q4_k / q5_k / q6_k, QAct for q5_0 / q5_1); rows of W split between torch's
+// threads, ~16 KB of them per task, each passed by the activation rows KMR at a time.
+template <typename Act>
+void kquant_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const Act& a, const float* bias, float* y) {
   const auto start = std::chrono::steady_clock::now();
-  const KDotFn* fns = kdot_fns(path, fmt);
-  const int64_t row_bytes = a.S * kquant_bytes(fmt);
+  using Row = decltype(a.row(0));
+  const KDotFn<Row>* fns;
+  int64_t n;                                                    // (super-)blocks a row
+  if constexpr (std::is_same_v<Act, Q8K>) fns = kdot_fns(path, fmt), n = a.S;
+  else fns = q5dot_fns(path, fmt), n = a.G;
+  const int64_t row_bytes = n * kquant_bytes(fmt);
   const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
-  std::vector<KRow> rows(a.M);
-  for (int64_t m = 0; m < a.M; ++m) rows[m] = KRow{a.q.data() + m * a.K, a.d.data() + m * a.S, a.bsums.data() + m * a.S * 16};
+  std::vector<Row> rows(a.M);
+  for (int64_t m = 0; m < a.M; ++m) rows[m] = a.row(m);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     float tmp[KMR];
-    for (int64_t n = n0; n < n1; ++n)
+    for (int64_t i = n0; i < n1; ++i)
       for (int64_t m = 0; m < a.M; m += KMR) {
         const int mr = int(std::min<int64_t>(KMR, a.M - m));
-        fns[mr - 1](w + n * row_bytes, rows.data() + m, a.S, tmp);
-        for (int r = 0; r < mr; ++r) y[(m + r) * N + n] = tmp[r] + (bias ? bias[n] : 0.0f);
+        fns[mr - 1](w + i * row_bytes, rows.data() + m, n, tmp);
+        for (int r = 0; r < mr; ++r) y[(m + r) * N + i] = tmp[r] + (bias ? bias[i] : 0.0f);
       }
   });
   PRODUCT_NS.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),

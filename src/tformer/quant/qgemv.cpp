@@ -454,7 +454,7 @@ at::Tensor kqgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, co
   if (is_q5(fmt)) {
     QAct a;
     a.quantize(xf.data_ptr<float>(), x.size(0), K);
-    q5_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bp, yf.data_ptr<float>());
+    kquant_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bp, yf.data_ptr<float>());
   } else {
     Q8K a;
     a.quantize(xf.data_ptr<float>(), x.size(0), K);

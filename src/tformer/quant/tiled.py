@@ -43,10 +43,9 @@ class _TiledProduct(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = grad.new_zeros(grad.shape[0], 0)
             for r, w in tiles(ctx.packed, ctx.fmt, grad.dtype, ctx.tile_rows):
                 part = grad[:, r:r + w.shape[0]] @ w                                         # (M, K)
-                gx = part if gx.shape[1] == 0 else gx.add_(part)
+                gx = part if gx is None else gx.add_(part)
         return gx, None, None, None, None
 
 

@@ -65,7 +65,7 @@ class FinetuneSettings(TrainConfig):
         eval_exact: held-out questions answered greedily for ``exact_match`` at each evaluation
             (the built-in task; 0 = none).
         merge: also write ``merged/``, the model with the adapters folded in (over a GGUF file's blocks also
-            ``merged.gguf``, in the file's block format).
+            ``merged.gguf``: in the file's block format, Q8_0 for a 4-bit one, :data:`MERGED_FORMAT`).
         qlora: with ``method=lora`` and a GGUF file whose matrices are in one block format tformer keeps, train
             over the file's blocks as they are (QLoRA, :mod:`tformer.quant.tiled`); ``false`` widens the base
             to float32 first.
@@ -151,14 +151,19 @@ class FinetuneSettings(TrainConfig):
 
 
 # ---------------------------------------------------------------------------------------- the base model
-def load_base(path: str, blocks: bool = False) -> tuple[torch.nn.Module, Any, ChatTemplate, tuple[int, ...]]:
+def load_base(path: str, blocks: bool = False, log: Callable[[str], None] | None = None,
+              ) -> tuple[torch.nn.Module, Any, ChatTemplate, tuple[int, ...]]:
     """``(model, tokenizer, chat template, stop ids)`` of a tformer checkpoint / run folder, a HuggingFace
     folder or a GGUF file, opened by :func:`tformer.inference.open_model` with plain float modules (their
     parameters train); a GGUF file widened to float32, or with ``blocks`` (QLoRA) kept in its own blocks
-    where every matrix is in one block format tformer keeps, their products in float tile by tile."""
+    where every matrix is in one block format tformer keeps (:func:`qlora_dtype`; ``log`` is told when a
+    file is widened instead), their products in float tile by tile."""
     from tformer.inference import open_model, require_tokenizer
 
-    opened = open_model(path, "auto" if blocks else "fp32", kernels=False)
+    dtype, why = qlora_dtype(path) if blocks else ("fp32", None)
+    if why and log is not None:
+        log(why)
+    opened = open_model(path, dtype, kernels=False)
     use_float_tiles(opened.model)                     # the blocks (if any) as a frozen base that passes gradients
     require_tokenizer(opened)                         # fine-tuning needs the base model's tokenizer
     if opened.kind == "gguf":                         # the file's own template and special tokens
@@ -173,6 +178,26 @@ def load_base(path: str, blocks: bool = False) -> tuple[torch.nn.Module, Any, Ch
         if tid is not None and tid not in stops:
             stops.append(tid)
     return opened.model, opened.tokenizer, template, tuple(stops)
+
+
+def qlora_dtype(path: str) -> tuple[str, str | None]:
+    """``(dtype, why widened)`` QLoRA opens ``path`` in: a GGUF file's own block format when every layer matrix
+    is in one of Q8_0, Q4_0, Q4_1 (what :class:`~tformer.training.lora.LoRALinear` trains over and ``--merge``
+    writes back), else ``fp32`` (a K-quant or mixed file, e.g. Q4_K_M, whose q, k and v differ in format; with
+    the sentence saying so)."""
+    from tformer.inference import resolve_source
+    from tformer.interop.gguf_import import layer_formats
+    from tformer.interop.gguf_reader import GGUFFile
+    from tformer.quant.quantize import BLOCK_FORMATS
+
+    _, source, kind = resolve_source(path)
+    if kind != "gguf":
+        return "fp32", None
+    formats = layer_formats(GGUFFile(source))
+    if len(formats) == 1 and formats <= set(BLOCK_FORMATS):
+        return next(iter(formats)), None
+    return "fp32", (f"QLoRA: {source} stores its layer matrices as {', '.join(sorted(formats))}; tformer trains "
+                    f"over {', '.join(BLOCK_FORMATS)} blocks only, so the base is widened to float32")
 
 
 def token_id(tokenizer, text: str | None) -> int | None:
@@ -280,8 +305,8 @@ class AdapterState(torch.nn.Module):
 
 
 def on_blocks(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s frozen base is (partly) a GGUF file's blocks."""
-    return any(isinstance(m, BlockLinear) or getattr(m, "fmt", None) for m in model.modules())
+    """Whether ``model``'s frozen base is (partly) a GGUF file's blocks (a block layer, or LoRA over one)."""
+    return any(getattr(m, "fmt", None) for m in model.modules())
 
 
 class FinetuneLoop(Loop):
@@ -300,7 +325,8 @@ class FinetuneLoop(Loop):
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_embeddings", False) else set()
         if on_blocks(self.model):                      # the base is the file's: only the adapters were saved
-            missing = [k for k in missing if k in lora_parameters(self.model)]
+            adapters = lora_parameters(self.model)
+            missing = [k for k in missing if k in adapters]
         if set(missing) - tied or unexpected:
             raise CheckpointError(f"{folder}/{WEIGHTS} does not fit this run's model: missing {sorted(missing)[:3]}, "
                                   f"unexpected {sorted(unexpected)[:3]}; resume with the run's own settings.")
@@ -327,7 +353,7 @@ def _new(out: Path, s: FinetuneSettings, log) -> FinetuneLoop:
                          f"or choose another --out to start a new run.")
     if s.model is None:
         raise ConfigError("tformer finetune needs --model: a tformer checkpoint or a HuggingFace model folder.")
-    model, tokenizer, template, stops = load_base(s.model, blocks=s.method == "lora" and s.qlora)
+    model, tokenizer, template, stops = load_base(s.model, blocks=s.method == "lora" and s.qlora, log=log)
     torch.manual_seed(s.seed)
     if s.method == "lora":
         add_lora(model, s.lora_spec(model))
@@ -342,8 +368,7 @@ def _loop(model, tokenizer, template, stops, s, out, log, reference: dict | None
     if s.objective == "dpo":
         if not isinstance(model, DecoderLM):
             raise ConfigError(f"objective=dpo needs a decoder language model; {type(model).__name__} is not one.")
-        task = PreferenceTask(train, val, s, tokenizer, pad, stops)
-        task.reference = reference
+        task = PreferenceTask(train, val, s, tokenizer, pad, stops, reference)
     else:
         task = FinetuneTask(train, val, s, tokenizer, pad, questions, stops,
                             labelled_only=isinstance(model, DecoderLM), share_prefix=s.share_prefix)
@@ -403,6 +428,11 @@ def _resume(out: Path, s: FinetuneSettings, log, given: set[str]) -> FinetuneLoo
     return loop
 
 
+# the block format merged.gguf is written in, for a base in a 4-bit format: SmolLM2's Q4_1 merge written back
+# as Q4_1 answered 0 of 10 held-out questions right, as Q8_0 all 10 (docs/finetune.md, QLoRA)
+MERGED_FORMAT = {"q4_0": "q8_0", "q4_1": "q8_0"}
+
+
 def finish(loop: FinetuneLoop) -> dict:
     """After the run: ``adapter/`` (LoRA) and, with ``merge``, ``merged/``; a summary."""
     s, out, model = loop.cfg, loop.out_dir, loop.model
@@ -419,9 +449,13 @@ def finish(loop: FinetuneLoop) -> dict:
         template = loop.task.state()["chat_template"]["source"]
         atomic_write(merged / "chat_template.jinja", lambda tmp: Path(tmp).write_text(template, encoding="utf-8"))
         written["merged"] = str(merged)
-        if fmt is not None:                            # back to the file's own block format, for llama.cpp
+        if fmt is not None:                            # back to a block format, for llama.cpp
             from tformer.interop.gguf import save_gguf
-            save_gguf(plain, out / "merged.gguf", fmt, tokenizer_dir=merged, eos=list(loop.task.stop_ids))
+            kept = MERGED_FORMAT.get(fmt, fmt)
+            if kept != fmt:
+                loop.log(f"merged.gguf in {kept}, not the base's {fmt}: rounding the merged weights to 4 bits again "
+                    f"rounds most of the adapters' update away")
+            save_gguf(plain, out / "merged.gguf", kept, tokenizer_dir=merged, eos=list(loop.task.stop_ids))
             written["merged GGUF"] = str(out / "merged.gguf")
     return written
 

@@ -39,10 +39,11 @@ class PreferenceTask(Task):
 
     eval_at_start = True
 
-    def __init__(self, train: list, val: list, cfg, tokenizer, pad_id: int, stop_ids: tuple[int, ...] = ()):
+    def __init__(self, train: list, val: list, cfg, tokenizer, pad_id: int, stop_ids: tuple[int, ...] = (),
+                 reference: dict[str, list] | None = None):
         self.train, self.val, self.cfg, self.tokenizer, self.pad_id = train, val, cfg, tokenizer, pad_id
         self.stop_ids, self.questions = tuple(stop_ids), []
-        self.reference: dict[str, list] | None = None
+        self.reference = reference
         mean = sum(len(c[0]) + len(r[0]) - 2 for c, r in train) / len(train)
         self.tokens_per_step = round(cfg.batch_size * mean)
         self.fingerprint = hashlib.sha256(json.dumps([train, val]).encode()).hexdigest()[:16]
