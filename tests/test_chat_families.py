@@ -102,6 +102,8 @@ def test_templates_render_as_transformers_does(name):
     options = [{}]
     if name == "qwen3":
         options = [{}, {"enable_thinking": True}, {"enable_thinking": False}]
+    source = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    assert ChatTemplate(source).takes_tools == (name in TAKES_TOOLS)       # what serve's tool calls read
     rendered = 0
     for conv in conversations(name):
         for tools in (None, TOOLS):

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.http_server import start as start_server  # noqa: E402
 from common.record import Run, results_dir  # noqa: E402
 
 TASK, BATCH, THREADS = "tformer_arith", 16, 2
@@ -64,21 +65,10 @@ def free_port() -> int:
 
 
 def serve(port: int) -> subprocess.Popen:
-    import httpx
-
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "tformer", "serve", "--model", "smollm2", "--dtype", "fp32",
-                             "--port", str(port), "--threads", str(THREADS), "--slots", str(BATCH),
-                             "--max-model-len", "512"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("tformer serve did not start")
+    cmd = [sys.executable, "-m", "tformer", "serve", "--model", "smollm2", "--dtype", "fp32", "--port", str(port),
+           "--threads", str(THREADS), "--slots", str(BATCH), "--max-model-len", "512"]
+    return start_server(cmd, port, env, timeout_s=300)
 
 
 def main() -> None:

@@ -457,12 +457,12 @@ class ChatTemplate:
     """
 
     def __init__(self, source: str, seconds: float = RENDER_SECONDS, **special: str):
-        from jinja2 import Environment
+        from jinja2 import Environment, nodes
         from jinja2.exceptions import TemplateError
         from jinja2.ext import loopcontrols
 
         try:                       # parsed here, so a broken template is refused when the model is opened
-            Environment(extensions=[loopcontrols]).parse(source)
+            parsed = Environment(extensions=[loopcontrols]).parse(source)
         except TemplateError as e:
             raise CheckpointError(f"the chat template does not parse ({e}); fix chat_template in "
                                   f"tokenizer_config.json.") from None
@@ -470,6 +470,9 @@ class ChatTemplate:
             raise CheckpointError("the chat template is nested too deeply to parse; fix chat_template in "
                                   "tokenizer_config.json.") from None
         self.source, self.special, self.seconds = source, special, seconds
+        # whether the template reads ``tools`` (Qwen3's, Llama 3.x's do; ChatML's, Gemma's do not): its syntax
+        # tree only (jinja2.meta would compile it, folding constants here, outside the bounded renderer)
+        self.takes_tools = any(n.name == "tools" and n.ctx == "load" for n in parsed.find_all(nodes.Name))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                **variables) -> str:

@@ -34,7 +34,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> None:
 def test_repetition_penalty_equals_transformers(r):
     logits, ids = logits_and_ids()
     ref = tl.RepetitionPenaltyLogitsProcessor(r)(ids, logits.clone())
-    same(penalize(logits, History(ids, V), [Penalties(repetition=r)]), ref)
+    same(penalize(logits, History(ids, V, penalties=Penalties(repetition=r))), ref)
 
 
 def test_repetition_penalty_reads_generated_tokens_and_skips_padding():
@@ -43,10 +43,10 @@ def test_repetition_penalty_reads_generated_tokens_and_skips_padding():
     logits, ids = logits_and_ids(1, B=2, T=8)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    h = History(ids, V, mask)
+    h = History(ids, V, mask, Penalties(repetition=1.5))
     new = torch.tensor([5, 9])
     h.add(new)
-    out = penalize(logits, h, [Penalties(repetition=1.5)])
+    out = penalize(logits, h)
     proc = tl.RepetitionPenaltyLogitsProcessor(1.5)
     same(out[0:1], proc(torch.cat([ids[0:1], new[0:1, None]], 1), logits[0:1].clone()))
     same(out[1:2], proc(torch.cat([ids[1:2, 3:], new[1:2, None]], 1), logits[1:2].clone()))
@@ -85,31 +85,40 @@ def test_logit_bias_equals_sequence_bias():
     logits, ids = logits_and_ids(5)
     bias = ((3, -100.0), (10, 5.5), (63, 0.25))
     ref = tl.SequenceBiasLogitsProcessor({(t,): v for t, v in bias})(ids, logits.clone())
-    same(penalize(logits, History(ids, V), [Penalties(bias=bias)]), ref)
+    same(penalize(logits, History(ids, V, penalties=Penalties(bias=bias))), ref)
 
 
 def test_presence_and_frequency_by_hand():
     """OpenAI's definition, worked by hand: l - count * frequency - [count > 0] * presence, on generated
     tokens only (the prompt's tokens are not counted)."""
     logits = torch.zeros(1, 6)
-    h = History([[4]], 6)
+    h = History([[4]], 6, penalties=Penalties(presence=0.5, frequency=0.25))
     for t in (1, 1, 2):
         h.add(torch.tensor([t]))
-    out = penalize(logits, h, [Penalties(presence=0.5, frequency=0.25)])
+    out = penalize(logits, h)
     assert out[0].tolist() == [0.0, -1.0, -0.75, 0.0, 0.0, 0.0]
 
 
 def test_rows_have_their_own_penalties_and_a_greedy_loop_is_broken():
     """Per-row options in one call equal each row alone; a huge bias against the argmax moves greedy off it."""
     logits, ids = logits_and_ids(6)
-    h = History(ids, V)
     opts = [Penalties(repetition=1.4), Penalties(), Penalties(frequency=1.0, bias=((0, 2.0),))]
-    together = penalize(logits, h, opts)
+    h = History(ids, V, penalties=opts)
+    for t in (0, 5):
+        h.add(torch.tensor([t, t, t]))
+    together = penalize(logits, h)
     for b, o in enumerate(opts):
-        hb = History(ids[b:b + 1], V)
-        same(together[b:b + 1], penalize(logits[b:b + 1], hb, [o]))
+        hb = History(ids[b:b + 1], V, penalties=o)
+        for t in (0, 5):
+            hb.add(torch.tensor([t]))
+        same(together[b:b + 1], penalize(logits[b:b + 1], hb))
+    slots = History.rows(5, V)                   # the server's rows: one per slot, a subset penalised per step
+    for b, o in enumerate(opts):
+        slots.start(4 - b, ids[b].tolist(), o)
+        slots.add(torch.tensor([0, 5]), torch.tensor([4 - b, 4 - b]))
+    same(penalize(logits, slots, torch.tensor([4, 3, 2])), together)
     top = int(logits[0].argmax())
-    banned = penalize(logits[:1], History(ids[:1], V), [Penalties(bias=((top, -100.0),))])
+    banned = penalize(logits[:1], History(ids[:1], V, penalties=Penalties(bias=((top, -100.0),))))
     assert int(sample(banned, 0.0)[0]) != top
 
 
@@ -158,10 +167,10 @@ def test_penalties_equal_llama_cpp():
     # int: both set to the window, so either reading holds every generated token.
     smpl = L.llama_sampler_init_penalties(len(generated), len(generated), rep, freq, pres)
     ref = llama_cpp_apply(logits[0], [(smpl, generated)])
-    h = History(torch.empty(1, 0, dtype=torch.long), V)
+    h = History(torch.empty(1, 0, dtype=torch.long), V, penalties=Penalties(rep, pres, freq))
     for t in generated:
         h.add(torch.tensor([t]))
-    ours = penalize(logits, h, [Penalties(rep, pres, freq)])[0]
+    ours = penalize(logits, h)[0]
     assert max(abs(ours[i].item() - v) for i, v in ref.items()) < 1e-5
 
 

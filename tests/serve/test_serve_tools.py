@@ -22,6 +22,11 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city", "unit"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"], "additionalProperties": False}}}
+# a call made earlier and its result, as a client sends them back
+EXCHANGE = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+            {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}]
 
 
 @pytest.mark.parametrize("text,content,calls", [
@@ -44,15 +49,44 @@ def test_parsers_on_fixed_outputs(text, content, calls):
 
 
 def test_calls_and_results_are_rendered_back():
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-                {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}]
+    messages = EXCHANGE
     out = tools.render_messages(messages, [WEATHER])
     assert out[0]["role"] == "system" and '"name": "get_weather"' in out[0]["content"]
     assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
                                                       '{"city": "Paris", "unit": "celsius"}}\n</tool_call>'}
     assert out[3] == {"role": "tool", "content": '{"temp": 21}'}
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")       # SmolLM2's: no tools
+
+
+@pytest.mark.parametrize("name", ["qwen3", "chatml"])
+def test_a_template_that_takes_tools_renders_them_itself(name):
+    """chat_ids hands the tools to a template that renders them (Qwen3's: its own <tools> block, the earlier
+    call as its <tool_call>, the arguments an object) and writes them in Hermes text into the system message
+    for one that does not (ChatML's)."""
+    import asyncio
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from tformer.serve.openai_api import chat_ids
+    from tformer.tokenizers import ChatTemplate
+
+    class Rendered(ChatTemplate):           # the rendered text instead of its ids: what the model would read
+        def encode(self, tokenizer, messages, add_generation_prompt=True, parse_special=False, tools=None):
+            return self.render(messages, add_generation_prompt, tools)
+    source = (Path(__file__).parents[1] / "data" / "chat_templates" / "qwen3.jinja").read_text(encoding="utf-8") \
+        if name == "qwen3" else CHATML
+    server = SimpleNamespace(chat_template=Rendered(source), tokenizer=None, parse_special=False)
+    messages = EXCHANGE
+    [text] = asyncio.run(chat_ids(server, messages, [WEATHER]))
+    assert server.chat_template.takes_tools == (name == "qwen3")
+    assert ("You are a function calling AI model" in text) == (name == "chatml")          # the Hermes fallback
+    assert text.count("The current weather in a city.") == 1
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
+    if name == "qwen3":
+        assert "<|im_start|>system\n# Tools" in text and "<tool_response>\n{\"temp\": 21}\n</tool_response>" in text
 
 
 openai = pytest.importorskip("openai")

@@ -255,7 +255,7 @@ def generate_tokens(
     penalties = opts.penalties
     if penalties.active:
         penalties.check(model.config.vocab_size)
-    history = History(ids, model.config.vocab_size, attention_mask) if penalties.active else None
+    history = History(ids, model.config.vocab_size, attention_mask, penalties) if penalties.active else None
     stepper = _Stepper(model, ids, attention_mask, max_new_tokens, opts)
     logits = stepper.first()
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
@@ -266,7 +266,7 @@ def generate_tokens(
                                    f"its weights are damaged or overflow in {logits.dtype}: use another checkpoint "
                                    f"or a wider dtype (fp32).")
             if history is not None:
-                logits = penalize(logits, history, [penalties])
+                logits = penalize(logits, history)
             tok = sample(logits, opts.temperature, opts.top_k, opts.top_p, generators, opts.min_p)     # (B,)
             if history is not None:
                 history.add(tok)

@@ -13,9 +13,10 @@ Which tokens count: the repetition penalty reads the whole sequence, prompt incl
 generated tokens (OpenAI's "the text so far" as vLLM reads it), so a long prompt does not push its own
 words out of the answer. llama.cpp applies all three to its last ``penalty_last_n`` (64) tokens instead.
 
-:class:`History` keeps ``seen`` and ``count`` as ``(B, V)`` tensors updated once per token, so a step
-costs O(B·V) whatever the length. Used by :func:`tformer.generation.generate.generate_tokens` and the
-server's batched choice (:mod:`tformer.serve.sampling`).
+:class:`History` keeps ``seen`` and ``count`` as ``(B, V)`` tensors updated once per token, and each
+row's penalties as tensors made once when the row starts (factors ``(B, 1)``, the bias a ``(B, V)`` row), so
+a step is a few tensor ops, O(B·V) whatever the length and whatever mix of options the rows have. Used by
+:func:`tformer.generation.generate.generate_tokens` and the server's scheduler (one row per KV slot).
 """
 
 from __future__ import annotations
@@ -63,60 +64,83 @@ class Penalties:
 
 
 class History:
-    """``seen (B, V)`` bool and ``count (B, V)`` float32 of a batch of sequences (module docstring).
+    """``seen (B, V)`` bool and ``count (B, V)`` float32 of a batch of sequences (module docstring), and
+    each row's :class:`Penalties` as tensors: ``repetition``, ``presence``, ``frequency`` ``(B, 1)``, ``bias (B, V)``.
 
     Args:
         prompts: ``(B, T)`` token ids, or a list of ``B`` id lists.
         vocab_size: ``V``.
         mask: ``(B, T)`` 1 for tokens, 0 for padding (padding is not a token the sequence holds).
+        penalties: one for every row, or one per row.
     """
 
-    def __init__(self, prompts, vocab_size: int, mask: Tensor | None = None):
+    def __init__(self, prompts, vocab_size: int, mask: Tensor | None = None,
+                 penalties: Penalties | list[Penalties] = Penalties()):
         if not isinstance(prompts, Tensor):
             prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
             width = max(len(p) for p in prompts)
             mask = torch.stack([torch.arange(width) < len(p) for p in prompts])
             prompts = torch.stack([torch.nn.functional.pad(p, (0, width - len(p))) for p in prompts])
-        B = prompts.shape[0]
-        self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=prompts.device)
+        B, device = prompts.shape[0], prompts.device
+        self._empty(B, vocab_size, device)
         keep = torch.ones_like(prompts, dtype=torch.bool) if mask is None else mask.bool()
-        rows = torch.arange(B, device=prompts.device)[:, None].expand_as(prompts)           # (B, T)
+        rows = torch.arange(B, device=device)[:, None].expand_as(prompts)           # (B, T)
         self.seen[rows[keep], prompts[keep]] = True
-        self.count = torch.zeros(B, vocab_size, dtype=torch.float32, device=prompts.device)
+        for b, p in enumerate(penalties if isinstance(penalties, list) else [penalties] * B):
+            self._set(b, p)
 
-    def add(self, tokens: Tensor) -> None:
-        """Record one new token per row, ``tokens (B,)``."""
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
+    def _empty(self, B: int, vocab_size: int, device) -> None:
+        self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
+        self.count = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
+        self.repetition = torch.ones(B, 1, device=device)
+        self.presence, self.frequency = torch.zeros(B, 1, device=device), torch.zeros(B, 1, device=device)
+        self.bias = torch.zeros(B, vocab_size, device=device)
+        # which terms any row has used: the others are skipped (applied with neutral values they change nothing)
+        self.uses_repetition = self.uses_counts = self.uses_bias = False
+
+    @classmethod
+    def rows(cls, n: int, vocab_size: int, device=None) -> "History":
+        """``n`` empty rows (the server's KV slots), each made ready by :meth:`start`."""
+        out = cls.__new__(cls)
+        out._empty(n, vocab_size, device)
+        return out
+
+    def start(self, row: int, prompt: list[int], penalties: Penalties) -> None:
+        """Row ``row`` now holds a new sequence: ``prompt`` seen, nothing generated, its ``penalties``."""
+        self.seen[row] = False
+        self.seen[row, torch.as_tensor(prompt, dtype=torch.long, device=self.seen.device)] = True
+        self.count[row] = 0
+        self._set(row, penalties)
+
+    def _set(self, row: int, p: Penalties) -> None:
+        self.repetition[row], self.presence[row], self.frequency[row] = p.repetition, p.presence, p.frequency
+        self.bias[row] = 0
+        if p.bias:                                                 # a repeated token's biases add up
+            ids = torch.tensor([t for t, _ in p.bias], dtype=torch.long, device=self.bias.device)
+            self.bias[row].index_add_(0, ids, torch.tensor([v for _, v in p.bias], device=self.bias.device))
+        self.uses_repetition |= p.repetition != 1.0
+        self.uses_counts |= bool(p.presence or p.frequency)
+        self.uses_bias |= bool(p.bias)
+
+    def add(self, tokens: Tensor, rows: Tensor | None = None) -> None:
+        """Record one new token per row, ``tokens (B,)`` (or one for each of ``rows``)."""
+        if rows is None:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
         self.seen[rows, tokens] = True
         self.count[rows, tokens] += 1
 
-    @classmethod
-    def stack(cls, parts: list["History"]) -> "History":
-        """One history of the rows of ``parts``, in order (the server gathers the rows of one step)."""
-        out = cls.__new__(cls)
-        out.seen, out.count = torch.cat([h.seen for h in parts]), torch.cat([h.count for h in parts])
-        return out
 
-
-def penalize(logits: Tensor, history: History, penalties: list[Penalties]) -> Tensor:
-    """``logits (B, V)`` with each row's ``penalties[b]`` applied (module docstring); a new float32 tensor.
-
-    One penalty for every row, or one per row (the server batches sequences with different options).
-    """
+def penalize(logits: Tensor, history: History, rows: Tensor | None = None) -> Tensor:
+    """``logits (B, V)`` with each row's penalties applied (module docstring), as float32; ``rows``: the
+    history's rows that ``logits``' rows are (the server's slots), else all of them in order."""
+    pick = (lambda t: t) if rows is None else (lambda t: t[rows])     # noqa: E731
     logits = logits.float()
-    B = logits.shape[0]
-    if len(penalties) == 1 and B > 1:
-        penalties = penalties * B
-    col = lambda vals: torch.tensor(vals, dtype=torch.float32, device=logits.device)[:, None]  # noqa: E731 (B, 1)
-    r = col([p.repetition for p in penalties])
-    if bool((r != 1).any()):
-        repeated = torch.where(logits > 0, logits / r, logits * r)
-        logits = torch.where(history.seen, repeated, logits)
-    presence, frequency = col([p.presence for p in penalties]), col([p.frequency for p in penalties])
-    if bool((presence != 0).any() or (frequency != 0).any()):
-        logits = logits - history.count * frequency - (history.count > 0).float() * presence
-    for b, p in enumerate(penalties):
-        if p.bias:
-            ids = torch.tensor([t for t, _ in p.bias], dtype=torch.long, device=logits.device)
-            logits[b].index_add_(0, ids, torch.tensor([v for _, v in p.bias], device=logits.device))
+    if history.uses_repetition:
+        r = pick(history.repetition)
+        logits = torch.where(pick(history.seen), torch.where(logits > 0, logits / r, logits * r), logits)
+    if history.uses_counts:
+        count = pick(history.count)
+        logits = logits - count * pick(history.frequency) - (count > 0).float() * pick(history.presence)
+    if history.uses_bias:
+        logits = logits + pick(history.bias)
     return logits

@@ -215,11 +215,12 @@ class ChatFormat(_Format):
 
     def delta(self, index: int, tok: Token, offset: int) -> dict:
         real = [tok] if tok.id >= 0 else []
-        return {"index": index, "delta": self.pieces(index, self.splitters.setdefault(index, reasoning.Splitter(self.thinking)).feed(
-                    tok.text)), "logprobs": self.logprobs_of(real) if real else None, "finish_reason": None}
+        splitter = self.splitters.setdefault(index, reasoning.Splitter(self.thinking))
+        return {"index": index, "delta": self.pieces(splitter.feed(tok.text)),
+                "logprobs": self.logprobs_of(real) if real else None, "finish_reason": None}
 
     @staticmethod
-    def pieces(index: int, parts: list[tuple[str, str]]) -> dict:
+    def pieces(parts: list[tuple[str, str]]) -> dict:
         """A delta from a reasoning splitter's pieces (``content`` "" when it held everything back)."""
         delta: dict = {}
         for field, text in parts:
@@ -229,7 +230,7 @@ class ChatFormat(_Format):
     def tail(self, index: int) -> list[dict]:
         """What the stream's reasoning splitter still holds for choice ``index``, as one delta (or none)."""
         parts = self.splitters.pop(index).flush() if index in self.splitters else []
-        return [{"index": index, "delta": self.pieces(index, parts), "logprobs": None, "finish_reason": None}] \
+        return [{"index": index, "delta": self.pieces(parts), "logprobs": None, "finish_reason": None}] \
             if parts else []
 
     def last(self, index: int, reason: str) -> dict:
@@ -333,6 +334,18 @@ def chat_prompt(messages: list[dict], sep: str = "\n") -> str:
     return "".join(m["content"] + sep for m in messages)
 
 
+async def chat_ids(server: Server, messages: list[dict], shown: list[dict] | None = None) -> list[list[int]]:
+    """A chat's prompt, ``[ids]``: rendered by the model's own template (a GGUF's, an HF tokenizer_config's),
+    else :func:`chat_prompt`; ``shown``: the tools, as the template renders them or in Hermes text
+    (:func:`tformer.serve.tools.for_template`)."""
+    template = server.chat_template
+    messages, shown = tools.for_template(messages, shown, template is not None and template.takes_tools)
+    if template is None:
+        return server.encode_prompts(chat_prompt(messages, server.chat_separator))
+    return [await run_in_threadpool(template.encode, server.tokenizer, messages, True,      # bounded, and off
+                                    server.parse_special, shown)]                           # the event loop
+
+
 async def completions(request: Request):
     server: Server = request.app.state.server
     req = await read_json(request, server.limits.max_body_bytes, S.CompletionRequest)
@@ -355,13 +368,8 @@ async def chat_completions(request: Request):
     server.check_work("", req.n)
     use_tools = bool(req.tools) and req.tool_choice != "none"
     shown = [t.model_dump() for t in req.tools] if use_tools else None
-    messages = tools.render_messages([m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages],
-                                     shown)
-    if server.chat_template is not None:       # the model's own template (a GGUF's, an HF tokenizer_config's)
-        prompts = [await run_in_threadpool(server.chat_template.encode, server.tokenizer, messages, True,
-                                           server.parse_special)]          # bounded, and off the event loop
-    else:
-        prompts = server.encode_prompts(chat_prompt(messages, server.chat_separator))
+    prompts = await chat_ids(server, [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages],
+                             shown)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = server.check_length(prompts, limit, None)
     if use_tools and req.tool_choice not in (None, "auto"):    # required, or a named function: a call, by grammar

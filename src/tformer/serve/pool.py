@@ -140,17 +140,21 @@ class KVPool:
                 self.prefix.unpin(blocks)
         return logits
 
-    def _prefill_rows(self, slots: list[int], prompts: list[list[int]], start: int) -> Tensor:
+    def _prefill_rows(self, slots: list[int], prompts: list[list[int]], start: int, every: bool = False) -> Tensor:
         """One batched forward of the prompts' tokens after ``start`` (which rows ``slots`` already
-        hold), right-padded; rows then hold their whole prompts. Returns ``(b, vocab)``."""
+        hold), right-padded; rows then hold their whole prompts. Returns ``(b, vocab)``, or with ``every``
+        the logits at every position, ``(b, T, vocab)``."""
         b, T = len(prompts), max(len(p) for p in prompts) - start
         ids = torch.zeros(b, T, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, :len(p) - start] = torch.tensor(p[start:])                  # right padding with token 0
         n = torch.tensor([len(p) for p in prompts], device=self.device)         # (b,) real tokens per row
         rows = torch.tensor(slots, device=self.device)
-        logits = prefill(self.model, ids.to(self.device), self.state.writer(rows, start),
-                         last_index=n - 1 - start)                              # (b, vocab)
+        if every:
+            logits, _ = self.model(ids.to(self.device), state=self.state.writer(rows, start))    # (b, T, vocab)
+        else:
+            logits = prefill(self.model, ids.to(self.device), self.state.writer(rows, start),
+                             last_index=n - 1 - start)                          # (b, vocab)
         self.state.hold(rows, n)                                                # the rows hold their prompts only
         self.active[rows] = True
         return logits
@@ -176,15 +180,8 @@ class KVPool:
             group.append(i)
         groups.append(group)
         for group in groups:
-            b, T = len(group), max(len(prompts[i]) for i in group)
-            ids = torch.zeros(b, T, dtype=torch.long)
-            for r, i in enumerate(group):
-                ids[r, :len(prompts[i])] = torch.tensor(prompts[i])           # right padding with token 0
-            rows = torch.tensor([slots[i] for i in group], device=self.device)
-            n = torch.tensor([len(prompts[i]) for i in group], device=self.device)
-            logits, _ = self.model(ids.to(self.device), state=self.state.writer(rows, 0))    # (b, T, vocab)
-            self.state.hold(rows, n)
-            self.active[rows] = True
+            T = max(len(prompts[i]) for i in group)
+            logits = self._prefill_rows([slots[i] for i in group], [prompts[i] for i in group], 0, every=True)
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1) if T > 1 else None     # (b, T-1, vocab)
             for r, i in enumerate(group):
                 out_logits[i] = logits[r, len(prompts[i]) - 1]

@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import time
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from tformer.serve import reasoning
 from tformer.serve import schemas as S
-from tformer.serve.openai_api import chat_prompt, check_model, collect, error_of, read_json
+from tformer.serve.openai_api import chat_ids, check_model, collect, error_of, read_json
 from tformer.serve.scheduler import Token
 
 
@@ -31,9 +30,10 @@ def messages_of(req: S.ResponsesRequest) -> list[dict]:
     return out + [{"role": m.role, "content": m.text()} for m in req.input]
 
 
-def response_object(id_: str, model: str, req, text: str, thinking: bool, status: str, n_in: int, n_out: int) -> dict:
-    """The ``response`` object: a reasoning item when the answer thought, then the message item."""
-    thought, content = reasoning.split(text, thinking)
+def response_object(id_: str, model: str, req, thought: str | None, content: str, status: str, n_in: int,
+                    n_out: int) -> dict:
+    """The ``response`` object: a reasoning item when the answer thought (``thought`` not None), then the
+    message item (:func:`tformer.serve.reasoning.split` gives the two)."""
     output = []
     if thought is not None:
         output.append({"type": "reasoning", "id": f"rs_{id_[5:]}", "summary": [],
@@ -53,12 +53,7 @@ async def responses(request: Request):
     server = request.app.state.server
     req = await read_json(request, server.limits.max_body_bytes, S.ResponsesRequest)
     check_model(server, req.model)
-    messages = messages_of(req)
-    if server.chat_template is not None:
-        prompts = [await run_in_threadpool(server.chat_template.encode, server.tokenizer, messages, True,
-                                           server.parse_special)]
-    else:
-        prompts = server.encode_prompts(chat_prompt(messages, server.chat_separator))
+    prompts = await chat_ids(server, messages_of(req))
     max_tokens = server.check_length(prompts, req.max_output_tokens, None)
     thinking = reasoning.opens_thinking(server.tokenizer, prompts[0])
     seqs, queue = server.start(prompts, req, max_tokens, None)
@@ -78,7 +73,8 @@ async def responses(request: Request):
         server.metrics.inc("tformer_requests_total", status="200", help="requests answered, by HTTP status")
         server.metrics.observe("tformer_request_seconds", time.monotonic() - started, help="request latency")
         status = "completed" if reasons[0] == "stop" else "incomplete"
-        return JSONResponse(response_object(id_, server.name, req, text[0], thinking, status, n_in, n_out[0]))
+        return JSONResponse(response_object(id_, server.name, req, *reasoning.split(text[0], thinking), status, n_in,
+                                            n_out[0]))
     return StreamingResponse(_events(server, req, seqs, queue, id_, n_in, thinking), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
@@ -91,9 +87,10 @@ async def _events(server, req, seqs, queue, id_: str, n_in: int, thinking: bool)
         seq_no[0] += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq_no[0], **body})}\n\n"
     item = f"msg_{id_[5:]}"
-    text, n_out, splitter = "", 0, reasoning.Splitter(thinking)
+    n_out, splitter = 0, reasoning.Splitter(thinking)
+    said = {"reasoning_content": "", "content": ""}          # the answer as the splitter gave it out
     try:
-        draft = response_object(id_, server.name, req, "", False, "in_progress", n_in, 0)
+        draft = response_object(id_, server.name, req, None, "", "in_progress", n_in, 0)
         draft["output"] = []
         yield event("response.created", response=draft)
         yield event("response.in_progress", response=draft)
@@ -105,7 +102,6 @@ async def _events(server, req, seqs, queue, id_: str, n_in: int, thinking: bool)
         while reason is None:
             _, ev = await queue.get()
             if isinstance(ev, Token):
-                text += ev.text
                 n_out += ev.id >= 0
                 pieces = splitter.feed(ev.text)
             elif ev[0] == "done":
@@ -114,11 +110,13 @@ async def _events(server, req, seqs, queue, id_: str, n_in: int, thinking: bool)
                 yield event("error", message=error_of(ev).message, code=None, param=None)
                 return
             for field, piece in pieces:
+                said[field] += piece
                 if field == "content" and piece:
                     yield event("response.output_text.delta", item_id=item, output_index=0, content_index=0,
                                 delta=piece, logprobs=[])
         status = "completed" if reason == "stop" else "incomplete"
-        whole = response_object(id_, server.name, req, text, thinking, status, n_in, n_out)
+        whole = response_object(id_, server.name, req, said["reasoning_content"] if splitter.thought else None,
+                                said["content"], status, n_in, n_out)
         final = whole["output"][-1]
         answer = final["content"][0]["text"]
         yield event("response.output_text.done", item_id=item, output_index=0, content_index=0, text=answer,

@@ -106,7 +106,7 @@ class Sequence:
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     constraint: object | None = None       # structured output: mask(row) before each choice, advance(token) after
-    history: History | None = None         # seen / generated tokens, made at the first choice when penalties are set
+    penalized: bool = False                # its row of Scheduler.history is set (at its first choice, if it has penalties)
 
     def __post_init__(self):
         self.tracker = TextTracker(self.tokenizer, self.params.stop)
@@ -158,6 +158,7 @@ class Scheduler:
         self.draft_model, self.drafter = draft_model, None
         self.max_queue, self.prefill_per_step = max_queue, prefill_per_step
         self.free = list(range(n_slots))                    # a heap: lowest slots first keep rows contiguous
+        self.history: History | None = None                 # penalties' seen / counted tokens, a row per slot (first use)
         self.running: dict[int, Sequence] = {}              # slot -> sequence
         self.waiting: deque[Sequence] = deque()
         self.jobs: deque[tuple[Callable, Future]] = deque()
@@ -348,6 +349,10 @@ class Scheduler:
         if not seqs:
             return
         picked = choose(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        counted = [i for i, s in enumerate(seqs) if s.penalized]
+        if counted:                                    # every penalised row's new token, in one update
+            self.history.add(torch.tensor([picked[i][0] for i in counted], device=self.history.seen.device),
+                             torch.tensor([seqs[i].slot for i in counted], device=self.history.seen.device))
         self.metrics.inc("tformer_generated_tokens_total", len(seqs), help="tokens generated")
         now = time.monotonic()
         for seq, (tok, lp, top) in zip(seqs, picked):
@@ -363,8 +368,6 @@ class Scheduler:
                 continue
             if seq.constraint is not None:
                 seq.constraint.advance(tok)
-            if seq.history is not None:
-                seq.history.add(torch.tensor([tok]))
             seq.generated.append(tok)
             seq.last = tok
             seq.tracker.add(tok)
@@ -376,16 +379,22 @@ class Scheduler:
 
     def _penalize(self, seqs: list[Sequence], logits: Tensor) -> Tensor:
         """``logits (len(seqs), vocab)`` with the rows whose sequence sets penalties or a logit_bias
-        penalised (:mod:`tformer.generation.penalties`), all such rows in one call."""
+        penalised (:mod:`tformer.generation.penalties`): one :class:`History` row per KV slot, set at the
+        sequence's first choice, all such rows in one call."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.penalties.active]
         if not rows:
             return logits
+        if self.history is None:                                 # the first request with penalties
+            self.history = History.rows(self.pool.n_slots, logits.shape[-1], logits.device)
         for i in rows:
-            if seqs[i].history is None:                          # its first choice: the prompt's tokens
-                seqs[i].history = History([seqs[i].prompt], logits.shape[-1])
-        history = History.stack([seqs[i].history for i in rows])              # (r, vocab) each
+            if not seqs[i].penalized:                            # its first choice: the prompt's tokens
+                self.history.start(seqs[i].slot, seqs[i].prompt, seqs[i].params.penalties)
+                seqs[i].penalized = True
+        slots = torch.tensor([seqs[i].slot for i in rows], device=logits.device)
+        if len(rows) == len(seqs):
+            return penalize(logits, self.history, slots)
         logits = logits.float().clone()                         # the pool's output is an inference tensor
-        logits[rows] = penalize(logits[rows], history, [seqs[i].params.penalties for i in rows])
+        logits[rows] = penalize(logits[rows], self.history, slots)
         return logits
 
     def _constrain(self, seqs: list[Sequence], logits: Tensor) -> tuple[list[Sequence], Tensor]:

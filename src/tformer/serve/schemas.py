@@ -62,11 +62,10 @@ class _Sampling(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self):
-        for key, value in (self.logit_bias or {}).items():
+        for key in self.logit_bias or {}:
             if not key.isdigit():
                 raise ValueError(f'logit_bias keys are token ids as strings ("50256"), not {key!r}')
-            if not -100 <= value <= 100:
-                raise ValueError(f"logit_bias values are in [-100, 100]; token {key} has {value}")
+        self.penalties().check()              # generation's own ranges (an InputError is a ValueError)
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop takes at most 4 strings")
         if self.stream_options is not None and not self.stream:

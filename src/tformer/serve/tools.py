@@ -1,11 +1,13 @@
 """Tool calls in chat: the functions shown to the model, the shape its answer is held to, and the answer parsed.
 
-**Shown.** A chat template that renders ``tools`` itself would take them as transformers passes them; the
-templates this server renders today do not (SmolLM2's ChatML among them), so the functions go into the
-system message as text, in the Hermes format most small models saw in training: their JSON signatures
-inside ``<tools></tools>`` and the instruction to answer with ``<tool_call>{"name": ..., "arguments":
-{...}}</tool_call>``. An assistant message that made calls is rendered back in that form, and a
-``role: tool`` message as the tool's turn with its result, so the model reads the whole exchange.
+**Shown.** A chat template that renders ``tools`` itself (Qwen3's, Llama 3.x's:
+:attr:`tformer.tokenizers.ChatTemplate.takes_tools`) gets them as transformers passes them, and the
+messages with their calls and results as they are. For one that does not (SmolLM2's ChatML, a checkpoint
+with no template), the functions go into the system message as text, in the Hermes format most small
+models saw in training: their JSON signatures inside ``<tools></tools>`` and the instruction to answer with
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; an assistant message that made calls is
+rendered back in that form, and a ``role: tool`` message as the tool's turn with its result, so the model
+reads the whole exchange (:func:`for_template` chooses).
 
 **Held to.** ``tool_choice: "required"`` or a named function constrains the answer with the grammar engine
 structured output uses (:mod:`tformer.serve.grammar`): a JSON value ``{"name": <one of the functions>,
@@ -46,6 +48,27 @@ def call_schema(tools: list[dict], name: str | None = None) -> dict:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+def _arguments(args):
+    """A call's ``arguments`` as an object: OpenAI sends JSON text, templates read an object
+    (``tool_call.arguments | tojson``), as transformers and vLLM pass it."""
+    if isinstance(args, str) and args.strip().startswith("{"):
+        try:
+            return json.loads(args)
+        except ValueError:                  # not JSON after all: the text as it came
+            pass
+    return args
+
+
+def for_template(messages: list[dict], tools: list[dict] | None, takes_tools: bool) -> tuple[list[dict], list[dict] | None]:
+    """``(messages, tools)`` to render: with ``takes_tools`` the template's own (earlier calls' arguments
+    as objects), else :func:`render_messages`' Hermes text and no ``tools``."""
+    if not takes_tools:
+        return render_messages(messages, tools), None
+    out = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _arguments(c["function"]["arguments"])}}
+                                for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+    return out, tools or None
+
+
 def render_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     """``messages`` as plain ``{"role", "content"}`` turns for a template without tool support: the
     tools in the system message, earlier calls as ``<tool_call>`` text, tool results as the tool's turn."""
@@ -54,10 +77,8 @@ def render_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
         content = m.get("content") or ""
         for call in m.get("tool_calls") or []:
             fn = call["function"]
-            args = fn["arguments"]
-            args = json.loads(args) if isinstance(args, str) and args.strip().startswith("{") else args
-            content += ("\n" if content else "") + "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}) \
-                + "\n</tool_call>"
+            content += ("\n" if content else "") + "<tool_call>\n" \
+                + json.dumps({"name": fn["name"], "arguments": _arguments(fn["arguments"])}) + "\n</tool_call>"
         out.append({"role": m["role"], "content": content})
     if tools:
         text = SYSTEM.format(tools=" ".join(json.dumps({"type": "function", "function": f}) for f in functions(tools)))
