@@ -14,38 +14,88 @@ from serve_util import Running
 from tformer.serve import tools
 from tformer.serve.app import build_app
 from tformer.serve.build import build_server
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"], "additionalProperties": False}}}
-# a call made earlier and its result, as a client sends them back
-EXCHANGE = [{"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-            {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}]
+from tools_util import EXCHANGE, TIME, WEATHER, agent_loop, required_calls
 
 
-@pytest.mark.parametrize("text,content,calls", [
+# Fixed model outputs in each family's format: (text, content, [(name, arguments)]).
+HERMES = [        # Hermes / Qwen2.5 / Qwen3: <tool_call>{json}</tool_call>, anywhere, one or more
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
      None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
     ('Let me check.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": '
      '{"x": 1}}</tool_call>', "Let me check.", [("a", {}), ("b", {"x": 1})]),
-    ('{"name": "get_time", "parameters": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),      # Llama 3.x
+    ('<tool_call>{"name": "f", "arguments": {"q": "say \\"hi\\" }{", "n": [{"a": "}"}]}}</tool_call>',   # braces in strings
+     None, [("f", {"q": 'say "hi" }{', "n": [{"a": "}"}]})]),
+    ('<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call>', None,        # name second
+     [("get_time", {"zone": "UTC"})]),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": </tool_call>',  # one call broken
+     '<tool_call>{"name": </tool_call>', [("a", {})]),
+    # malformed: no calls, the text given back as it is
+    ('<tool_call>{"name": broken</tool_call>', '<tool_call>{"name": broken</tool_call>', []),
+    ('<tool_call>{"city": "Paris"}</tool_call>', '<tool_call>{"city": "Paris"}</tool_call>', []),   # no name
+    ('<tool_call>{"name": "get_time", "argu', '<tool_call>{"name": "get_time", "argu', []),       # cut off
+    ("a < b and <tool_cal", "a < b and <tool_cal", []),
+]
+LLAMA3 = [        # Llama 3.x: the whole answer one JSON object with "parameters", after <|python_tag|> or not
+    ('{"name": "get_time", "parameters": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),
     ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', None, [("get_time", {"zone": "CET"})]),
-    ('{"name": "f", "arguments": "{\\"k\\": [1, 2]}"}', None, [("f", {"k": [1, 2]})]),       # arguments as text
+    ('\n {"name" : "get_time" ,\n "parameters" :{ "zone":"CET" } }\n', None, [("get_time", {"zone": "CET"})]),
+    # malformed
+    ('<|python_tag|>print("hello")', '<|python_tag|>print("hello")', []),
+    ('{"name": 5, "parameters": {}}', '{"name": 5, "parameters": {}}', []),
+    ('Sure: {"name": "get_time", "parameters": {"zone": "UTC"}}',
+     'Sure: {"name": "get_time", "parameters": {"zone": "UTC"}}', []),     # a call is the whole answer, not a quote
+]
+GENERIC = [       # any JSON object with "name" and "arguments" (an object or its JSON text)
+    ('{"name": "f", "arguments": "{\\"k\\": [1, 2]}"}', None, [("f", {"k": [1, 2]})]),
+    ('{"arguments": {"x": 1}, "name": "f"}', None, [("f", {"x": 1})]),
+    # malformed
     ("The weather is fine.", "The weather is fine.", []),
     ('{"city": "Paris"}', '{"city": "Paris"}', []),                                           # JSON, not a call
-    ('<tool_call>{"name": broken</tool_call>', '<tool_call>{"name": broken</tool_call>', []),
-])
+    ('{"name": "f", "arguments": "{not json"}', '{"name": "f", "arguments": "{not json"}', []),
+    ('{"name": "f", "argu', '{"name": "f", "argu', []),
+]
+FIXED = HERMES + LLAMA3 + GENERIC
+
+
+def calls_of(got: list[dict]) -> list[tuple]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got]
+
+
+@pytest.mark.parametrize("text,content,calls", FIXED)
 def test_parsers_on_fixed_outputs(text, content, calls):
     got_content, got = tools.parse(text)
     assert got_content == content
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert calls_of(got) == calls
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got)
+
+
+@pytest.mark.parametrize("text,content,calls", FIXED)
+def test_a_stream_reads_what_the_whole_answer_holds(text, content, calls):
+    """The text fed in pieces (one character at a time, and cut in two at every place) gives the same content
+    and calls as the whole, and a call's name comes in the delta before any of its arguments."""
+    from tformer.serve.tool_calls import CallReader
+
+    cuts = [list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
+    for pieces in cuts:
+        reader = CallReader()
+        out = [p for piece in pieces for p in reader.feed(piece)] + reader.flush()
+        named: set[int] = set()
+        for p in out:
+            if p[0] == "call":
+                named.add(p[1])
+            elif p[0] == "arguments":
+                assert p[1] in named
+        got = [(c["name"], json.loads(c["arguments"])) for c in reader.calls]
+        assert got == calls
+        said = "".join(p[1] for p in out if p[0] == "content")
+        assert (said.strip() or None) == content if calls else said == text
+
+
+def test_a_call_cut_off_keeps_its_arguments_as_written():
+    """A call cut by max_tokens (finish_reason length) is still a call, its arguments the unfinished JSON the
+    model wrote, as OpenAI's; in a stream its name and first fragments have gone out already."""
+    content, got = tools.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    assert content is None and got[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
 
 
 def test_calls_and_results_are_rendered_back():
@@ -102,63 +152,27 @@ def client(smollm2):
     running.stop()
 
 
-def weather(city: str, unit: str) -> str:
-    return json.dumps({"city": city, "temperature": 21 if unit == "celsius" else 70, "unit": unit})
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_agent_loop(client, stream):
-    messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
-    kw = dict(model="smollm2", tools=[WEATHER, TIME], max_tokens=64, temperature=0)
-    if stream:
-        calls: dict[int, dict] = {}
-        reason = None
-        for chunk in client.chat.completions.create(messages=messages, tool_choice="required", stream=True, **kw):
-            delta = chunk.choices[0].delta
-            for c in delta.tool_calls or []:
-                entry = calls.setdefault(c.index, {"id": c.id, "name": "", "arguments": ""})
-                entry["name"] += c.function.name or ""
-                entry["arguments"] += c.function.arguments or ""
-            reason = chunk.choices[0].finish_reason or reason
-        assert reason == "tool_calls" and len(calls) == 1
-        call = calls[0]
-    else:
-        r = client.chat.completions.create(messages=messages, tool_choice="required", **kw)
-        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
-        c = r.choices[0].message.tool_calls[0]
-        call = {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-    args = json.loads(call["arguments"])
-    schema = {"get_weather": WEATHER, "get_time": TIME}[call["name"]]["function"]["parameters"]
-    jsonschema.validate(args, schema)
-    result = weather(**args) if call["name"] == "get_weather" else json.dumps({"time": "12:00"})
-    messages += [{"role": "assistant", "content": None, "tool_calls": [
-                     {"id": call["id"], "type": "function", "function": {"name": call["name"],
-                                                                         "arguments": call["arguments"]}}]},
-                 {"role": "tool", "tool_call_id": call["id"], "content": result}]
-    final = client.chat.completions.create(messages=messages, tool_choice="none", **kw)
-    assert final.choices[0].finish_reason in ("stop", "length")
-    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+    got = agent_loop(client, "smollm2", [WEATHER, TIME], stream, max_tokens=64, temperature=0)
+    assert got["final"].finish_reason in ("stop", "length")
+    assert got["final"].message.content and not got["final"].message.tool_calls
+    if stream:                                   # the arguments came as the tokens did, not in one piece
+        assert got["fragments"] > 1
+
+
+def test_a_streamed_call_equals_the_full_one(client):
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, TIME],
+              tool_choice="required", temperature=0, max_tokens=64)
+    full = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    with client.chat.completions.stream(**kw) as events:
+        streamed = events.get_final_completion().choices[0].message.tool_calls[0]
+    assert (streamed.function.name, json.loads(streamed.function.arguments)) == \
+        (full.function.name, json.loads(full.function.arguments))
 
 
 def test_required_calls_validate_20_of_20(client):
-    from concurrent.futures import ThreadPoolExecutor
-
-    questions = ["Weather in Paris?", "Is it cold in Oslo today?", "What time is it in Tokyo?",
-                 "Tell me the temperature in Lima in fahrenheit.", "Weather for Cairo please."]
-
-    def ask(i: int):
-        r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": questions[i % 5]}],
-                                           tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=i,
-                                           max_tokens=96)
-        return r.choices[0]
-    with ThreadPoolExecutor(8) as pool:
-        choices = list(pool.map(ask, range(20)))
-    valid = 0
-    for ch in choices:
-        for c in ch.message.tool_calls or []:
-            schema = {"get_weather": WEATHER, "get_time": TIME}[c.function.name]["function"]["parameters"]
-            jsonschema.validate(json.loads(c.function.arguments), schema)
-            valid += 1
+    valid, choices = required_calls(client, "smollm2", [WEATHER, TIME], max_tokens=96)
     assert valid == 20 and all(ch.finish_reason == "tool_calls" for ch in choices), \
         [(ch.finish_reason, ch.message.content) for ch in choices if ch.finish_reason != "tool_calls"]
     named = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hello!"}],
