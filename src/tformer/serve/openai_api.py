@@ -315,8 +315,10 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
             if isinstance(event, Token):
                 n_out += event.id >= 0
                 if event.text or (fmt.logprobs and event.id >= 0):
-                    yield chunk([fmt.delta(index, event, offsets[index])])
+                    piece = fmt.delta(index, event, offsets[index])
                     offsets[index] += len(event.text)
+                    if piece["logprobs"] is not None or piece.get("delta") != {"content": ""}:
+                        yield chunk([piece])              # not a token whose text is held back, without logprobs
             elif event[0] == "done":
                 left -= 1
                 for piece in fmt.tail(index):
