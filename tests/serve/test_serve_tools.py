@@ -1,6 +1,7 @@
 """Tool calls: the parsers on each format's fixed model outputs (Hermes / Qwen ``<tool_call>``, Llama 3.x
-JSON with and without ``<|python_tag|>``, a generic JSON object), and the ``openai`` client driving an agent
-loop against ``tformer serve --model smollm2``: a call (streamed and not), executed by the client, its result
+JSON with and without ``<|python_tag|>``, a generic JSON object; malformed ones too), whole and fed in pieces
+as a stream reads them, and the ``openai`` client driving an agent loop against ``tformer serve --model smollm2``:
+a call (streamed, accumulated by the client's own stream helper, and not), executed by the client, its result
 sent back as a ``tool`` message, the model's next answer; with ``tool_choice: required`` 20 of 20 sampled calls
 validate against the function's JSON schema (jsonschema, the independent check)."""
 
@@ -23,7 +24,8 @@ HERMES = [        # Hermes / Qwen2.5 / Qwen3: <tool_call>{json}</tool_call>, any
      None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
     ('Let me check.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": '
      '{"x": 1}}</tool_call>', "Let me check.", [("a", {}), ("b", {"x": 1})]),
-    ('<tool_call>{"name": "f", "arguments": {"q": "say \\"hi\\" }{", "n": [{"a": "}"}]}}</tool_call>',   # braces in strings
+    # braces and quotes inside strings
+    ('<tool_call>{"name": "f", "arguments": {"q": "say \\"hi\\" }{", "n": [{"a": "}"}]}}</tool_call>',
      None, [("f", {"q": 'say "hi" }{', "n": [{"a": "}"}]})]),
     ('<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call>', None,        # name second
      [("get_time", {"zone": "UTC"})]),

@@ -97,8 +97,8 @@ def read_tools(path: str) -> list[dict]:
         fn = t.get("function", t) if isinstance(t, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
                 not isinstance(fn.get("parameters", {}), dict):
-            raise InputError(f"--tools {path} must be a JSON list of tools, each {{\"type\": \"function\", \"function\": "
-                             f"{{\"name\": ..., \"parameters\": {{...}}}}}}; got {t!r:.100}.")
+            raise InputError(f"--tools {path} must be a JSON list of tools, each {{\"type\": \"function\", "
+                             f"\"function\": {{\"name\": ..., \"parameters\": {{...}}}}}}; got {t!r:.100}.")
         out.append({"type": "function", "function": fn})
     return out
 
@@ -125,8 +125,8 @@ def answer_budget(max_new_tokens: int | None, context: int) -> int:
 class Chat:
     """A model opened by :func:`tformer.inference.open_model`, and the conversation so far (``messages``)."""
 
-    def __init__(self, opened, system: str | None, options: dict, max_new_tokens: int | None, parse_special: bool = False,
-                 tools: list[dict] | None = None):
+    def __init__(self, opened, system: str | None, options: dict, max_new_tokens: int | None,
+                 parse_special: bool = False, tools: list[dict] | None = None):
         from tformer.errors import CheckpointError
         from tformer.inference import require_tokenizer
 
