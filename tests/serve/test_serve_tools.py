@@ -15,7 +15,7 @@ from serve_util import Running
 from tformer.serve import tools
 from tformer.serve.app import build_app
 from tformer.serve.build import build_server
-from tools_util import EXCHANGE, TIME, WEATHER, agent_loop, required_calls
+from tools_util import EXCHANGE, TIME, WEATHER, agent_loop, required_calls, streamed_and_full
 
 
 # Fixed model outputs in each family's format: (text, content, [(name, arguments)]).
@@ -164,13 +164,8 @@ def test_an_agent_loop(client, stream):
 
 
 def test_a_streamed_call_equals_the_full_one(client):
-    kw = dict(model="smollm2", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, TIME],
-              tool_choice="required", temperature=0, max_tokens=64)
-    full = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
-    with client.chat.completions.stream(**kw) as events:
-        streamed = events.get_final_completion().choices[0].message.tool_calls[0]
-    assert (streamed.function.name, json.loads(streamed.function.arguments)) == \
-        (full.function.name, json.loads(full.function.arguments))
+    streamed, full = streamed_and_full(client, "smollm2", [WEATHER, TIME], max_tokens=64)
+    assert streamed == full
 
 
 def test_required_calls_validate_20_of_20(client):
@@ -181,3 +176,37 @@ def test_required_calls_validate_20_of_20(client):
                                            tools=[WEATHER, TIME], max_tokens=64, temperature=0,
                                            tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+
+
+def test_thinking_then_calls_stream_as_openai_deltas():
+    """A Qwen3-style answer (thinking, a sentence, two calls) streamed token by token through the chat format's
+    readers: the ``openai`` library's own stream accumulator (``ChatCompletionStreamState``) rebuilds the
+    message the full response gives, the thinking kept out of both calls."""
+    from types import SimpleNamespace
+
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from tformer.serve import schemas as S
+    from tformer.serve.openai_api import ChatFormat
+    from tformer.serve.scheduler import Token
+
+    answer = ('<think>\nThe user wants weather and time.\n</think>\n\nChecking both.\n<tool_call>\n{"name": '
+              '"get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n'
+              '{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    fmt = ChatFormat(SimpleNamespace(), logprobs=False, tools=True)
+    chunks = [fmt.first(0)] + [fmt.delta(0, Token(1, answer[i:i + 3]), 0) for i in range(0, len(answer), 3)]
+    chunks += fmt.tail(0) + [fmt.last(0, "stop")]
+    state = ChatCompletionStreamState()
+    for c in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(S.chat_object("chatcmpl-1", "m", [c], None, chunk=True)))
+    streamed = state.get_final_completion().choices[0]
+    full, reason = fmt.answer(answer, "stop")
+    assert streamed.finish_reason == reason == "tool_calls"
+    assert streamed.message.content == full["content"] == "Checking both."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls] == \
+        calls_of(full["tool_calls"]) == [("get_weather", {"city": "Oslo", "unit": "celsius"}),
+                                         ("get_time", {"zone": "CET"})]
+    thought = "".join((c["delta"].get("reasoning_content") or "") for c in chunks)
+    assert thought == full["reasoning_content"] == "\nThe user wants weather and time.\n"
+    assert sum(bool(c["delta"].get("tool_calls")) for c in chunks) > 4          # the arguments came in pieces

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from serve_util import Running
-from tools_util import agent_loop, required_calls
+from tools_util import agent_loop, required_calls, streamed_and_full
 
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
@@ -94,6 +94,12 @@ def test_an_agent_loop(served, stream):
     assert got["final"].finish_reason in ("stop", "length") and got["final"].message.content
     if stream:
         assert got["fragments"] > 1              # the arguments streamed as they were written
+
+
+def test_a_streamed_call_equals_the_full_one(served):
+    server, client = served
+    streamed, full = streamed_and_full(client, server.name, FUNCTIONS, max_tokens=128)
+    assert streamed == full
 
 
 def test_required_calls_validate_20_of_20(served):

@@ -83,3 +83,15 @@ def required_calls(client, model: str, functions: list[dict], n: int = 20, **kw)
             jsonschema.validate(json.loads(c.function.arguments), schema_of(functions, c.function.name))
             valid += 1
     return valid, choices
+
+
+def streamed_and_full(client, model: str, functions: list[dict], **kw) -> tuple[tuple, tuple]:
+    """``(name, arguments)`` of the greedy required call streamed (the client's stream helper accumulating the
+    deltas) and not."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=functions,
+              tool_choice="required", temperature=0, **kw)
+    full = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    with client.chat.completions.stream(**kw) as events:
+        streamed = events.get_final_completion().choices[0].message.tool_calls[0]
+    return ((streamed.function.name, json.loads(streamed.function.arguments)),
+            (full.function.name, json.loads(full.function.arguments)))

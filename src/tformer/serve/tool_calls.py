@@ -12,7 +12,8 @@ streamed once its header ``{"name": "<name>", "arguments":`` is whole, then its 
 character up to the brace that closes it (a scan of JSON's strings, escapes and nesting). A call written
 otherwise (``arguments`` first, arguments as JSON text) is held until it ends and read as one JSON value;
 text that turns out not to be a call (malformed JSON, an object without ``name``) is given back as content.
-Text that could still be the start of ``<tool_call>`` is held back until it is not.
+Text that could still be the start of ``<tool_call>`` is held back until it is not, and so is whitespace,
+which is not content when a call follows it.
 """
 
 from __future__ import annotations
@@ -187,13 +188,14 @@ class CallReader:
             else:
                 self.state = "text"                # the leading whitespace stays content
             return True
-        if self.state == "text":
+        if self.state == "text":                   # whitespace before a call is not content: held too
             at = s.find(OPEN)
             if at >= 0:
-                self._content(out, s[:at])
+                self._content(out, s[:at].rstrip(WS))
                 self.buf, self.tagged, self.opened, self.state = s[at + len(OPEN):], True, OPEN, "header"
                 return True
             keep = next((k for k in range(len(OPEN) - 1, 0, -1) if s.endswith(OPEN[:k])), 0)
+            keep = len(s) - len(s[:len(s) - keep].rstrip(WS))
             self._content(out, s[:len(s) - keep])
             self.buf = s[len(s) - keep:]
             return False
@@ -249,7 +251,7 @@ class CallReader:
         out: list[tuple] = []
         s, self.buf = self.buf, ""
         if self.state in ("start", "text"):
-            self._content(out, s)
+            self._content(out, s.rstrip(WS) if self.calls else s)       # trailing whitespace, as parse() strips it
         elif self.state in ("header", "hold"):
             self._finish_whole(out, s, self.opened, "")
         elif self.state == "arguments":
