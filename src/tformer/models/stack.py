@@ -30,7 +30,7 @@ from tformer.nn.norms import make_norm
 from tformer.mixers import check_config as check_mixers
 from tformer.mixers.base import Shared, Step
 from tformer.nn.markers import writes_residual
-from tformer.nn.embedding import check_ids, init_weights, position_table
+from tformer.nn.embedding import check_ids, init_weights, position_table, token_embedding
 from tformer.nn.positions import RotaryEmbedding, table_length
 
 Tensor = torch.Tensor
@@ -53,17 +53,19 @@ class TransformerStack(nn.Module):
         super().__init__()
         check_mixers(config)                                                    # names -> classes, and their refusals
         self.config = c = config
-        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.tok_emb = token_embedding(c)                                      # x sqrt(d) with embedding_scale
         self.pos_emb = position_table(c)                                        # learned / sinusoidal, or None
         self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
         self.emb_norm = make_norm(c) if c.embedding_norm else None             # BERT, BLOOM
         rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base, c.rope_scaling) if c.positions == "rope" else None
-        shared = Shared(rope=rope)
+        # the sliding-window layers' own base (Gemma 3: 10,000 beside the global layers' 1,000,000), unscaled
+        local = RotaryEmbedding(c.head_dim, c.context_length, c.rope_local_base) if c.rope_local_base else None
+        shared = Shared(rope=rope, local_rope=local)
         self.blocks = nn.ModuleList(Block(c, i, shared, cross_attention=cross_attention(i) if cross_attention else None)
                                     for i in range(c.n_layers))
         # Post-norm blocks end in a norm already; pre-norm stacks need one at the end.
         self.final_norm = make_norm(c) if c.norm_placement == "pre" else nn.Identity()
-        self.rope = rope
+        self.rope, self.local_rope = rope, local
         # tformer.interp's hook function while it runs a model (see Step.hooks); None otherwise.
         self.hooks: Callable[[str, Tensor], Tensor] | None = None
         # Activation checkpointing (training/checkpointing.py sets it): keep each block's input only, run the
@@ -274,6 +276,8 @@ class TransformerStack(nn.Module):
         """Check (with Python ints) that positions below ``length`` fit the position table."""
         if self.rope is not None:
             self.rope.ensure(length)
+            if self.local_rope is not None:
+                self.local_rope.ensure(length)
         elif self.pos_emb is not None and length > table_length(self.pos_emb):
             raise InputError(f"position {length - 1} is beyond context_length={table_length(self.pos_emb)} of "
                              f"the {self.config.positions} position table; shorten the input or build the model "
