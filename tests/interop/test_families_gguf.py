@@ -38,7 +38,7 @@ def files(request, tmp_path_factory):
     """(family, transformers model, {kind: GGUF path})."""
     family = request.param
     folder = tmp_path_factory.mktemp(family)
-    ref = F.hf_model(family)
+    ref = F.hf_model(family, gguf_layout=True)          # the layer kinds llama.cpp reads
     paths = {kind: F.write_gguf(family, ref, folder / f"{kind}.gguf", kind) for kind in ("f32", "f16", "q8_0", "q4_0")}
     F.float64_angles(ref)
     yield family, ref, paths

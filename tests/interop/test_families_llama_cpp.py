@@ -29,7 +29,7 @@ from tformer.interop.llama_cpp import LlamaCpp  # noqa: E402
 def files(request, tmp_path_factory):
     family = request.param
     folder = tmp_path_factory.mktemp(family)
-    ref = F.hf_model(family)
+    ref = F.hf_model(family, gguf_layout=True)          # the layer kinds llama.cpp reads
     yield family, {kind: F.write_gguf(family, ref, folder / f"{kind}.gguf", kind) for kind in ("f32", "q8_0", "q4_0")}
 
 
