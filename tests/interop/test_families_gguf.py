@@ -1,6 +1,7 @@
 """The families from GGUF files written by the ``gguf`` package (:func:`families.write_gguf`, not tformer's
-exporter): Llama 3.x with ``rope_freqs.weight``, Qwen3 (``qwen3``: q/k norms, key_length 128) and Qwen2.5 with
-YaRN keys, each at its published configuration cut to 2 layers.
+exporter): Llama 3.x with ``rope_freqs.weight``, Qwen3 (``qwen3``: q/k norms, key_length 128), Qwen2.5 with
+YaRN keys, Gemma 2 and Gemma 3 (``gemma2``, ``gemma3``: gains stored as 1 + w), each at its published configuration
+cut to 2 layers (Gemma 3's with the layer kinds llama.cpp reads from such a file: two local layers).
 
 References: transformers' model of the same weights (angles in float64, :func:`families.float64_angles`), to
 1e-4 of the logits' scale for float files and for block files dequantised by gguf-py; the chat command and

@@ -34,9 +34,21 @@ from tformer.errors import ConfigError
 from tformer.models.state import InferenceState
 from tformer.models.loss import token_loss
 from tformer.models.stack import TransformerStack
-from tformer.nn.embedding import ScaledEmbedding
 
 Tensor = torch.Tensor
+
+
+class ScaledEmbedding(nn.Embedding):
+    """A token embedding whose lookups are multiplied by ``scale`` (sqrt(d) in Vaswani et al. §3.4);
+    the tied output projection reads the unscaled matrix."""
+
+    def __init__(self, num: int, dim: int, scale: float = 1.0):
+        super().__init__(num, dim)
+        self.scale = scale
+
+    def forward(self, ids: Tensor) -> Tensor:
+        out = super().forward(ids)
+        return out * self.scale if self.scale != 1.0 else out
 
 
 @dataclasses.dataclass

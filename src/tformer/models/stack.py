@@ -30,7 +30,7 @@ from tformer.nn.norms import make_norm
 from tformer.mixers import check_config as check_mixers
 from tformer.mixers.base import Shared, Step
 from tformer.nn.markers import writes_residual
-from tformer.nn.embedding import check_ids, init_weights, position_table, token_embedding
+from tformer.nn.embedding import check_ids, init_weights, position_table
 from tformer.nn.positions import RotaryEmbedding, table_length
 
 Tensor = torch.Tensor
@@ -53,10 +53,13 @@ class TransformerStack(nn.Module):
         super().__init__()
         check_mixers(config)                                                    # names -> classes, and their refusals
         self.config = c = config
-        self.tok_emb = token_embedding(c)                                      # x sqrt(d) with embedding_scale
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.pos_emb = position_table(c)                                        # learned / sinusoidal, or None
         self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
         self.emb_norm = make_norm(c) if c.embedding_norm else None             # BERT, BLOOM
+        # Gemma's sqrt(d) on the decoder's lookups, here and not in tok_emb, which quantisation may replace
+        # (an encoder-decoder scales in its shared ScaledEmbedding)
+        self.embed_scale = math.sqrt(c.d_model) if c.embedding_scale and c.model == "decoder" else 1.0
         rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base, c.rope_scaling) if c.positions == "rope" else None
         # the sliding-window layers' own base (Gemma 3: 10,000 beside the global layers' 1,000,000), unscaled
         local = RotaryEmbedding(c.head_dim, c.context_length, c.rope_local_base) if c.rope_local_base else None
@@ -128,6 +131,8 @@ class TransformerStack(nn.Module):
             positions = torch.arange(ids.shape[1], device=ids.device)
         try:  # an index outside a table raises here; look at the values only then (no sync otherwise)
             x = self.tok_emb(ids)                                                # (B, T, C)
+            if self.embed_scale != 1.0:
+                x = x * self.embed_scale                                         # embedding_scale (Gemma)
             hook = self.hooks
             if hook is not None:
                 x = hook("hook_embed", x)

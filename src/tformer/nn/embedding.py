@@ -1,11 +1,10 @@
 """Pieces of the input side that the model stack (``tformer.models.stack``) and the entry points
-use: the id check, the token embedding scaled by sqrt(d) (``embedding_scale``), the absolute-position
-table, and GPT-2's weight initialisation (or none, for a model whose weights are about to be loaded)."""
+use: the id check, the absolute-position table, and GPT-2's weight initialisation (or none, for a
+model whose weights are about to be loaded)."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Iterator
 
 import torch
@@ -27,26 +26,6 @@ def check_ids(ids: Tensor, vocab_size: int) -> None:
             f"token ids must be in [0, {vocab_size}); got range [{int(ids.min())}, {int(ids.max())}]. "
             f"Is the tokenizer the one this model was built for?"
         )
-
-
-class ScaledEmbedding(nn.Embedding):
-    """A token embedding whose lookups are multiplied by ``scale`` (sqrt(d) in Vaswani et al. §3.4);
-    the tied output projection reads the unscaled matrix."""
-
-    def __init__(self, num: int, dim: int, scale: float = 1.0):
-        super().__init__(num, dim)
-        self.scale = scale
-
-    def forward(self, ids: Tensor) -> Tensor:
-        out = super().forward(ids)
-        return out * self.scale if self.scale != 1.0 else out
-
-
-def token_embedding(config: TransformerConfig) -> nn.Embedding:
-    """The token table: lookups times sqrt(d_model) with ``embedding_scale`` (Vaswani et al. §3.4, Gemma)."""
-    if config.embedding_scale:
-        return ScaledEmbedding(config.vocab_size, config.d_model, math.sqrt(config.d_model))
-    return nn.Embedding(config.vocab_size, config.d_model)
 
 
 def position_table(config: TransformerConfig) -> nn.Module | None:
