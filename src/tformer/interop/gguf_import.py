@@ -4,9 +4,9 @@
     tformer convert --from-gguf FILE.gguf --out CKPT                # a checkpoint folder with tokenizer
 
 Architectures (``general.architecture``): ``llama`` (Llama 1-3, Mistral-style, SmolLM2), ``qwen2``,
-``qwen3``, ``gemma2``, ``gemma3`` (text) and ``gpt2``, which include every file ``tformer convert --to-gguf`` writes. The metadata becomes an HF
-``config.json`` dict and llama.cpp's tensor names become HF names, so the HF family converters
-(``tformer.interop.llama`` / ``gpt2``) build the model and refuse what they cannot express. Two
+``qwen3``, ``gemma2``, ``gemma3`` (text) and ``gpt2``, which include every file ``tformer convert --to-gguf``
+writes. The metadata becomes an HF ``config.json`` dict and llama.cpp's tensor names become HF names, so the
+HF family converters (``tformer.interop.llama``, ``gemma2``, ``gemma3``, ``gpt2`` ...) build the model and refuse what they cannot express. Two
 layout changes undo what llama.cpp's ``convert_hf_to_gguf.py`` did (see ``tformer.interop.gguf``):
 
 - ``llama`` Q and K rows are stored for interleaved RoPE (dimension 2i pairs with 2i+1); tformer
