@@ -1,5 +1,5 @@
-"""The model families (Llama 3.2 and 3.1 with llama3 RoPE, Qwen3, Qwen2.5 with YaRN, Gemma 2, Gemma 3) at their published
-configurations cut to 2 layers (the test fixtures, tests/interop/families.py): tformer's float32 logits from
+"""The model families (Llama 3.2 and 3.1 with llama3 RoPE, Qwen3, Qwen2.5 with YaRN, Gemma 2, Gemma 3) at their
+published configurations cut to 2 layers (the test fixtures, tests/interop/families.py): tformer's float32 logits from
 the HF folder against transformers (its RoPE angles in float64, and as it computes them, in float32), and
 from a float32 GGUF written by the ``gguf`` package against llama.cpp (llama-cpp-python, float32 cache).
 Each figure is the largest difference over the five prompts (one past ``original_max_position_embeddings``
@@ -41,8 +41,8 @@ def transformers_figures(family: str, folder: Path) -> tuple[float, float]:
     pos = F.far_positions((ours.config.rope_scaling or {}).get("original_max_position_embeddings", 8192))[None]
     cases = [(torch.tensor([i]), None) for i in F.prompts()] + [(torch.tensor([F.prompts()[3][:pos.shape[1]]]), pos)]
     if (ours.config.sliding_window or 10**9) < 600:        # Gemma 3's window (512): a prompt past it
-        cases.append((torch.randint(0, F.VOCAB - len(F.SPECIAL) - 1, (1, 600), generator=torch.Generator().manual_seed(1)),
-                      None))
+        ids = torch.randint(0, F.VOCAB - len(F.SPECIAL) - 1, (1, 600), generator=torch.Generator().manual_seed(1))
+        cases.append((ids, None))
     a = b = 0.0
     with torch.no_grad():
         for x, p in cases:

@@ -253,7 +253,8 @@ class TransformerConfig:
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
             raise ConfigError(f"attn_softcap={cap!r} must be a finite number >= 0 (0 = no soft-cap; Gemma 2: 50).")
         if self.post_norms and self.norm_placement != "pre":
-            raise ConfigError("post_norms=true needs norm_placement='pre' (the post-norm follows a pre-normed sub-layer).")
+            raise ConfigError("post_norms=true needs norm_placement='pre' (the post-norm follows a pre-normed "
+                              "sub-layer).")
         if self.ffn == "geglu" and self.activation not in ("gelu", "gelu_tanh"):
             raise ConfigError(f"ffn='geglu' gates with GELU; set activation to 'gelu' or 'gelu_tanh' "
                               f"(got {self.activation!r}).")
@@ -266,9 +267,11 @@ class TransformerConfig:
                 raise ConfigError("window_layers needs sliding_window set (the window those layers use).")
         if self.rope_local_base is not None:
             if not _positive(self.rope_local_base) or self.positions != "rope":
-                raise ConfigError(f"rope_local_base={self.rope_local_base!r} must be a number > 0 with positions='rope'.")
+                raise ConfigError(f"rope_local_base={self.rope_local_base!r} must be a number > 0 with "
+                                  f"positions='rope'.")
             if self.sliding_window is None:
-                raise ConfigError("rope_local_base needs sliding_window set (it is the RoPE base of the windowed layers).")
+                raise ConfigError("rope_local_base needs sliding_window set (it is the RoPE base of the windowed "
+                                  "layers).")
 
     def windowed(self, layer: int) -> bool:
         """Whether layer ``layer`` attends through ``sliding_window`` (see ``window_layers``)."""

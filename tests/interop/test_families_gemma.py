@@ -179,3 +179,19 @@ def test_the_whole_layer_call_refuses_gemma_and_the_module_path_runs(pair):
         steps = [prefill(ours, ids[:, :5], state)[0]]
         steps += [decode_step(ours, ids[:, t:t + 1], state)[0] for t in range(5, ids.shape[1])]
     assert F.relative(torch.stack(steps), full[4:]) < 1e-5
+
+
+@pytest.mark.parametrize("switch", [dict(norm_unit_offset=True), dict(post_norms=True), dict(attn_softcap=50.0),
+                                    dict(attn_scale=0.1), dict(sliding_window=8, window_layers=[True, False])])
+def test_a_llama_with_a_gemma_switch_is_refused_on_export(tmp_path, switch):
+    """Llama has no name for these: save_hf and the GGUF exporter refuse them, naming the field."""
+    from tformer.interop.gguf import save_gguf
+
+    fields = dict(vocab_size=64, context_length=32, n_layers=2, d_model=32, n_heads=2, positions="rope",
+                  norm="rmsnorm", ffn="swiglu", bias=False, **switch)
+    model = build_model(TransformerConfig(**fields))
+    name = next(iter(switch)) if "window_layers" not in switch else "window_layers"
+    for export in (lambda: save_hf(model, tmp_path / "hf", "llama"),
+                   lambda: save_gguf(model, tmp_path / "m.gguf", "f32", "llama")):
+        with pytest.raises(ConfigError, match=name):
+            export()

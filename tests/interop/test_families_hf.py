@@ -1,5 +1,5 @@
-"""Llama 3.x (llama3-scaled RoPE), Qwen3 (QK-norm gains, head_dim 128), Qwen2.5 (YaRN), Gemma 2 and Gemma 3 from HF folders,
-against transformers (the fixtures: :mod:`families`, each at its published configuration cut to 2 layers).
+"""Llama 3.x (llama3-scaled RoPE), Qwen3 (QK-norm gains, head_dim 128), Qwen2.5 (YaRN), Gemma 2 and Gemma 3 from HF
+folders, against transformers (the fixtures: :mod:`families`, each at its published configuration cut to 2 layers).
 
 Reference: transformers' own model of the folder, its RoPE angles computed in float64 from its own
 frequency formula (:func:`families.float64_angles`; transformers computes them in float32, off by ~1e-3

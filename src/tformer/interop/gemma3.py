@@ -3,7 +3,7 @@ base per layer kind.
 
     # diff with Llama: Gemma 2's (gemma2.py: sqrt(d) embeddings, (1 + w) norm gains, post-norms, tanh-GELU
     # gate, query_pre_attn_scalar), and
-    # - q_norm / k_norm over each head, gains applied as (1 + w)         config qk_norm, qk_norm_gain (+ norm_unit_offset)
+    # - q_norm / k_norm over each head, gains applied as (1 + w)         config qk_norm, qk_norm_gain
     # - no soft-caps in the published configs (honoured when present)
     # - five sliding-window layers to one global (layer_types; window 512 at 270M and 1B)
     # - RoPE base 10,000 on the sliding layers, rope_theta (1,000,000) on the global ones, a scaling

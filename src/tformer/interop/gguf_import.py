@@ -6,7 +6,8 @@
 Architectures (``general.architecture``): ``llama`` (Llama 1-3, Mistral-style, SmolLM2), ``qwen2``,
 ``qwen3``, ``gemma2``, ``gemma3`` (text) and ``gpt2``, which include every file ``tformer convert --to-gguf``
 writes. The metadata becomes an HF ``config.json`` dict and llama.cpp's tensor names become HF names, so the
-HF family converters (``tformer.interop.llama``, ``gemma2``, ``gemma3``, ``gpt2`` ...) build the model and refuse what they cannot express. Two
+HF family converters (``tformer.interop.llama``, ``gemma2``, ``gemma3``, ``gpt2`` ...) build the model and refuse
+what they cannot express. Two
 layout changes undo what llama.cpp's ``convert_hf_to_gguf.py`` did (see ``tformer.interop.gguf``):
 
 - ``llama`` Q and K rows are stored for interleaved RoPE (dimension 2i pairs with 2i+1); tformer
@@ -78,8 +79,8 @@ LLAMA_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "at
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}    # the norms: qwen3's
-GEMMA_LAYER = {**LLAMA_LAYER, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"}
+GEMMA_LAYER = {**LLAMA_LAYER, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 GPT2_TOP = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
             "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
             "output.weight": "lm_head.weight"}

@@ -44,8 +44,8 @@ def model_type_for(c: TransformerConfig) -> str | None:
 
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     require(c, model_type, mixer="attention", positions="rope", norm="rmsnorm", norm_placement="pre", ffn="swiglu",
-            causal=True, embedding_norm=False, type_vocab_size=0, embedding_scale=False, bias=False, qkv_bias=False, qk_norm=True,
-            qk_norm_gain=True)               # Qwen3's attention_bias would put a bias on o_proj as well
+            causal=True, embedding_norm=False, type_vocab_size=0, embedding_scale=False, bias=False, qkv_bias=False,
+            qk_norm=True, qk_norm_gain=True)   # Qwen3's attention_bias would put a bias on o_proj as well
 
 
 def config_to_hf(c: TransformerConfig, model_type: str) -> dict:

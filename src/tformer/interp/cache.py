@@ -96,8 +96,8 @@ def norm_scale(norm: nn.Module, x: Tensor) -> Tensor:
 
 def centre_and_scale(norm: nn.Module, x: Tensor, scale: Tensor) -> Tensor:
     """The linear part of ``norm`` with its divisor fixed at ``scale``: ``(x - mean x) / scale · w``
-    (LayerNorm) or ``x / scale · w`` (RMSNorm; ``1 + w`` for Gemma's). Summed over the pieces of a residual stream it gives
-    ``norm(stream)`` less the LayerNorm bias: the decomposition behind direct logit attribution."""
+    (LayerNorm) or ``x / scale · w`` (RMSNorm; ``1 + w`` for Gemma's). Summed over the pieces of a residual stream
+    it gives ``norm(stream)`` less the LayerNorm bias: the decomposition behind direct logit attribution."""
     x = x.float()
     if isinstance(norm, nn.LayerNorm):
         x = x - x.mean(-1, keepdim=True)
