@@ -49,6 +49,13 @@ TEMPLATES = {"llama": LLAMA3_CHAT, "qwen2": CHATML, "qwen3": CHATML, "gemma2": G
 # family -> (transformers config class, GGUF architecture, published config fields, (bos, eos, eot) tokens)
 LLAMA3 = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=8192)
+# What Gemma-3-270M and 1B share (google/gemma-3-270m, google/gemma-3-1b-it); their cut keeps a local and a global
+# layer (layer_types); in a GGUF file llama.cpp makes every sixth layer global whatever the config says, so the GGUF
+# fixtures take the default kinds (gguf_layout)
+GEMMA3 = dict(num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+              rope_theta=1000000.0, rope_local_base_freq=10000.0, tie_word_embeddings=True,
+              hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=512,
+              attention_bias=False, layer_types=["sliding_attention", "full_attention"])
 PUBLISHED = {
     "llama-3.2-1b": ("LlamaConfig", "llama", dict(   # meta-llama/Llama-3.2-1B
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -77,21 +84,11 @@ PUBLISHED = {
         hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, attention_bias=False),
         ("<bos>", "<eos>", "<end_of_turn>")),
-    # Gemma 3's cut keeps a local and a global layer (layer_types); in a GGUF file llama.cpp makes every sixth
-    # layer global whatever the config says, so the GGUF fixtures take the default kinds (gguf_layout)
     "gemma-3-270m": ("Gemma3TextConfig", "gemma3", dict(   # google/gemma-3-270m
-        hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        rope_local_base_freq=10000.0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
-        query_pre_attn_scalar=256, sliding_window=512, attention_bias=False,
-        layer_types=["sliding_attention", "full_attention"]),
+        hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, **GEMMA3),
         ("<bos>", "<eos>", "<end_of_turn>")),
     "gemma-3-1b": ("Gemma3TextConfig", "gemma3", dict(     # google/gemma-3-1b-it
-        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        rope_local_base_freq=10000.0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
-        query_pre_attn_scalar=256, sliding_window=512, attention_bias=False,
-        layer_types=["sliding_attention", "full_attention"]),
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, **GEMMA3),
         ("<bos>", "<eos>", "<end_of_turn>")),
 }
 
