@@ -115,7 +115,8 @@ def test_chat_command_runs(files, capsys):
     _, _, paths = files
     assert main(["chat", "--model", str(paths["q8_0"]), "--prompt", "hi", "--temperature", "0",
                  "--max-new-tokens", "8"]) == 0
-    assert capsys.readouterr().out.strip()
+    out, err = capsys.readouterr()
+    assert out and " tokens in " in err, err      # random Gemma weights answer "\n" x 8, as transformers does
 
 
 def test_serve_chat_completion_runs(files):

@@ -30,7 +30,7 @@ LOCAL_BASE = 10000.0                  # rope_local_base_freq's default in transf
 
 
 def rope_kinds(hf: dict) -> tuple[dict, float]:
-    """(an HF-style config of the global layers' RoPE for :func:`llama.rope_theta` / :func:`llama.rope_scaling`,
+    """(an HF-style config of the global layers' RoPE for :func:`tformer.interop.llama.rope_scaling`,
     the local layers' base); the local layers' RoPE must be unscaled."""
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:

@@ -17,7 +17,7 @@ layout changes undo what llama.cpp's ``convert_hf_to_gguf.py`` did (see ``tforme
   rotate-half order already (llama.cpp runs them with NEOX RoPE), so they are not permuted; nor are
   ``gemma2`` and ``gemma3``, whose norm gains are stored as ``1 + w`` (tformer's ``norm_unit_offset``
   keeps ``w``: one is subtracted), and whose layer kinds, gemma3's local RoPE base and the score scale
-  are llama.cpp's fixed choices (:func:`gemma_config`).
+  are llama.cpp's fixed choices (:func:`tformer.interop.gguf_import.gemma_config`).
 
 Scaled RoPE (:mod:`tformer.interop.gguf_rope`): ``rope.scaling.type`` ``linear`` or ``yarn`` with its
 keys, or Llama 3.1's scaling baked into ``rope_freqs.weight`` (one divisor per frequency), become
