@@ -53,7 +53,7 @@ from tformer.interop.loader import TensorSource
 from tformer.quant import kblocks
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3")
-MODEL_TYPES = {"gemma3": "gemma3_text"}          # architecture -> HF model_type, where they differ
+ARCH_MODEL_TYPES = {"gemma3": "gemma3_text"}          # architecture -> HF model_type, where they differ
 # The "{arch}." keys understood; any other one is refused (it may change the maths).
 KNOWN_KEYS = {
     "llama": {"context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
@@ -174,7 +174,7 @@ def gemma_config(f: GGUFFile, arch: str, hf: dict) -> dict:
     layers, pattern = hf["num_hidden_layers"], GEMMA_PATTERN[arch]
     window = f.field(f"{arch}.attention.sliding_window")
     scalar = hf["hidden_size"] // hf["num_attention_heads"] if layers == GEMMA_27B_LAYERS[arch] else hf["head_dim"]
-    out = {"model_type": MODEL_TYPES.get(arch, arch), "hidden_activation": "gelu_pytorch_tanh",
+    out = {"model_type": ARCH_MODEL_TYPES.get(arch, arch), "hidden_activation": "gelu_pytorch_tanh",
            "query_pre_attn_scalar": scalar, "sliding_window": window,
            "layer_types": [("sliding_attention" if window and (i + 1) % pattern else "full_attention")
                            for i in range(layers)],
