@@ -35,7 +35,7 @@ from tformer.interop.loader import TensorSource, read_config, read_tensors, requ
 from tformer.models import model_class
 
 # The family modules of tformer.interop: a new family is one module plus its name here.
-FAMILY_MODULES = ("gpt2", "gpt_neox", "llama", "qwen3", "bloom", "bert", "mamba", "longformer", "bigbird", "bart", "marian")
+FAMILY_MODULES = ("gpt2", "gpt_neox", "llama", "qwen3", "phi3", "bloom", "bert", "mamba", "longformer", "bigbird", "bart", "marian")
 
 # What every family module provides (``export_options`` is optional).
 PROTOCOL = ("MODEL_TYPES", "PREFIX", "config_from_hf", "state_from_hf", "model_type_for", "check_exportable",
