@@ -53,7 +53,10 @@ class TransformerConfig:
             ``"yarn"`` (Peng et al. 2023: the same ramp by rotations per original context, ``beta_fast``,
             ``beta_slow``, and cos/sin times ``attention_factor``, default ``0.1·ln(factor) + 1``) or
             ``"factors"`` (``factors``: one divisor per frequency, head_dim/2 of them, as a GGUF
-            ``rope_freqs.weight`` stores them). On the command line: ``--set 'rope_scaling={"rope_type": ...}'``.
+            ``rope_freqs.weight`` stores them) or ``"longrope"`` (Phi-3.5: every frequency / ``short_factor[i]``
+            for a context of at most ``original_max_position_embeddings``, / ``long_factor[i]`` beyond, cos/sin
+            times ``attention_factor``, default ``sqrt(1 + ln(factor)/ln(original))`` with ``factor`` default
+            ``context_length / original``; :mod:`tformer.nn.rope_scaling` says which context). On the command line: ``--set 'rope_scaling={"rope_type": ...}'``.
         norm: ``layernorm`` or ``rmsnorm``; ``norm_eps`` its epsilon.
         norm_placement: ``pre`` (x + f(norm(x)), GPT-2/Llama) or ``post`` (norm(x + f(x)), Vaswani/BERT).
         ffn: ``mlp`` (Linear, activation, Linear), ``swiglu`` (gated, Llama), ``geglu`` (gated
@@ -339,7 +342,9 @@ ROPE_SCALINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
     "yarn": (("factor", "original_max_position_embeddings"), ("beta_fast", "beta_slow", "attention_factor", "truncate")),
     "factors": (("factors",), ()),
+    "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"), ("factor", "attention_factor")),
 }
+FACTOR_LISTS = ("factors", "short_factor", "long_factor")      # the keys whose value is one number per frequency
 
 
 def check_rope_scaling(scaling: Any, head_dim: int) -> None:
@@ -358,12 +363,13 @@ def check_rope_scaling(scaling: Any, head_dim: int) -> None:
         value = scaling[key]
         if key == "truncate":
             ok = isinstance(value, bool)
-        elif key == "factors":
+        elif key in FACTOR_LISTS:
             ok = isinstance(value, list) and len(value) == head_dim // 2 and all(_positive(v) for v in value)
         else:
             ok = _positive(value) or (key == "attention_factor" and value is None)
         if not ok:
-            want = {"truncate": "true or false", "factors": f"a list of {head_dim // 2} numbers > 0"}.get(key, "a number > 0")
+            want = "true or false" if key == "truncate" else \
+                f"a list of {head_dim // 2} numbers > 0" if key in FACTOR_LISTS else "a number > 0"
             raise ConfigError(f"rope_scaling[{key!r}]={value!r} must be {want}.")
     if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ConfigError(f"rope_scaling high_freq_factor={scaling['high_freq_factor']} must exceed "

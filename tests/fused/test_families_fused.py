@@ -1,6 +1,7 @@
 """The whole-layer call on the families' layers (each at its published configuration cut to 2 layers, from a
 GGUF written by the ``gguf`` package): Llama 3.2's llama3-scaled RoPE and Qwen2.5's YaRN (other tables, the
-attention factor in them), Qwen3's QK-norm with gains and head_dim 128 ≠ d/heads. Reference: the module path
+attention factor in them; Phi-3.5's LongRoPE in a state of 64 and of 4,200 positions, its short and long
+set), Qwen3's QK-norm with gains and head_dim 128 ≠ d/heads. Reference: the module path
 on the same model. Float weights (the call's float loops): they differ only in summation order, so logits
 to 1e-4 of their scale. q8_0 blocks: as ``test_layers.py`` says, a float-order difference can move an
 activation across an 8-bit code boundary, which at these widths and random weights moves logits by up to
@@ -32,15 +33,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.skipif(qgemv.path() not in qgemv.TILE_ROWS, reason="no SIMD tile path on this CPU")
 @pytest.mark.parametrize("kind, tol", [("f32", 1e-4), ("q8_0", 3e-2)])
-@pytest.mark.parametrize("family", [f for f in F.PUBLISHED if f != "llama-3.1-8b"
-                                    and not f.startswith("gemma")])    # Gemma: refused (test_families_gemma.py)
-def test_family_layers_run_whole_and_equal_the_module_path(family, kind, tol, tmp_path):
+@pytest.mark.parametrize("family, max_len", [(f, 64) for f in F.PUBLISHED if f != "llama-3.1-8b"
+                                             and not f.startswith("gemma")]    # Gemma: refused (test_families_gemma.py)
+                         + [("phi-3.5-mini", 4200)])          # a state past 4,096: LongRoPE's long set in both paths
+def test_family_layers_run_whole_and_equal_the_module_path(family, max_len, kind, tol, tmp_path):
     path = F.write_gguf(family, F.hf_model(family), tmp_path / f"{kind}.gguf", kind)
     model = load_gguf(path, keep_quant=True) if kind != "f32" else set_precision(load_gguf(path), "fp32")
     choice = whole.chosen(model)
     assert choice.plan is not None, choice.reason
     ids = torch.tensor([F.prompts()[2][:20]])
-    fused, plain = model.new_state(1, 64), model.new_state(1, 64)
+    fused, plain = model.new_state(1, max_len), model.new_state(1, max_len)
     with torch.inference_mode():
         r = whole.route(model, fused, *ids.shape)
         assert (r is None) == (kind == "f32")                   # float weights leave prompts to the module path
@@ -57,6 +59,8 @@ def test_family_layers_run_whole_and_equal_the_module_path(family, kind, tol, tm
             b = decode_logits(model, tok, plain)
             assert (a - b).abs().max() <= tol * b.abs().max(), (family, float((a - b).abs().max()))
             tok = b.argmax(-1, keepdim=True)
+    if model.rope.longrope is not None:                          # the state's set was the one in use
+        assert model.rope.inv_freq is model.rope.longrope[1 if max_len > 4096 else 0]
     n = plain.length
     # the first layer's keys and values see no flipped code upstream; with floats every layer's agree
     for s, t in list(zip(fused.layers, plain.layers))[:len(plain.layers) if kind == "f32" else 1]:

@@ -10,13 +10,14 @@ exporter, which would check tformer against itself); block formats are quantised
 
 :func:`float64_angles` makes a transformers model compute its RoPE angles in float64 from transformers'
 own frequency formula (it computes them in float32, whose error grows with the position), the reference
-past a few hundred positions. Part 2's families add an entry to :data:`PUBLISHED` and, where their GGUF
+past a few hundred positions; for LongRoPE with its per-call choice of the long set past the original context. Part 2's families add an entry to :data:`PUBLISHED` and, where their GGUF
 layout differs, a branch in :func:`write_gguf`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from unittest import mock
@@ -33,6 +34,7 @@ N_LAYERS = 2
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
            "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 SPECIAL += ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]                          # Gemma's
+SPECIAL += ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]                     # Phi-3's chat format
 VOCAB = 640
 
 # The families' chat formats, written here from their published layout (Llama 3's headers, Qwen's ChatML).
@@ -45,6 +47,8 @@ GEMMA_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' i
               "m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 TEMPLATES = {"llama": LLAMA3_CHAT, "qwen2": CHATML, "qwen3": CHATML, "gemma2": GEMMA_CHAT, "gemma3": GEMMA_CHAT}
+TEMPLATES["phi3"] = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}")
 # Qwen3's layout with tools, written here from the published template's behaviour: the functions' JSON
 # signatures in a <tools> block of the system turn, an earlier call as <tool_call>{"name", "arguments"}</tool_call>,
 # consecutive tool results as <tool_response> blocks in one user turn, enable_thinking=False as an empty <think>.
@@ -128,6 +132,33 @@ PUBLISHED = {
         hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, **GEMMA3),
         ("<bos>", "<eos>", "<end_of_turn>")),
 }
+# microsoft/Phi-3.5-mini-instruct's LongRoPE divisors (config.json rope_scaling, float32 values as published)
+PHI35_LONG = [1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601, 1.5899999141693115,
+              1.600000023841858, 1.6200000047683716, 2.620000123977661, 3.2300000190734863, 3.2300000190734863,
+              4.789999961853027, 7.400000095367432, 7.700000286102295, 9.09000015258789, 12.199999809265137,
+              17.670000076293945, 24.46000099182129, 28.57000160217285, 30.420001983642578, 30.840002059936523,
+              32.590003967285156, 32.93000411987305, 42.320003509521484, 44.96000289916992, 50.340003967285156,
+              50.45000457763672, 57.55000305175781, 57.93000411987305, 58.21000289916992, 60.1400032043457,
+              62.61000442504883, 62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457,
+              63.77000427246094, 63.93000411987305, 63.96000289916992, 63.970001220703125, 64.02999877929688,
+              64.06999969482422, 64.08000183105469, 64.12000274658203, 64.41000366210938, 64.4800033569336,
+              64.51000213623047, 64.52999877929688, 64.83999633789062]
+PHI35_SHORT = [1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705, 1.0499999523162842,
+               1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0699999332427979,
+               1.0999999046325684, 1.1099998950958252, 1.1599998474121094, 1.1599998474121094, 1.1699998378753662,
+               1.2899998426437378, 1.339999794960022, 1.679999828338623, 1.7899998426437378, 1.8199998140335083,
+               1.8499997854232788, 1.8799997568130493, 1.9099997282028198, 1.9399996995925903, 1.9899996519088745,
+               2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346,
+               2.0199997425079346, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
+               2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
+               2.0799996852874756, 2.0899996757507324, 2.189999580383301, 2.2199995517730713, 2.5899994373321533,
+               2.729999542236328, 2.749999523162842, 2.8399994373321533]
+PUBLISHED["phi-3.5-mini"] = ("Phi3Config", "phi3", dict(   # microsoft/Phi-3.5-mini-instruct
+    hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+    max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+    rope_scaling=dict(type="longrope", long_factor=PHI35_LONG, short_factor=PHI35_SHORT), sliding_window=262144,
+    tie_word_embeddings=False, attention_bias=False),
+    (None, "<|endoftext|>", "<|end|>"))
 
 
 def tokenizer(folder: Path) -> Path:
@@ -161,6 +192,8 @@ def hf_config(family: str, gguf_layout: bool = False):
               "bos_token_id": ids.get(bos), "eos_token_id": ids[eos]}
     if gguf_layout:
         fields.pop("layer_types", None)
+    if cls == "Phi3Config":
+        fields["pad_token_id"] = ids[eos]                    # Phi-3's padding is its end of text
     return getattr(transformers, cls)(**fields)
 
 
@@ -219,12 +252,19 @@ def float64_angles(model) -> None:
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         fn = ROPE_INIT_FUNCTIONS[rotary.rope_type]
+    original = model.config.rope_parameters.get("original_max_position_embeddings")
     with mock.patch.object(torch, "float", torch.float64):
         inv_freq, scale = fn(model.config)
+    if rotary.rope_type == "longrope":      # its function writes .float(): float64 too; the long set past the original
+        with mock.patch.object(torch, "float", torch.float64), \
+                mock.patch.object(torch.Tensor, "float", lambda t, *a, **k: t.to(torch.float64)):
+            inv_freq, scale = fn(model.config)
+            long_freq = fn(model.config, seq_len=original + 1)[0].to(torch.float64)
     inv_freq = inv_freq.to(torch.float64)
 
     def forward(x, position_ids):
-        freqs = position_ids[..., None].to(torch.float64) * inv_freq             # (B, T, hs/2)
+        use = long_freq if rotary.rope_type == "longrope" and int(position_ids.max()) + 1 > original else inv_freq
+        freqs = position_ids[..., None].to(torch.float64) * use                  # (B, T, hs/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
 
@@ -312,6 +352,14 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
     w.add_eos_token_id(vocab[eos])
     w.add_eot_token_id(vocab[eot])
     w.add_chat_template(TEMPLATES[arch])
+    if arch == "phi3":            # convert_hf_to_gguf.py's Phi3MiniModel: LongRoPE's divisors as tensors
+        original = rope["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        w.add_sliding_window(c.sliding_window or 0)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     if rope["rope_type"] == "llama3":
         w.add_tensor("rope_freqs.weight", rope_factors(model))

@@ -59,7 +59,7 @@ def logits_equal(model, ref, tol=TOL) -> None:
 def test_float_file_logits_equal_transformers(files):
     family, ref, paths = files
     model = load_gguf(paths["f32"])
-    expected = {"llama-3.2-1b": "llama3", "qwen2.5-0.5b-yarn": "yarn"}.get(family)
+    expected = {"llama-3.2-1b": "llama3", "qwen2.5-0.5b-yarn": "yarn", "phi-3.5-mini": "longrope"}.get(family)
     assert (model.config.rope_scaling or {}).get("rope_type") == expected
     if expected == "llama3":                       # read back as Llama 3.1's parameters, not bare divisors
         assert model.config.rope_scaling == {k: v for k, v in ref.config.rope_parameters.items() if k != "rope_theta"}
@@ -99,9 +99,11 @@ def test_other_formats_equal_transformers_on_the_dequantised_weights(files, kind
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 def test_blocks_kept_as_stored_stay_close(files, kind):
     """Kept as blocks, activations go through 8-bit blocks as in llama.cpp: within 6e-2 of the float logits
-    (3.2e-2 seen on Llama 3.2 q8_0; a wrong layout is off by the whole scale; llama.cpp checks them closer)."""
+    (3.2e-2 seen on Llama 3.2 q8_0; a wrong layout is off by the whole scale; llama.cpp checks them closer).
+    Phi-3.5's 8,192-wide feed-forward rounds more: 6.1e-2 (q8_0) and 6.9e-2 (q4_0) seen, 1e-1 asserted."""
     family, ref, paths = files
-    logits_equal(load_gguf(paths[kind], keep_quant=True), dequantised(ref, paths[kind]), tol=6e-2)
+    tol = 1e-1 if family == "phi-3.5-mini" else 6e-2
+    logits_equal(load_gguf(paths[kind], keep_quant=True), dequantised(ref, paths[kind]), tol=tol)
 
 
 def test_open_model_stops_at_the_end_of_turn(files):

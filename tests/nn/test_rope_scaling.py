@@ -78,3 +78,75 @@ def test_train_settings_build_a_qwen3_style_model():
     ids = torch.randint(0, 256, (1, 70))
     logits, _ = model(ids)
     assert torch.isfinite(logits).all()
+
+
+# divisors exact in float32, as transformers holds them (and Phi-3.5 publishes them)
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + i / 16 for i in range(8)], "long_factor": [1.0 + 3.0 * i for i in range(8)]}
+
+
+@pytest.mark.parametrize("extra", [{}, {"attention_factor": 1.3}, {"factor": 8.0}])
+def test_longrope_sets_equal_transformers(extra):
+    """Both sets and the attention factor against transformers' function (short: no seq_len; long: a seq_len
+    past the original), float64 (``.float()`` patched as well) to 1e-12; the default factor from the context."""
+    scaling = {**LONGROPE, **extra}
+    hf = transformers.Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
+                                 original_max_position_embeddings=64, rope_parameters={**scaling, "rope_theta": 1e4})
+    fn = ROPE_INIT_FUNCTIONS["longrope"]
+    with mock.patch.object(torch, "float", torch.float64), \
+            mock.patch.object(torch.Tensor, "float", lambda t, *a, **k: t.to(torch.float64)):
+        short, factor = fn(hf)
+        long, _ = fn(hf, seq_len=65)
+    ours_short, ours_factor = frequencies(16, 1e4, scaling, context_length=512)
+    ours_long, _ = frequencies(16, 1e4, scaling, context_length=512, long=True)
+    assert ours_factor == pytest.approx(factor, rel=1e-12) and factor > 1
+    assert torch.allclose(ours_short, short.double(), rtol=1e-12, atol=0)
+    assert torch.allclose(ours_long, long.double(), rtol=1e-12, atol=0)
+    assert not torch.allclose(ours_short, ours_long, rtol=1e-3)
+
+
+def test_longrope_set_follows_the_call_or_the_state():
+    """Without a state the call's last position picks the set (transformers' rule); in a state its max_len
+    does (llama.cpp's n_ctx), so cached decoding equals recomputation whichever set it holds."""
+    from tformer.generation.step import decode_step, prefill
+    from tformer.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(TransformerConfig(vocab_size=64, context_length=512, n_layers=2, d_model=64, n_heads=4,
+                                          positions="rope", norm="rmsnorm", ffn="swiglu", rope_scaling=LONGROPE)).eval()
+    short, long, _ = model.rope.longrope
+    ids = torch.randint(0, 64, (1, 80))
+    with torch.no_grad():
+        model(ids[:, :64])
+        assert model.rope.inv_freq is short
+        full = model(ids)[0][0]                                      # 80 > 64 positions: the long set
+        assert model.rope.inv_freq is long
+        for max_len, want in ((80, full), (64, model(ids[:, :64])[0][0])):
+            n = min(max_len, 80)
+            state = model.new_state(1, max_len)
+            logits = [prefill(model, ids[:, :10], state)[0]]
+            logits += [decode_step(model, ids[:, t:t + 1], state)[0] for t in range(10, n)]
+            assert torch.allclose(torch.stack(logits), want[9:n], atol=1e-5), max_len
+        in_long_state = model(ids[:, :10], state=model.new_state(1, 100))[0][0]
+        assert not torch.allclose(in_long_state, model(ids[:, :10])[0][0], atol=1e-3)   # the state's set, not the call's
+
+
+def test_longrope_is_refused_without_a_divisor_per_frequency():
+    with pytest.raises(ConfigError, match="a list of 32 numbers"):
+        TransformerConfig(positions="rope", d_model=256, n_heads=4,
+                          rope_scaling={**LONGROPE, "short_factor": [1.0] * 31, "long_factor": [1.0] * 32})
+
+
+def test_train_settings_build_a_longrope_model():
+    from tformer.models import build_model
+    from tformer.training.config import cast_value
+
+    value = ('{"rope_type": "longrope", "original_max_position_embeddings": 16, "short_factor": [1, 1, 1, 1], '
+             '"long_factor": [1, 2, 4, 8]}')
+    config = TransformerConfig(positions="rope", d_model=32, n_heads=4, context_length=64,
+                               rope_scaling=cast_value("rope_scaling", value))
+    model = build_model(config)
+    assert model.rope.attention_factor == pytest.approx((1 + torch.log(torch.tensor(4.0)).item() / torch.log(
+        torch.tensor(16.0)).item()) ** 0.5)                          # sqrt(1 + ln(64/16) / ln 16)
+    logits, _ = model(torch.randint(0, 256, (1, 40)))
+    assert torch.isfinite(logits).all()

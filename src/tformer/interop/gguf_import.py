@@ -4,10 +4,12 @@
     tformer convert --from-gguf FILE.gguf --out CKPT                # a checkpoint folder with tokenizer
 
 Architectures (``general.architecture``): ``llama`` (Llama 1-3, Mistral-style, SmolLM2), ``qwen2``,
-``qwen3``, ``gemma2``, ``gemma3`` (text) and ``gpt2``, which include every file ``tformer convert --to-gguf``
+``qwen3``, ``phi3`` (Phi-3 / 3.5-mini: ``attn_qkv`` and ``ffn_up`` holding [gate; up] as HF's fused
+``qkv_proj`` / ``gate_up_proj``, LongRoPE in ``rope_factors_long`` / ``rope_factors_short``), ``gemma2``,
+``gemma3`` (text) and ``gpt2``, which include every file ``tformer convert --to-gguf``
 writes. The metadata becomes an HF ``config.json`` dict and llama.cpp's tensor names become HF names, so the
-HF family converters (``tformer.interop.llama``, ``gemma2``, ``gemma3``, ``gpt2`` ...) build the model and refuse
-what they cannot express. Two
+HF family converters (``tformer.interop.llama``, ``phi3``, ``gemma2``, ``gemma3``, ``gpt2`` ...) build the model
+and refuse what they cannot express. Two
 layout changes undo what llama.cpp's ``convert_hf_to_gguf.py`` did (see ``tformer.interop.gguf``):
 
 - ``llama`` Q and K rows are stored for interleaved RoPE (dimension 2i pairs with 2i+1); tformer
@@ -52,7 +54,7 @@ from tformer.interop.gguf_rope import ROPE_KEYS, check_rope, rope_scaling
 from tformer.interop.loader import TensorSource
 from tformer.quant import kblocks
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gpt2", "gemma2", "gemma3")
 ARCH_MODEL_TYPES = {"gemma3": "gemma3_text"}          # architecture -> HF model_type, where they differ
 # The "{arch}." keys understood; any other one is refused (it may change the maths).
 KNOWN_KEYS = {
@@ -71,6 +73,7 @@ KNOWN_KEYS["gemma2"] = KNOWN_KEYS["llama"] | {"attention.sliding_window", "attn_
 KNOWN_KEYS["gemma3"] = KNOWN_KEYS["llama"] | {"attention.sliding_window"}
 GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales scores by (d / heads)^-1/2 there, else head_dim's
+KNOWN_KEYS["phi3"] = KNOWN_KEYS["llama"] | {"attention.sliding_window"}
 
 # llama.cpp tensor name (under blk.{i}. for layers) -> HF name (under model.layers.{i}. / transformer.h.{i}.).
 LLAMA_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -81,6 +84,7 @@ LLAMA_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "at
                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}    # the norms: qwen3's
 GEMMA_LAYER = {**LLAMA_LAYER, "post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+PHI3_LAYER = {**LLAMA_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}   # fused, as in HF
 GPT2_TOP = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
             "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
             "output.weight": "lm_head.weight"}
@@ -165,6 +169,8 @@ def hf_config(f: GGUFFile, arch: str) -> dict:
         hf.update(attention_bias=bias, mlp_bias="blk.0.ffn_up.bias" in f.tensors)
     if arch in GEMMA_PATTERN:
         hf.update(gemma_config(f, arch, hf))
+    if arch == "phi3":                        # 0: convert_hf_to_gguf.py's "no window"; the LongRoPE: gguf_rope
+        hf.update(sliding_window=f.field(f"{arch}.attention.sliding_window") or None)
     return hf
 
 
@@ -212,7 +218,7 @@ def check_sizes(f: GGUFFile, arch: str, hf: dict) -> None:
     d = f.field(f"{arch}.embedding_length")
     agree("embedding_length", d, "token_embd.weight", 1, d)
     ff = f.field(f"{arch}.feed_forward_length")
-    agree("feed_forward_length", ff, "blk.0.ffn_up.weight", 0, ff)
+    agree("feed_forward_length", ff, "blk.0.ffn_up.weight", 0, 2 * ff if arch == "phi3" else ff)   # phi3: gate, up
     if arch == "gpt2":
         agree("context_length", hf["n_positions"], "position_embd.weight", 0, hf["n_positions"])
         if d % hf["n_head"]:
@@ -225,6 +231,7 @@ def check_sizes(f: GGUFFile, arch: str, hf: dict) -> None:
                          f"attention.head_count={heads}.")
     agree("attention.head_count", heads, "blk.0.attn_q.weight", 0, heads * head_dim)
     agree("attention.head_count_kv", kv_heads, "blk.0.attn_k.weight", 0, kv_heads * head_dim)
+    agree("attention.head_count", heads, "blk.0.attn_qkv.weight", 0, (heads + 2 * kv_heads) * head_dim)
 
 
 def check_finite(f: GGUFFile, name: str, a: np.ndarray, kept: bool) -> None:
@@ -247,7 +254,7 @@ def check_finite(f: GGUFFile, name: str, a: np.ndarray, kept: bool) -> None:
 def hf_name(f: GGUFFile, arch: str, name: str) -> str:
     """The HF name of llama.cpp's tensor ``name`` (refused if it has none)."""
     top, layer, prefix = (GPT2_TOP, GPT2_LAYER, "transformer.h.") if arch == "gpt2" else \
-        (LLAMA_TOP, GEMMA_LAYER if arch in GEMMA_PATTERN else LLAMA_LAYER, "model.layers.")
+        (LLAMA_TOP, GEMMA_LAYER if arch in GEMMA_PATTERN else PHI3_LAYER if arch == "phi3" else LLAMA_LAYER, "model.layers.")
     if name in top:
         return top[name]
     m = LAYER_NAME.match(name)
@@ -265,6 +272,9 @@ SCALE_BYTES = {"q4_1": slice(0, 4), "q5_1": slice(0, 4), "q4_k": slice(0, 4), "q
 # tformer state name (under blocks.{i}.) -> the llama.cpp tensors it is made of (under blk.{i}.), in row order
 GGUF_PARTS = {"attn.qkv_proj.weight": ("attn_q", "attn_k", "attn_v"), "attn.out_proj.weight": ("attn_output",),
               "ffn.gate.weight": ("ffn_gate",), "ffn.up.weight": ("ffn_up",), "ffn.down.weight": ("ffn_down",)}
+# phi3: q, k, v one tensor; gate and up the two halves of ffn_up's rows
+PHI3_PARTS = {**GGUF_PARTS, "attn.qkv_proj.weight": ("attn_qkv",), "ffn.gate.weight": ("ffn_up",)}
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")   # gguf_rope's
 
 
 def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> dict[str, torch.Tensor]:
@@ -272,11 +282,12 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
     Q4_1 matrices are their file bytes instead, ``(rows, row bytes)`` uint8."""
     out = {}
     for name in f.tensors:
-        if name == "rope_freqs.weight":              # the RoPE's divisors: config.rope_scaling (gguf_rope)
+        if name in ROPE_TENSORS:                     # the RoPE's divisors: config.rope_scaling (gguf_rope)
             continue
         target = hf_name(f, arch, name)
         kept = keep_quant and f.tensors[name].type in KEPT and len(f.tensors[name].shape) == 2 and \
-            (".self_attn." not in target or target.endswith("o_proj.weight") or qkv_types(f, name) <= set(KEPT))
+            (".self_attn." not in target or target.endswith(("o_proj.weight", "qkv_proj.weight")) or
+             qkv_types(f, name) <= set(KEPT))
         if kept and arch == "gpt2" and target.endswith(CONV1D):
             raise CheckpointError(f"{f.path}: keep_quant cannot keep {name} ({f.tensors[name].type}) as blocks: a gpt2 "
                                   f"file's matrices must be transposed for tformer; load it with keep_quant=False.")
@@ -292,7 +303,8 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
             a = a - 1                                       # convert_hf_to_gguf.py stored Gemma's gains as 1 + w
         # kept blocks stay the mapped file's pages (copy-on-write: nothing reaches the file); floats are fresh arrays
         out[target] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8 if kept else np.float32))
-        if kept and ".self_attn." in target and not target.endswith("o_proj.weight") and len(qkv_types(f, name)) > 1:
+        if kept and ".self_attn." in target and not target.endswith(("o_proj.weight", "qkv_proj.weight")) and \
+                len(qkv_types(f, name)) > 1:
             out[target] = out[target].reshape(-1)      # q, k, v in different formats: joined as bytes, split again
     return out
 
@@ -306,9 +318,11 @@ def qkv_types(f: GGUFFile, name: str) -> set[str]:
 def kept_parts(f: GGUFFile, key: str) -> list[tuple[int, str]]:
     """``(rows, block format)`` of each file tensor that tformer state ``key`` is made of, in row order."""
     m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
-    names = ([f"blk.{m.group(1)}.{p}.weight" for p in GGUF_PARTS[m.group(2)]] if m else
+    phi3 = f.field("general.architecture") == "phi3"
+    names = ([f"blk.{m.group(1)}.{p}.weight" for p in (PHI3_PARTS if phi3 else GGUF_PARTS)[m.group(2)]] if m else
              ["output.weight" if key == "lm_head.weight" and "output.weight" in f.tensors else "token_embd.weight"])
-    return [(f.tensors[n].shape[0], KEPT[f.tensors[n].type]) for n in names]
+    half = 2 if phi3 and m and m.group(2) in ("ffn.gate.weight", "ffn.up.weight") else 1     # a half of ffn_up
+    return [(f.tensors[n].shape[0] // half, KEPT[f.tensors[n].type]) for n in names]
 
 
 def load_gguf(path: str | Path, keep_quant: bool = False) -> torch.nn.Module:

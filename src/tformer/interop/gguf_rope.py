@@ -6,13 +6,17 @@ llama.cpp keeps a scaled RoPE in one of two ways (its ``gguf-py/gguf/constants.p
   ``rope.scaling.original_context_length`` (YaRN's ``L``, else ``context_length``) and optionally
   ``rope.scaling.yarn_beta_fast`` / ``yarn_beta_slow`` (default 32 and 1) and
   ``rope.scaling.yarn_attn_factor``, which llama.cpp multiplies into YaRN's own ``0.1·ln(factor) + 1``.
+- ``rope_factors_short.weight`` and ``rope_factors_long.weight`` (``phi3``): LongRoPE's two sets of divisors,
+  with ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor`` (default 1), which llama.cpp
+  multiplies into cos and sin with either set; read as ``longrope`` with that ``attention_factor``. llama.cpp
+  picks the long set when the context it is run with exceeds the original one (:mod:`tformer.nn.rope_scaling`).
 - ``rope_freqs.weight``: one divisor per frequency (head_dim/2 float32), how ``convert_hf_to_gguf.py``
   stores Llama 3.1's ``llama3`` scaling. It is read back as ``llama3`` when the divisors are those of the
   published parameters (low/high frequency factors 1 and 4, original context 8,192, factor = the largest
   divisor) to float32 rounding, so the model exports to HF again; else as ``factors``, exactly as stored.
 
 What llama.cpp would do differently is refused, naming the key: another scaling type (LongRoPE, in
-part 2), an ``attn_factor`` or YaRN extrapolation or log multiplier other than the defaults.
+part 2), an ``attn_factor`` (other than LongRoPE's) or YaRN extrapolation or log multiplier other than the defaults.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def check_rope(f: GGUFFile, arch: str) -> None:
                       "combine per-frequency divisors with another scaling.")
     for key, default in (("attn_factor", 1.0), ("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
         value = f.field(f"{arch}.rope.scaling.{key}")
-        if value is not None and value != default and not (key == "yarn_ext_factor" and value < 0):
+        longrope = key == "attn_factor" and "rope_factors_long.weight" in f.tensors      # LongRoPE's own factor
+        if value is not None and value != default and not (key == "yarn_ext_factor" and value < 0) and not longrope:
             raise _refuse(f, f"{arch}.rope.scaling.{key}", value, f"tformer implements the default ({default}) only.")
 
 
@@ -73,9 +78,30 @@ def rope_scaling(f: GGUFFile, arch: str, config) -> dict | None:
         if attn is not None and attn != 1.0:
             out["attention_factor"] = float(attn) * (0.1 * math.log(factor) + 1.0)
         return out
+    if "rope_factors_long.weight" in f.tensors:
+        return longrope(f, arch, config)
     if "rope_freqs.weight" not in f.tensors:
         return None
     return from_divisors(f, f.array("rope_freqs.weight"), config)
+
+
+def longrope(f: GGUFFile, arch: str, config) -> dict:
+    """``rope_factors_short/long.weight`` and their keys as ``longrope`` (see the module docstring)."""
+    sets = {}
+    for which in ("short", "long"):
+        name = f"rope_factors_{which}.weight"
+        a = f.array(name) if name in f.tensors else np.zeros(0)
+        if a.shape != (config.head_dim // 2,) or not np.isfinite(a).all() or not (a > 0).all():
+            raise CheckpointError(f"{f.path}: tensor {name} must hold {config.head_dim // 2} finite divisors > 0 (one "
+                                  f"per frequency of a {config.head_dim}-wide head); the file is damaged.")
+        sets[which] = [float(x) for x in a]
+    original = f.field(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise _refuse(f, f"{arch}.rope.scaling.original_context_length", None, "LongRoPE needs the original context "
+                      "at which it switches to rope_factors_long.")
+    return {"rope_type": "longrope", "short_factor": sets["short"], "long_factor": sets["long"],
+            "original_max_position_embeddings": int(original),
+            "attention_factor": float(f.field(f"{arch}.rope.scaling.attn_factor", 1.0))}
 
 
 def from_divisors(f: GGUFFile, a: np.ndarray, config) -> dict:

@@ -35,7 +35,7 @@ from tformer.interop.loader import TensorSource, read_config, read_tensors, requ
 from tformer.models import model_class
 
 # The family modules of tformer.interop: a new family is one module plus its name here.
-FAMILY_MODULES = ("gpt2", "gpt_neox", "llama", "qwen3", "gemma2", "gemma3", "bloom", "bert", "mamba", "longformer",
+FAMILY_MODULES = ("gpt2", "gpt_neox", "llama", "qwen3", "phi3", "gemma2", "gemma3", "bloom", "bert", "mamba", "longformer",
                   "bigbird", "bart", "marian")
 
 # What every family module provides (``export_options`` is optional).

@@ -248,9 +248,9 @@ class TransformerStack(nn.Module):
                 positions = (held + attention_mask.long().cumsum(-1) - 1).clamp(min=0)    # (B, T)
             else:
                 positions = self.default_positions(T, start, attention_mask)
-            self._ensure_positions(end)
+            self._ensure_positions(end, state)
         elif positions.numel():
-            self._ensure_positions(int(positions.max()) + 1)    # given ones may leap ahead (one read, per call)
+            self._ensure_positions(int(positions.max()) + 1, state)    # given ones may leap ahead (one read, per call)
         mask = tokens = None
         if attention_mask is not None:
             tokens = attention_mask[:, -T:].bool()                                # (B, T)
@@ -268,6 +268,8 @@ class TransformerStack(nn.Module):
         """The static decode path: one token per row, written at ``state.index``. The mask, built once
         here for every layer, is the state's real tokens up to and including that index (causality)."""
         index = state.index                                                     # (B,)
+        if self.rope is not None and self.rope.longrope is not None:            # the state's set (one int compare)
+            self.rope.ensure(state.max_len, state.max_len)
         if positions is None:                                                   # real tokens held, per row
             positions = state.valid.sum(-1, keepdim=True)                       # (B, 1)
         real = attention_mask[:, -1:].bool() if attention_mask is not None else None   # (B, 1); None: real
@@ -277,12 +279,14 @@ class TransformerStack(nn.Module):
         mask = state.valid & (keys[None] <= index[:, None])                     # (B, L)
         return Step(positions=positions, mask=mask[:, None, None, :], tokens=real, write_index=index)
 
-    def _ensure_positions(self, length: int) -> None:
-        """Check (with Python ints) that positions below ``length`` fit the position table."""
+    def _ensure_positions(self, length: int, state: InferenceState | None = None) -> None:
+        """Check (with Python ints) that positions below ``length`` fit the position table; a LongRoPE
+        picks its set for the state's context (``max_len``), else for ``length`` (tformer.nn.rope_scaling)."""
         if self.rope is not None:
-            self.rope.ensure(length)
+            held = state.max_len if state is not None else None     # LongRoPE: the state's length picks the set
+            self.rope.ensure(length, held)
             if self.local_rope is not None:
-                self.local_rope.ensure(length)
+                self.local_rope.ensure(length, held)
         elif self.pos_emb is not None and length > table_length(self.pos_emb):
             raise InputError(f"position {length - 1} is beyond context_length={table_length(self.pos_emb)} of "
                              f"the {self.config.positions} position table; shorten the input or build the model "

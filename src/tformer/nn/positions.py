@@ -77,7 +77,11 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.base = head_dim, base
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies. A scaled RoPE
         # (tformer.nn.rope_scaling) changes them, and YaRN multiplies the tables by its attention factor.
-        self.inv_freq, self.attention_factor = frequencies(head_dim, base, scaling)
+        self.inv_freq, self.attention_factor = frequencies(head_dim, base, scaling, context_length)
+        # LongRoPE: (short set, long set, original context); ensure() switches by the context in use
+        self.longrope = (self.inv_freq, frequencies(head_dim, base, scaling, context_length, long=True)[0],
+                         scaling["original_max_position_embeddings"]) \
+            if scaling is not None and scaling["rope_type"] == "longrope" else None
         self._build(max(1, min(context_length, self.FIRST_ROWS)))
 
     def _build(self, length: int) -> None:
@@ -86,12 +90,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (angles.cos() * self.attention_factor).float(), persistent=False)
         self.register_buffer("sin", (angles.sin() * self.attention_factor).float(), persistent=False)
 
-    def ensure(self, length: int) -> None:
-        """Extend the tables so positions ``< length`` can be looked up."""
+    def ensure(self, length: int, context: int | None = None) -> None:
+        """Extend the tables so positions ``< length`` can be looked up; a LongRoPE picks its set for
+        ``context`` (default ``length``): long past the original context (:mod:`tformer.nn.rope_scaling`)."""
+        if self.longrope is not None:
+            short, long, original = self.longrope
+            want = long if (context or length) > original else short
+            if want is not self.inv_freq:
+                self.inv_freq = want
+                self._rebuild(max(self.cos.shape[0], length))
+                return
         if length > self.cos.shape[0]:
-            device, dtype = self.cos.device, self.cos.dtype
-            self._build(max(2 * self.cos.shape[0], length))
-            self.cos, self.sin = self.cos.to(device, dtype), self.sin.to(device, dtype)
+            self._rebuild(max(2 * self.cos.shape[0], length))
+
+    def _rebuild(self, length: int) -> None:
+        """New tables of ``length`` rows on the old ones' device and dtype."""
+        device, dtype = self.cos.device, self.cos.dtype
+        self._build(length)
+        self.cos, self.sin = self.cos.to(device, dtype), self.sin.to(device, dtype)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """Rotate ``x (B, nh, T, hs)`` by ``positions`` ``(T,)`` or ``(B, T)`` (all below the table length)."""

@@ -25,6 +25,7 @@ from tformer.errors import CheckpointError
 from tformer.interop.llama import PREFIX
 from tformer.io import atomic_write, atomic_write_json
 from tformer.training.lora import LoRASpec, add_lora, hf_names, lora_modules, lora_sites, model_targets
+from tformer.training.peft_fused import fuse
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 WRAPPER = "base_model.model."                      # PeftModel -> LoraModel -> the HF model
@@ -47,14 +48,31 @@ def save_adapter(model: nn.Module, folder: str | Path, base_model: str | None = 
             key = WRAPPER + PREFIX + hf_names(path, name)
             tensors[f"{key}.lora_A.weight"] = m.lora_A[name].detach().contiguous().cpu()
             tensors[f"{key}.lora_B.weight"] = m.lora_B[name].detach().contiguous().cpu()
+    targets, patterns = sorted(spec.targets), {"rank_pattern": {}, "alpha_pattern": {}}
+    fused = peft_fused_modules(model.config)
+    if fused:                                       # Phi-3's qkv_proj / gate_up_proj (training/peft_fused.py)
+        c = model.config
+        q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        sizes = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "mlp.gate_proj": c.d_ff,
+                 "mlp.up_proj": c.d_ff}
+        tensors, targets, *pair = fuse(tensors, fused, sizes, spec.r, spec.alpha, spec.rslora)
+        patterns = dict(zip(patterns, pair))
     atomic_write(folder / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     atomic_write_json(folder / CONFIG, {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": spec.r, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "use_rslora": spec.rslora,
-        "target_modules": sorted(spec.targets), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+        "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "modules_to_save": None, "layers_to_transform": None, **patterns,
         "init_lora_weights": True, "use_dora": False, "revision": None})
     return folder
+
+
+def peft_fused_modules(c) -> dict[str, tuple[str, ...]]:
+    """The fused HF modules (and their parts) of the family ``c`` exports as: its module's ``PEFT_FUSED``."""
+    from tformer.interop.hf import FAMILIES
+
+    module = FAMILIES.get(c.hf_model_type or c.name)
+    return getattr(module, "PEFT_FUSED", {})
 
 
 def read_adapter(folder: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
@@ -92,7 +110,8 @@ def _read(folder: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor], dict]:
         m = KEY.match(key)
         if m is None:
             raise CheckpointError(f"{folder}/{WEIGHTS} holds {key!r}, which is not a LoRA matrix of a Llama-family "
-                                  f"projection; tformer loads adapters on q/k/v/o/gate/up/down_proj only.")
+                                  f"projection; tformer loads adapters on q/k/v/o/gate/up/down_proj only (not on "
+                                  f"Phi-3's fused qkv_proj / gate_up_proj, whose one A cannot be split exactly).")
         found[(m.group(1), m.group(2))] = t
     targets = sorted({name.rsplit(".", 1)[-1] for name, _ in found})
     where = f"{folder}/{CONFIG}"
