@@ -51,6 +51,14 @@ def test_each_switch_refuses_a_bad_value_in_one_sentence(fields, words):
     assert words in message and "\n" not in message and message.endswith("."), message
 
 
+@pytest.mark.parametrize("switch", [dict(attn_scale=0.1), dict(attn_softcap=50.0)])
+def test_a_mixer_without_the_score_switches_refuses_them(switch):
+    """Only mixer='attention' applies attn_scale and attn_softcap; another must not drop them silently."""
+    with pytest.raises(ConfigError, match="mixer='performer' ignores attn_scale and attn_softcap"):
+        build_model(TransformerConfig(vocab_size=64, n_heads=2, d_model=32, context_length=64, mixer="performer",
+                                      **switch))
+
+
 @pytest.fixture(scope="module", params=["gemma-2-2b", "gemma-3-270m"])
 def pair(request, tmp_path_factory):
     family = request.param

@@ -233,11 +233,10 @@ def run(args: argparse.Namespace) -> int:
     answer_budget(given, sys.maxsize)
     args.max_new_tokens = MAX_NEW_TOKENS if given is None else given
     sampling_options(args, {}, DEFAULTS)             # what was given, checked before anything loads
-    if args.tools:
-        read_tools(args.tools)
+    tools = read_tools(args.tools) if args.tools else None     # checked before anything loads
     opened = open_model(args.ckpt or args.model, args.dtype, args.threads)
     chat = Chat(opened, args.system, sampling_options(args, opened.defaults, DEFAULTS), given, args.parse_special,
-                read_tools(args.tools) if args.tools else None)
+                tools)
     if args.verbose:
         print(opened.describe(), file=sys.stderr, flush=True)
     if args.prompt is not None:

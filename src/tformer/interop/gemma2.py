@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from tformer.config import TransformerConfig
 from tformer.interop import llama
 from tformer.interop.loader import TensorSource, hf_get, refuse, require
@@ -79,14 +77,7 @@ def config_from_hf(hf: dict) -> TransformerConfig:
 
 
 def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
-    state = {"tok_emb.weight": src.take("embed_tokens.weight"), "final_norm.weight": src.take("norm.weight")}
-    for i in range(c.n_layers):
-        hf, ours = f"layers.{i}.", f"blocks.{i}."
-        state[ours + "attn.qkv_proj.weight"] = torch.cat([src.take(f"{hf}self_attn.{p}.weight") for p in llama.QKV])
-        for t, h in LAYER:
-            state[ours + t] = src.take(hf + h)
-    state["lm_head.weight"] = src.take_lm_head(state["tok_emb.weight"], c.tie_embeddings)
-    return state
+    return llama.state_from_hf(src, c, LAYER)                       # Llama's, with the four norms above
 
 
 def is_gemma(c: TransformerConfig) -> bool:
@@ -135,14 +126,4 @@ def config_to_hf(c: TransformerConfig, model_type: str) -> dict:
 
 
 def state_to_hf(state: dict, c: TransformerConfig) -> dict:
-    out = {PREFIX + "embed_tokens.weight": state["tok_emb.weight"], PREFIX + "norm.weight": state["final_norm.weight"]}
-    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    for i in range(c.n_layers):
-        hf, ours = f"{PREFIX}layers.{i}.", f"blocks.{i}."
-        for name, t in zip(llama.QKV, state[f"{ours}attn.qkv_proj.weight"].split([q_dim, kv_dim, kv_dim])):
-            out[f"{hf}self_attn.{name}.weight"] = t
-        for t, h in LAYER:
-            out[hf + h] = state[ours + t]
-    if not c.tie_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"]
-    return out
+    return llama.state_to_hf(state, c, LAYER)

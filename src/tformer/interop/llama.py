@@ -124,7 +124,8 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     )
 
 
-def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
+def state_from_hf(src: TensorSource, c: TransformerConfig, layer: list = LAYER) -> dict:
+    """tformer's state from HF's; ``layer``: the per-layer (tformer, HF) names beside q, k, v (Gemma passes its own)."""
     src.drop(*[f"layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(c.n_layers)])  # old buffers
     state = {"tok_emb.weight": src.take("embed_tokens.weight"), "final_norm.weight": src.take("norm.weight")}
     for i in range(c.n_layers):
@@ -132,7 +133,7 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
         state[ours + "attn.qkv_proj.weight"] = torch.cat([src.take(f"{hf}self_attn.{p}.weight") for p in QKV])
         if c.qkv_bias:
             state[ours + "attn.qkv_proj.bias"] = torch.cat([src.take(f"{hf}self_attn.{p}.bias") for p in QKV])
-        for t, h in LAYER + (BIASES if c.bias else []):
+        for t, h in layer + (BIASES if c.bias else []):
             state[ours + t] = src.take(hf + h)
     state["lm_head.weight"] = src.take_lm_head(state["tok_emb.weight"], c.tie_embeddings)
     return state
@@ -184,7 +185,8 @@ def check_exportable(c: TransformerConfig, model_type: str) -> None:
         require(c, model_type, sliding_window=None, qkv_bias=c.bias)
 
 
-def state_to_hf(state: dict, c: TransformerConfig) -> dict:
+def state_to_hf(state: dict, c: TransformerConfig, layer: list = LAYER) -> dict:
+    """:func:`state_from_hf` reversed."""
     out = {PREFIX + "embed_tokens.weight": state["tok_emb.weight"], PREFIX + "norm.weight": state["final_norm.weight"]}
     q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     for i in range(c.n_layers):
@@ -193,7 +195,7 @@ def state_to_hf(state: dict, c: TransformerConfig) -> dict:
             q, k, v = state[f"{ours}attn.qkv_proj.{kind}"].split([q_dim, kv_dim, kv_dim])
             for name, t in zip(QKV, (q, k, v)):
                 out[f"{hf}self_attn.{name}.{kind}"] = t
-        for t, h in LAYER + (BIASES if c.bias else []):
+        for t, h in layer + (BIASES if c.bias else []):
             out[hf + h] = state[ours + t]
     if not c.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]

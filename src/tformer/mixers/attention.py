@@ -50,7 +50,7 @@ class MultiHeadAttention(ProjectedAttention):
     """
 
     name = "attention"
-    SUPPORTS = frozenset({"alibi", "attn_dropout", "sliding_window"})
+    SUPPORTS = frozenset({"alibi", "attn_dropout", "sliding_window", "attn_scale"})
 
     def __init__(self, config: TransformerConfig, layer: int = 0, shared: Shared | None = None, *,
                  rope: RotaryEmbedding | None = None):

@@ -69,7 +69,8 @@ class ProjectedAttention(nn.Module):
 
     Attributes:
         name: the mixer's key in ``tformer.mixers.MIXERS`` (where its options live).
-        SUPPORTS: which of ``"alibi"``, ``"attn_dropout"``, ``"sliding_window"`` the mixer's kernel
+        SUPPORTS: which of ``"alibi"``, ``"attn_dropout"``, ``"sliding_window"``, ``"attn_scale"`` (the
+            config's score scale and soft-cap, Gemma's) the mixer's kernel
             honours; :meth:`check_config` refuses a config that asks for any other.
         OPTIONS: the keys the mixer reads from ``config.mixer_options[name]``.
     """
@@ -179,7 +180,7 @@ class ProjectedAttention(nn.Module):
 
     @classmethod
     def check_config(cls, config: TransformerConfig) -> None:
-        """Refuse what the kernel does not honour (ALiBi, attention dropout, a sliding window: see
+        """Refuse what the kernel does not honour (ALiBi, attention dropout, a sliding window, a score scale: see
         ``SUPPORTS``) and unknown options; subclasses add theirs."""
         if config.positions == "alibi" and "alibi" not in cls.SUPPORTS:
             raise ConfigError(f"mixer={cls.name!r} has no ALiBi bias; use positions='rope', 'learned', "
@@ -190,6 +191,9 @@ class ProjectedAttention(nn.Module):
         if config.sliding_window is not None and "sliding_window" not in cls.SUPPORTS:
             raise ConfigError(f"mixer={cls.name!r} ignores sliding_window; set it to None (Longformer's "
                               f"window is mixer_options['longformer']['window']).")
+        if (config.attn_scale is not None or config.attn_softcap) and "attn_scale" not in cls.SUPPORTS:
+            raise ConfigError(f"mixer={cls.name!r} ignores attn_scale and attn_softcap; set them to None and 0 "
+                              f"(or use mixer='attention').")
         known = set(cls.OPTIONS)
         unknown = sorted(set(config.mixer_options.get(cls.name, {})) - known)
         if unknown:

@@ -115,15 +115,16 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
         self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
         self.down = mark_residual(nn.Linear(config.d_ff, config.d_model, bias=config.bias))
+        self.act = F.silu                              # the gate's activation (GeGLU: GELU)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
     def hooked(self, x: Tensor, hook, prefix: str) -> Tensor:
         """:meth:`forward` through the hook points ``hook_pre`` (``gate(x)``), ``hook_pre_linear``
         (``up(x)``) and ``hook_post`` (their gated product), all ``(B, T, d_ff)``."""
         pre = hook(prefix + "hook_pre", self.gate(x))
-        post = hook(prefix + "hook_post", F.silu(pre) * hook(prefix + "hook_pre_linear", self.up(x)))
+        post = hook(prefix + "hook_post", self.act(pre) * hook(prefix + "hook_pre_linear", self.up(x)))
         return self.down(post)
 
 
@@ -133,16 +134,7 @@ class GeGLU(SwiGLU):
 
     def __init__(self, config: TransformerConfig):
         super().__init__(config)
-        self.act = ACTIVATIONS[config.activation]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down(self.act(self.gate(x)) * self.up(x))
-
-    def hooked(self, x: Tensor, hook, prefix: str) -> Tensor:
-        """:meth:`SwiGLU.hooked` with this gate's activation."""
-        pre = hook(prefix + "hook_pre", self.gate(x))
-        post = hook(prefix + "hook_post", self.act(pre) * hook(prefix + "hook_pre_linear", self.up(x)))
-        return self.down(post)
+        self.act = ACTIVATIONS[config.activation]      # forward and hooked are SwiGLU's, with this gate
 
 
 def make_feed_forward(config: TransformerConfig) -> nn.Module | None:

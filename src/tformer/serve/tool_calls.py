@@ -194,10 +194,10 @@ class CallReader:
                 self._content(out, s[:at].rstrip(WS))
                 self.buf, self.tagged, self.opened, self.state = s[at + len(OPEN):], True, OPEN, "header"
                 return True
-            keep = next((k for k in range(len(OPEN) - 1, 0, -1) if s.endswith(OPEN[:k])), 0)
-            keep = len(s) - len(s[:len(s) - keep].rstrip(WS))
-            self._content(out, s[:len(s) - keep])
-            self.buf = s[len(s) - keep:]
+            partial = next((k for k in range(len(OPEN) - 1, 0, -1) if s.endswith(OPEN[:k])), 0)  # "<tool_c"
+            cut = len(s[:len(s) - partial].rstrip(WS))          # ... and the whitespace before it: held
+            self._content(out, s[:cut])
+            self.buf = s[cut:]
             return False
         if self.state == "header":
             got = header(s)
