@@ -62,7 +62,9 @@ def test_family_layers_run_whole_and_equal_the_module_path(family, max_len, kind
     if model.rope.longrope is not None:                          # the state's set was the one in use
         assert model.rope.inv_freq is model.rope.longrope[1 if max_len > 4096 else 0]
     n = plain.length
-    # the first layer's keys and values see no flipped code upstream; with floats every layer's agree
+    # with floats every layer's keys and values agree; with blocks the first layer's, up to an activation code
+    # that the two paths' float sums round to either side (seen: 2.5e-4 of the largest key; a wrong RoPE set: ~1)
+    near = 1e-4 if kind == "f32" else 1e-3
     for s, t in list(zip(fused.layers, plain.layers))[:len(plain.layers) if kind == "f32" else 1]:
-        assert (s.k[:, :, :n] - t.k[:, :, :n]).abs().max() <= 1e-4 * t.k[:, :, :n].abs().max()
-        assert (s.v[:, :, :n] - t.v[:, :, :n]).abs().max() <= 1e-4 * t.v[:, :, :n].abs().max()
+        assert (s.k[:, :, :n] - t.k[:, :, :n]).abs().max() <= near * t.k[:, :, :n].abs().max()
+        assert (s.v[:, :, :n] - t.v[:, :, :n]).abs().max() <= near * t.v[:, :, :n].abs().max()
