@@ -41,6 +41,7 @@ LLAMA3_CHAT = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['r
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TEMPLATES = {"llama": LLAMA3_CHAT, "qwen2": CHATML, "qwen3": CHATML}
+PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}   # tokenizer.ggml.pre of the published files
 
 # family -> (transformers config class, GGUF architecture, published config fields, (bos, eos, eot) tokens)
 LLAMA3 = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -89,14 +90,15 @@ def tokenizer(folder: Path) -> Path:
     return path
 
 
-def hf_config(family: str):
-    """transformers' config of ``family``: published, 2 layers, this file's vocabulary."""
+def hf_config(family: str, layers: int = N_LAYERS, vocab_size: int = VOCAB):
+    """transformers' config of ``family``: published, ``layers`` deep (2), this file's vocabulary (or
+    ``vocab_size`` ids, the fixture's tokens first)."""
     import transformers
 
     cls, _, fields, (bos, eos, _eot) = PUBLISHED[family]
     vocab = json.loads(tokenizer_json_text())
     ids = {a["content"]: a["id"] for a in vocab["added_tokens"]}
-    fields = {**fields, "num_hidden_layers": N_LAYERS, "vocab_size": VOCAB,
+    fields = {**fields, "num_hidden_layers": layers, "vocab_size": vocab_size,
               "bos_token_id": ids.get(bos), "eos_token_id": ids[eos]}
     return getattr(transformers, cls)(**fields)
 
@@ -180,11 +182,15 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
+def write_gguf(family: str, model, path: Path, kind: str = "f32", arrays=None) -> Path:
     """``model`` (``hf_model(family)``) as a GGUF file written with the ``gguf`` package: metadata, the
-    fixture tokenizer, and every tensor under llama.cpp's name (f32 1-D, ``kind`` for matrices: f32, f16,
-    or q8_0 / q4_0 quantised by gguf-py)."""
+    fixture tokenizer (padded with unreachable tokens up to ``model.config.vocab_size``, as the full-size
+    files need), and every tensor under llama.cpp's name (f32 1-D, ``kind`` for matrices: f32, f16, or
+    q8_0 / q4_0 quantised by gguf-py). ``arrays(hf_name, tensor)`` gives each tensor's values (default: the
+    tensor's own; :func:`full_size_gguf` passes random ones for a model built on the meta device)."""
     import gguf
+
+    arrays = arrays or (lambda _name, t: t.detach().float().numpy())
 
     _, arch, _, (bos, eos, eot) = PUBLISHED[family]
     c = model.config
@@ -209,8 +215,9 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
     tok = json.loads(tokenizer_json_text())
     vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok["added_tokens"]}}
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    tokens += [f"Ġ~fill{i}" for i in range(c.vocab_size - len(tokens))]       # no merge makes them: never produced
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(PRE[arch])
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
@@ -224,9 +231,9 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
     if rope["rope_type"] == "llama3":
         w.add_tensor("rope_freqs.weight", rope_factors(model))
     for hf_name, t in model.state_dict().items():
-        a = t.detach().float().numpy()
         if c.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
+        a = arrays(hf_name, t)
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
             a = permute(a, c.num_attention_heads)
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
@@ -242,6 +249,30 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
             w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
     finish(w)
     return path
+
+
+FULL_VOCAB = {"llama-3.2-1b": 128256, "llama-3.1-8b": 128256, "qwen3-0.6b": 151936, "qwen2.5-0.5b-yarn": 151936}
+
+
+def full_size_gguf(family: str, path: Path, seed: int = 0) -> Path:
+    """``family`` at its published size (full depth, the published vocabulary size :data:`FULL_VOCAB`) as an
+    f16 GGUF file with random weights, for speed benchmarks: the model is built by transformers on the meta
+    device (names and shapes, no memory) and each tensor drawn as it is written (matrices N(0, 0.02), norm
+    gains 1 + N(0, 0.2), biases N(0, 0.2)), so the peak is the f16 file's size, not a float32 model's."""
+    import transformers
+
+    cfg = hf_config(family, PUBLISHED[family][2]["num_hidden_layers"], FULL_VOCAB[family])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(name: str, t: torch.Tensor) -> np.ndarray:
+        x = torch.randn(t.shape, generator=g)
+        if t.dim() == 2:
+            return x.mul_(0.02).half().numpy()
+        return (x.mul_(0.2) + (0 if name.endswith(".bias") else 1)).numpy()
+
+    return write_gguf(family, model, path, "f16", arrays=draw)
 
 
 PROMPT_LENGTHS = (1, 7, 33, 120)
