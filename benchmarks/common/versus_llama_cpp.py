@@ -9,7 +9,7 @@ through ``eval`` and ``llama_get_logits_ith``). The decode rate comes from the c
 token N2, (N2 - N1) / (t2 - t1), so load, prompt and the first steps cancel. Load: opening the model,
 after the interpreter and libraries are imported. Peak RSS is the process's ``VmHWM`` (tformer's includes
 torch's libraries). The order within a round is reversed every other round; each run waits for a quiet
-machine (up to 30 s) and the cores other processes kept busy are sampled (1 s) before and after it, so
+machine (up to 10 s) and the cores other processes kept busy are sampled (1 s) before and after it, so
 each row carries the load it ran under.
 """
 
@@ -94,7 +94,7 @@ def child(spec: dict) -> dict:
 
 
 
-def quiet(limit: float = 0.3, patience: float = 30.0) -> float:
+def quiet(limit: float = 0.3, patience: float = 10.0) -> float:
     """Wait up to ``patience`` seconds for the cores other processes keep busy to fall to ``limit`` or less
     (sampled each second); the last sample."""
     start = time.perf_counter()
@@ -109,7 +109,7 @@ def compare(files: list[Path], threads: list[int], rounds: int, prompt: int, sho
     RSS, how tformer ran (format, path, threads) and the cores others kept busy before and after the run.
 
     One process per row: its decode rate is (long - short) / (time at token ``long`` - time at token
-    ``short``), so load, prompt and the first steps cancel. Each run waits (up to 30 s) for a quiet machine."""
+    ``short``), so load, prompt and the first steps cancel. Each run waits (up to 10 s) for a quiet machine."""
     rng = random.Random(0)
     ids = [rng.randrange(100, 30000) for _ in range(prompt)]
     rows: dict = {}

@@ -115,9 +115,9 @@ def main() -> None:
         text += ["", "Rounds more than 1.5x apart (their median is no measure of a goal; run again): "
                  + "; ".join(uneven) + "."]
     threads = "-".join(map(str, args.threads))
-    out = OUT / f"families_speed-{args.family}-{'-'.join(args.formats)}-{threads}t{'-' + args.tag if args.tag else ''}"
-    run.write(out.with_suffix(".md"), "\n".join(text) + "\n")
-    run.write_json(out.with_suffix(".json"), {"rows": rows, "summary": summary, "prompt": args.prompt})
+    out = f"families_speed-{args.family}-{'-'.join(args.formats)}-{threads}t{'-' + args.tag if args.tag else ''}"
+    run.write(OUT / f"{out}.md", "\n".join(text) + "\n")       # not with_suffix: the family names hold dots
+    run.write_json(OUT / f"{out}.json", {"rows": rows, "summary": summary, "prompt": args.prompt})
     print("\n".join(text))
 
 

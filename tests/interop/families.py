@@ -3,7 +3,8 @@
 Each family is built by transformers from its own config class at the published configuration
 (:data:`PUBLISHED`, copied from the models' ``config.json`` on the Hub), depth cut to 2 layers and the
 vocabulary cut to this file's byte-level BPE (:func:`tokenizer`, trained here on :mod:`varied_text`, with
-the special tokens the families' chat formats use), with random weights (every norm gain too, so that a
+the special tokens the families' chat formats use; text split as the family's published tokenizer splits
+it: ``llama-bpe`` for Llama 3, ``qwen2`` for Qwen), with random weights (every norm gain too, so that a
 swapped or dropped gain shows). :func:`write_gguf` writes a GGUF file from those HF weights with the
 ``gguf`` package alone, as llama.cpp's ``convert_hf_to_gguf.py`` lays them out (not with tformer's
 exporter, which would check tformer against itself); block formats are quantised by gguf-py's quantiser.
@@ -42,6 +43,13 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TEMPLATES = {"llama": LLAMA3_CHAT, "qwen2": CHATML, "qwen3": CHATML}
 PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}   # tokenizer.ggml.pre of the published files
+# The Split pattern of the published tokenizer.json files (Llama 3's and Qwen2's), before ByteLevel
+SPLITS = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                 r"|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+}
 
 # family -> (transformers config class, GGUF architecture, published config fields, (bos, eos, eot) tokens)
 LLAMA3 = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -140,8 +148,20 @@ def hf_folder(family: str, folder: Path, seed: int = 0) -> Path:
         return folder
     model = hf_model(family, seed)
     model.save_pretrained(folder)
-    (folder / "tokenizer.json").write_text(tokenizer_json_text(), encoding="utf-8")
+    (folder / "tokenizer.json").write_text(family_tokenizer_json(family), encoding="utf-8")
     return folder
+
+
+def family_tokenizer_json(family: str) -> str:
+    """The fixture tokenizer splitting text as ``family``'s published tokenizer.json does (a ``Split`` by
+    its pattern, then ``ByteLevel`` without its own regex): the vocabulary and merges are the fixture's."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    tok = Tokenizer.from_str(tokenizer_json_text())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLITS[PRE[PUBLISHED[family][1]]]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tok.to_str()
 
 
 def float64_angles(model) -> None:
