@@ -59,20 +59,20 @@ def table() -> str:
     rows = []
     for path in sorted(OUT.glob("families_speed-*.json")):
         data = json.loads(path.read_text())
-        busy = data["recorded"]
         for key, s in data["summary"].items():
             name, threads = key.rsplit(" ", 1)
             t, l, r = s["tformer"], s["llama.cpp"], s["ratio"]
+            busy = max(max(x["busy"]) for who in ("tformer", "llama.cpp")
+                       for x in data["rows"][f"{name}|{threads[:-1]}|{who}"])
             rows.append((name, threads, f"| {name.removesuffix('.gguf')} | {threads[:-1]} | {t['decode']:.1f} | "
                          f"{l['decode']:.1f} | **{r['decode']:.2f}** | {t['prefill']:.0f} | {l['prefill']:.0f} | "
                          f"{r['prefill']:.2f} | {t['rss'] / 2**20:.0f} / {l['rss'] / 2**20:.0f} | "
-                         f"{t['load']:.2f} / {l['load']:.2f} | {busy['busy_cores_before']} / "
-                         f"{busy['busy_cores_after']} | `{path.name}` |"))
+                         f"{t['load']:.2f} / {l['load']:.2f} | {busy:.2f} | `{path.name}` |"))
     order = {f"{f}-{k}.gguf": i for i, (f, k) in enumerate((f, k) for f in FAMILIES for k in FORMATS)}
     rows.sort(key=lambda x: (order.get(x[0], 99), x[1]))
     return "\n".join(["| file | threads | tformer decode tok/s | llama.cpp decode | ratio | tformer prefill | "
-                      "llama.cpp prefill | ratio | peak RSS MiB (t / l) | load s (t / l) | busy cores before / after "
-                      "| result |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+                      "llama.cpp prefill | ratio | peak RSS MiB (t / l) | load s (t / l) | most cores others kept busy "
+                      "around a run | result |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
                       *(r[2] for r in rows)])
 
 
@@ -111,6 +111,10 @@ def main() -> None:
             f"between greedy tokens {args.short} and {args.long} of one run; medians. Ratios are tformer / llama.cpp (goal: q8_0 "
             "and q4_0 decode >= 1.0 at 2 threads). Each round's busy cores are in the JSON file.", "",
             *HEADER, *lines]
+    text += ["", "Each run (decode tok/s; cores other processes kept busy before / after it):", ""]
+    for key, xs in rows.items():
+        text.append(f"- {key.replace('|', ' ')}: " + "; ".join(f"{x['decode']:.1f} ({x['busy'][0]:.2f} / "
+                                                                  f"{x['busy'][1]:.2f})" for x in xs))
     if uneven:
         text += ["", "Rounds more than 1.5x apart (their median is no measure of a goal; run again): "
                  + "; ".join(uneven) + "."]
