@@ -55,15 +55,16 @@ def write_result(run, name: str, lines: list[str], rows: list[dict], settings: d
     print("\n".join(lines))
 
 
-def timed_steps(loop, lr: float, warmup: int, steps: int) -> dict:
+def timed_steps(loop, lr: float, warmup: int, steps: int, first: int = 0) -> dict:
     """Inside a worker: ``warmup`` + ``steps`` steps of ``loop._train_step(lr)``; the RSS before them (the model
-    built), the timed steps' seconds, every loss, and the trained parameter count."""
+    built), the timed steps' seconds, every loss, and the trained parameter count; ``first`` steps already run
+    (by the caller) count as warm-up."""
     import resource
     import time
 
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     times, losses = [], []
-    for i in range(warmup + steps):
+    for i in range(first, warmup + steps):
         t0 = time.perf_counter()
         loop.step = i
         losses.append(loop._train_step(lr))

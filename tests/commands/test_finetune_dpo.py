@@ -85,6 +85,20 @@ def test_the_built_in_pairs_are_right_and_wrong_answers():
     for x in (0, 7, 10, 437, 999):
         y = wrong_number(x, rng)
         assert y != x and len(str(y)) == len(str(x)) and sum(a != b for a, b in zip(str(x), str(y))) == 1
+    assert wrong_number(437, rng, avoid=frozenset(range(1000)) - {487}) == 487
+    assert wrong_number(5, rng, avoid=frozenset(range(10))) is None
+
+
+def test_no_held_out_answer_is_taught_in_training():
+    """A held-out pair's answers are neither answer of a training pair (the changed numbers avoid the other
+    split): at 400 / 100 of 0..999 the earlier generator put 7 held-out right answers among the training
+    rejections and 15 held-out rejections among the training right answers."""
+    from num2words import num2words
+    train, test = preference_task(400, 100, 999, seed=0)
+    taught = {a for _, c, r in train for a in (c, r)}
+    assert not taught & {a for _, c, r in test for a in (c, r)}
+    french = [r for p, _, r in test if r != num2words(int(p[0]["content"].split()[1]), lang="en")]
+    assert len(french) == 50                                     # every other held-out pair still a one-digit change
 
 
 def test_dpo_run_starts_at_log2_learns_and_its_reference_is_the_base(base, tmp_path):

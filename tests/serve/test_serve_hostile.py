@@ -68,7 +68,9 @@ def served(tmp_path):
 
 def health_while(url: str, body: dict, path: str = "/v1/chat/completions"):
     """POST ``body`` in a thread and probe ``/health`` until it is answered: (the response, the slowest probe's
-    seconds, how many probes ran)."""
+    seconds as a share of the request's, how many probes ran). A blocked event loop holds one probe for about as
+    long as the blocking work, so the share is near 1; a free loop answers each probe in a small part of the
+    request (a ratio, not a time: the machine may be busy)."""
     import threading
     import time
 
@@ -76,6 +78,7 @@ def health_while(url: str, body: dict, path: str = "/v1/chat/completions"):
 
     answer = {}
     thread = threading.Thread(target=lambda: answer.update(r=httpx.post(url + path, json=body, timeout=120)))
+    began = time.monotonic()
     thread.start()
     slowest, probes = 0.0, 0
     with httpx.Client(timeout=30) as client:
@@ -85,7 +88,7 @@ def health_while(url: str, body: dict, path: str = "/v1/chat/completions"):
             slowest, probes = max(slowest, time.monotonic() - t), probes + 1
             time.sleep(0.01)
     thread.join()
-    return answer["r"], slowest, probes
+    return answer["r"], slowest / (time.monotonic() - began), probes
 
 
 def big_schema(n: int = 300) -> dict:
@@ -106,7 +109,7 @@ def test_a_schema_is_compiled_once_off_the_event_loop_for_n_choices(served, monk
             "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": big_schema()}}}
     r, slowest, probes = health_while(running.url, body)
     assert r.status_code == 200, r.text
-    assert probes >= 2 and slowest < 0.2, (slowest, probes)
+    assert probes >= 2 and slowest < 0.34, (slowest, probes)
     assert len(r.json()["choices"]) == 16 and len(compiles) == 1
 
 
@@ -137,7 +140,7 @@ def test_a_runaway_or_failing_chat_template_is_a_400_and_health_stays_quick(serv
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert message.startswith("the chat template") and "\n" not in message
-    assert slowest < 0.2, (slowest, probes)
+    assert slowest < 0.34, (slowest, probes)
 
 
 def test_typed_control_tokens_stay_text_in_the_server(served, one_thread):

@@ -4,12 +4,16 @@
     tformer chat --model FILE.gguf | CKPT_DIR     # any GGUF file tformer imports, or a checkpoint
     tformer chat --verbose                        # which weights and which path run, and why
     tformer chat --prompt "Write a short poem about the sea." --temperature 0      # one turn, then exit
+    tformer chat --tools tools.json               # functions the model may call (OpenAI's tools, a JSON list)
 
 Each turn the whole conversation (``--system`` first, if given) is rendered by the model's chat
 template (:class:`tformer.tokenizers.ChatTemplate`, as transformers renders it) and the answer is
 streamed as it is generated, up to an end-of-turn token. Typed commands: ``/reset`` forgets the
 conversation (the system message stays), ``/save FILE`` writes it as JSON, ``/exit`` (or Ctrl-D)
 leaves. Ctrl-C stops the answer being written and keeps what was written; at the prompt it does nothing.
+With ``--tools`` the functions are rendered as ``serve`` renders them (the template's own tools block, else
+the Hermes text: :mod:`tformer.serve.tools`); a call in an answer is printed parsed, ``[tool call] NAME
+{arguments}``, and ``/tool RESULT`` sends the function's result back as a ``tool`` message for the next answer.
 When the conversation no longer fits the context, the oldest turns are left out of the prompt. A pasted text
 is one message, whatever its length and however many lines it has (read through readline, bracketed paste).
 """
@@ -20,7 +24,8 @@ import argparse
 import sys
 import time
 
-HELP = "/reset forgets the conversation, /save FILE writes it as JSON, /exit leaves; Ctrl-C stops an answer."
+HELP = ("/reset forgets the conversation, /save FILE writes it as JSON, /tool RESULT answers the last tool call, "
+        "/exit leaves; Ctrl-C stops an answer.")
 
 
 # Sampling when neither the command line nor the model's file names a value: a low temperature keeps an
@@ -44,6 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--ckpt", default=None, metavar="DIR", help="a tformer checkpoint or run folder")
     p.add_argument("--prompt", default=None, help="answer this one message, print the answer and exit")
     p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    p.add_argument("--tools", default=None, metavar="FILE.json",
+                   help="functions the model may call: a JSON list of OpenAI tools ({\"type\": \"function\", "
+                        "\"function\": {name, description, parameters}}); calls are printed parsed, /tool RESULT "
+                        "answers one")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"most tokens per answer (default {MAX_NEW_TOKENS}, or half the context when it is shorter)")
     p.add_argument("--temperature", type=float, default=None, metavar="T",
@@ -62,6 +71,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="let special-token strings typed in a message (<|im_end|>, <|im_start|>) become the special "
                         "tokens (default: they stay text; the template's own markers are special either way)")
     p.set_defaults(func=run)
+
+
+def read_tools(path: str) -> list[dict]:
+    """The ``--tools`` file: a JSON list of OpenAI tools, each ``{"type": "function", "function": {"name", ...}}``
+    (a bare function object is taken as one).
+
+    Raises:
+        InputError: the file is missing, not JSON, or not such a list.
+    """
+    import json
+
+    from tformer.errors import InputError
+
+    try:
+        data = json.loads(open(path, encoding="utf-8").read())
+    except OSError as e:
+        raise InputError(f"--tools {path}: cannot read it ({e.strerror}); give a JSON file of tools.") from None
+    except ValueError as e:
+        raise InputError(f"--tools {path} is not JSON ({e}); give a JSON list of tools.") from None
+    if isinstance(data, dict):
+        data = [data]
+    out = []
+    for t in data if isinstance(data, list) else [None]:
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("parameters", {}), dict):
+            raise InputError(f"--tools {path} must be a JSON list of tools, each {{\"type\": \"function\", "
+                             f"\"function\": {{\"name\": ..., \"parameters\": {{...}}}}}}; got {t!r:.100}.")
+        out.append({"type": "function", "function": fn})
+    return out
 
 
 def answer_budget(max_new_tokens: int | None, context: int) -> int:
@@ -86,7 +125,8 @@ def answer_budget(max_new_tokens: int | None, context: int) -> int:
 class Chat:
     """A model opened by :func:`tformer.inference.open_model`, and the conversation so far (``messages``)."""
 
-    def __init__(self, opened, system: str | None, options: dict, max_new_tokens: int | None, parse_special: bool = False):
+    def __init__(self, opened, system: str | None, options: dict, max_new_tokens: int | None,
+                 parse_special: bool = False, tools: list[dict] | None = None):
         from tformer.errors import CheckpointError
         from tformer.inference import require_tokenizer
 
@@ -101,6 +141,7 @@ class Chat:
         self.system, self.options = system, options
         self.max_new_tokens = answer_budget(max_new_tokens, self.model.config.context_length)
         self.parse_special = parse_special          # typed special-token strings become tokens (--parse-special)
+        self.tools = tools                          # --tools: OpenAI's tool objects, or None
         self.messages: list[dict] = []
         self.reset()
 
@@ -110,12 +151,14 @@ class Chat:
     def prompt_ids(self) -> list[int]:
         """The rendered conversation, leaving out the oldest turns until it and an answer fit the context."""
         from tformer.errors import InputError
+        from tformer.serve.tools import for_template
 
         keep = 1 if self.system else 0
         messages = list(self.messages)
         room = self.model.config.context_length - self.max_new_tokens
         while True:
-            ids = self.template.encode(self.tokenizer, messages, parse_special=self.parse_special)
+            shown, tools = for_template(messages, self.tools, self.template.takes_tools)
+            ids = self.template.encode(self.tokenizer, shown, parse_special=self.parse_special, tools=tools)
             if len(ids) <= room:
                 return ids
             if len(messages) - keep <= 1:
@@ -123,14 +166,20 @@ class Chat:
                                  f"--max-new-tokens {self.max_new_tokens}; send a shorter one or lower it.")
             del messages[keep:keep + 2 if len(messages) - keep > 2 else keep + 1]
 
-    def answer(self, text: str, out) -> dict:
-        """Stream the answer to ``text`` into ``out``; Ctrl-C stops it. Returns tokens, seconds, stopped."""
+    def answer(self, text: str, out, role: str = "user") -> dict:
+        """Stream the answer to ``text`` (a ``role`` message: the user's, or a tool's result) into ``out``; Ctrl-C
+        stops it. With tools, a call in it is printed parsed and kept as the message's ``tool_calls``.
+        Returns tokens, seconds, stopped, calls."""
         import torch
 
         from tformer.generation.generate import generate_tokens
         from tformer.generation.text import TextTracker
+        from tformer.serve.tools import parse
 
-        self.messages.append({"role": "user", "content": text})
+        message = {"role": role, "content": text}
+        if role == "tool":
+            message["tool_call_id"] = self.last_call()["id"]
+        self.messages.append(message)
         ids = torch.tensor([self.prompt_ids()])
         tracker, stopped, start = TextTracker(self.tokenizer, ()), False, time.perf_counter()
         steps = generate_tokens(self.model, ids, self.max_new_tokens, stop_tokens=self.stop or None, **self.options)
@@ -149,8 +198,25 @@ class Chat:
         tracker.done = True                               # the end: release a held-back partial character
         out.write(tracker.take() + (" [stopped]\n" if stopped else "\n"))
         out.flush()
-        self.messages.append({"role": "assistant", "content": tracker.text})
-        return {"tokens": len(tracker.ids), "seconds": time.perf_counter() - start, "stopped": stopped}
+        content, calls = parse(tracker.text) if self.tools else (tracker.text, [])
+        for call in calls:
+            out.write(f"[tool call] {call['function']['name']} {call['function']['arguments']}\n")
+        out.flush()
+        self.messages.append({"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})})
+        return {"tokens": len(tracker.ids), "seconds": time.perf_counter() - start, "stopped": stopped, "calls": calls}
+
+    def last_call(self) -> dict:
+        """The call ``/tool`` answers: the last one the model made.
+
+        Raises:
+            InputError: the model has made no call yet.
+        """
+        from tformer.errors import InputError
+
+        for m in reversed(self.messages):
+            if m.get("tool_calls"):
+                return m["tool_calls"][-1]
+        raise InputError("the model has made no tool call to answer; /tool RESULT sends a function's result after one.")
 
     def save(self, path: str) -> str:
         from tformer.io import atomic_write_json
@@ -167,8 +233,11 @@ def run(args: argparse.Namespace) -> int:
     answer_budget(given, sys.maxsize)
     args.max_new_tokens = MAX_NEW_TOKENS if given is None else given
     sampling_options(args, {}, DEFAULTS)             # what was given, checked before anything loads
+    if args.tools:
+        read_tools(args.tools)
     opened = open_model(args.ckpt or args.model, args.dtype, args.threads)
-    chat = Chat(opened, args.system, sampling_options(args, opened.defaults, DEFAULTS), given, args.parse_special)
+    chat = Chat(opened, args.system, sampling_options(args, opened.defaults, DEFAULTS), given, args.parse_special,
+                read_tools(args.tools) if args.tools else None)
     if args.verbose:
         print(opened.describe(), file=sys.stderr, flush=True)
     if args.prompt is not None:
@@ -254,11 +323,15 @@ def interact(chat: Chat, read=None) -> int:
             except TformerError as e:                      # a FIFO, a device, ...: refused, left as it was
                 print(f"(cannot save to {path}: {e})", flush=True)
             continue
-        if text.startswith("/"):
+        role = "user"
+        if text == "/tool" or text.startswith("/tool "):
+            line, role = text[len("/tool"):].strip(), "tool"
+        elif text.startswith("/"):
             print(f"unknown command {text.split()[0]}; {HELP}", flush=True)
             continue
+        before = len(chat.messages)
         try:
-            chat.answer(line, sys.stdout)
+            chat.answer(line, sys.stdout, role)
         except TformerError as e:
-            chat.messages.pop()                            # the message that did not fit
+            del chat.messages[before:]                     # the message that did not fit
             print(f"error: {e}", flush=True)

@@ -25,6 +25,7 @@ from tformer.serve import grammar, reasoning, tools
 from tformer.serve import schemas as S
 from tformer.serve.scheduler import Token
 from tformer.serve.server import Server
+from tformer.serve.tool_calls import CallReader
 
 # --------------------------------------------------------------------------------- helpers
 async def read_json(request: Request, limit: int, schema: type[BaseModel]):
@@ -162,8 +163,10 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
-    """Chat choices; with ``tools`` each answer is parsed for tool calls (:func:`tformer.serve.tools.parse`),
-    and a stream holds the text back until the answer is whole (a call is only a call once it is complete)."""
+    """Chat choices; with ``tools`` each answer is read for tool calls: a whole one by
+    :func:`tformer.serve.tools.parse`, a stream as it comes (:class:`tformer.serve.tool_calls.CallReader`),
+    each call as OpenAI streams it: a first delta with its ``id``, ``type`` and ``function.name``, then
+    fragments of ``function.arguments``."""
 
     obj = staticmethod(S.chat_object)
     prefix = "chatcmpl"
@@ -172,7 +175,9 @@ class ChatFormat(_Format):
                  thinking: bool = False):
         super().__init__(server, logprobs, as_ids)
         self.tools, self.thinking = tools, thinking          # thinking: the prompt opened <think>
-        self.splitters: dict[int, reasoning.Splitter] = {}       # streamed choices: thinking vs answer
+        # streamed choices: thinking vs answer, and the answer's tool calls (None without tools)
+        self.readers: dict[int, tuple[reasoning.Splitter, CallReader | None]] = {}
+        self.called: set[int] = set()                        # streamed choices that made a call
 
     def answer(self, text: str, reason: str) -> tuple[dict, str]:
         """The message (content, with the thinking split off as reasoning_content, and tool_calls when tools
@@ -187,21 +192,6 @@ class ChatFormat(_Format):
             message["tool_calls"] = calls
         return message, ("tool_calls" if calls and reason == "stop" else reason)
 
-    def whole(self, index: int, text: str, reason: str) -> list[dict]:
-        """A held-back streamed answer as deltas: the content, or one delta per tool call, then the last."""
-        message, reason = self.answer(text, reason)
-        out = []
-        if message.get("reasoning_content"):
-            out.append({"index": index, "delta": {"reasoning_content": message["reasoning_content"]},
-                        "logprobs": None, "finish_reason": None})
-        if message.get("content"):
-            out.append({"index": index, "delta": {"content": message["content"]}, "logprobs": None,
-                        "finish_reason": None})
-        for k, call in enumerate(message.get("tool_calls", [])):
-            out.append({"index": index, "delta": {"tool_calls": [{"index": k, **call}]}, "logprobs": None,
-                        "finish_reason": None})
-        return out + [self.last(index, reason)]
-
     def entry(self, t: Token) -> dict:
         s = self.tok(t.id)
         top = [{"token": self.tok(i), "logprob": v, "bytes": list(self.tok(i).encode())} for i, v in (t.top or [])]
@@ -215,25 +205,51 @@ class ChatFormat(_Format):
 
     def delta(self, index: int, tok: Token, offset: int) -> dict:
         real = [tok] if tok.id >= 0 else []
-        splitter = self.splitters.setdefault(index, reasoning.Splitter(self.thinking))
-        return {"index": index, "delta": self.pieces(splitter.feed(tok.text)),
+        splitter, calls = self.readers.setdefault(
+            index, (reasoning.Splitter(self.thinking), CallReader() if self.tools else None))
+        return {"index": index, "delta": self.pieces(splitter.feed(tok.text), calls),
                 "logprobs": self.logprobs_of(real) if real else None, "finish_reason": None}
 
     @staticmethod
-    def pieces(parts: list[tuple[str, str]]) -> dict:
-        """A delta from a reasoning splitter's pieces (``content`` "" when it held everything back)."""
+    def pieces(parts: list[tuple[str, str]], calls: CallReader | None = None, end: bool = False) -> dict:
+        """A delta from a reasoning splitter's pieces, the answer's text read for tool calls by ``calls``
+        (``end``: the answer is over, flush it); ``content`` "" when everything was held back."""
         delta: dict = {}
+        read: list[tuple] = []
         for field, text in parts:
-            delta[field] = delta.get(field, "") + text
+            if field == "content" and calls is not None:
+                read += calls.feed(text)
+            else:
+                delta[field] = delta.get(field, "") + text
+        if end and calls is not None:
+            read += calls.flush()
+        for piece in read:
+            if piece[0] == "content":
+                delta["content"] = delta.get("content", "") + piece[1]
+                continue
+            entries = delta.setdefault("tool_calls", [])
+            if piece[0] == "call":
+                _, k, id_, name = piece
+                entries.append({"index": k, "id": id_, "type": "function", "function": {"name": name, "arguments": ""}})
+            elif entries and entries[-1]["index"] == piece[1]:
+                entries[-1]["function"]["arguments"] += piece[2]
+            else:
+                entries.append({"index": piece[1], "function": {"arguments": piece[2]}})
         return delta or {"content": ""}
 
     def tail(self, index: int) -> list[dict]:
-        """What the stream's reasoning splitter still holds for choice ``index``, as one delta (or none)."""
-        parts = self.splitters.pop(index).flush() if index in self.splitters else []
-        return [{"index": index, "delta": self.pieces(parts), "logprobs": None, "finish_reason": None}] \
-            if parts else []
+        """What the stream's readers still hold for choice ``index``, as one delta (or none)."""
+        if index not in self.readers:
+            return []
+        splitter, calls = self.readers.pop(index)
+        delta = self.pieces(splitter.flush(), calls, end=True)
+        if calls is not None and calls.calls:
+            self.called.add(index)
+        return [] if delta == {"content": ""} else [{"index": index, "delta": delta, "logprobs": None,
+                                                      "finish_reason": None}]
 
     def last(self, index: int, reason: str) -> dict:
+        reason = "tool_calls" if index in self.called and reason == "stop" else reason
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
 
     def full(self, index: int, text: str, tokens: list[Token], reason: str, prompt=None) -> dict:
@@ -289,7 +305,6 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
             obj["usage"] = None
         return sse(obj)
     left, offsets, n_out = len(seqs), [0] * len(seqs), 0
-    held = [""] * len(seqs) if getattr(fmt, "tools", False) else None     # tool mode: whole answers only
     try:
         for i in range(len(seqs)):
             first = fmt.first(i)
@@ -299,20 +314,16 @@ async def _stream(server: Server, seqs, queue: asyncio.Queue, fmt: _Format, id_:
             index, event = await queue.get()
             if isinstance(event, Token):
                 n_out += event.id >= 0
-                if held is not None:
-                    held[index] += event.text
-                elif event.text or (fmt.logprobs and event.id >= 0):
-                    yield chunk([fmt.delta(index, event, offsets[index])])
+                if event.text or (fmt.logprobs and event.id >= 0):
+                    piece = fmt.delta(index, event, offsets[index])
                     offsets[index] += len(event.text)
+                    if piece["logprobs"] is not None or piece.get("delta") != {"content": ""}:
+                        yield chunk([piece])              # not a token whose text is held back, without logprobs
             elif event[0] == "done":
                 left -= 1
-                if held is not None:
-                    for piece in fmt.whole(index, held[index], event[1]):
-                        yield chunk([piece])
-                else:
-                    for piece in fmt.tail(index):
-                        yield chunk([piece])
-                    yield chunk([fmt.last(index, event[1])])
+                for piece in fmt.tail(index):
+                    yield chunk([piece])
+                yield chunk([fmt.last(index, event[1])])
             else:
                 yield sse(error_of(event).body())
                 break

@@ -17,15 +17,14 @@ structured output uses (:mod:`tformer.serve.grammar`): a JSON value ``{"name": <
 **Parsed** (:func:`parse`), whichever format the model wrote: Hermes / Qwen ``<tool_call>{json}</tool_call>``
 (one or more), Llama 3.x's bare JSON ``{"name": ..., "parameters": {...}}`` (after ``<|python_tag|>`` or
 not), and a generic JSON object with ``name`` and ``arguments``. Text outside the calls stays the content.
+A stream reads the answer the same way as it comes (:class:`tformer.serve.tool_calls.CallReader`).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+from tformer.serve.tool_calls import CallReader
 
 SYSTEM = ("You are a function calling AI model. You may call one or more functions to assist with the user query. "
           "Here are the available tools: <tools>{tools}</tools> For each function call, return a JSON object with "
@@ -89,46 +88,14 @@ def render_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
     return out
 
 
-def _call(obj) -> dict | None:
-    """``{"name", "arguments"}`` from a parsed JSON object in any of the formats, or None."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    return {"name": obj["name"], "arguments": args if isinstance(args, dict) else {}}
-
-
 def parse(text: str) -> tuple[str | None, list[dict]]:
-    """``(content, calls)`` from a model's answer; each call is OpenAI's ``{"id", "type": "function",
-    "function": {"name", "arguments": JSON text}}``; content is None when the answer was only calls."""
-    calls, content = [], text
-    tagged = TOOL_CALL.findall(text)
-    if tagged:
-        for body in tagged:
-            try:
-                found = _call(json.loads(body))
-            except ValueError:
-                found = None
-            if found:
-                calls.append(found)
-        content = TOOL_CALL.sub("", text) if calls else text
-    else:
-        body = text.strip()
-        if body.startswith("<|python_tag|>"):
-            body = body[len("<|python_tag|>"):].strip()
-        if body.startswith("{"):
-            try:
-                obj = json.loads(body)
-            except ValueError:
-                obj = None
-            found = _call(obj)
-            if found:
-                calls, content = [found], ""
-    shaped = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-               "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
-    content = content.strip() if content is not None else None
-    return (content or None) if shaped else text, shaped
+    """``(content, calls)`` of a whole answer, read as a stream reads it (:class:`CallReader`); each call is
+    OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": JSON text}}``; content is None
+    when the answer was only calls, and the text as it is when it made none."""
+    reader = CallReader()
+    pieces = reader.feed(text) + reader.flush()
+    if not reader.calls:
+        return text, []
+    content = "".join(p[1] for p in pieces if p[0] == "content").strip()
+    return content or None, [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in reader.calls]

@@ -66,26 +66,39 @@ def read_preferences(path: Path, encoding: str = "utf-8") -> list[tuple[list[dic
     return pairs
 
 
-def wrong_number(x: int, rng: random.Random) -> int:
-    """``x`` with one of its digits changed (never ``x`` itself, never a leading zero)."""
-    digits = list(str(x))
-    i = rng.randrange(len(digits))
-    choices = [d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0" and len(digits) > 1)]
-    digits[i] = rng.choice(choices)
-    return int("".join(digits))
+def wrong_number(x: int, rng: random.Random, avoid: frozenset[int] = frozenset()) -> int | None:
+    """``x`` with one of its digits changed (never ``x`` itself, never a leading zero), drawn uniformly among
+    those not in ``avoid``; ``None`` if every one is."""
+    s = str(x)
+    near = [int(s[:i] + d + s[i + 1:]) for i in range(len(s)) for d in "0123456789"
+            if d != s[i] and not (i == 0 and d == "0" and len(s) > 1)]
+    near = [y for y in near if y not in avoid]
+    return rng.choice(near) if near else None
 
 
 def preference_task(n_train: int, n_test: int, max_number: int, seed: int = 0) -> tuple[list, list]:
     """The built-in preference task: the numbers of :func:`~tformer.training.chat_data.number_task`,
     "Write 437 in French words." with the preferred answer its French words ("quatre cent trente-sept") and the
     rejected one, for every other pair, its English words ("four hundred and thirty-seven") or the French words of
-    the number with one digit changed ("quatre cent trente-huit"); ``(train, test)`` pairs, no number in both."""
+    the number with one digit changed ("quatre cent trente-huit"); ``(train, test)`` pairs, no number in both.
+
+    The changed number is never a held-out number in a training pair, nor a number of a training pair (either
+    answer) in a held-out pair, so no held-out answer is taught in training with either label (before, a
+    training pair rejecting the French words of a held-out number taught the model to reject that held-out
+    pair's right answer); where every one-digit change is excluded, the rejected answer is the English words."""
     from num2words import num2words
     train, test = number_task(n_train, n_test, max_number, seed)
     rng = random.Random(seed + 1)
-    out = []
-    for k, conv in enumerate(train + test):
-        x = int(conv[0]["content"].split()[1])
-        wrong = num2words(x, lang="en") if k % 2 == 0 else num2words(wrong_number(x, rng), lang="fr")
-        out.append((conv[:1], conv[1]["content"], wrong))
-    return out[:n_train], out[n_train:]
+
+    def pairs(convs, first: int, avoid: frozenset[int]) -> tuple[list, set[int]]:
+        out, used = [], set()
+        for k, conv in enumerate(convs, first):
+            x = int(conv[0]["content"].split()[1])
+            y = None if k % 2 == 0 else wrong_number(x, rng, avoid)
+            used |= {x} if y is None else {x, y}
+            out.append((conv[:1], conv[1]["content"], num2words(x, lang="en") if y is None else num2words(y, lang="fr")))
+        return out, used
+
+    held_out = frozenset(int(conv[0]["content"].split()[1]) for conv in test)
+    train_pairs, used = pairs(train, 0, held_out)
+    return train_pairs, pairs(test, n_train, frozenset(used))[0]
