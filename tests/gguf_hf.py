@@ -15,7 +15,9 @@ def add_llama_hyperparameters(w, c) -> None:
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    rope = c.rope_parameters
+    w.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))     # Gemma 3: the global layers'
+
 
 
 def finish(w) -> None:

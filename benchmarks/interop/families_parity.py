@@ -1,9 +1,10 @@
-"""The model families (Llama 3.2 and 3.1 with llama3 RoPE, Qwen3, Qwen2.5 with YaRN) at their published
-configurations cut to 2 layers (the test fixtures, tests/interop/families.py): tformer's float32 logits from
+"""The model families (Llama 3.2 and 3.1 with llama3 RoPE, Qwen3, Qwen2.5 with YaRN, Gemma 2, Gemma 3) at their
+published configurations cut to 2 layers (the test fixtures, tests/interop/families.py): tformer's float32 logits from
 the HF folder against transformers (its RoPE angles in float64, and as it computes them, in float32), and
 from a float32 GGUF written by the ``gguf`` package against llama.cpp (llama-cpp-python, float32 cache).
 Each figure is the largest difference over the five prompts (one past ``original_max_position_embeddings``
-for transformers) relative to the logits' largest magnitude.
+for transformers; for Gemma 3 a sixth of 600 tokens, past its 512-token window) relative to the logits' largest
+magnitude.
 
 Result: benchmarks/results/interop/families_parity.md, with the run's record (common/record.py).
 
@@ -39,6 +40,9 @@ def transformers_figures(family: str, folder: Path) -> tuple[float, float]:
     ours = load_hf(folder)
     pos = F.far_positions((ours.config.rope_scaling or {}).get("original_max_position_embeddings", 8192))[None]
     cases = [(torch.tensor([i]), None) for i in F.prompts()] + [(torch.tensor([F.prompts()[3][:pos.shape[1]]]), pos)]
+    if (ours.config.sliding_window or 10**9) < 600:        # Gemma 3's window (512): a prompt past it
+        ids = torch.randint(0, F.VOCAB - len(F.SPECIAL) - 1, (1, 600), generator=torch.Generator().manual_seed(1))
+        cases.append((ids, None))
     a = b = 0.0
     with torch.no_grad():
         for x, p in cases:
@@ -56,7 +60,7 @@ def llama_cpp_figure(family: str, folder: Path) -> float | None:
     from tformer.interop.gguf_import import load_gguf
     from tformer.interop.llama_cpp import LlamaCpp
 
-    path = F.write_gguf(family, F.hf_model(family), folder / "f32.gguf", "f32")
+    path = F.write_gguf(family, F.hf_model(family, gguf_layout=True), folder / "f32.gguf", "f32")
     model, worst = load_gguf(path), 0.0
     for ids in F.prompts():
         cpp = LlamaCpp(path, n_ctx=len(ids) + 8, threads=2, logits_all=True, f32_cache=True)

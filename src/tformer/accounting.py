@@ -91,13 +91,13 @@ def count_parameters(config: TransformerConfig, cross_attention: bool = False) -
     check_config(config)
     c = config
     d = c.d_model
-    if c.ffn == "swiglu":
+    if c.ffn in ("swiglu", "geglu"):
         ffn = 3 * d * c.d_ff + (2 * c.d_ff + d) * c.bias
     elif c.ffn == "mlp":
         ffn = 2 * d * c.d_ff + (c.d_ff + d) * c.bias
     else:
         ffn = 0
-    norms = (2 if c.ffn != "none" else 1) * _norm_params(c)
+    norms = (2 if c.ffn != "none" else 1) * _norm_params(c) * (2 if c.post_norms else 1)   # Gemma's post-norms
     mixers = [mixer_class(name).count_parameters(c) for name in c.layer_mixers()]
     if cross_attention:
         mixers = [m + CrossAttention.count_parameters(c) for m in mixers]

@@ -17,7 +17,7 @@ from tformer.errors import ConfigError
 POSITIONS = ("none", "learned", "sinusoidal", "rope", "alibi")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
-FFN_KINDS = ("mlp", "swiglu", "none")
+FFN_KINDS = ("mlp", "swiglu", "geglu", "none")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "relu2")
 BACKENDS = ("auto", "math", "torch", "flash", "short")
 
@@ -56,8 +56,9 @@ class TransformerConfig:
             ``rope_freqs.weight`` stores them). On the command line: ``--set 'rope_scaling={"rope_type": ...}'``.
         norm: ``layernorm`` or ``rmsnorm``; ``norm_eps`` its epsilon.
         norm_placement: ``pre`` (x + f(norm(x)), GPT-2/Llama) or ``post`` (norm(x + f(x)), Vaswani/BERT).
-        ffn: ``mlp`` (Linear, activation, Linear), ``swiglu`` (gated, Llama) or ``none`` (no
-            feed-forward sub-layer: the mixer is the whole layer, as in Mamba).
+        ffn: ``mlp`` (Linear, activation, Linear), ``swiglu`` (gated, Llama), ``geglu`` (gated
+            by ``activation``, GELU or its tanh form: Gemma) or ``none`` (no feed-forward sub-layer: the mixer
+            is the whole layer, as in Mamba).
         activation: non-linearity of the ``mlp`` (``gelu`` is the exact erf form; ``relu2`` is
             ReLU(x)², So et al. 2021, the modded-nanogpt speedrun's).
         bias: biases on every Linear and norm.
@@ -85,7 +86,7 @@ class TransformerConfig:
         encoder_d_ff: the encoder's feed-forward width in an ``encoder-decoder`` model (``d_ff`` is
             the decoder's); defaults to ``d_ff`` (HF's ``encoder_ffn_dim`` / ``decoder_ffn_dim``).
         embedding_scale: multiply token embeddings by sqrt(d_model) before adding positions
-            (Vaswani et al. §3.4, Marian).
+            (Vaswani et al. §3.4, Marian; Gemma's decoder).
         qk_norm: RMS-normalise each head's q and k (no gain) before RoPE, so a score is at most
             ``head_dim · scale`` and the logits cannot grow without bound (Dehghani et al. 2023).
         qk_norm_gain: with ``qk_norm``, a learned gain of ``head_dim`` values shared by the heads (one for q,
@@ -93,6 +94,17 @@ class TransformerConfig:
         zero_init_residual: initialise every projection that writes into the residual stream (attention's
             ``out_proj``, the feed-forward's ``down``) to zero, so each block starts as the identity.
         logit_softcap: ``cap · tanh(z / cap)`` on the LM head's logits (Gemma 2); 0 = off.
+        norm_unit_offset: every RMSNorm (the QK-norm's too) multiplies by ``1 + w``, its weight ``w`` starting at
+            zero (Gemma's storage of the gain).
+        attn_scale: the factor on ``Q Kᵀ``; ``None`` = ``1/sqrt(head_dim)`` (Gemma: ``query_pre_attn_scalar^-1/2``).
+        attn_softcap: ``cap · tanh(s / cap)`` on the attention scores before the mask and softmax (Gemma 2); 0 = off.
+        post_norms: a norm on each sub-layer's output before the residual add, ``x + norm'(f(norm(x)))``: four
+            norms per block (Gemma 2 and 3); needs ``norm_placement='pre'``.
+        window_layers: which layers use ``sliding_window`` (the others attend globally), a list of booleans
+            cycled over the stack: Gemma 2 ``[true, false]``, Gemma 3 five ``true`` then ``false``; ``None`` =
+            every layer (when ``sliding_window`` is set).
+        rope_local_base: the RoPE base of the sliding-window layers, unscaled (Gemma 3: 10,000 where the global
+            layers use ``rope_base`` 1,000,000); ``None`` = every layer uses ``rope_base`` and ``rope_scaling``.
         hf_model_type: the HuggingFace ``model_type`` this config came from or exports to
             (``gpt2``, ``llama``, ...); ``name`` is the tformer preset, a separate thing.
     """
@@ -135,6 +147,12 @@ class TransformerConfig:
     qk_norm_gain: bool = False
     zero_init_residual: bool = False
     logit_softcap: float = 0.0
+    norm_unit_offset: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float = 0.0
+    post_norms: bool = False
+    window_layers: list[bool] | None = None
+    rope_local_base: float | None = None
     hf_model_type: str | None = None
     name: str = field(default="custom", compare=False)
 
@@ -219,6 +237,47 @@ class TransformerConfig:
         if self.model is None:
             self.model = "decoder" if self.causal else "encoder"
         self._check_mixers()
+        self._check_layer_switches()
+
+    def _check_layer_switches(self) -> None:
+        """Gemma's switches: the unit-offset norm gain, the score scale and soft-cap, the post-norms, the
+        per-layer window and RoPE base, the gated GELU feed-forward."""
+        for f in ("norm_unit_offset", "post_norms"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"{f}={getattr(self, f)!r} must be true or false.")
+        if self.norm_unit_offset and self.norm != "rmsnorm":
+            raise ConfigError("norm_unit_offset=true needs norm='rmsnorm' (the (1 + w) gain is Gemma's RMSNorm's).")
+        if self.attn_scale is not None and not _positive(self.attn_scale):
+            raise ConfigError(f"attn_scale={self.attn_scale!r} must be a number > 0 (e.g. 256 ** -0.5) or None.")
+        cap = self.attn_softcap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+            raise ConfigError(f"attn_softcap={cap!r} must be a finite number >= 0 (0 = no soft-cap; Gemma 2: 50).")
+        if self.post_norms and self.norm_placement != "pre":
+            raise ConfigError("post_norms=true needs norm_placement='pre' (the post-norm follows a pre-normed "
+                              "sub-layer).")
+        if self.ffn == "geglu" and self.activation not in ("gelu", "gelu_tanh"):
+            raise ConfigError(f"ffn='geglu' gates with GELU; set activation to 'gelu' or 'gelu_tanh' "
+                              f"(got {self.activation!r}).")
+        layers = self.window_layers
+        if layers is not None:
+            if not isinstance(layers, list) or not layers or any(not isinstance(v, bool) for v in layers):
+                raise ConfigError(f"window_layers={layers!r} must be a non-empty list of true/false (one per layer, "
+                                  f"cycled; e.g. [true, false]) or None.")
+            if self.sliding_window is None:
+                raise ConfigError("window_layers needs sliding_window set (the window those layers use).")
+        if self.rope_local_base is not None:
+            if not _positive(self.rope_local_base) or self.positions != "rope":
+                raise ConfigError(f"rope_local_base={self.rope_local_base!r} must be a number > 0 with "
+                                  f"positions='rope'.")
+            if self.sliding_window is None:
+                raise ConfigError("rope_local_base needs sliding_window set (it is the RoPE base of the windowed "
+                                  "layers).")
+
+    def windowed(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends through ``sliding_window`` (see ``window_layers``)."""
+        if self.sliding_window is None:
+            return False
+        return True if self.window_layers is None else self.window_layers[layer % len(self.window_layers)]
 
     def _check_mixers(self) -> None:
         """The mixer pattern's shape. Whether each name is registered, and what each mixer refuses, is

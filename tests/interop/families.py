@@ -33,6 +33,7 @@ from gguf_hf import add_llama_hyperparameters, finish  # noqa: E402
 N_LAYERS = 2
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
            "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SPECIAL += ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]                          # Gemma's
 VOCAB = 640
 
 # The families' chat formats, written here from their published layout (Llama 3's headers, Qwen's ChatML).
@@ -41,8 +42,12 @@ LLAMA3_CHAT = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['r
                "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TEMPLATES = {"llama": LLAMA3_CHAT, "qwen2": CHATML, "qwen3": CHATML}
-PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}   # tokenizer.ggml.pre of the published files
+GEMMA_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else "
+              "m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+              "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+TEMPLATES = {"llama": LLAMA3_CHAT, "qwen2": CHATML, "qwen3": CHATML, "gemma2": GEMMA_CHAT, "gemma3": GEMMA_CHAT}
+# tokenizer.ggml.pre of the published files (Gemma publishes a SentencePiece vocabulary: GPT-2's split here)
+PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma2": "gpt-2", "gemma3": "gpt-2"}
 # The Split pattern of the published tokenizer.json files (Llama 3's and Qwen2's), before ByteLevel
 SPLITS = {
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -91,6 +96,13 @@ QWEN3_TOOLS_CHAT = r"""{%- if tools %}
 # family -> (transformers config class, GGUF architecture, published config fields, (bos, eos, eot) tokens)
 LLAMA3 = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=8192)
+# What Gemma-3-270M and 1B share (google/gemma-3-270m, google/gemma-3-1b-it); their cut keeps a local and a global
+# layer (layer_types); in a GGUF file llama.cpp makes every sixth layer global whatever the config says, so the GGUF
+# fixtures take the default kinds (gguf_layout)
+GEMMA3 = dict(num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+              rope_theta=1000000.0, rope_local_base_freq=10000.0, tie_word_embeddings=True,
+              hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=512,
+              attention_bias=False, layer_types=["sliding_attention", "full_attention"])
 PUBLISHED = {
     "llama-3.2-1b": ("LlamaConfig", "llama", dict(   # meta-llama/Llama-3.2-1B
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -113,6 +125,18 @@ PUBLISHED = {
         use_sliding_window=False,
         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)),
         (None, "<|endoftext|>", "<|im_end|>")),
+    "gemma-2-2b": ("Gemma2Config", "gemma2", dict(    # google/gemma-2-2b (layers alternate local, global)
+        hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, attention_bias=False),
+        ("<bos>", "<eos>", "<end_of_turn>")),
+    "gemma-3-270m": ("Gemma3TextConfig", "gemma3", dict(   # google/gemma-3-270m
+        hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, **GEMMA3),
+        ("<bos>", "<eos>", "<end_of_turn>")),
+    "gemma-3-1b": ("Gemma3TextConfig", "gemma3", dict(     # google/gemma-3-1b-it
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, **GEMMA3),
+        ("<bos>", "<eos>", "<end_of_turn>")),
 }
 
 
@@ -135,9 +159,10 @@ def tokenizer(folder: Path) -> Path:
     return path
 
 
-def hf_config(family: str, layers: int = N_LAYERS, vocab_size: int = VOCAB):
+def hf_config(family: str, gguf_layout: bool = False, layers: int = N_LAYERS, vocab_size: int = VOCAB):
     """transformers' config of ``family``: published, ``layers`` deep (2), this file's vocabulary (or
-    ``vocab_size`` ids, the fixture's tokens first)."""
+    ``vocab_size`` ids, the fixture's tokens first); ``gguf_layout``: the layer kinds llama.cpp gives a
+    GGUF file of the architecture (the config's default ones)."""
     import transformers
 
     cls, _, fields, (bos, eos, _eot) = PUBLISHED[family]
@@ -145,6 +170,8 @@ def hf_config(family: str, layers: int = N_LAYERS, vocab_size: int = VOCAB):
     ids = {a["content"]: a["id"] for a in vocab["added_tokens"]}
     fields = {**fields, "num_hidden_layers": layers, "vocab_size": vocab_size,
               "bos_token_id": ids.get(bos), "eos_token_id": ids[eos]}
+    if gguf_layout:
+        fields.pop("layer_types", None)
     return getattr(transformers, cls)(**fields)
 
 
@@ -164,16 +191,17 @@ def special_id(token: str) -> int:
     return {a["content"]: a["id"] for a in json.loads(tokenizer_json_text())["added_tokens"]}[token]
 
 
-def hf_model(family: str, seed: int = 0):
-    """The transformers model of ``family`` with random weights, every 1-D weight (norm gains) random around 1."""
+def hf_model(family: str, seed: int = 0, gguf_layout: bool = False):
+    """The transformers model of ``family`` with random weights, every 1-D weight (norm gains) random around 1
+    (Gemma's ``w`` of its ``1 + w`` around 0); ``gguf_layout`` as :func:`hf_config`."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, gguf_layout), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+                p.copy_((0.0 if PUBLISHED[family][1].startswith("gemma") else 1.0) + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0, 0.05)               # sharper than the 0.02 init: greedy tokens far from ties
     return model.eval()
@@ -194,17 +222,23 @@ def family_tokenizer_json(family: str) -> str:
     its pattern, then ``ByteLevel`` without its own regex): the vocabulary and merges are the fixture's."""
     from tokenizers import Regex, Tokenizer, pre_tokenizers
 
+    pre = PRE[PUBLISHED[family][1]]
+    if pre not in SPLITS:                       # GPT-2's own split: the trained tokenizer as it is
+        return tokenizer_json_text()
     tok = Tokenizer.from_str(tokenizer_json_text())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLITS[PRE[PUBLISHED[family][1]]]), behavior="isolated"),
+        pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return tok.to_str()
 
 
 def float64_angles(model) -> None:
     """Make the transformers ``model``'s rotary embedding compute its angles in float64: its own frequency
-    function evaluated with ``torch.float`` meaning float64, and positions times frequencies in float64."""
+    function evaluated with ``torch.float`` meaning float64, and positions times frequencies in float64
+    (Gemma 3's, one table per layer kind: each kind's)."""
     rotary = model.model.rotary_emb
+    if isinstance(rotary.rope_type, dict):
+        return _float64_angles_per_kind(model)
     fn = rotary.rope_init_fn if hasattr(rotary, "rope_init_fn") else None
     if rotary.rope_type == "default":
         fn = type(rotary).compute_default_rope_parameters
@@ -216,6 +250,25 @@ def float64_angles(model) -> None:
     inv_freq = inv_freq.to(torch.float64)
 
     def forward(x, position_ids):
+        freqs = position_ids[..., None].to(torch.float64) * inv_freq             # (B, T, hs/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
+
+    rotary.forward = forward
+
+
+def _float64_angles_per_kind(model) -> None:
+    """:func:`float64_angles` for a rotary embedding with a table per layer kind (Gemma 3: unscaled ones only)."""
+    rotary = model.model.rotary_emb
+    tables = {}
+    for kind, rope_type in rotary.rope_type.items():
+        assert rope_type == "default", rope_type
+        with mock.patch.object(torch, "float", torch.float64):
+            inv_freq, scale = type(rotary).compute_default_rope_parameters(model.config, layer_type=kind)
+        tables[kind] = (inv_freq.to(torch.float64), scale)
+
+    def forward(x, position_ids, layer_type):
+        inv_freq, scale = tables[layer_type]
         freqs = position_ids[..., None].to(torch.float64) * inv_freq             # (B, T, hs/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
@@ -261,7 +314,13 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32", arrays=None) -
         w.add_value_length(head_dim)
     w.add_vocab_size(c.vocab_size)
     w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[kind])
-    rope = c.rope_parameters
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)      # Gemma 3: the global layers'
+    if arch.startswith("gemma"):                # convert_hf_to_gguf.py's Gemma2Model / Gemma3Model keys
+        w.add_sliding_window(c.sliding_window)
+        if c.attn_logit_softcapping is not None:
+            w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        if c.final_logit_softcapping is not None:
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
     if rope["rope_type"] == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -291,6 +350,8 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32", arrays=None) -
         if c.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
         a = arrays(hf_name, t)
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            a = a + 1                           # convert_hf_to_gguf.py stores Gemma's (1 + w) gains as 1 + w
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
             a = permute(a, c.num_attention_heads)
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
@@ -318,7 +379,7 @@ def full_size_gguf(family: str, path: Path, seed: int = 0) -> Path:
     gains 1 + N(0, 0.2), biases N(0, 0.2)), so the peak is the f16 file's size, not a float32 model's."""
     import transformers
 
-    cfg = hf_config(family, PUBLISHED[family][2]["num_hidden_layers"], FULL_VOCAB[family])
+    cfg = hf_config(family, layers=PUBLISHED[family][2]["num_hidden_layers"], vocab_size=FULL_VOCAB[family])
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed)

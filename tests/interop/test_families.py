@@ -70,6 +70,7 @@ def _cfg(**kw):
     return TransformerConfig(**{**base, **kw})
 
 
+GEMMA = dict(positions="rope", norm="rmsnorm", ffn="geglu", activation="gelu_tanh", post_norms=True, norm_unit_offset=True)
 CLAIMS = [
     (dict(positions="learned"), "gpt2"),
     (dict(positions="rope"), "gpt_neox"),                              # LayerNorm and a plain MLP
@@ -84,6 +85,9 @@ CLAIMS = [
     (dict(causal=False, mixer="bigbird", mixer_options={"bigbird": {"block_size": 4}}), "big_bird"),
     (dict(model="encoder-decoder", positions="learned"), "bart"),
     (dict(model="encoder-decoder", positions="sinusoidal"), "marian"),
+    (GEMMA, "gemma2"),
+    ({**GEMMA, "qk_norm": True, "qk_norm_gain": True}, "gemma3_text"),
+    (dict(positions="rope", norm="rmsnorm", ffn="geglu"), None),      # a GELU gate without Gemma's norms
     (dict(mixer="performer"), None),
     (dict(mixer=["mamba", "attention"], positions="none"), None),
     (dict(model="encoder-decoder", positions="none"), None),

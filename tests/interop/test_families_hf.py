@@ -1,5 +1,5 @@
-"""Llama 3.x (llama3-scaled RoPE), Qwen3 (QK-norm gains, head_dim 128) and Qwen2.5 (YaRN) from HF folders,
-against transformers (the fixtures: :mod:`families`, each at its published configuration cut to 2 layers).
+"""Llama 3.x (llama3-scaled RoPE), Qwen3 (QK-norm gains, head_dim 128), Qwen2.5 (YaRN), Gemma 2 and Gemma 3 from HF
+folders, against transformers (the fixtures: :mod:`families`, each at its published configuration cut to 2 layers).
 
 Reference: transformers' own model of the folder, its RoPE angles computed in float64 from its own
 frequency formula (:func:`families.float64_angles`; transformers computes them in float32, off by ~1e-3
@@ -53,10 +53,11 @@ def test_config_is_the_published_one(pair):
     assert (c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.tie_embeddings) == (
         hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], ref.model.layers[0].self_attn.head_dim,
         hf["intermediate_size"], hf["tie_word_embeddings"])
-    assert c.rope_base == hf["rope_parameters"]["rope_theta"]
-    scaling = {k: v for k, v in hf["rope_parameters"].items() if k not in ("rope_theta", "type")}
+    rope = hf["rope_parameters"].get("full_attention", hf["rope_parameters"])     # Gemma 3: the global layers'
+    assert c.rope_base == rope["rope_theta"]
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
     assert (c.rope_scaling or {"rope_type": "default"}) == scaling
-    assert c.qk_norm_gain == (family.startswith("qwen3"))
+    assert c.qk_norm_gain == (family.startswith(("qwen3", "gemma-3")))
 
 
 def test_logits_equal_transformers_on_five_prompts(pair):

@@ -63,6 +63,9 @@ def why_not(model) -> str | None:
         return "needs pre-norm layers and RoPE or learned positions"
     if c.logit_softcap or c.embedding_norm or c.embedding_scale or getattr(model, "type_emb", None) is not None:
         return "a soft-cap, an embedding norm or scale, or a token-type table"
+    why = gemma_why_not(c)
+    if why:
+        return why
     if model.training:
         return "training mode"
     norm_type = RMSNorm if c.norm == "rmsnorm" else torch.nn.LayerNorm
@@ -72,7 +75,7 @@ def why_not(model) -> str | None:
         a, f = b.attn, b.ffn
         if type(a) is not MultiHeadAttention or b.cross_attn is not None:
             return "a layer that is not self-attention"
-        if not (isinstance(f, SwiGLU) or (type(f) is PlainMLP and c.activation in MLP)):
+        if not (type(f) is SwiGLU or (type(f) is PlainMLP and c.activation in MLP)):
             return "a feed-forward that is not SwiGLU or a GELU / ReLU / ReLU² / SiLU MLP"
         if a.window is not None or a.alibi_slopes is not None or (a.rope is None) != (c.positions != "rope"):
             return "a window or ALiBi"
@@ -98,6 +101,17 @@ def why_not(model) -> str | None:
     if path not in qgemv.TILE_ROWS:
         return f"kernel path {path} has no tiles"
     return _qkv_why_not(model, path)
+
+
+def gemma_why_not(c) -> str | None:
+    """Gemma's switches, which ``layers.cpp`` does not implement (the module path runs them), or ``None``."""
+    found = [name for name, on in (("a GELU-gated feed-forward", c.ffn == "geglu"),
+                                   ("RMSNorm gains applied as (1 + w)", c.norm_unit_offset),
+                                   ("an attention score scale or soft-cap", c.attn_scale is not None or c.attn_softcap),
+                                   ("norms after the sub-layers", c.post_norms),
+                                   ("a per-layer window or RoPE base", c.window_layers is not None
+                                    or c.rope_local_base is not None)) if on]
+    return f"Gemma's {', '.join(found)}: the whole-layer call has none of these" if found else None
 
 
 def _split_qkv(model) -> bool:

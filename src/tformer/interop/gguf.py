@@ -59,10 +59,11 @@ def gguf_tensors(model: torch.nn.Module, model_type: str) -> dict[str, np.ndarra
     """llama.cpp's tensor names -> float32 arrays in its layout (``(out, in)`` for matrices)."""
     import gguf
 
-    from tformer.interop.hf import family
+    from tformer.interop.hf import check_plain, family
 
     c = model.config
     module = family(model_type, "model_type")
+    check_plain(c, model_type, module)          # the switches no exported family has (soft-caps, Gemma's)
     module.check_exportable(c, model_type)
     state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[ARCHES[model_type].upper()], c.n_layers)

@@ -4,16 +4,20 @@
     tformer convert --from-gguf FILE.gguf --out CKPT                # a checkpoint folder with tokenizer
 
 Architectures (``general.architecture``): ``llama`` (Llama 1-3, Mistral-style, SmolLM2), ``qwen2``,
-``qwen3`` and ``gpt2``, which include every file ``tformer convert --to-gguf`` writes. The metadata becomes an HF
-``config.json`` dict and llama.cpp's tensor names become HF names, so the HF family converters
-(``tformer.interop.llama`` / ``gpt2``) build the model and refuse what they cannot express. Two
+``qwen3``, ``gemma2``, ``gemma3`` (text) and ``gpt2``, which include every file ``tformer convert --to-gguf``
+writes. The metadata becomes an HF ``config.json`` dict and llama.cpp's tensor names become HF names, so the
+HF family converters (``tformer.interop.llama``, ``gemma2``, ``gemma3``, ``gpt2`` ...) build the model and refuse
+what they cannot express. Two
 layout changes undo what llama.cpp's ``convert_hf_to_gguf.py`` did (see ``tformer.interop.gguf``):
 
 - ``llama`` Q and K rows are stored for interleaved RoPE (dimension 2i pairs with 2i+1); tformer
   and HF rotate halves (j pairs with j + d/2). Per head the stored row (i, half h) goes back to
   (half h, i): ``W.reshape(heads, d/2, 2, -1).swapaxes(1, 2)``, the inverse of
   :func:`tformer.interop.gguf.llama_rope_permute`. ``qwen2`` and ``qwen3`` files are stored in
-  rotate-half order already (llama.cpp runs them with NEOX RoPE), so they are not permuted.
+  rotate-half order already (llama.cpp runs them with NEOX RoPE), so they are not permuted; nor are
+  ``gemma2`` and ``gemma3``, whose norm gains are stored as ``1 + w`` (tformer's ``norm_unit_offset``
+  keeps ``w``: one is subtracted), and whose layer kinds, gemma3's local RoPE base and the score scale
+  are llama.cpp's fixed choices (:func:`tformer.interop.gguf_import.gemma_config`).
 
 Scaled RoPE (:mod:`tformer.interop.gguf_rope`): ``rope.scaling.type`` ``linear`` or ``yarn`` with its
 keys, or Llama 3.1's scaling baked into ``rope_freqs.weight`` (one divisor per frequency), become
@@ -48,7 +52,8 @@ from tformer.interop.gguf_rope import ROPE_KEYS, check_rope, rope_scaling
 from tformer.interop.loader import TensorSource
 from tformer.quant import kblocks
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3")
+ARCH_MODEL_TYPES = {"gemma3": "gemma3_text"}          # architecture -> HF model_type, where they differ
 # The "{arch}." keys understood; any other one is refused (it may change the maths).
 KNOWN_KEYS = {
     "llama": {"context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
@@ -59,6 +64,13 @@ KNOWN_KEYS = {
              "attention.layer_norm_epsilon", "vocab_size"},
 }
 KNOWN_KEYS["qwen2"] = KNOWN_KEYS["qwen3"] = KNOWN_KEYS["llama"]
+# Gemma: llama.cpp fixes the layer kinds (gemma2: every 2nd layer global; gemma3: every 6th) and gemma3's local
+# RoPE base (10,000); these keys are all it reads beside Llama's
+KNOWN_KEYS["gemma2"] = KNOWN_KEYS["llama"] | {"attention.sliding_window", "attn_logit_softcapping",
+                                              "final_logit_softcapping"}
+KNOWN_KEYS["gemma3"] = KNOWN_KEYS["llama"] | {"attention.sliding_window"}
+GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales scores by (d / heads)^-1/2 there, else head_dim's
 
 # llama.cpp tensor name (under blk.{i}. for layers) -> HF name (under model.layers.{i}. / transformer.h.{i}.).
 LLAMA_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -67,6 +79,8 @@ LLAMA_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "at
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}    # the norms: qwen3's
+GEMMA_LAYER = {**LLAMA_LAYER, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 GPT2_TOP = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
             "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
             "output.weight": "lm_head.weight"}
@@ -149,7 +163,26 @@ def hf_config(f: GGUFFile, arch: str) -> dict:
           "rope_theta": float(f.field(f"{arch}.rope.freq_base", 10000.0)), "tie_word_embeddings": tied}
     if arch in ("llama", "qwen3"):
         hf.update(attention_bias=bias, mlp_bias="blk.0.ffn_up.bias" in f.tensors)
+    if arch in GEMMA_PATTERN:
+        hf.update(gemma_config(f, arch, hf))
     return hf
+
+
+def gemma_config(f: GGUFFile, arch: str, hf: dict) -> dict:
+    """Gemma's HF fields as llama.cpp reads the file: the layer kinds and the gemma3 local base it fixes, the
+    score scale by its rule (head_dim's, or (d / heads)'s at 27B), the window and the soft-caps."""
+    layers, pattern = hf["num_hidden_layers"], GEMMA_PATTERN[arch]
+    window = f.field(f"{arch}.attention.sliding_window")
+    scalar = hf["hidden_size"] // hf["num_attention_heads"] if layers == GEMMA_27B_LAYERS[arch] else hf["head_dim"]
+    out = {"model_type": ARCH_MODEL_TYPES.get(arch, arch), "hidden_activation": "gelu_pytorch_tanh",
+           "query_pre_attn_scalar": scalar, "sliding_window": window,
+           "layer_types": [("sliding_attention" if window and (i + 1) % pattern else "full_attention")
+                           for i in range(layers)],
+           "attn_logit_softcapping": f.field(f"{arch}.attn_logit_softcapping"),
+           "final_logit_softcapping": f.field(f"{arch}.final_logit_softcapping")}
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10000.0
+    return out
 
 
 def check_sizes(f: GGUFFile, arch: str, hf: dict) -> None:
@@ -214,7 +247,7 @@ def check_finite(f: GGUFFile, name: str, a: np.ndarray, kept: bool) -> None:
 def hf_name(f: GGUFFile, arch: str, name: str) -> str:
     """The HF name of llama.cpp's tensor ``name`` (refused if it has none)."""
     top, layer, prefix = (GPT2_TOP, GPT2_LAYER, "transformer.h.") if arch == "gpt2" else \
-        (LLAMA_TOP, LLAMA_LAYER, "model.layers.")
+        (LLAMA_TOP, GEMMA_LAYER if arch in GEMMA_PATTERN else LLAMA_LAYER, "model.layers.")
     if name in top:
         return top[name]
     m = LAYER_NAME.match(name)
@@ -255,6 +288,8 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
             a = llama_rope_unpermute(a, hf["num_key_value_heads"])
         elif arch == "gpt2" and target.endswith(CONV1D):
             a = a.T                                         # (out, in) -> Conv1D's (in, out)
+        elif arch in GEMMA_PATTERN and name.endswith("norm.weight"):
+            a = a - 1                                       # convert_hf_to_gguf.py stored Gemma's gains as 1 + w
         # kept blocks stay the mapped file's pages (copy-on-write: nothing reaches the file); floats are fresh arrays
         out[target] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8 if kept else np.float32))
         if kept and ".self_attn." in target and not target.endswith("o_proj.weight") and len(qkv_types(f, name)) > 1:
@@ -337,11 +372,11 @@ def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
     check_metadata(f, arch)
     hf = hf_config(f, arch)
     check_sizes(f, arch, hf)
-    module = family(arch, "general.architecture")
+    module = family(hf["model_type"], "general.architecture")
     config = module.config_from_hf(hf)
     if arch != "gpt2":
         config = dataclasses.replace(config, rope_scaling=rope_scaling(f, arch, config))
-    config.hf_model_type = arch
+    config.hf_model_type = hf["model_type"]
     src = TensorSource(hf_tensors(f, arch, hf, keep_quant), prefix=module.PREFIX)
     state = module.state_from_hf(src, config)
     src.check_consumed()

@@ -35,7 +35,8 @@ from tformer.interop.loader import TensorSource, read_config, read_tensors, requ
 from tformer.models import model_class
 
 # The family modules of tformer.interop: a new family is one module plus its name here.
-FAMILY_MODULES = ("gpt2", "gpt_neox", "llama", "qwen3", "bloom", "bert", "mamba", "longformer", "bigbird", "bart", "marian")
+FAMILY_MODULES = ("gpt2", "gpt_neox", "llama", "qwen3", "gemma2", "gemma3", "bloom", "bert", "mamba", "longformer",
+                  "bigbird", "bart", "marian")
 
 # What every family module provides (``export_options`` is optional).
 PROTOCOL = ("MODEL_TYPES", "PREFIX", "config_from_hf", "state_from_hf", "model_type_for", "check_exportable",
@@ -120,11 +121,20 @@ def infer_model_type(config: TransformerConfig) -> str:
                       f"positions={config.positions!r}; pass model_type explicitly (one of {', '.join(FAMILIES)}).")
 
 
+# Gemma's switches (tformer.config), which only a module declaring HAS_GEMMA_SWITCHES expresses
+GEMMA_SWITCHES = dict(norm_unit_offset=False, attn_scale=None, attn_softcap=0.0, post_norms=False, window_layers=None,
+                      rope_local_base=None)
+
+
 def check_plain(c, model_type: str, module) -> None:
     """Refuse what no exported family expresses: tformer's training switches that change the forward
-    (QK-norm, unless the module declares ``HAS_QK_NORM``; logit soft-capping), and ReLU² in a family
+    (QK-norm, unless the module declares ``HAS_QK_NORM``; logit soft-capping, unless it declares
+    ``HAS_LOGIT_SOFTCAP``; :data:`GEMMA_SWITCHES`, unless ``HAS_GEMMA_SWITCHES``), and ReLU² in a family
     whose module does not declare ``HAS_RELU2``."""
-    require(c, model_type, logit_softcap=0.0)
+    if not getattr(module, "HAS_LOGIT_SOFTCAP", False):
+        require(c, model_type, logit_softcap=0.0)
+    if not getattr(module, "HAS_GEMMA_SWITCHES", False):
+        require(c, model_type, **GEMMA_SWITCHES)
     if not getattr(module, "HAS_QK_NORM", False):
         require(c, model_type, qk_norm=False)
     if c.activation == "relu2" and c.ffn == "mlp" and not getattr(module, "HAS_RELU2", False):

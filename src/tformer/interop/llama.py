@@ -163,6 +163,8 @@ def model_type_for(c: TransformerConfig) -> str | None:
     ``"qwen2"`` (biases on q/k/v only), ``"mistral"`` (a sliding window) or ``"llama"``; else ``None``."""
     if c.model != "decoder" or c.mixer != "attention" or c.positions != "rope" or c.qk_norm_gain:
         return None                                      # QK-norm gains: Qwen3's (qwen3.py)
+    if c.ffn == "geglu" or c.post_norms:
+        return None                                      # Gemma's (gemma2.py, gemma3.py)
     if c.norm == "layernorm" and c.ffn == "mlp":
         return None                                      # GPT-NeoX's (gpt_neox.py)
     if c.qkv_bias and not c.bias:
@@ -173,7 +175,7 @@ def model_type_for(c: TransformerConfig) -> str | None:
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     """Refuse a tformer config this HF family cannot express, naming the field."""
     require(c, model_type, mixer="attention", positions="rope", norm="rmsnorm", norm_placement="pre", ffn="swiglu", causal=True,
-            embedding_norm=False, type_vocab_size=0)
+            embedding_norm=False, type_vocab_size=0, embedding_scale=False)
     if model_type == "qwen2":
         require(c, model_type, bias=False, qkv_bias=True)
     elif model_type == "mistral":

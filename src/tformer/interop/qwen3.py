@@ -37,15 +37,15 @@ def state_from_hf(src: TensorSource, c: TransformerConfig) -> dict:
 def model_type_for(c: TransformerConfig) -> str | None:
     """``"qwen3"`` for a Llama-shaped decoder with QK-norm gains; else ``None``."""
     if c.qk_norm and c.qk_norm_gain and c.model == "decoder" and c.mixer == "attention" and c.positions == "rope" \
-            and c.norm == "rmsnorm":
+            and c.norm == "rmsnorm" and c.ffn == "swiglu":                # a GELU gate: Gemma 3's (gemma3.py)
         return "qwen3"
     return None
 
 
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
     require(c, model_type, mixer="attention", positions="rope", norm="rmsnorm", norm_placement="pre", ffn="swiglu",
-            causal=True, embedding_norm=False, type_vocab_size=0, bias=False, qkv_bias=False, qk_norm=True,
-            qk_norm_gain=True)               # Qwen3's attention_bias would put a bias on o_proj as well
+            causal=True, embedding_norm=False, type_vocab_size=0, embedding_scale=False, bias=False, qkv_bias=False,
+            qk_norm=True, qk_norm_gain=True)   # Qwen3's attention_bias would put a bias on o_proj as well
 
 
 def config_to_hf(c: TransformerConfig, model_type: str) -> dict:

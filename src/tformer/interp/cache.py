@@ -96,10 +96,12 @@ def norm_scale(norm: nn.Module, x: Tensor) -> Tensor:
 
 def centre_and_scale(norm: nn.Module, x: Tensor, scale: Tensor) -> Tensor:
     """The linear part of ``norm`` with its divisor fixed at ``scale``: ``(x - mean x) / scale · w``
-    (LayerNorm) or ``x / scale · w`` (RMSNorm). Summed over the pieces of a residual stream it gives
-    ``norm(stream)`` less the LayerNorm bias: the decomposition behind direct logit attribution."""
+    (LayerNorm) or ``x / scale · w`` (RMSNorm; ``1 + w`` for Gemma's). Summed over the pieces of a residual stream
+    it gives ``norm(stream)`` less the LayerNorm bias: the decomposition behind direct logit attribution."""
     x = x.float()
     if isinstance(norm, nn.LayerNorm):
         x = x - x.mean(-1, keepdim=True)
     w = norm.weight.float() if getattr(norm, "weight", None) is not None else 1.0
+    if getattr(norm, "unit_offset", False):
+        w = 1.0 + w                                          # Gemma's gain, stored as w
     return x / scale * w

@@ -48,7 +48,7 @@ def hook_names(model: nn.Module) -> list[str]:
             names += [p + "attn.hook_attn_scores", p + "attn.hook_pattern", p + "attn.hook_z"]
         names += [p + "hook_attn_out", p + "hook_resid_mid"]
         if block.ffn is not None and hasattr(block.ffn, "hooked"):
-            names += [p + "mlp.hook_pre"] + ([p + "mlp.hook_pre_linear"] if c.ffn == "swiglu" else []) \
+            names += [p + "mlp.hook_pre"] + ([p + "mlp.hook_pre_linear"] if c.ffn in ("swiglu", "geglu") else []) \
                 + [p + "mlp.hook_post"]
         if block.ffn is not None:
             names.append(p + "hook_mlp_out")

@@ -56,8 +56,9 @@ class MultiHeadAttention(ProjectedAttention):
                  rope: RotaryEmbedding | None = None):
         super().__init__(config, layer, shared, rope=rope)
         c = config
-        self.window = c.sliding_window
+        self.window = c.sliding_window if c.windowed(layer) else None        # window_layers: some layers only
         self.backend, self.attn_dropout = c.attention_backend, c.attn_dropout
+        self.scale, self.softcap = c.attn_scale, c.attn_softcap              # None: 1/sqrt(hs); 0: no soft-cap
         slopes = alibi_slopes(c.n_heads) if c.positions == "alibi" else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
 
@@ -120,16 +121,32 @@ class MultiHeadAttention(ProjectedAttention):
         # The cache decides how the new keys are written and what is read (eager prefix, or a static
         # step's whole buffer with each row's query index); without one, attend over k and v alone.
         keys = state.store(k, v, step) if state is not None else KeyView(k, v, step.mask)
+        kw = keys.attention_arguments(causal=self.causal, window=self.window, alibi_slopes=self.alibi_slopes,
+                                      backend=self.backend, dtype=q.dtype)
+        if self.softcap:       # the cap sits between the scores and the mask: no fused kernel has it
+            out, weights = self.capped(q, keys, kw, step)
+            return self.finish(out, step, weights)
         # ALiBi goes in as slopes: flash computes -slope * |p_q - p_k| per block, the other
         # backends build the dense (nh, T, m) bias (queries at key positions m - T .. m - 1).
         result = scaled_dot_product_attention(
             q, keys.k, keys.v, dropout_p=self.attn_dropout if step.dropout else 0.0,
-            return_weights=step.return_weights,
-            **keys.attention_arguments(causal=self.causal, window=self.window, alibi_slopes=self.alibi_slopes,
-                                       backend=self.backend, dtype=q.dtype),
-        )
+            return_weights=step.return_weights, scale=self.scale, **kw)
         out, weights = result if step.return_weights else (result, None)
         return self.finish(out, step, weights)                       # re-assemble heads: (B, T, C)
+
+    def capped(self, q: Tensor, keys: KeyView, kw: dict, step: Step) -> tuple[Tensor, Tensor | None]:
+        """Attention with soft-capped scores (Gemma 2), ``softmax(cap · tanh(Q Kᵀ · scale / cap) + mask) V``,
+        written out (:func:`~tformer.ops.explicit.explicit_attention`): ``(out (B, nh, T, hs), weights or None)``;
+        attention dropout on the weights in training."""
+        kept = []
+        p = self.attn_dropout if step.dropout else 0.0
+
+        def on_pattern(a: Tensor) -> Tensor:
+            kept.append(a)
+            return torch.nn.functional.dropout(a, p) if p else a
+
+        out = explicit_attention(q, keys.k, keys.v, scale=self.scale, softcap=self.softcap, on_pattern=on_pattern, **kw)
+        return out, (kept[0] if step.return_weights else None)
 
     def forward_hooked(self, x: Tensor, step: Step, state: KVCache | None) -> Tensor | tuple[Tensor, Tensor]:
         """:meth:`forward` with the attention written out (:func:`~tformer.ops.explicit.explicit_attention`)
@@ -158,7 +175,7 @@ class MultiHeadAttention(ProjectedAttention):
             return weights
 
         out = explicit_attention(q, keys.k, keys.v, on_scores=lambda s: hook(p + "hook_attn_scores", s),
-                                 on_pattern=on_pattern, **kw)                   # (B, nh, T, hs)
+                                 on_pattern=on_pattern, scale=self.scale, softcap=self.softcap, **kw)  # (B, nh, T, hs)
         z = hook(p + "hook_z", out.transpose(1, 2))                             # (B, T, nh, hs)
         return self.finish(z.transpose(1, 2), step, weights)
 

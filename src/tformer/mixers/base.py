@@ -87,6 +87,8 @@ class Step:
 
 @dataclass
 class Shared:
-    """Objects built once per model and handed to every layer's mixer (e.g. the rotary table)."""
+    """Objects built once per model and handed to every layer's mixer (e.g. the rotary table; the
+    sliding-window layers' own table, ``local_rope``, where the config gives them a base of their own)."""
 
     rope: nn.Module | None = None
+    local_rope: nn.Module | None = None

@@ -89,11 +89,11 @@ class ProjectedAttention(nn.Module):
         self.qkv_proj = nn.Linear(c.d_model, q_dim + 2 * kv_dim, bias=c.qkv_bias)   # one matmul for q, k and v
         self.out_proj = mark_residual(nn.Linear(q_dim, c.d_model, bias=c.bias))
         if rope is None and shared is not None:
-            rope = shared.rope
+            rope = shared.local_rope if shared.local_rope is not None and c.windowed(layer) else shared.rope
         self.rope = rope if c.positions == "rope" else None
         self.qk_norm = c.qk_norm
         if c.qk_norm_gain:          # Qwen3: RMSNorm(head_dim) with a gain, one for q and one for k, shared by heads
-            self.q_norm, self.k_norm = RMSNorm(c.head_dim, c.norm_eps), RMSNorm(c.head_dim, c.norm_eps)
+            self.q_norm, self.k_norm = (RMSNorm(c.head_dim, c.norm_eps, c.norm_unit_offset) for _ in "qk")
 
     def option(self, key: str, default=None):
         """``config.mixer_options[self.name][key]``; a list there gives one value per layer (cycled)."""

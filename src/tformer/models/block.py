@@ -7,6 +7,10 @@ mixer registered in ``tformer.mixers``) then a feed-forward (each token thinks a
 - ``pre``  (GPT-2, Llama): ``x = x + f(norm(x))``: the residual stream is never normalised,
   which keeps gradients well-behaved in deep stacks.
 - ``post`` (Vaswani et al., BERT): ``x = norm(x + f(x))``.
+
+With ``post_norms`` (Gemma 2 and 3) a pre-norm sub-layer's output is normalised too before the add,
+``x = x + norm'(f(norm(x)))``: four norms per block, ``attn_post_norm`` and ``ffn_post_norm`` beside
+``attn_norm`` and ``ffn_norm``.
 """
 
 from __future__ import annotations
@@ -56,10 +60,14 @@ class Block(nn.Module):
         self.cross_attn = cross_attention
         self.ffn = make_feed_forward(config)
         self.ffn_norm = make_norm(config) if self.ffn is not None else None
+        # Gemma: the sub-layer's output is normalised before the residual add (None: not)
+        self.attn_post_norm = make_norm(config) if config.post_norms else None
+        self.ffn_post_norm = make_norm(config) if config.post_norms and self.ffn is not None else None
 
-    def _residual(self, x: Tensor, norm: nn.Module, f, dropout: bool) -> Tensor:
+    def _residual(self, x: Tensor, norm: nn.Module, f, dropout: bool, post: nn.Module | None = None) -> Tensor:
         if self.pre_norm:
-            return x + cpu_dropout(f(norm(x)), self.p_drop, dropout)
+            out = f(norm(x))
+            return x + cpu_dropout(post(out) if post is not None else out, self.p_drop, dropout)
         return norm(x + cpu_dropout(f(x), self.p_drop, dropout))
 
     def forward(
@@ -96,12 +104,12 @@ class Block(nn.Module):
                 out, weights = out
             return out
 
-        x = self._residual(x, self.attn_norm, mix, step.dropout)
+        x = self._residual(x, self.attn_norm, mix, step.dropout, self.attn_post_norm)
         if self.cross_attn is not None:
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(h, context=context, mask=context_mask),
                                step.dropout)
         if self.ffn is not None:
-            x = self._residual(x, self.ffn_norm, self.ffn, step.dropout)
+            x = self._residual(x, self.ffn_norm, self.ffn, step.dropout, self.ffn_post_norm)
         return (x, weights) if step.return_weights else x
 
     def forward_hooked(self, x: Tensor, step: Step, state, context: Tensor | None,
@@ -118,12 +126,14 @@ class Block(nn.Module):
             out = self.attn(h, step, state)
             if step.return_weights:
                 out, weights = out
-            return hook(p + "hook_attn_out", out)
+            post = self.attn_post_norm                        # TransformerLens's Gemma hooks after ln1_post
+            return hook(p + "hook_attn_out", post(out) if post is not None else out)
 
         def feed_forward(h: Tensor) -> Tensor:
             hooked = getattr(self.ffn, "hooked", None)        # a feed-forward without hook points runs plain
             out = hooked(h, hook, p + "mlp.") if hooked is not None else self.ffn(h)
-            return hook(p + "hook_mlp_out", out)
+            post = self.ffn_post_norm
+            return hook(p + "hook_mlp_out", post(out) if post is not None else out)
 
         x = hook(p + "hook_resid_pre", x)
         x = hook(p + "hook_resid_mid", self._residual(x, self.attn_norm, mix, step.dropout))

@@ -57,13 +57,18 @@ class TransformerStack(nn.Module):
         self.pos_emb = position_table(c)                                        # learned / sinusoidal, or None
         self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
         self.emb_norm = make_norm(c) if c.embedding_norm else None             # BERT, BLOOM
+        # Gemma's sqrt(d) on the decoder's lookups, here and not in tok_emb, which quantisation may replace
+        # (an encoder-decoder scales in its shared ScaledEmbedding)
+        self.embed_scale = math.sqrt(c.d_model) if c.embedding_scale and c.model == "decoder" else 1.0
         rope = RotaryEmbedding(c.head_dim, c.context_length, c.rope_base, c.rope_scaling) if c.positions == "rope" else None
-        shared = Shared(rope=rope)
+        # the sliding-window layers' own base (Gemma 3: 10,000 beside the global layers' 1,000,000), unscaled
+        local = RotaryEmbedding(c.head_dim, c.context_length, c.rope_local_base) if c.rope_local_base else None
+        shared = Shared(rope=rope, local_rope=local)
         self.blocks = nn.ModuleList(Block(c, i, shared, cross_attention=cross_attention(i) if cross_attention else None)
                                     for i in range(c.n_layers))
         # Post-norm blocks end in a norm already; pre-norm stacks need one at the end.
         self.final_norm = make_norm(c) if c.norm_placement == "pre" else nn.Identity()
-        self.rope = rope
+        self.rope, self.local_rope = rope, local
         # tformer.interp's hook function while it runs a model (see Step.hooks); None otherwise.
         self.hooks: Callable[[str, Tensor], Tensor] | None = None
         # Activation checkpointing (training/checkpointing.py sets it): keep each block's input only, run the
@@ -126,6 +131,8 @@ class TransformerStack(nn.Module):
             positions = torch.arange(ids.shape[1], device=ids.device)
         try:  # an index outside a table raises here; look at the values only then (no sync otherwise)
             x = self.tok_emb(ids)                                                # (B, T, C)
+            if self.embed_scale != 1.0:
+                x = x * self.embed_scale                                         # embedding_scale (Gemma)
             hook = self.hooks
             if hook is not None:
                 x = hook("hook_embed", x)
@@ -274,6 +281,8 @@ class TransformerStack(nn.Module):
         """Check (with Python ints) that positions below ``length`` fit the position table."""
         if self.rope is not None:
             self.rope.ensure(length)
+            if self.local_rope is not None:
+                self.local_rope.ensure(length)
         elif self.pos_emb is not None and length > table_length(self.pos_emb):
             raise InputError(f"position {length - 1} is beyond context_length={table_length(self.pos_emb)} of "
                              f"the {self.config.positions} position table; shorten the input or build the model "

@@ -127,8 +127,26 @@ class SwiGLU(nn.Module):
         return self.down(post)
 
 
+class GeGLU(SwiGLU):
+    """Gated feed-forward with GELU (Shazeer, 2020; Gemma with GELU's tanh form): down(act(gate(x)) * up(x)),
+    ``act`` the config's ``activation`` (``gelu`` or ``gelu_tanh``). The same matrices as :class:`SwiGLU`."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__(config)
+        self.act = ACTIVATIONS[config.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+    def hooked(self, x: Tensor, hook, prefix: str) -> Tensor:
+        """:meth:`SwiGLU.hooked` with this gate's activation."""
+        pre = hook(prefix + "hook_pre", self.gate(x))
+        post = hook(prefix + "hook_post", self.act(pre) * hook(prefix + "hook_pre_linear", self.up(x)))
+        return self.down(post)
+
+
 def make_feed_forward(config: TransformerConfig) -> nn.Module | None:
     """The block's feed-forward per ``config.ffn``; ``None`` for ``ffn="none"`` (Mamba-style stacks,
     where the mixer is the whole layer)."""
-    kinds = {"mlp": MLP, "swiglu": SwiGLU}
+    kinds = {"mlp": MLP, "swiglu": SwiGLU, "geglu": GeGLU}
     return kinds[config.ffn](config) if config.ffn in kinds else None

@@ -16,22 +16,27 @@ Tensor = torch.Tensor
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich, 2019): x / sqrt(mean(x²) + eps) · g. No centring, no bias."""
+    """Root-mean-square norm (Zhang & Sennrich, 2019): x / sqrt(mean(x²) + eps) · g. No centring, no bias.
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    With ``unit_offset`` the gain is ``g = 1 + w`` and ``w`` starts at zero (Gemma's RMSNorm), the product
+    taken in float32 before rounding to the input's type, as Gemma's reference does."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         # Compute in fp32 for stability under bf16, as Llama does.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return normed.to(x.dtype) * self.weight
 
 
 def make_norm(config: TransformerConfig) -> nn.Module:
     """LayerNorm (with a bias iff ``config.bias``) or RMSNorm, per ``config.norm``."""
     if config.norm == "rmsnorm":
-        return RMSNorm(config.d_model, eps=config.norm_eps)
+        return RMSNorm(config.d_model, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
     return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)

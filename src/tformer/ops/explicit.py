@@ -1,6 +1,6 @@
 """Attention written out with its intermediate tensors exposed: the scores and the pattern.
 
-    scores  = Q Kᵀ · scale + bias, masked with -inf where a key may not be seen   (B, nh, n, m)
+    scores  = Q Kᵀ · scale + bias [soft-capped], masked with -inf where a key may not be seen   (B, nh, n, m)
     pattern = softmax(scores) over the keys                                       (B, nh, n, m)
     out     = pattern V                                                           (B, nh, n, hs)
 
@@ -8,8 +8,8 @@ The same maths as the math backend of :func:`tformer.ops.sdpa.scaled_dot_product
 mask and ALiBi rules are reused, not re-derived), but the two intermediates pass through callbacks
 that may replace them: interpretability reads and patches them (``tformer.interp``). Grouped-query
 keys and values are repeated to ``nh`` heads first (head ``h`` reads key/value head
-``h // (nh / nkv)``), so the pattern has one map per query head. Only hooked runs take this path;
-the model's ordinary forward never does.
+``h // (nh / nkv)``), so the pattern has one map per query head. Hooked runs take this path, and
+so does soft-capped attention (Gemma 2), whose cap no fused kernel applies.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ def repeat_kv(t: Tensor, n_heads: int) -> Tensor:
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, bias: Tensor | None = None,
                        causal: bool = False, window: int | None = None, alibi_slopes: Tensor | None = None,
-                       scale: float | None = None, on_scores: Hook | None = None, on_pattern: Hook | None = None,
-                       backend: str | None = None) -> Tensor:
+                       scale: float | None = None, softcap: float = 0.0, on_scores: Hook | None = None,
+                       on_pattern: Hook | None = None, backend: str | None = None) -> Tensor:
     """``q (B, nh, n, hs)``, ``k, v (B, nkv, m, hs)`` -> ``(B, nh, n, hs)``, queries at key positions
     ``m - n .. m - 1``; ``mask``/``bias``/``causal``/``window``/``alibi_slopes`` as in
     :func:`~tformer.ops.sdpa.scaled_dot_product_attention` (``backend`` is accepted and ignored, so
-    a KV cache's ``attention_arguments`` pass straight through). ``on_scores`` / ``on_pattern`` see
+    a KV cache's ``attention_arguments`` pass straight through); ``softcap > 0`` maps the scores to
+    ``softcap · tanh(s / softcap)`` before the mask (Gemma 2's attention soft-cap). ``on_scores`` / ``on_pattern`` see
     the ``(B, nh, n, m)`` masked scores and the softmax and may return replacements."""
     nh = q.shape[1]
     k, v = repeat_kv(k, nh), repeat_kv(v, nh)
@@ -49,6 +50,8 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None =
     scores = (q @ k.transpose(-2, -1)).to(compute) * scale                       # (B, nh, n, m)
     if bias is not None:
         scores = scores + bias.to(compute)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)                          # before the mask, as Gemma 2
     allowed = _allowed(q, k, mask, causal, window)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))

@@ -114,7 +114,7 @@ def activation_bytes(config: TransformerConfig, batch_size: int, seq_len: int, b
     """
     c = config
     d_q, d_kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    ffn = 4 * c.d_ff if c.ffn == "swiglu" else 2 * c.d_ff
+    ffn = 4 * c.d_ff if c.ffn in ("swiglu", "geglu") else 2 * c.d_ff
     per_layer = 4 * c.d_model + d_q + 2 * d_kv + 2 * d_q + ffn + (c.n_heads * seq_len if attention_matrix else 0)
     per_token = c.n_layers * per_layer + 3 * c.d_model + c.vocab_size
     return int(per_token * batch_size * seq_len * bytes_per_value)

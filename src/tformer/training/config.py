@@ -262,6 +262,11 @@ def cast_value(key: str, value: Any, schema: type | None = None) -> Any:
             if not isinstance(value, dict):
                 raise ValueError
             return value
+        if kind.startswith("list[bool]"):   # window_layers: JSON, e.g. --set 'window_layers=[true, false]'
+            value = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(value, list):
+                raise ValueError
+            return value
         if key == "mixer" and isinstance(value, str) and "," in value:   # a layer pattern: mamba,mamba,attention
             return [v.strip() for v in value.split(",")]
         return value if value is None or isinstance(value, list) else str(value)
