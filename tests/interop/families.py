@@ -159,16 +159,16 @@ def tokenizer(folder: Path) -> Path:
     return path
 
 
-def hf_config(family: str, gguf_layout: bool = False, layers: int = N_LAYERS, vocab_size: int = VOCAB):
-    """transformers' config of ``family``: published, ``layers`` deep (2), this file's vocabulary (or
-    ``vocab_size`` ids, the fixture's tokens first); ``gguf_layout``: the layer kinds llama.cpp gives a
-    GGUF file of the architecture (the config's default ones)."""
+def hf_config(family: str, gguf_layout: bool = False, layers: int | None = None, vocab_size: int = VOCAB):
+    """transformers' config of ``family``: published, ``layers`` deep (default :data:`N_LAYERS`, read at the
+    call: a test may patch it), this file's vocabulary (or ``vocab_size`` ids, the fixture's tokens first);
+    ``gguf_layout``: the layer kinds llama.cpp gives a GGUF file of the architecture (the config's default ones)."""
     import transformers
 
     cls, _, fields, (bos, eos, _eot) = PUBLISHED[family]
     vocab = json.loads(tokenizer_json_text())
     ids = {a["content"]: a["id"] for a in vocab["added_tokens"]}
-    fields = {**fields, "num_hidden_layers": layers, "vocab_size": vocab_size,
+    fields = {**fields, "num_hidden_layers": layers or N_LAYERS, "vocab_size": vocab_size,
               "bos_token_id": ids.get(bos), "eos_token_id": ids[eos]}
     if gguf_layout:
         fields.pop("layer_types", None)
