@@ -3,7 +3,7 @@
 :class:`tformer.machine.FreeCores`) against fixed 1 and 2 threads, and llama.cpp at its default and at 2.
 
 Goal (issue 47): tformer's default >= 0.9x its best fixed thread count, and >= 2x llama.cpp's default.
-Each run a fresh process (benchmarks/quant/kquant_llama_cpp.py's child: prompt, then greedy tokens, the
+Each run a fresh process (benchmarks/common/versus_llama_cpp.py's child: prompt, then greedy tokens, the
 decode rate from two lengths), the contenders alternated round by round, the ``yes`` started before and
 stopped after each round.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/ and quant/
 from common.record import Run, results_dir  # noqa: E402
-from quant.kquant_llama_cpp import child  # noqa: E402
+from common.versus_llama_cpp import child  # noqa: E402
 
 CONTENDERS = [("tformer", None), ("tformer", 1), ("tformer", 2), ("llama.cpp", None), ("llama.cpp", 2)]
 

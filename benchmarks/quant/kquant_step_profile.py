@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.measure import read_bandwidth  # noqa: E402
 from common.record import Run, results_dir  # noqa: E402
 
 
@@ -100,6 +101,8 @@ def main() -> None:
              f"| the layers (`tformer_fused::layers`) | {r['layers'] * 1e3:.2f} | {bytes_layers / r['layers'] / 1e9:.1f} |",
              f"| final norm + LM head ({head.fmt}, {head.blocks.nbytes / 2**20:.0f} MiB) | {r['head'] * 1e3:.2f} | "
              f"{head.blocks.nbytes / r['head'] / 1e9:.1f} |"]
+    lines.append(f"| the machine's read bandwidth (`x.sum()` over 512 MB, best of 9; common/measure.py) | – | "
+                 f"{read_bandwidth():.1f} |")
     for fmt, a in sorted(alone.items()):
         lines.append(f"| the layers' {a['matrices']} {fmt} products alone ({a['bytes'] / 2**20:.0f} MiB) | "
                      f"{a['seconds'] * 1e3:.2f} | {a['bytes'] / a['seconds'] / 1e9:.1f} |")

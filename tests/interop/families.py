@@ -3,7 +3,8 @@
 Each family is built by transformers from its own config class at the published configuration
 (:data:`PUBLISHED`, copied from the models' ``config.json`` on the Hub), depth cut to 2 layers and the
 vocabulary cut to this file's byte-level BPE (:func:`tokenizer`, trained here on :mod:`varied_text`, with
-the special tokens the families' chat formats use), with random weights (every norm gain too, so that a
+the special tokens the families' chat formats use; text split as the family's published tokenizer splits
+it: ``llama-bpe`` for Llama 3, ``qwen2`` for Qwen), with random weights (every norm gain too, so that a
 swapped or dropped gain shows). :func:`write_gguf` writes a GGUF file from those HF weights with the
 ``gguf`` package alone, as llama.cpp's ``convert_hf_to_gguf.py`` lays them out (not with tformer's
 exporter, which would check tformer against itself); block formats are quantised by gguf-py's quantiser.
@@ -49,6 +50,16 @@ GEMMA_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' i
 TEMPLATES = {"llama": LLAMA3_CHAT, "qwen2": CHATML, "qwen3": CHATML, "gemma2": GEMMA_CHAT, "gemma3": GEMMA_CHAT}
 TEMPLATES["phi3"] = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
                      "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}")
+# tokenizer.ggml.pre of the published files (Gemma and Phi-3 publish SentencePiece vocabularies: GPT-2's split here)
+PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma2": "gpt-2", "gemma3": "gpt-2",
+       "phi3": "gpt-2"}
+# The Split pattern of the published tokenizer.json files (Llama 3's and Qwen2's), before ByteLevel
+SPLITS = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                 r"|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+}
 # Qwen3's layout with tools, written here from the published template's behaviour: the functions' JSON
 # signatures in a <tools> block of the system turn, an earlier call as <tool_call>{"name", "arguments"}</tool_call>,
 # consecutive tool results as <tool_response> blocks in one user turn, enable_thinking=False as an empty <think>.
@@ -180,15 +191,16 @@ def tokenizer(folder: Path) -> Path:
     return path
 
 
-def hf_config(family: str, gguf_layout: bool = False):
-    """transformers' config of ``family``: published, 2 layers, this file's vocabulary; ``gguf_layout``: the
-    layer kinds llama.cpp gives a GGUF file of the architecture (the config's default ones)."""
+def hf_config(family: str, gguf_layout: bool = False, layers: int | None = None, vocab_size: int = VOCAB):
+    """transformers' config of ``family``: published, ``layers`` deep (default :data:`N_LAYERS`, read at the
+    call: a test may patch it), this file's vocabulary (or ``vocab_size`` ids, the fixture's tokens first);
+    ``gguf_layout``: the layer kinds llama.cpp gives a GGUF file of the architecture (the config's default ones)."""
     import transformers
 
     cls, _, fields, (bos, eos, _eot) = PUBLISHED[family]
     vocab = json.loads(tokenizer_json_text())
     ids = {a["content"]: a["id"] for a in vocab["added_tokens"]}
-    fields = {**fields, "num_hidden_layers": N_LAYERS, "vocab_size": VOCAB,
+    fields = {**fields, "num_hidden_layers": layers or N_LAYERS, "vocab_size": vocab_size,
               "bos_token_id": ids.get(bos), "eos_token_id": ids[eos]}
     if gguf_layout:
         fields.pop("layer_types", None)
@@ -235,8 +247,23 @@ def hf_folder(family: str, folder: Path, seed: int = 0) -> Path:
         return folder
     model = hf_model(family, seed)
     model.save_pretrained(folder)
-    (folder / "tokenizer.json").write_text(tokenizer_json_text(), encoding="utf-8")
+    (folder / "tokenizer.json").write_text(family_tokenizer_json(family), encoding="utf-8")
     return folder
+
+
+def family_tokenizer_json(family: str) -> str:
+    """The fixture tokenizer splitting text as ``family``'s published tokenizer.json does (a ``Split`` by
+    its pattern, then ``ByteLevel`` without its own regex): the vocabulary and merges are the fixture's."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    pre = PRE[PUBLISHED[family][1]]
+    if pre not in SPLITS:                       # GPT-2's own split: the trained tokenizer as it is
+        return tokenizer_json_text()
+    tok = Tokenizer.from_str(tokenizer_json_text())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tok.to_str()
 
 
 def float64_angles(model) -> None:
@@ -306,11 +333,15 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
+def write_gguf(family: str, model, path: Path, kind: str = "f32", arrays=None) -> Path:
     """``model`` (``hf_model(family)``) as a GGUF file written with the ``gguf`` package: metadata, the
-    fixture tokenizer, and every tensor under llama.cpp's name (f32 1-D, ``kind`` for matrices: f32, f16,
-    or q8_0 / q4_0 quantised by gguf-py)."""
+    fixture tokenizer (padded with unreachable tokens up to ``model.config.vocab_size``, as the full-size
+    files need), and every tensor under llama.cpp's name (f32 1-D, ``kind`` for matrices: f32, f16, or
+    q8_0 / q4_0 quantised by gguf-py). ``arrays(hf_name, tensor)`` gives each tensor's values (default: the
+    tensor's own; :func:`full_size_gguf` passes random ones for a model built on the meta device)."""
     import gguf
+
+    arrays = arrays or (lambda _name, t: t.detach().float().numpy())
 
     _, arch, _, (bos, eos, eot) = PUBLISHED[family]
     c = model.config
@@ -341,8 +372,9 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
     tok = json.loads(tokenizer_json_text())
     vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok["added_tokens"]}}
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    tokens += [f"Ġ~fill{i}" for i in range(c.vocab_size - len(tokens))]       # no merge makes them: never produced
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(PRE[arch])
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
@@ -364,9 +396,9 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
     if rope["rope_type"] == "llama3":
         w.add_tensor("rope_freqs.weight", rope_factors(model))
     for hf_name, t in model.state_dict().items():
-        a = t.detach().float().numpy()
         if c.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
+        a = arrays(hf_name, t)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             a = a + 1                           # convert_hf_to_gguf.py stores Gemma's (1 + w) gains as 1 + w
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
@@ -384,6 +416,30 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32") -> Path:
             w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
     finish(w)
     return path
+
+
+FULL_VOCAB = {"llama-3.2-1b": 128256, "llama-3.1-8b": 128256, "qwen3-0.6b": 151936, "qwen2.5-0.5b-yarn": 151936}
+
+
+def full_size_gguf(family: str, path: Path, seed: int = 0) -> Path:
+    """``family`` at its published size (full depth, the published vocabulary size :data:`FULL_VOCAB`) as an
+    f16 GGUF file with random weights, for speed benchmarks: the model is built by transformers on the meta
+    device (names and shapes, no memory) and each tensor drawn as it is written (matrices N(0, 0.02), norm
+    gains 1 + N(0, 0.2), biases N(0, 0.2)), so the peak is the f16 file's size, not a float32 model's."""
+    import transformers
+
+    cfg = hf_config(family, layers=PUBLISHED[family][2]["num_hidden_layers"], vocab_size=FULL_VOCAB[family])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(name: str, t: torch.Tensor) -> np.ndarray:
+        x = torch.randn(t.shape, generator=g)
+        if t.dim() == 2:
+            return x.mul_(0.02).half().numpy()
+        return (x.mul_(0.2) + (0 if name.endswith(".bias") else 1)).numpy()
+
+    return write_gguf(family, model, path, "f16", arrays=draw)
 
 
 PROMPT_LENGTHS = (1, 7, 33, 120)

@@ -58,6 +58,26 @@ def test_float_file_logits_equal_llama_cpp(files):
         assert F.relative(ours, cpp_logits(paths["f32"], ids, True)) < 1e-3, (family, len(ids))
 
 
+def test_fixture_tokenizer_equals_llama_cpp(files):
+    """The file's vocabulary under the family's published pre-tokenizer (``llama-bpe`` / ``qwen2``): tformer's
+    ids equal llama.cpp's own (``vocab_only``) on 500 varied lines and on a chat turn with special tokens."""
+    import llama_cpp
+    from varied_text import varied_lines
+
+    from tformer.interop.gguf_import import gguf_tokenizer
+    from tformer.interop.gguf_reader import GGUFFile
+
+    family, paths = files
+    f = GGUFFile(paths["f32"])
+    assert f.field("tokenizer.ggml.pre") == F.PRE[F.PUBLISHED[family][1]]
+    ref, tok = llama_cpp.Llama(str(paths["f32"]), vocab_only=True, verbose=False), gguf_tokenizer(f)
+    for line in varied_lines(500, seed=2):
+        want = ref.tokenize(line.encode("utf-8"), add_bos=False, special=False)
+        assert tok.encode(line, add_special_tokens=False, parse_special=False) == want, repr(line)
+    turn = "<|im_start|>user\nhello  2024 don't<|im_end|>\n<|start_header_id|>x<|end_header_id|>\n\n"
+    assert tok.encode(turn, add_special_tokens=False) == ref.tokenize(turn.encode(), add_bos=False, special=True)
+
+
 def test_past_the_original_context_equals_llama_cpp(files):
     family, paths = files
     if family not in ("llama-3.2-1b", "phi-3.5-mini"):

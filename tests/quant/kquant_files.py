@@ -24,7 +24,7 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
 SMOLLM2_360M = dict(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
                     num_attention_heads=15, num_key_value_heads=5, tie_word_embeddings=True)
-FTYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "q4_k_s": 14, "q8_0": 7}   # llama_ftype numbers
+FTYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "q4_k_s": 14, "q8_0": 7, "q4_0": 2}   # llama_ftype numbers
 
 
 def qwen2(seed: int = 0, **shape):
