@@ -190,7 +190,7 @@ def _edit_config(folder, **changes):
 
 
 @pytest.mark.parametrize("kind, changes, field", [
-    ("llama", {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
     ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("gpt2", {"activation_function": "quick_gelu"}, "activation_function"),
