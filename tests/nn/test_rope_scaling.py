@@ -105,15 +105,21 @@ def test_longrope_sets_equal_transformers(extra):
     assert not torch.allclose(ours_short, ours_long, rtol=1e-3)
 
 
+def longrope_model():
+    """A 2-layer decoder with :data:`LONGROPE` (original context 64, tables to 512), seeded."""
+    from tformer.models import build_model
+
+    torch.manual_seed(0)
+    return build_model(TransformerConfig(vocab_size=64, context_length=512, n_layers=2, d_model=64, n_heads=4,
+                                         positions="rope", norm="rmsnorm", ffn="swiglu", rope_scaling=LONGROPE)).eval()
+
+
 def test_longrope_set_follows_the_call_or_the_state():
     """Without a state the call's last position picks the set (transformers' rule); in a state its max_len
     does (llama.cpp's n_ctx), so cached decoding equals recomputation whichever set it holds."""
     from tformer.generation.step import decode_step, prefill
-    from tformer.models import build_model
 
-    torch.manual_seed(0)
-    model = build_model(TransformerConfig(vocab_size=64, context_length=512, n_layers=2, d_model=64, n_heads=4,
-                                          positions="rope", norm="rmsnorm", ffn="swiglu", rope_scaling=LONGROPE)).eval()
+    model = longrope_model()
     short, long, _ = model.rope.longrope
     ids = torch.randint(0, 64, (1, 80))
     with torch.no_grad():
@@ -156,11 +162,8 @@ def test_longrope_set_is_the_whole_states_in_a_view_of_fewer_keys():
     """A server pool decodes through ``rows(.., keys)`` views whose max_len is a bucket of keys, not the pool's
     context: the set stays the one the state was made for (no switch, no table rebuild, per step)."""
     from tformer.generation.step import decode_step, prefill
-    from tformer.models import build_model
 
-    torch.manual_seed(0)
-    model = build_model(TransformerConfig(vocab_size=64, context_length=512, n_layers=2, d_model=64, n_heads=4,
-                                          positions="rope", norm="rmsnorm", ffn="swiglu", rope_scaling=LONGROPE)).eval()
+    model = longrope_model()
     _, long, _ = model.rope.longrope
     ids = torch.randint(0, 64, (1, 20))
     with torch.no_grad():
