@@ -19,7 +19,6 @@ def add_llama_hyperparameters(w, c) -> None:
     w.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))     # Gemma 3: the global layers'
 
 
-
 def finish(w) -> None:
     """Write the header, metadata and tensors added to ``w`` and close the file."""
     w.write_header_to_file()
