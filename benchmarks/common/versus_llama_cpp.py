@@ -92,8 +92,6 @@ def child(spec: dict) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-
-
 def quiet(limit: float = 0.3, patience: float = 10.0) -> float:
     """Wait up to ``patience`` seconds for the cores other processes keep busy to fall to ``limit`` or less
     (sampled each second); the last sample."""
@@ -158,3 +156,11 @@ def summarise(rows: dict, files: list[Path], threads: list[int]) -> tuple[list[s
                          f"{m['rss'][0] / 2**20:.0f} / {m['rss'][1] / 2**20:.0f} | {ratio['rss']:.2f} | "
                          f"{m['load'][0]:.2f} / {m['load'][1]:.2f} | {ratio['load']:.2f} | {a[-1]['how']} |")
     return lines, summary, uneven
+
+
+def uneven_note(uneven: list[str]) -> list[str]:
+    """The result's closing lines naming the rounds more than 1.5x apart (none: no lines)."""
+    if not uneven:
+        return []
+    return ["", "Rounds more than 1.5x apart (their median is no measure of a goal; run again): "
+            + "; ".join(uneven) + "."]

@@ -19,7 +19,7 @@ fits a short hold of the lock:
     .venv/bin/python benchmarks/interop/families_speed.py --table      # the docs table from the result files
 
 Writes benchmarks/results/interop/families_speed-FAMILY-FORMATS-THREADSt[-TAG].md and .json; ``--table`` prints
-the table of every such JSON result (docs/families.md quotes it).
+the table of every such JSON result (docs/interop.md quotes it).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.record import Run, results_dir  # noqa: E402
-from common.versus_llama_cpp import HEADER, compare, summarise  # noqa: E402
+from common.versus_llama_cpp import HEADER, compare, summarise, uneven_note  # noqa: E402
 
 FAMILIES = ("llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b-yarn")
 FORMATS = ("f16", "q8_0", "q4_0")
@@ -115,9 +115,7 @@ def main() -> None:
     for key, xs in rows.items():
         text.append(f"- {key.replace('|', ' ')}: " + "; ".join(f"{x['decode']:.1f} ({x['busy'][0]:.2f} / "
                                                                   f"{x['busy'][1]:.2f})" for x in xs))
-    if uneven:
-        text += ["", "Rounds more than 1.5x apart (their median is no measure of a goal; run again): "
-                 + "; ".join(uneven) + "."]
+    text += uneven_note(uneven)
     threads = "-".join(map(str, args.threads))
     out = f"families_speed-{args.family}-{'-'.join(args.formats)}-{threads}t{'-' + args.tag if args.tag else ''}"
     run.write(OUT / f"{out}.md", "\n".join(text) + "\n")       # not with_suffix: the family names hold dots

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.record import Run, results_dir  # noqa: E402
-from common.versus_llama_cpp import HEADER, compare, summarise  # noqa: E402
+from common.versus_llama_cpp import HEADER, compare, summarise, uneven_note  # noqa: E402
 
 
 def make(folder: Path) -> list[Path]:
@@ -53,9 +53,7 @@ def main() -> None:
              f"{args.rounds} alternated rounds per file and thread count; prompt {args.prompt} random ids; decode "
              f"rate from {args.short} and {args.long} greedy tokens; medians. Ratios are tformer / llama.cpp "
              "(goals: decode >= 1.2, prefill >= 1.0, RSS <= 1.1, load <= 2).", "", *HEADER, *table]
-    if uneven:
-        lines += ["", "Rounds more than 1.5x apart (their median is no measure of a goal; run again): "
-                  + "; ".join(uneven) + "."]
+    lines += uneven_note(uneven)
     out = results_dir("quant") / f"kquant_llama_cpp{'-' + args.tag if args.tag else ''}"
     run.write(out.with_suffix(".md"), "\n".join(lines) + "\n")
     run.write_json(out.with_suffix(".json"), {"rows": rows, "summary": summary, "prompt": args.prompt})

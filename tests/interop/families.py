@@ -273,20 +273,20 @@ def float64_angles(model) -> None:
     rotary = model.model.rotary_emb
     if isinstance(rotary.rope_type, dict):
         return _float64_angles_per_kind(model)
-    fn = rotary.rope_init_fn if hasattr(rotary, "rope_init_fn") else None
     if rotary.rope_type == "default":
         fn = type(rotary).compute_default_rope_parameters
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         fn = ROPE_INIT_FUNCTIONS[rotary.rope_type]
     original = model.config.rope_parameters.get("original_max_position_embeddings")
-    with mock.patch.object(torch, "float", torch.float64):
-        inv_freq, scale = fn(model.config)
     if rotary.rope_type == "longrope":      # its function writes .float(): float64 too; the long set past the original
         with mock.patch.object(torch, "float", torch.float64), \
                 mock.patch.object(torch.Tensor, "float", lambda t, *a, **k: t.to(torch.float64)):
             inv_freq, scale = fn(model.config)
             long_freq = fn(model.config, seq_len=original + 1)[0].to(torch.float64)
+    else:
+        with mock.patch.object(torch, "float", torch.float64):
+            inv_freq, scale = fn(model.config)
     inv_freq = inv_freq.to(torch.float64)
 
     def forward(x, position_ids):

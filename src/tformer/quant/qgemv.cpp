@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -291,6 +292,7 @@ constexpr size_t HUGE_PAGE = size_t(2) << 20, ARENA = size_t(64) << 20;
 struct Arena {
   uint8_t* base = nullptr;     // HUGE_PAGE aligned
   size_t size = 0, used = 0, live = 0;
+  size_t dirty = 0;            // bytes from the front ever handed out: beyond them the pages are still mmap's zeros
   void* map = nullptr;         // what mmap returned, and its length
   size_t map_len = 0;
 };
@@ -332,9 +334,11 @@ at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts
   }
   Arena* a = OPEN_ARENA;
   uint8_t* p = a->base + a->used;
+  const size_t start = a->used;
   a->used += want;
   ++a->live;
-  std::memset(p, 0, want);                                          // a reused front is not zero any more
+  if (start < a->dirty) std::memset(p, 0, std::min(want, a->dirty - start));   // a reused front is not zero any more
+  a->dirty = std::max(a->dirty, a->used);                           // fresh pages are: no second write before repack's
   return at::from_blob(p, {rows, cols}, [a](void*) { release_tiles(a); }, opts);
 }
 #else

@@ -205,8 +205,9 @@ class ChatFormat(_Format):
 
     def delta(self, index: int, tok: Token, offset: int) -> dict:
         real = [tok] if tok.id >= 0 else []
-        splitter, calls = self.readers.setdefault(
-            index, (reasoning.Splitter(self.thinking), CallReader() if self.tools else None))
+        if index not in self.readers:            # its first token (setdefault would build both every token)
+            self.readers[index] = (reasoning.Splitter(self.thinking), CallReader() if self.tools else None)
+        splitter, calls = self.readers[index]
         return {"index": index, "delta": self.pieces(splitter.feed(tok.text), calls),
                 "logprobs": self.logprobs_of(real) if real else None, "finish_reason": None}
 

@@ -139,6 +139,7 @@ class CallReader:
         self.opened = ""             # the text that opened it (<tool_call>, <|python_tag|>), given back if not a call
         self.calls: list[dict] = []  # {"id", "name", "arguments": JSON text so far}
         self.scan: ObjectEnd | None = None
+        self.searched = 0            # where </tool_call> may still start in buf (it was looked for before that)
 
     # ---------------------------------------------------------------- output
     def _content(self, out: list, text: str) -> None:
@@ -162,6 +163,13 @@ class CallReader:
             return
         self._open_call(out, call["name"])
         self._arguments(out, json.dumps(call["arguments"]))
+
+    def _close(self, s: str) -> int:
+        """Where ``</tool_call>`` starts in the held text ``s``, or -1; each token's text is searched once,
+        not the whole held text again (a long held call would be quadratic)."""
+        at = s.find(CLOSE, self.searched)
+        self.searched = 0 if at >= 0 else max(0, len(s) - len(CLOSE) + 1)
+        return at
 
     # ----------------------------------------------------------------- input
     def feed(self, text: str) -> list[tuple]:
@@ -232,13 +240,13 @@ class CallReader:
                     return False
                 self.buf, self.state = rest.lstrip(WS), "text"
                 return True
-            at = s.find(CLOSE)
+            at = self._close(s)
             if at < 0:
                 return False
             self.buf, self.tagged, self.state = s[at + len(CLOSE):].lstrip(WS), False, "text"
             return True
         # hold: a tagged call ends at </tool_call>; a bare one at the answer's end (flush)
-        at = s.find(CLOSE) if self.tagged else -1
+        at = self._close(s) if self.tagged else -1
         if at < 0:
             return False
         self._finish_whole(out, s[:at], self.opened, CLOSE)
@@ -249,7 +257,7 @@ class CallReader:
         """What is held at the end of the answer: content, a held call read whole, or a cut-off call's
         last arguments (left as written: a call cut by ``max_tokens`` has unfinished JSON, as OpenAI's)."""
         out: list[tuple] = []
-        s, self.buf = self.buf, ""
+        s, self.buf, self.searched = self.buf, "", 0
         if self.state in ("start", "text"):
             self._content(out, s.rstrip(WS) if self.calls else s)       # trailing whitespace, as parse() strips it
         elif self.state in ("header", "hold"):

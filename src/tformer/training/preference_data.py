@@ -16,6 +16,7 @@ end-of-turn token, as supervised fine-tuning labels them.
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from pathlib import Path
 
 from tformer.errors import InputError
@@ -66,7 +67,7 @@ def read_preferences(path: Path, encoding: str = "utf-8") -> list[tuple[list[dic
     return pairs
 
 
-def wrong_number(x: int, rng: random.Random, avoid: frozenset[int] = frozenset()) -> int | None:
+def wrong_number(x: int, rng: random.Random, avoid: Collection[int] = ()) -> int | None:
     """``x`` with one of its digits changed (never ``x`` itself, never a leading zero), drawn uniformly among
     those not in ``avoid``; ``None`` if every one is."""
     s = str(x)
@@ -90,15 +91,13 @@ def preference_task(n_train: int, n_test: int, max_number: int, seed: int = 0) -
     train, test = number_task(n_train, n_test, max_number, seed)
     rng = random.Random(seed + 1)
 
-    def pairs(convs, first: int, avoid: frozenset[int]) -> tuple[list, set[int]]:
-        out, used = [], set()
-        for k, conv in enumerate(convs, first):
-            x = int(conv[0]["content"].split()[1])
-            y = None if k % 2 == 0 else wrong_number(x, rng, avoid)
-            used |= {x} if y is None else {x, y}
-            out.append((conv[:1], conv[1]["content"], num2words(x, lang="en") if y is None else num2words(y, lang="fr")))
-        return out, used
-
-    held_out = frozenset(int(conv[0]["content"].split()[1]) for conv in test)
-    train_pairs, used = pairs(train, 0, held_out)
-    return train_pairs, pairs(test, n_train, frozenset(used))[0]
+    held_out = {int(conv[0]["content"].split()[1]) for conv in test}
+    taught: set[int] = set()                     # the numbers of the training pairs so far, either answer
+    out = []
+    for k, conv in enumerate(train + test):
+        x = int(conv[0]["content"].split()[1])
+        y = None if k % 2 == 0 else wrong_number(x, rng, held_out if k < n_train else taught)
+        if k < n_train:
+            taught |= {x} if y is None else {x, y}
+        out.append((conv[:1], conv[1]["content"], num2words(x, lang="en") if y is None else num2words(y, lang="fr")))
+    return out[:n_train], out[n_train:]
