@@ -183,3 +183,30 @@ def test_qwen3_with_qkv_biases_only_is_refused(tmp_path):
                           norm="rmsnorm", ffn="swiglu", bias=False, qkv_bias=True, qk_norm=True, qk_norm_gain=True)
     with pytest.raises(ConfigError, match="qkv_bias"):
         save_hf(build_model(c), tmp_path, "qwen3")
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_phi3_fused_peft_adapter_on_some_parts_equals_peft(tmp_path, rslora):
+    """Phi-3's fused qkv_proj / gate_up_proj with only some parts adapted (q and v: zero rows for k; up only) and
+    rsLoRA's sqrt(k) alpha: the adapter tformer writes (training/peft_fused.py) gives, in peft, tformer's logits."""
+    peft = pytest.importorskip("peft")
+    from tformer.training.lora import LoRASpec, add_lora, lora_parameters
+    from tformer.training.peft_adapter import save_adapter
+
+    torch.manual_seed(0)
+    hf = transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    transformers.Phi3ForCausalLM(hf).save_pretrained(tmp_path / "base")
+    spec = LoRASpec(r=2, alpha=6, targets=("q_proj", "v_proj", "up_proj", "down_proj"), rslora=rslora)
+    model = add_lora(load_hf(tmp_path / "base"), spec).eval()
+    for name, p in lora_parameters(model).items():
+        torch.nn.init.normal_(p.data, std=0.3)                      # B too: the adapter matters
+    save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    x = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        ours, theirs = model(x)[0], ref(x).logits
+        assert F.relative(ours, theirs) < TOL
+        assert F.relative(load_hf(tmp_path / "base")(x)[0], theirs) > 1e-3

@@ -105,15 +105,21 @@ def test_longrope_sets_equal_transformers(extra):
     assert not torch.allclose(ours_short, ours_long, rtol=1e-3)
 
 
+def longrope_model():
+    """A 2-layer decoder with :data:`LONGROPE` (original context 64, tables to 512), seeded."""
+    from tformer.models import build_model
+
+    torch.manual_seed(0)
+    return build_model(TransformerConfig(vocab_size=64, context_length=512, n_layers=2, d_model=64, n_heads=4,
+                                         positions="rope", norm="rmsnorm", ffn="swiglu", rope_scaling=LONGROPE)).eval()
+
+
 def test_longrope_set_follows_the_call_or_the_state():
     """Without a state the call's last position picks the set (transformers' rule); in a state its max_len
     does (llama.cpp's n_ctx), so cached decoding equals recomputation whichever set it holds."""
     from tformer.generation.step import decode_step, prefill
-    from tformer.models import build_model
 
-    torch.manual_seed(0)
-    model = build_model(TransformerConfig(vocab_size=64, context_length=512, n_layers=2, d_model=64, n_heads=4,
-                                          positions="rope", norm="rmsnorm", ffn="swiglu", rope_scaling=LONGROPE)).eval()
+    model = longrope_model()
     short, long, _ = model.rope.longrope
     ids = torch.randint(0, 64, (1, 80))
     with torch.no_grad():
@@ -150,3 +156,27 @@ def test_train_settings_build_a_longrope_model():
         torch.tensor(16.0)).item()) ** 0.5)                          # sqrt(1 + ln(64/16) / ln 16)
     logits, _ = model(torch.randint(0, 256, (1, 40)))
     assert torch.isfinite(logits).all()
+
+
+def test_longrope_set_is_the_whole_states_in_a_view_of_fewer_keys():
+    """A server pool decodes through ``rows(.., keys)`` views whose max_len is a bucket of keys, not the pool's
+    context: the set stays the one the state was made for (no switch, no table rebuild, per step)."""
+    from tformer.generation.step import decode_step, prefill
+
+    model = longrope_model()
+    _, long, _ = model.rope.longrope
+    ids = torch.randint(0, 64, (1, 20))
+    with torch.no_grad():
+        whole = model.new_state(1, 100)                              # 100 > 64: the long set throughout
+        logits = [prefill(model, ids[:, :10], whole)[0]]
+        logits += [decode_step(model, ids[:, t:t + 1], whole)[0] for t in range(10, 20)]
+        pool = model.new_state(1, 100, static=True)                  # as serve.pool's KVPool
+        prefill(model, ids[:, :10], pool)
+        view = pool.rows(0, 1, 32)                                   # 32 keys <= 64
+        cos = model.rope.cos
+        got = []
+        for t in range(10, 20):
+            view.index.fill_(t)
+            got.append(decode_step(model, ids[:, t:t + 1], view, positions=torch.tensor([[t]]))[0])
+        assert model.rope.inv_freq is long and model.rope.cos is cos
+    assert torch.allclose(torch.stack(got), torch.stack(logits[1:]), atol=1e-5)

@@ -129,7 +129,7 @@ def forward(model, ids: Tensor, state, r: Route, *, last_index: Tensor | None = 
     p, (B, T) = r.plan, ids.shape
     pos = state.length
     if p.rope is not None:
-        p.rope.ensure(max(pos + T, r.caches[0][0].shape[2]), state.max_len)   # a LongRoPE's set: the state's
+        p.rope.ensure(max(pos + T, r.caches[0][0].shape[2]), state.context)   # a LongRoPE's set: the state's
     where = torch.arange(pos, pos + T)
     where = where.repeat(B) if B > 1 else where                                     # (B T,) index = position
     x = _embed(model, p, ids.reshape(B * T), where)                                # (B T, C)
@@ -162,7 +162,7 @@ def decode(model, tokens: Tensor, state, r: Route, positions: Tensor | None = No
         state.padded = True                  # as the module path marks it: a mask may hold padding
     state.valid[torch.arange(B), index] = real
     if p.rope is not None:
-        p.rope.ensure(max(r.caches[0][0].shape[2], state.max_len), state.max_len)
+        p.rope.ensure(max(r.caches[0][0].shape[2], state.max_len), state.context)
     at = at.long().contiguous()
     x = _embed(model, p, tokens.reshape(B), at)                                     # (B, C)
     run_layers(p, x, r.caches, index.contiguous(), at, state.valid, None)

@@ -18,7 +18,7 @@ import torch
 
 from tformer.config import TransformerConfig
 from tformer.interop import llama
-from tformer.interop.loader import TensorSource, refuse, require
+from tformer.interop.loader import TensorSource, refuse
 
 MODEL_TYPES = ("phi3",)
 PREFIX = llama.PREFIX
@@ -65,8 +65,7 @@ def model_type_for(c: TransformerConfig) -> str | None:
 
 
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
-    require(c, model_type, mixer="attention", positions="rope", norm="rmsnorm", norm_placement="pre", ffn="swiglu",
-            causal=True, embedding_norm=False, type_vocab_size=0, bias=False, qkv_bias=False, qk_norm=False)
+    llama.check_exportable(c, "mistral")                                  # Llama's switches, no biases (QK-norm: hf.check_plain)
     if c.head_dim * c.n_heads != c.d_model:
         raise refuse("head_dim", c.head_dim, f"Phi3Config has no head_dim field; it must be d_model / n_heads = "
                      f"{c.d_model // c.n_heads}.")

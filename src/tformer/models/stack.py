@@ -269,7 +269,7 @@ class TransformerStack(nn.Module):
         here for every layer, is the state's real tokens up to and including that index (causality)."""
         index = state.index                                                     # (B,)
         if self.rope is not None and self.rope.longrope is not None:            # the state's set (one int compare)
-            self.rope.ensure(state.max_len, state.max_len)
+            self.rope.ensure(state.max_len, state.context)
         if positions is None:                                                   # real tokens held, per row
             positions = state.valid.sum(-1, keepdim=True)                       # (B, 1)
         real = attention_mask[:, -1:].bool() if attention_mask is not None else None   # (B, 1); None: real
@@ -281,9 +281,9 @@ class TransformerStack(nn.Module):
 
     def _ensure_positions(self, length: int, state: InferenceState | None = None) -> None:
         """Check (with Python ints) that positions below ``length`` fit the position table; a LongRoPE
-        picks its set for the state's context (``max_len``), else for ``length`` (tformer.nn.rope_scaling)."""
+        picks its set for the state's ``context``, else for ``length`` (tformer.nn.rope_scaling)."""
         if self.rope is not None:
-            held = state.max_len if state is not None else None     # LongRoPE: the state's length picks the set
+            held = state.context if state is not None else None     # LongRoPE: the state's context picks the set
             self.rope.ensure(length, held)
             if self.local_rope is not None:
                 self.local_rope.ensure(length, held)

@@ -45,12 +45,15 @@ class InferenceState:
         max_len: the most positions any layer can hold.
         device: where ``valid`` (and ``index``) live.
         static: the layers are static-decoding states; keep a per-row write ``index``.
+
+    ``context`` is the ``max_len`` the state was made with, kept by its views (:meth:`rows` may cut
+    ``max_len`` to fewer keys): the context a LongRoPE picks its set for (:mod:`tformer.nn.rope_scaling`).
     """
 
     def __init__(self, layers: list[Any], batch_size: int, max_len: int, device: torch.device | str | None = None,
                  *, static: bool = False):
         self.layers = layers
-        self.batch_size, self.max_len = batch_size, max_len
+        self.batch_size, self.max_len, self.context = batch_size, max_len, max_len
         self.length = 0
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.static = static
@@ -106,7 +109,8 @@ class InferenceState:
 
         valid = on_rows(self.valid, 0, "valid")                              # (B', max_len)
         index = None if self.index is None else on_rows(self.index, 0, "index")
-        return self._assemble([map_layer(s) for s in self.layers], valid, index, self.max_len, self.length, self.padded)
+        return self._assemble([map_layer(s) for s in self.layers], valid, index, self.max_len, self.length, self.padded,
+                              self.context)
 
     def rows(self, start: int, stop: int, keys: int | None = None) -> "InferenceState":
         """Rows ``start .. stop-1`` and positions ``0 .. keys-1`` (default all) of this state, as a
@@ -126,7 +130,7 @@ class InferenceState:
                 setattr(layer, name, getattr(layer, name).narrow(dim, 0, keys))
             if layer is not None and hasattr(layer, "max_len"):
                 layer.max_len = keys
-        return self._assemble(view.layers, view.valid[:, :keys], view.index, keys, 0, self.padded)
+        return self._assemble(view.layers, view.valid[:, :keys], view.index, keys, 0, self.padded, self.context)
 
     def writer(self, rows: Tensor, start: int = 0) -> "InferenceState":
         """A scratch state for an eager prefill of ``len(rows)`` sequences, written straight into rows
@@ -147,7 +151,7 @@ class InferenceState:
             raise InputError(f"a writer cannot start at position {start} of a state of {self.max_len} positions.")
         b = rows.shape[0]
         scratch = InferenceState([s.rows(rows) for s in self.layers], b, self.max_len, self.valid.device)
-        scratch.length = start
+        scratch.length, scratch.context = start, self.context
         scratch.valid[:, :start] = True                                        # the held prefix is real
         return scratch
 
@@ -173,8 +177,9 @@ class InferenceState:
 
     @staticmethod
     def _assemble(layers: list, valid: Tensor, index: Tensor | None, max_len: int, length: int,
-                  padded: bool) -> "InferenceState":
+                  padded: bool, context: int) -> "InferenceState":
         new = InferenceState.__new__(InferenceState)
         new.layers, new.batch_size, new.max_len, new.length = layers, valid.shape[0], max_len, length
+        new.context = context
         new.valid, new.static, new.index, new.padded = valid, index is not None, index, padded
         return new

@@ -31,11 +31,11 @@ Which set, i.e. what "the context" is, differs between the two references:
   with (``n_ctx`` per sequence ``> L``: long), whatever the positions.
 
 tformer follows transformers for a call without an inference state (the set of ``max position + 1``, so its
-logits equal transformers' on every prompt) and llama.cpp within an inference state: the state's ``max_len``
-(its context, fixed when the state is made) picks the set for every token written to it, so cached decoding
+logits equal transformers' on every prompt) and llama.cpp within an inference state: the state's ``context``
+(the ``max_len`` it was made with, kept by its views of fewer keys) picks the set for every token written to it, so cached decoding
 is exactly the recomputation of a prompt of that context, and a state longer than ``L`` uses the long set from
 its first token as llama.cpp with a larger ``n_ctx`` does (``generate`` makes its state prompt + new tokens
-long; a server's pool spans ``max_model_len``). :meth:`tformer.nn.positions.RotaryEmbedding.ensure` switches.
+long; a server's pool spans ``max_model_len``, also when a step decodes through a view of fewer keys). :meth:`tformer.nn.positions.RotaryEmbedding.ensure` switches.
 
 Everything is computed in float64 (the tables are rounded to float32 once, after the angles).
 """
