@@ -291,6 +291,19 @@ def _collector_paused():
             gc.enable()
 
 
+@contextmanager
+def _one_thread():
+    """torch at one thread while a model opens, its count restored after: opening runs hundreds of short
+    copies and repacks, and at two threads each is a parallel region whose second thread, beside a busy
+    neighbour, first waits for a time slice (90 joins of q, k and v took 0.7 s so, 7 ms at one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads: int | None = None, *,
                kernels: bool = True) -> OpenedModel:
     """Open a model spec for inference (see the module docstring).
@@ -316,15 +329,15 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
     free = FreeCores() if threads is None else None      # measured while the model loads, not after it
     start = time.perf_counter()
     name, source, kind = resolve_source(spec)
-    with _collector_paused():
+    with _collector_paused(), _one_thread():
         parts = _gguf_parts(source, dtype, kernels) if kind == "gguf" else _folder_parts(source, kind, dtype, kernels)
-    model, tokenizer, template, eos, defaults, dtype, why = parts
-    if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
-        raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                              f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
-    stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
+        model, tokenizer, template, eos, defaults, dtype, why = parts
+        if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
+            raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                                  f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
+        stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
+        path, path_why = choose_path(model)
     if free is not None:
         torch.set_num_threads(free.threads(torch.get_num_threads()))   # the cores others leave free now
-    path, path_why = choose_path(model)
     return OpenedModel(model, tokenizer, template, stop, defaults, name, source, dtype, why, path, path_why,
                        time.perf_counter() - start, kind)
