@@ -1,16 +1,18 @@
 """The GGUF header's string arrays (a vocabulary's tokens and merges) as tformer reads them, against gguf-py's
-reader of the same bytes: the fast path (every string under 256 bytes, no NUL: decoded at once) and the
-one-by-one path it falls back to give the same strings, and a damaged array is refused in one sentence."""
+reader of the same bytes: the C++ walk (``gguf_strings``: the run decoded at once) and the one-by-one Python
+path it falls back to give the same strings, and a damaged array is refused in one sentence by either."""
 
 from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf", reason="the optional extra 'gguf' is not installed")
 
 from tformer.errors import CheckpointError  # noqa: E402
+from tformer.interop import gguf_strings  # noqa: E402
 from tformer.interop.gguf_reader import GGUFFile, _Cursor  # noqa: E402
 
 KEY = "tokenizer.ggml.tokens"
@@ -43,7 +45,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_strings_equal_gguf_py(tmp_path, case):
+def test_strings_equal_gguf_py(tmp_path, case, path):
     path = tmp_path / "m.gguf"
     path.write_bytes(header(CASES[case]))
     ours = GGUFFile(path).metadata[KEY]
@@ -52,14 +54,28 @@ def test_strings_equal_gguf_py(tmp_path, case):
     assert ours == theirs == [b.decode() for b in CASES[case]]
 
 
-def test_both_paths_agree_on_a_vocabulary():
-    items = [f"tok{i}".encode() for i in range(3000)] + ["Ġ日本語".encode(), b""]
-    raw = memoryview(encoded(items))
-    fast, slow = _Cursor(raw, "m.gguf"), _Cursor(raw, "m.gguf")
-    got = fast.short_strings(len(items))
-    assert got is not None and fast.pos == len(raw)
-    slow.short_strings = lambda count: None                               # the one-by-one path only
-    assert slow.strings(len(items)) == got == [b.decode() for b in items] and slow.pos == fast.pos
+@pytest.fixture(params=["C++", "Python"])
+def path(request, monkeypatch):
+    """Each reading path in turn: the library's walk (skipped where it cannot be built) and the Python loop."""
+    if request.param == "C++" and gguf_strings.load() is None:
+        pytest.skip(f"the GGUF header library is not built here: {gguf_strings.STATUS.get('state')}")
+    if request.param == "Python":
+        monkeypatch.setattr(gguf_strings, "strings", lambda file, pos, count: None)
+    return request.param
+
+
+def test_the_library_walks_a_vocabulary_as_the_loop_reads_it(monkeypatch):
+    if gguf_strings.load() is None:
+        pytest.skip(f"the GGUF header library is not built here: {gguf_strings.STATUS.get('state')}")
+    items = [f"tok{i}".encode() for i in range(3000)] + ["Ġ日本語".encode(), b"", b"w" * 300]
+    raw = memoryview(bytearray(b"xyz" + encoded(items) + b"tail"))
+    got = gguf_strings.strings(np.frombuffer(raw, np.uint8), 3, len(items))
+    assert got is not None and got[0] == [b.decode() for b in items] and got[1] == len(raw) - 4
+    assert gguf_strings.strings(np.frombuffer(raw, np.uint8), 3, len(items) + 1) is None     # runs past the end
+    monkeypatch.setattr(gguf_strings, "strings", lambda file, pos, count: None)             # the Python loop alone
+    slow = _Cursor(raw, "m.gguf")
+    slow.pos = 3
+    assert slow.strings(len(items)) == got[0] and slow.pos == got[1]
 
 
 @pytest.mark.parametrize("damage,words", [
@@ -69,7 +85,7 @@ def test_both_paths_agree_on_a_vocabulary():
     ("cut inside a length", "ends inside its header"),
     ("count too large", "ends inside its header"),
 ])
-def test_a_damaged_string_array_is_one_sentence(tmp_path, damage, words):
+def test_a_damaged_string_array_is_one_sentence(tmp_path, damage, words, path):
     items = [b"ok", b"fine", b"\xff\xfe", b"after"] if damage.startswith("not UTF-8") else [b"ok", b"fine", b"last"]
     if damage == "not UTF-8 and long":
         items.append(b"z" * 300)

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from tformer.errors import CheckpointError, InputError
+from tformer.interop import gguf_strings
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -142,12 +143,13 @@ class _Cursor:
                                   f"UTF-8; the file is damaged; download it again.") from None
 
     def strings(self, count: int) -> list[str]:
-        """``count`` strings in a row: a vocabulary's tokens and merges, ~100k of them. Read as
-        :meth:`short_strings` where every one is shorter than 256 bytes (published vocabularies), else one
-        by one in a tight loop (the per-string path costs about four times as much)."""
-        fast = self.short_strings(count)
+        """``count`` strings in a row: a vocabulary's tokens and merges, ~100k of them. Walked in C++
+        (:mod:`tformer.interop.gguf_strings`) where that library is built, else one by one in a tight loop
+        (the per-string path costs about four times as much), which also names any fault."""
+        fast = gguf_strings.strings(np.frombuffer(self.data, np.uint8), self.pos, count)
         if fast is not None:
-            return fast
+            out, self.pos = fast
+            return out
         data, pos, end, out = self.data, self.pos, len(self.data), []
         length = struct.Struct("<Q").unpack_from
         try:
@@ -167,37 +169,6 @@ class _Cursor:
         if len(out) < count:
             self.take(end - self.pos + 1)                       # refuses: truncated
         return out
-
-    def short_strings(self, count: int) -> list[str] | None:
-        """``count`` strings each shorter than 256 bytes and free of NUL, decoded at once; ``None`` (nothing
-        read) where one is not, or the run is truncated or not UTF-8 (:meth:`strings` then names the fault).
-
-        Only the lengths' low bytes are walked in Python (``next = at + 8 + low byte``); numpy then checks
-        that the seven high bytes of every length are zero, and each length, its low byte zeroed, becomes
-        eight NUL characters between the strings: the run decodes as one text and splits at those."""
-        raw, at, starts = self.data, self.pos, []
-        keep = starts.append
-        try:
-            for _ in range(count):
-                keep(at)
-                at += 8 + raw[at]
-        except IndexError:                                     # runs past the end of the file
-            return None
-        if not count or at > len(raw):
-            return None
-        run = np.frombuffer(raw, np.uint8, at - self.pos, self.pos).copy()                # (bytes of the run,)
-        lengths = np.asarray(starts, np.int64) - self.pos                                  # (count,) in the run
-        if run[(lengths[:, None] + np.arange(1, 8)).ravel()].any():                       # a length >= 256
-            return None
-        run[lengths] = 0
-        try:
-            text = run.tobytes().decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-        if text.count("\0") != 8 * count:                                                 # a NUL inside a string
-            return None
-        self.pos = at
-        return text.split("\0" * 8)[1:]
 
     def value(self, kind: int, key: str, depth: int = 0):
         if kind in SCALARS:
