@@ -127,3 +127,26 @@ def test_open_model_without_threads_takes_the_free_cores(monkeypatch):
         assert asked == [2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(n)
+
+
+def test_open_model_opens_at_one_thread_and_restores_the_count(monkeypatch):
+    """Opening runs at one torch thread (each short copy or repack at two would be a parallel region that
+    waits for a busy neighbour's time slice); the count asked for is back once the model is open."""
+    from pathlib import Path
+
+    import tformer.inference as inference
+
+    seen, choose = [], inference.choose_path
+
+    def recording(model):
+        seen.append(torch.get_num_threads())
+        return choose(model)
+
+    monkeypatch.setattr(inference, "choose_path", recording)
+    gguf = Path(__file__).parent / "data" / "qwen2-tiny-q4_k_m.gguf"
+    n = torch.get_num_threads()
+    try:
+        inference.open_model(gguf, threads=2)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(n)
