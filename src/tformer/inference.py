@@ -292,12 +292,13 @@ def _collector_paused():
 
 
 @contextmanager
-def _one_thread():
-    """torch at one thread while a model opens, its count restored after: opening runs hundreds of short
-    copies and repacks, and at two threads each is a parallel region whose second thread, beside a busy
-    neighbour, first waits for a time slice (90 joins of q, k and v took 0.7 s so, 7 ms at one thread)."""
+def _threads(n: int):
+    """torch at ``n`` threads inside, its count restored after. Opening runs hundreds of short copies and
+    checks at one: at two each is a parallel region whose second thread, beside a busy neighbour, first
+    waits for a time slice (90 joins of q, k and v took 0.7 s so, 7 ms at one thread); the repacks into
+    tiles, the one long stretch, take the cores others leave free."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:
@@ -326,18 +327,19 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
         raise InputError(f"--dtype {dtype} is not a weight format; choose one of {', '.join(known)}.")
     if threads is not None:
         torch.set_num_threads(threads)
-    free = FreeCores() if threads is None else None      # measured while the model loads, not after it
+    free = FreeCores()                                    # measured while the model loads, not after it
     start = time.perf_counter()
     name, source, kind = resolve_source(spec)
-    with _collector_paused(), _one_thread():
+    with _collector_paused(), _threads(1):
         parts = _gguf_parts(source, dtype, kernels) if kind == "gguf" else _folder_parts(source, kind, dtype, kernels)
         model, tokenizer, template, eos, defaults, dtype, why = parts
         if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
             raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                                   f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
         stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
+    with _collector_paused(), _threads(free.threads(torch.get_num_threads())):
         path, path_why = choose_path(model)
-    if free is not None:
+    if threads is None:
         torch.set_num_threads(free.threads(torch.get_num_threads()))   # the cores others leave free now
     return OpenedModel(model, tokenizer, template, stop, defaults, name, source, dtype, why, path, path_why,
                        time.perf_counter() - start, kind)
