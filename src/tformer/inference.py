@@ -295,8 +295,8 @@ def _collector_paused():
 def _threads(n: int):
     """torch at ``n`` threads inside, its count restored after. Opening runs hundreds of short copies and
     checks at one: at two each is a parallel region whose second thread, beside a busy neighbour, first
-    waits for a time slice (90 joins of q, k and v took 0.7 s so, 7 ms at one thread); the repacks into
-    tiles, the one long stretch, take the cores others leave free."""
+    waits for a time slice (docs/chat.md, "How fast the front door is"); the repacks into tiles, the one
+    long stretch, take the cores others leave free."""
     threads = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -1,7 +1,8 @@
 // A GGUF header's string array (a vocabulary's tokens or merges, ~10^5 strings) walked in C++.
 //
 // Each string is a u64 little-endian length and that many UTF-8 bytes, one after another, so where the
-// next one starts is known only once this one's length is read: a loop Python runs at ~0.2 us a string.
+// next one starts is known only once this one's length is read: in Python, a loop of several bytecodes
+// a string.
 // run(file, pos, count) walks the `count` strings from byte `pos` and returns their bytes with each
 // length field replaced by eight NUL bytes; Python decodes that run once and splits it at the NULs
 // (gguf_strings.py). A run that leaves the file returns an empty tensor: the Python reader then reads

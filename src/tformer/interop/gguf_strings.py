@@ -1,8 +1,8 @@
 """A GGUF header's string arrays walked in C++ (``gguf_strings.cpp``), built at first use.
 
 A vocabulary's tokens and merges are ~10^5 strings, each a u64 length and its bytes: where the next one
-starts is known only once this one's length is read, a loop Python runs at ~0.2 us a string. The library
-walks the run once and returns its bytes with every length field turned into eight NUL bytes; the run is
+starts is known only once this one's length is read, in Python a loop of several bytecodes a string. The
+library walks the run once and returns its bytes with every length field turned into eight NUL bytes; the run is
 then decoded as one text and split at those NULs (both in C). Where the library cannot be built (no
 compiler, ``TFORMER_NO_EXTENSION=1``), or a string holds a NUL or is not UTF-8, :func:`strings` returns
 ``None`` and the reader (:mod:`tformer.interop.gguf_reader`) reads string by string, naming any fault.
