@@ -18,7 +18,8 @@ Everything a command would otherwise decide for itself is decided here, once:
   (:func:`choose_path`); chosen when the model is opened, not retried every token.
 - **threads** where none are asked for: torch's count less the cores other processes keep busy while the
   model loads (:class:`tformer.machine.FreeCores`), so a busy neighbour does not make every parallel region
-  wait out its time slices.
+  wait out its time slices. Opening itself runs at one thread, but for the repacks into tiles, which take
+  the cores others left free so far.
 - **stop ids**: the file's end-of-sequence ids together with the chat template's end-of-turn token, so a
   model whose ``eos`` is not its end-of-turn stops at the same token in ``chat`` and ``serve``.
 - **sampling defaults** a GGUF recommends (``general.sampling.*``), for the commands to use where the
