@@ -37,10 +37,10 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.first_start import first_start_env  # noqa: E402
 from common.record import Run, results_dir  # noqa: E402
 
 PROMPT = "Write a very long story about a dragon who learns to cook, with many chapters."
@@ -112,7 +112,7 @@ def main() -> None:
                          "setting (PYTHONDONTWRITEBYTECODE=1 compiles every module opening imports, at every start)")
     args = ap.parse_args()
     run = Run()
-    from tformer.interop.builtin import builtin_path, cache_root
+    from tformer.interop.builtin import builtin_path
     from tformer.inference import open_model
 
     path = builtin_path("smollm2")
@@ -120,15 +120,7 @@ def main() -> None:
     rendered = opened.template.render([{"role": "user", "content": PROMPT}])
     ids = opened.template.encode(opened.tokenizer, [{"role": "user", "content": PROMPT}])
     del opened
-    # a fresh cache holding only the built kernels: what a first start after `make install` finds
-    cache = Path(tempfile.mkdtemp(prefix="tformer-front-door-"))
-    for kernel in cache_root().glob("*-*"):
-        if kernel.is_dir() and not kernel.name.startswith("gguf"):
-            (cache / kernel.name).symlink_to(kernel.resolve())
-    env = {**os.environ, "TFORMER_CACHE": str(cache)}
-    if args.bytecode == "cached":
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-        env["PYTHONPYCACHEPREFIX"] = str(cache / "bytecode")
+    env, cache = first_start_env("tformer-front-door-", bytecode=args.bytecode == "cached")
     common = ["--temperature", "0", "--threads", str(args.threads), "--verbose"]
     specs = {
         "tformer chat": lambda n: {"who": "chat", "argv": ["chat", "--prompt", PROMPT, "--max-new-tokens", str(n), *common]},

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.first_start import first_start_env  # noqa: E402
 from common.record import Run, results_dir  # noqa: E402
 
 # (depth, module, function, what it is): the loader's phases, in the order they run
@@ -80,14 +79,7 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     run = Run()
-    from tformer.interop.builtin import cache_root
-
-    cache = Path(tempfile.mkdtemp(prefix="tformer-open-profile-"))
-    for kernel in cache_root().glob("*-*"):
-        if kernel.is_dir() and not kernel.name.startswith("gguf"):
-            (cache / kernel.name).symlink_to(kernel.resolve())
-    env = {**os.environ, "TFORMER_CACHE": str(cache), "PYTHONPYCACHEPREFIX": str(cache / "bytecode")}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env, _ = first_start_env("tformer-open-profile-")
 
     def child() -> dict:
         r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(PHASES)], capture_output=True, text=True,
