@@ -2,7 +2,8 @@
 built-in task's batches, each configuration alone in its own process.
 
 A configuration is the base (``blocks``: the GGUF file's own blocks, QLoRA; ``float``: the same file widened
-to float32, what ``--set qlora=false`` trains on) and activation checkpointing (off / on). Each process opens
+to float32, what ``--set qlora=false`` trains on) and activation checkpointing (off / on / ``trim``: on with
+``--set trim_heap=true``). Each process opens
 the model as ``tformer finetune`` does (:func:`tformer.training.finetune.load_base`), puts LoRA on it, and runs
 ``--warmup`` + ``--steps`` steps of :meth:`tformer.training.loop.Loop._train_step` on
 :class:`~tformer.training.tasks.finetune.FinetuneTask` (the same batches for every configuration); peak memory is
@@ -81,7 +82,8 @@ def worker(a) -> dict:
     torch.set_num_threads(a.threads)
     s = FinetuneSettings(model=a.model, lora_targets="all", lora_r=16, lora_alpha=32, batch_size=a.batch,
                          n_train=200, n_test=8, max_number=999, max_length=96, threads=a.threads, progress=False,
-                         precision="fp32", checkpointing=a.checkpointing == "on", lr=LR, out_dir=None)
+                         precision="fp32", checkpointing=a.checkpointing in ("on", "trim"),
+                         trim_heap=a.checkpointing == "trim", lr=LR, out_dir=None)
     model, tokenizer, template, stops = load_base(a.model, blocks=a.base == "blocks")
     phases["model opened"] = rss()
     torch.manual_seed(0)
@@ -111,7 +113,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--checkpointing", default="off,on")
+    p.add_argument("--checkpointing", default="off,on,trim",
+                   help="off, on, trim (on with trim_heap=true: the heap's free pages handed back before each block)")
     p.add_argument("--rounds", type=int, default=1, help="run the configurations this many times, alternating their order")
     p.add_argument("--tag", default="")
     p.add_argument("--worker", nargs=2, metavar=("BASE", "CHECKPOINTING"), help=argparse.SUPPRESS)
