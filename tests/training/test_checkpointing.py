@@ -173,8 +173,8 @@ def test_finetune_with_checkpointing_takes_the_plain_steps(tmp_path):
 
 
 def test_trim_heap_releases_before_each_block_and_changes_no_number(monkeypatch):
-    """``trim_heap``: the heap's free pages handed back before each checkpointed block runs again in the
-    backward, the gradients bit-identical to the plain step's."""
+    """``trim_heap``: the heap's free pages handed back before each checkpointed block runs (its forward and
+    its recomputation), the gradients bit-identical to the plain step's."""
     import tformer.models.stack as stack
     calls = []
     monkeypatch.setattr(stack, "release_free_heap", lambda: calls.append(1))
@@ -183,7 +183,7 @@ def test_trim_heap_releases_before_each_block_and_changes_no_number(monkeypatch)
     plain = grads(model, lambda: model(ids, y)[1])
     enable_checkpointing(model, trim_heap=True)
     trimmed = grads(model, lambda: model(ids, y)[1])
-    assert len(calls) == len(model.blocks)                   # the backward's recomputations only
+    assert len(calls) == 2 * len(model.blocks)               # the forward's runs and the backward's
     assert plain[0] == trimmed[0] and all(torch.equal(plain[1][n], trimmed[1][n]) for n in plain[1])
 
 

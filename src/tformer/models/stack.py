@@ -13,6 +13,7 @@ Parameters keep the names they always had (``tok_emb``, ``pos_emb``, ``type_emb`
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -74,7 +75,7 @@ class TransformerStack(nn.Module):
         self.hooks: Callable[[str, Tensor], Tensor] | None = None
         # Activation checkpointing (training/checkpointing.py sets it): keep each block's input only, run the
         # block again in the backward. Off by default. trim_heap: hand the heap's free pages back before each
-        # checkpointed block's recomputation, so the freed pages of the blocks before are not all kept.
+        # checkpointed block runs (forward and recomputation), so one block's freed pages are not all kept.
         self.checkpointing = False
         self.trim_heap = False
 
@@ -226,7 +227,7 @@ class TransformerStack(nn.Module):
         for i, block in enumerate(self.blocks):
             layer_state = state.layers[i] if state is not None else None
             if recompute:     # saves x (B, T, C) per block; the block's insides are recomputed in the backward
-                x = checkpoint(_TrimOnRecompute(block) if self.trim_heap else block, x, step,
+                x = checkpoint(functools.partial(_after_trim, block) if self.trim_heap else block, x, step,
                                layer_state, context=context, context_mask=context_mask, use_reentrant=False)
             else:
                 x = block(x, step, layer_state, context=context, context_mask=context_mask)
@@ -300,16 +301,8 @@ class TransformerStack(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
 
-class _TrimOnRecompute:
-    """A checkpointed block with ``trim_heap``: ``torch.utils.checkpoint`` calls it once in the forward, as is,
-    and again for the backward's recomputation, after :func:`~tformer.machine.release_free_heap` (the peak is
-    is in the backward)."""
-
-    def __init__(self, block: nn.Module):
-        self.block, self.calls = block, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls > 1:
-            release_free_heap()
-        return self.block(*args, **kwargs)
+def _after_trim(block: nn.Module, *args, **kwargs):
+    """``block(*args, **kwargs)`` after :func:`~tformer.machine.release_free_heap` (a checkpointed block with
+    ``trim_heap``)."""
+    release_free_heap()
+    return block(*args, **kwargs)

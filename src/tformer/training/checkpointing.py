@@ -24,9 +24,9 @@ from tformer.models.stack import TransformerStack
 
 def enable_checkpointing(model: nn.Module, trim_heap: bool = False) -> int:
     """Turn on per-block checkpointing in every transformer stack of ``model``; the number of blocks covered.
-    ``trim_heap``: before each checkpointed block runs again in the backward, hand the heap's free pages back
-    to the OS (:func:`tformer.machine.release_free_heap`): the backward's blocks then reuse fresh pages instead
-    of keeping every size freed so far resident (peak RSS, not a number, changes).
+    ``trim_heap``: before each checkpointed block runs (its forward and its recomputation), hand the heap's
+    free pages back to the OS (:func:`tformer.machine.release_free_heap`): the backward's blocks then reuse
+    fresh pages instead of keeping every size freed so far resident (peak RSS, not a number, changes).
 
     Raises:
         ConfigError: ``model`` has no transformer blocks (an RNN seq2seq model).

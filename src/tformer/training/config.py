@@ -55,7 +55,7 @@ class TrainConfig:
         checkpointing: activation checkpointing per block (keep each block's input, recompute the rest in
             the backward: less memory, one more forward; see :mod:`tformer.training.checkpointing`).
         trim_heap: with ``checkpointing``, hand the C heap's free pages back to the OS before each block runs
-            again in the backward (glibc ``malloc_trim``): a lower peak RSS for some time (docs/finetune.md).
+            (glibc ``malloc_trim``): a lower peak RSS for some time (figures: docs/finetune.md).
         threads: torch threads (0 = :func:`tformer.machine.auto_threads`).
         device: ``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``.
         seed: model init, batch order and sampling.
