@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from tformer.errors import CheckpointError, InputError
+from tformer.interop import gguf_strings
+from tformer.quant import pages
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -142,8 +144,13 @@ class _Cursor:
                                   f"UTF-8; the file is damaged; download it again.") from None
 
     def strings(self, count: int) -> list[str]:
-        """``count`` strings in a row: a vocabulary's tokens and merges, ~100k of them, read in one tight
-        loop (the per-string path costs about four times as much)."""
+        """``count`` strings in a row: a vocabulary's tokens and merges, ~100k of them. Walked in C++
+        (:mod:`tformer.interop.gguf_strings`) where that library is built, else one by one in a tight loop
+        (the per-string path costs about four times as much), which also names any fault."""
+        fast = gguf_strings.strings(np.frombuffer(self.data, np.uint8), self.pos, count)
+        if fast is not None:
+            out, self.pos = fast
+            return out
         data, pos, end, out = self.data, self.pos, len(self.data), []
         length = struct.Struct("<Q").unpack_from
         try:
@@ -201,6 +208,8 @@ class GGUFFile:
             raise CheckpointError(f"{self.path} is not a file; pass the path of a .gguf model file.")
         # copy-on-write: block tensors are used in place (no copy), and nothing written to them reaches the file
         self.raw = np.memmap(self.path, dtype=np.uint8, mode="c") if self.path.stat().st_size else np.zeros(0, np.uint8)
+        if self.raw.size:            # its pages may be handed back once copied into tiles (never written)
+            pages.register(self.raw.ctypes.data, self.raw.size, self.raw._mmap)
         cur = _Cursor(memoryview(self.raw), self.path)
         head = bytes(self.raw[:4])
         if head != MAGIC:
