@@ -28,9 +28,7 @@ import families as F  # noqa: E402
 
 OUT = results_dir("interop") / "families_parity.md"
 # families without the llama.cpp column, and why
-NO_LLAMA_CPP = {"llama-3.1-8b": "the 8B cut shares Llama 3.2's layout",
-                "phi-3.5-mini": "llama-cpp-python 0.3.36 refuses a phi3 file with the fixtures' byte-level BPE "
-                                "vocabulary, tests/interop/test_families_llama_cpp.py's NO_BPE"}
+NO_LLAMA_CPP = {"llama-3.1-8b": "the 8B cut shares Llama 3.2's layout"}
 
 
 def transformers_figures(family: str, folder: Path) -> tuple[float, float]:

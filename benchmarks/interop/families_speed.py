@@ -1,5 +1,5 @@
-"""The model families at their published sizes (Llama-3.2-1B, Qwen3-0.6B, Qwen2.5-0.5B: full depth, full
-vocabulary, random weights) in tformer against llama.cpp on the same GGUF files: load time, peak RSS,
+"""The model families at their published sizes (Llama-3.2-1B, Qwen3-0.6B, Qwen2.5-0.5B, Phi-3.5-mini: full depth,
+full vocabulary, random weights) in tformer against llama.cpp on the same GGUF files: load time, peak RSS,
 prefill and decode tok/s at f16, q8_0 and q4_0, 1 and 2 threads, fresh processes alternated round by round
 (how each is measured: benchmarks/common/versus_llama_cpp.py).
 
@@ -7,13 +7,13 @@ Goal (issue 51): q8_0 and q4_0 decode >= 1.0x llama.cpp's for every family at 2 
 
 The files: ``--make DIR`` writes ``FAMILY-f16.gguf`` with the ``gguf`` package as llama.cpp's converter lays
 it out (tests/interop/families.py ``full_size_gguf``: random weights, the fixture vocabulary padded to the
-published size under the family's pre-tokenizer) and ``FAMILY-q8_0.gguf`` / ``FAMILY-q4_0.gguf`` from it with
+published size under the family's pre-tokenizer; Phi-3.5's SentencePiece kind at its 32,064 ids) and ``FAMILY-q8_0.gguf`` / ``FAMILY-q4_0.gguf`` from it with
 llama.cpp's quantiser (``llama_model_quantize``, which keeps its own choice for the tied head: Q6_K at
 q4_0 where the width is a multiple of 256, else Q8_0). A run takes one family and some formats, so each
 fits a short hold of the lock:
 
     export PYTHONPATH=$PWD/src:$PWD/tests/interop:$PWD/tests/quant:/work/llama_native
-    .venv/bin/python benchmarks/interop/families_speed.py --make /work/bigfiles/families
+    .venv/bin/python benchmarks/interop/families_speed.py --make /work/bigfiles/families [--family phi-3.5-mini]
     flock /tmp/tformer-bench.gate flock /tmp/tformer-bench.lock .venv/bin/python \\
         benchmarks/interop/families_speed.py --dir /work/bigfiles/families --family qwen3-0.6b --formats q8_0
     .venv/bin/python benchmarks/interop/families_speed.py --table      # the docs table from the result files
@@ -33,24 +33,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/,
 from common.record import Run, results_dir  # noqa: E402
 from common.versus_llama_cpp import HEADER, compare, summarise, uneven_note  # noqa: E402
 
-FAMILIES = ("llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b-yarn")
+FAMILIES = (
+    "llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b-yarn",
+    "phi-3.5-mini",
+)
 FORMATS = ("f16", "q8_0", "q4_0")
 OUT = results_dir("interop")
 
 
-def make(folder: Path) -> None:
-    """Write each family's f16 file (unless present) and its q8_0 / q4_0 quantisations into ``folder``."""
+def make(folder: Path, families=FAMILIES) -> None:
+    """Write each family's f16 file (unless it or both quantisations are present) and its q8_0 / q4_0
+    quantisations into ``folder``."""
     import families as F
     import kquant_files as kf
 
     folder.mkdir(parents=True, exist_ok=True)
-    for family in FAMILIES:
+    for family in families:
         src = folder / f"{family}-f16.gguf"
-        if not src.is_file():
+        wanted = [kind for kind in FORMATS[1:] if not (folder / f"{family}-{kind}.gguf").is_file()]
+        if wanted and not src.is_file():
             F.full_size_gguf(family, src)
-        for kind in FORMATS[1:]:
-            if not (folder / f"{family}-{kind}.gguf").is_file():
-                kf.quantize(src, folder / f"{family}-{kind}.gguf", kind)
+        for kind in wanted:
+            kf.quantize(src, folder / f"{family}-{kind}.gguf", kind)
         print(f"{family}: written", flush=True)
 
 
@@ -94,7 +98,7 @@ def main() -> None:
         print(table())
         return
     if args.make:
-        make(args.make)
+        make(args.make, [args.family] if args.family else FAMILIES)
         return
     if not (args.dir and args.family):
         raise SystemExit("families_speed: name --dir (the folder --make wrote) and --family, or --make / --table.")

@@ -9,7 +9,9 @@ What llama.cpp does with such a vocabulary (tokens, a score per token, token typ
   token with the highest score (equal scores: the leftmost pair); a character that is no token is
   written as its UTF-8 bytes, each the byte token ``<0xNN>`` (byte fallback);
 - decode: ``▁`` back to a space, runs of byte tokens back to their bytes (as UTF-8), and with
-  ``add_space_prefix`` the first space of the text dropped.
+  ``add_space_prefix`` the first space of the text dropped;
+- Phi-3's files (by their ``general.name``): the whitespace right after a special token is dropped
+  (:func:`~tformer.tokenizers.llama_cpp_rstrip`), before the prefix ``▁`` goes in front of what follows.
 
 A BPE whose merge list ranks each pair ``(a, b)`` by the score of the token ``a + b`` makes the same
 choices (a merge is a join; the best-ranked pair present is the best-scored join present), so the
@@ -48,7 +50,8 @@ def merges_from_scores(tokens: list[str], scores: list[float], types: list[int])
 
 def gguf_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_types: list[int] | None, *,
                        add_space_prefix: bool = True, bos_id: int | None = None, eos_id: int | None = None,
-                       unk_id: int | None = None, add_bos: bool = True, add_eos: bool = False):
+                       unk_id: int | None = None, add_bos: bool = True, add_eos: bool = False,
+                       rstrip: frozenset[int] = frozenset()):
     """A SentencePiece-style vocabulary as a GGUF file stores it, as an
     :class:`~tformer.tokenizers.HFTokenizer` that tokenizes as llama.cpp does (see the module docstring).
 
@@ -60,6 +63,8 @@ def gguf_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_type
         add_space_prefix: ``tokenizer.ggml.add_space_prefix`` (Llama 2, Phi-3: yes; Gemma: no).
         bos_id, eos_id, unk_id, add_bos, add_eos: the special ids, and which are put around every
             encoded text (llama.cpp adds BOS to such a vocabulary unless the file says not to).
+        rstrip: ids of the special tokens that take the whitespace after them away (Phi-3's,
+            :func:`~tformer.tokenizers.llama_cpp_rstrip`).
     Raises:
         CheckpointError: tokens, scores or types missing or not one per token, a token twice, or a
             special id outside the vocabulary, naming the GGUF key.
@@ -86,4 +91,4 @@ def gguf_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_type
     tok.normalizer = normalizers.Sequence(([normalizers.Prepend(SPACE)] if add_space_prefix else []) + spaces)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
                                     + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
-    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos)
+    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos, rstrip)

@@ -206,7 +206,7 @@ HF_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 HF_PRE_SPLITS = {name: HF_CONTRACTIONS + GGUF_PRE_SPLITS[name][0].removeprefix(CONTRACTIONS)
                  for name in ("llama-bpe", "qwen2")}
 IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")   # a piece that is a whole token is taken as it is
-CONTROL, USER_DEFINED, UNUSED = 3, 4, 5                 # llama.cpp token types (llama_token_type)
+UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 2, 3, 4, 5               # llama.cpp token types (llama_token_type)
 
 
 def gguf_refusal(key: str, why: str) -> CheckpointError:
@@ -254,7 +254,7 @@ def _merge_fault(merges: list[str], vocab: dict[str, int]) -> str | None:
 
 def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str, *,
                        bos_id: int | None = None, eos_id: int | None = None, add_bos: bool = False,
-                       add_eos: bool = False) -> HFTokenizer:
+                       add_eos: bool = False, rstrip: frozenset[int] = frozenset()) -> HFTokenizer:
     """A byte-level BPE vocabulary as a GGUF file stores it, as a ``tokenizers`` object.
 
     Args:
@@ -264,6 +264,7 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
             matched whole and left out of decoded text, user-defined ones (4) plain added tokens.
         pre: ``tokenizer.ggml.pre``, one of :data:`GGUF_PRE_SPLITS`.
         bos_id, add_bos, eos_id, add_eos: the token put before / after every encoded text, if asked.
+        rstrip: ids of the added tokens that take the whitespace after them away (:func:`llama_cpp_rstrip`).
     Raises:
         CheckpointError: an unknown ``pre``, or a vocabulary the ``tokenizers`` library would crash on or
             silently misread (no tokens, a token twice, a merge of unknown tokens or without a space,
@@ -295,26 +296,45 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in GGUF_PRE_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos)
+    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos, rstrip)
 
 
 def gguf_special_tokens(tok, tokens: list[str], types: list[int], bos_id: int | None, add_bos: bool,
-                        eos_id: int | None, add_eos: bool) -> HFTokenizer:
+                        eos_id: int | None, add_eos: bool, rstrip: frozenset[int] = frozenset()) -> HFTokenizer:
     """A GGUF vocabulary's ``tokenizers`` object finished: its control tokens (type 3) as special tokens (matched
     whole, left out of decoded text), its user-defined ones (4) as plain added tokens (matched whole, as
-    llama.cpp always does), and BOS before / EOS after every encoded text, as asked."""
+    llama.cpp always does), those of ids in ``rstrip`` taking the whitespace after them away
+    (:func:`llama_cpp_rstrip`), and BOS before / EOS after every encoded text, as asked."""
     from tokenizers import AddedToken, processors
 
     ids = range(len(types))
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False, rstrip=i in rstrip)
                             for i in compress(ids, map(CONTROL.__eq__, types))])
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False, rstrip=i in rstrip)
                     for i in compress(ids, map(USER_DEFINED.__eq__, types))])
     single = ([f"{tokens[bos_id]}:0"] if add_bos and bos_id is not None else []) + ["$A:0"] + \
         ([f"{tokens[eos_id]}:0"] if add_eos and eos_id is not None else [])
     specials = [(tokens[i], i) for i, flag in ((bos_id, add_bos), (eos_id, add_eos)) if flag and i is not None]
     tok.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
     return HFTokenizer(tok)
+
+
+PHI3_NAMES = ("phi-3", "phi3")                      # in general.name, any case: llama.cpp's test for Phi-3
+PHI3_KEEP_SPACE = ("<unk>", "<s>", "<|endoftext|>")
+
+
+def llama_cpp_rstrip(name: str | None, tokens: list[str], types: list[int]) -> frozenset[int]:
+    """The ids of the tokens after which llama.cpp drops the whitespace (``LLAMA_TOKEN_ATTR_RSTRIP``) when it
+    matches them in text. It sets that by the file's ``general.name``: in a Phi-3 file (the name, lower-cased,
+    holds ``phi-3`` or ``phi3``) every control, user-defined and unknown token, and ``</s>``, but ``<unk>``,
+    ``<s>`` and ``<|endoftext|>``, as Phi-3's ``tokenizer.json`` sets ``rstrip``; so ``<|user|>\nhi``
+    tokenizes as ``<|user|>hi``. Elsewhere none. (It strips ASCII whitespace, the ``tokenizers`` library any
+    Unicode whitespace: they differ only on such a character right after a marker.)"""
+    if not isinstance(name, str) or not any(s in name.lower() for s in PHI3_NAMES):
+        return frozenset()
+    ids = {i for i, k in enumerate(types) if k in (CONTROL, USER_DEFINED, UNKNOWN)}
+    ids |= {i for i, t in enumerate(tokens) if t == "</s>"}
+    return frozenset(i for i in ids if tokens[i] not in PHI3_KEEP_SPACE)
 
 
 # ------------------------------------------------------------------ chat templates

@@ -26,6 +26,7 @@ from unittest import mock
 import numpy as np
 import torch
 
+from trained_vocabs import phi_pieces, phi_tokenizer_json
 from varied_text import varied_lines
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))     # tests/, for gguf_hf
@@ -50,9 +51,10 @@ GEMMA_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' i
 TEMPLATES = {"llama": LLAMA3_CHAT, "qwen2": CHATML, "qwen3": CHATML, "gemma2": GEMMA_CHAT, "gemma3": GEMMA_CHAT}
 TEMPLATES["phi3"] = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
                      "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}")
-# tokenizer.ggml.pre of the published files (Gemma and Phi-3 publish SentencePiece vocabularies: GPT-2's split here)
-PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma2": "gpt-2", "gemma3": "gpt-2",
-       "phi3": "gpt-2"}
+# tokenizer.ggml.pre of the published files (Gemma publishes a SentencePiece vocabulary: GPT-2's split here; Phi-3.5's
+# fixture has its SentencePiece kind, trained_vocabs.phi_pieces, which has no pre-tokenizer)
+PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma2": "gpt-2", "gemma3": "gpt-2"}
+PHI_VOCAB = 3072             # Phi-3.5's fixture: 3,000 pieces, 8 unused, its 11 added tokens, padding (as 32,064)
 # The Split pattern of the published tokenizer.json files (Llama 3's and Qwen2's), before ByteLevel
 SPLITS = {
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -191,15 +193,16 @@ def tokenizer(folder: Path) -> Path:
     return path
 
 
-def hf_config(family: str, gguf_layout: bool = False, layers: int | None = None, vocab_size: int = VOCAB):
+def hf_config(family: str, gguf_layout: bool = False, layers: int | None = None, vocab_size: int | None = None):
     """transformers' config of ``family``: published, ``layers`` deep (default :data:`N_LAYERS`, read at the
-    call: a test may patch it), this file's vocabulary (or ``vocab_size`` ids, the fixture's tokens first);
+    call: a test may patch it), this file's vocabulary (or ``vocab_size`` ids, the fixture's tokens first;
+    Phi-3.5's: :data:`PHI_VOCAB` ids of its SentencePiece kind);
     ``gguf_layout``: the layer kinds llama.cpp gives a GGUF file of the architecture (the config's default ones)."""
     import transformers
 
     cls, _, fields, (bos, eos, _eot) = PUBLISHED[family]
-    vocab = json.loads(tokenizer_json_text())
-    ids = {a["content"]: a["id"] for a in vocab["added_tokens"]}
+    vocab_size = vocab_size or (PHI_VOCAB if cls == "Phi3Config" else VOCAB)
+    ids = special_ids(family, vocab_size)
     fields = {**fields, "num_hidden_layers": layers or N_LAYERS, "vocab_size": vocab_size,
               "bos_token_id": ids.get(bos), "eos_token_id": ids[eos]}
     if gguf_layout:
@@ -221,8 +224,17 @@ def tokenizer_json_text() -> str:
     return tokenizer(_TOKENIZER_DIR[0]).read_text(encoding="utf-8")
 
 
-def special_id(token: str) -> int:
-    return {a["content"]: a["id"] for a in json.loads(tokenizer_json_text())["added_tokens"]}[token]
+def special_ids(family: str, vocab_size: int | None = None) -> dict[str, int]:
+    """The ids of ``family``'s fixture vocabulary's added tokens by name: Phi-3.5's SentencePiece kind of
+    ``vocab_size`` ids (:func:`trained_vocabs.phi_pieces`: its control tokens), else this file's BPE."""
+    if PUBLISHED[family][1] == "phi3":
+        tokens, _, types = phi_pieces(vocab_size or PHI_VOCAB)
+        return {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k == 3}
+    return {a["content"]: a["id"] for a in json.loads(tokenizer_json_text())["added_tokens"]}
+
+
+def special_id(token: str, family: str = "llama-3.2-1b") -> int:
+    return special_ids(family)[token]
 
 
 def hf_model(family: str, seed: int = 0, gguf_layout: bool = False):
@@ -256,6 +268,8 @@ def family_tokenizer_json(family: str) -> str:
     its pattern, then ``ByteLevel`` without its own regex): the vocabulary and merges are the fixture's."""
     from tokenizers import Regex, Tokenizer, pre_tokenizers
 
+    if PUBLISHED[family][1] == "phi3":           # Phi-3.5's SentencePiece kind, laid out as its tokenizer.json
+        return phi_tokenizer_json(PHI_VOCAB)
     pre = PRE[PUBLISHED[family][1]]
     if pre not in SPLITS:                       # GPT-2's own split: the trained tokenizer as it is
         return tokenizer_json_text()
@@ -369,15 +383,25 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32", arrays=None) -
     elif rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
-    tok = json.loads(tokenizer_json_text())
-    vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok["added_tokens"]}}
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    tokens += [f"Ġ~fill{i}" for i in range(c.vocab_size - len(tokens))]       # no merge makes them: never produced
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(PRE[arch])
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    if arch == "phi3":         # Phi-3.5's SentencePiece vocabulary, as convert_hf_to_gguf.py writes it
+        tokens, scores, types = phi_pieces(c.vocab_size)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_add_space_prefix(True)
+    else:
+        tok = json.loads(tokenizer_json_text())
+        vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok["added_tokens"]}}
+        tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+        tokens += [f"Ġ~fill{i}" for i in range(c.vocab_size - len(tokens))]   # no merge makes them: never produced
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(PRE[arch])
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     if bos:
         w.add_bos_token_id(vocab[bos])
     w.add_add_bos_token(bos is not None)
@@ -418,7 +442,8 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32", arrays=None) -
     return path
 
 
-FULL_VOCAB = {"llama-3.2-1b": 128256, "llama-3.1-8b": 128256, "qwen3-0.6b": 151936, "qwen2.5-0.5b-yarn": 151936}
+FULL_VOCAB = {"llama-3.2-1b": 128256, "llama-3.1-8b": 128256, "qwen3-0.6b": 151936, "qwen2.5-0.5b-yarn": 151936,
+              "phi-3.5-mini": 32064}
 
 
 def full_size_gguf(family: str, path: Path, seed: int = 0) -> Path:

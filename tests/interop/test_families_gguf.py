@@ -109,7 +109,7 @@ def test_blocks_kept_as_stored_stay_close(files, kind):
 def test_open_model_stops_at_the_end_of_turn(files):
     family, _, paths = files
     opened = open_model(str(paths["q8_0"]))
-    eot = F.special_id(F.PUBLISHED[family][3][2])
+    eot = F.special_id(F.PUBLISHED[family][3][2], family)
     assert eot in opened.stop_ids and opened.template is not None
 
 

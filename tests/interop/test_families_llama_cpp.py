@@ -28,16 +28,9 @@ from tformer.interop.gguf_import import load_gguf  # noqa: E402
 from tformer.interop.llama_cpp import LlamaCpp  # noqa: E402
 
 
-# llama-cpp-python 0.3.36 loads a phi3 file only with Phi's SentencePiece vocabulary: with the fixtures' byte-level
-# BPE it stops at "error loading model vocabulary: unordered_map::at" (not yet written for phi3 here)
-NO_BPE = {"phi-3.5-mini"}
-
-
 @pytest.fixture(scope="module", params=[f for f in F.PUBLISHED if f != "llama-3.1-8b"])
 def files(request, tmp_path_factory):
     family = request.param
-    if family in NO_BPE:
-        pytest.skip("llama.cpp refuses the fixture's byte-level vocabulary in a phi3 file (see NO_BPE)")
     folder = tmp_path_factory.mktemp(family)
     ref = F.hf_model(family, gguf_layout=True)          # the layer kinds llama.cpp reads
     yield family, {kind: F.write_gguf(family, ref, folder / f"{kind}.gguf", kind) for kind in ("f32", "q8_0", "q4_0")}
@@ -59,8 +52,9 @@ def test_float_file_logits_equal_llama_cpp(files):
 
 
 def test_fixture_tokenizer_equals_llama_cpp(files):
-    """The file's vocabulary under the family's published pre-tokenizer (``llama-bpe`` / ``qwen2``): tformer's
-    ids equal llama.cpp's own (``vocab_only``) on 500 varied lines and on a chat turn with special tokens."""
+    """The file's vocabulary under the family's published pre-tokenizer (``llama-bpe`` / ``qwen2``; Phi-3.5's
+    SentencePiece kind, whose file's name makes llama.cpp strip the whitespace after its markers): tformer's
+    ids equal llama.cpp's own (``vocab_only``) on 500 varied lines and on chat turns with special tokens."""
     import llama_cpp
     from varied_text import varied_lines
 
@@ -69,13 +63,14 @@ def test_fixture_tokenizer_equals_llama_cpp(files):
 
     family, paths = files
     f = GGUFFile(paths["f32"])
-    assert f.field("tokenizer.ggml.pre") == F.PRE[F.PUBLISHED[family][1]]
+    assert f.field("tokenizer.ggml.pre") == F.PRE.get(F.PUBLISHED[family][1])
     ref, tok = llama_cpp.Llama(str(paths["f32"]), vocab_only=True, verbose=False), gguf_tokenizer(f)
     for line in varied_lines(500, seed=2):
         want = ref.tokenize(line.encode("utf-8"), add_bos=False, special=False)
         assert tok.encode(line, add_special_tokens=False, parse_special=False) == want, repr(line)
-    turn = "<|im_start|>user\nhello  2024 don't<|im_end|>\n<|start_header_id|>x<|end_header_id|>\n\n"
-    assert tok.encode(turn, add_special_tokens=False) == ref.tokenize(turn.encode(), add_bos=False, special=True)
+    for turn in ("<|im_start|>user\nhello  2024 don't<|im_end|>\n<|start_header_id|>x<|end_header_id|>\n\n",
+                 "<|system|>\t \r\nBe brief.<|end|>\n<|user|>\nhello  2024<|end|>\n\n<|assistant|>\n"):
+        assert tok.encode(turn, add_special_tokens=False) == ref.tokenize(turn.encode(), add_bos=False, special=True)
 
 
 def test_past_the_original_context_equals_llama_cpp(files):

@@ -1,7 +1,9 @@
 """The vocabularies of Llama 3 (``llama-bpe``), Qwen2/3 (``qwen2``) and the SentencePiece kind (Llama 2, Phi-3,
 Gemma), trained here (:mod:`trained_vocabs`), tokenize in tformer as in transformers and sentencepiece (in CI)
 and llama.cpp (where llama-cpp-python is installed), on 2,000 varied lines each: the GGUF file's tokenizer as
-tformer builds it from ``tokenizer.ggml.*``, and the ``tokenizer.json`` as tformer reads it.
+tformer builds it from ``tokenizer.ggml.*``, and the ``tokenizer.json`` as tformer reads it. Phi-3.5's layout
+of the SentencePiece kind (``phi``: its chat tokens after the pieces, padding, and the whitespace after a marker
+stripped, by llama.cpp because the file's name says Phi-3, by transformers by the tokens' ``rstrip``) too.
 
 Qwen's ``tokenizer.json`` normalizes text to NFC and llama.cpp does not: a GGUF file tokenizes as llama.cpp
 does, so it is compared with transformers on the lines normalized first (61 of the 2,000 change).
@@ -16,7 +18,7 @@ import pytest
 pytest.importorskip("gguf", reason="the optional extra 'gguf' is not installed")
 transformers = pytest.importorskip("transformers")
 
-from trained_vocabs import bpe_files, spm_files, spm_model  # noqa: E402
+from trained_vocabs import bpe_files, phi_files, spm_files, spm_model  # noqa: E402
 from varied_text import varied_lines  # noqa: E402
 
 from tformer.errors import CheckpointError  # noqa: E402
@@ -27,14 +29,20 @@ from tformer.tokenizers import gguf_bpe_tokenizer, load_tokenizer  # noqa: E402
 LINES = varied_lines(2000, seed=0)
 CHAT = {"llama-bpe": "<|start_header_id|>user<|end_header_id|>\n\nhi 123<|eot_id|>",
         "qwen2": "<|im_start|>user\n<think>\nhello  2</think><|im_end|>\n",
-        "spm": "<start_of_turn>user\nhi  there<end_of_turn>\n<|user|> a<|end|>"}
+        "spm": "<start_of_turn>user\nhi  there<end_of_turn>\n<|user|> a<|end|>",
+        "phi": "<|system|>\t \r\nBe brief.<|end|>\n<|user|>\nhi  there 2024<|end|>\n\n<|assistant|>\n"}
 
 
-@pytest.fixture(scope="module", params=["llama-bpe", "qwen2", "spm-prefix", "spm-gemma"])
+@pytest.fixture(scope="module", params=["llama-bpe", "qwen2", "spm-prefix", "spm-gemma", "phi"])
 def family(request, tmp_path_factory):
     """``(name, tformer from GGUF, tformer from tokenizer.json, transformers' tokenizer, GGUF path)``."""
     name, folder = request.param, tmp_path_factory.mktemp(request.param)
-    path, hf = spm_files(folder, request.param == "spm-prefix") if name.startswith("spm") else bpe_files(folder, name)
+    if name == "phi":
+        path, hf = phi_files(folder)
+    elif name.startswith("spm"):
+        path, hf = spm_files(folder, name == "spm-prefix")
+    else:
+        path, hf = bpe_files(folder, name)
     ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf))
     return name, gguf_tokenizer(GGUFFile(path)), load_tokenizer(hf), ref, path
 
@@ -49,6 +57,9 @@ def test_ids_equal_transformers(family):
         assert from_gguf.decode(want) == ref.decode(want), repr(line)
     chat = CHAT["spm" if name.startswith("spm") else name]
     assert from_gguf.encode(chat) == from_json.encode(chat) == ref.encode(chat)       # BOS as the file says
+    if name == "phi":                                   # no whitespace token after a marker
+        assert from_gguf.encode(chat, add_special_tokens=False)[:2] == [from_gguf.tok.token_to_id("<|system|>"),
+                                                                         from_gguf.tok.token_to_id("▁Be")]
     assert from_gguf.decode(ref.encode(chat), skip_special_tokens=False) == ref.decode(ref.encode(chat))
 
 
@@ -60,6 +71,25 @@ def test_decode_round_trips(family):
             continue
         assert ref.decode(ref.encode(line, add_special_tokens=False)) == line
         assert from_gguf.decode(from_gguf.encode(line)) == line, repr(line)
+
+
+@pytest.mark.parametrize("name, strips", [("phi-3.5-mini", True), ("Phi3", True), ("Phi 3.5 Mini Instruct", False),
+                                          ("llama-2", False)])
+def test_phi_markers_strip_the_whitespace_after_them_as_the_files_name_says(tmp_path, name, strips):
+    """llama.cpp strips the whitespace after Phi's markers when ``general.name`` holds ``phi-3`` or ``phi3`` (any
+    case): a file named "Phi 3.5 Mini Instruct" keeps it. tformer reads the name the same way; where
+    llama-cpp-python is installed, its ids are the reference, else the ids with and without the markers' rstrip."""
+    path, _ = phi_files(tmp_path, name=name)
+    tok = gguf_tokenizer(GGUFFile(path))
+    chat = CHAT["phi"]
+    ids = tok.encode(chat)
+    stripped = chat.replace("|>\t \r\n", "|>").replace("|>\n\n", "|>").replace("|>\n", "|>")
+    assert (ids == tok.encode(stripped)) == strips
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    assert ids == llama_cpp.Llama(str(path), vocab_only=True, verbose=False).tokenize(chat.encode(), special=True)
 
 
 @pytest.mark.parametrize("prefix", [True, False])
@@ -102,12 +132,27 @@ def test_ids_equal_llama_cpp(family):
     for line in LINES:
         want = ref.tokenize(line.encode("utf-8"), add_bos=False, special=False)
         assert from_gguf.encode(line, add_special_tokens=False) == want, repr(line)
+        if name == "phi":        # no BOS in Phi's file: llama.cpp's own llama_detokenize drops the prefix space
+            assert from_gguf.decode(want).encode("utf-8") == llama_detokenize(ref, want), repr(line)
+            continue
         # the binding drops the text's first space after a BOS (what llama.cpp does for add_space_prefix)
         ids = ref.tokenize(line.encode("utf-8"), add_bos=name == "spm-prefix", special=False)
         assert from_gguf.decode(ids).encode("utf-8") == ref.detokenize(ids), repr(line)
     chat = CHAT["spm" if name.startswith("spm") else name]
-    assert from_gguf.encode(chat) == ref.tokenize(chat.encode(), add_bos=True, special=True)
+    assert from_gguf.encode(chat) == ref.tokenize(chat.encode(), add_bos=True, special=True)    # BOS as the file says
     assert from_gguf.encode(chat, parse_special=False) == ref.tokenize(chat.encode(), add_bos=True, special=False)
+
+
+def llama_detokenize(ref, ids: list[int]) -> bytes:
+    """llama.cpp's ``llama_detokenize`` (special tokens left out) of ``ids`` on the ``llama_cpp.Llama`` ``ref``."""
+    import ctypes
+
+    import llama_cpp
+
+    buf = ctypes.create_string_buffer(16 * len(ids) + 16)
+    n = llama_cpp.llama_detokenize(ref._model.vocab, (llama_cpp.llama_token * len(ids))(*ids), len(ids), buf,
+                                   len(buf), True, False)
+    return buf.raw[:n]
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
