@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/,
 from common.record import Run, results_dir  # noqa: E402
 from common.versus_llama_cpp import HEADER, compare, summarise, uneven_note  # noqa: E402
 
-FAMILIES = ("llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b-yarn")
+FAMILIES = ("llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b-yarn",
+            "gemma-3-270m", "gemma-3-1b", "gemma-2-2b",
+            )
 FORMATS = ("f16", "q8_0", "q4_0")
 OUT = results_dir("interop")
 
