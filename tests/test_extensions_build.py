@@ -16,6 +16,7 @@ import pytest
 
 from tformer.extensions import cpu_flags, find_ninja
 from tformer.fused import library
+from tformer.interop import gguf_strings
 from tformer.ops import activation_cpu, attention_cpu
 from tformer.quant import gemv, qgemv
 
@@ -23,7 +24,8 @@ LIBRARIES = {"quant/gemv.cpp": (gemv.load, gemv.STATUS, {"avx2", "fma", "f16c"})
              "quant/qgemv.cpp": (qgemv.load, qgemv.STATUS, set()),
              "fused/layers.cpp": (library.load, library.STATUS, set()),
              "ops/attention_cpu.cpp": (attention_cpu.load, attention_cpu.STATUS, {"avx2", "fma"}),
-             "ops/activation_cpu.cpp": (activation_cpu.load, activation_cpu.STATUS, {"avx2", "fma"})}
+             "ops/activation_cpu.cpp": (activation_cpu.load, activation_cpu.STATUS, {"avx2", "fma"}),
+             "interop/gguf_strings.cpp": (gguf_strings.load, gguf_strings.STATUS, set())}
 
 
 @pytest.mark.parametrize("source", list(LIBRARIES))

@@ -19,15 +19,22 @@ def measured_child(argv: list[str], what: str) -> tuple[dict, float]:
     return json.loads(out.decode().splitlines()[-1]), usage.ru_maxrss / 1024
 
 
+# Each worker under the shared machine's benchmark gate and exclusive lock (``--lock-each``): one lock hold
+# per configuration, for runs whose configurations together would hold it too long.
+LOCK_EACH = ["flock", "/tmp/tformer-bench.gate", "flock", "/tmp/tformer-bench.lock"]
+
+
 def worker_rows(script: str, args, keys: tuple[str, ...], configs: list[tuple[str, str]],
-                names: tuple[str, str]) -> list[dict]:
+                names: tuple[str, str], prefix: list[str] | None = None) -> list[dict]:
     """Run ``script --worker X Y --key value ...`` (``keys`` of ``args``) alone for each ``(X, Y)`` of
-    ``configs``, one after another: a row ``{names[0]: X, names[1]: Y, **its result, "peak_rss_mb"}`` each."""
+    ``configs``, one after another: a row ``{names[0]: X, names[1]: Y, **its result, "peak_rss_mb"}`` each.
+    ``prefix`` (e.g. :data:`LOCK_EACH`) goes before each worker's command; ``flock`` waits for its child, so
+    the peak measured (``os.wait4``) is still the worker's."""
     import sys
 
     rows = []
     for x, y in configs:
-        argv = [sys.executable, script, "--worker", x, y] + \
+        argv = list(prefix or []) + [sys.executable, script, "--worker", x, y] + \
                [v for k in keys for v in (f"--{k}", str(getattr(args, k)))]
         res, peak = measured_child(argv, f"{names[0]}={x} {names[1]}={y}")
         rows.append({names[0]: x, names[1]: y, **res, "peak_rss_mb": peak})

@@ -18,7 +18,12 @@ torch's libraries, the llama.cpp process imports no torch. llama.cpp decodes N g
 rendered and encoded by tformer), taking the argmax of its logits (no Python sampler).
 
     flock -w 900 /tmp/tformer-bench.lock env PYTHONPATH=/path/to/llama_cpp_python:src \\
-        .venv/bin/python benchmarks/generation/front_door.py --rounds 3 --tag epyc
+        .venv/bin/python benchmarks/generation/front_door.py --rounds 3 --tag epyc [--baseline ../main/src]
+
+``--baseline`` adds another checkout's ``tformer chat`` as a fourth contender in the same alternation (an
+A/B of two tformers in one run). Python's bytecode is cached for the children (``--bytecode cached``, one
+untimed run of each contender first), as an installed tformer runs; ``--bytecode as-is`` keeps the
+environment's setting (``PYTHONDONTWRITEBYTECODE=1`` compiles every module opening imports, at every start).
 
 Writes benchmarks/results/generation/front_door[-TAG].md and .json.
 """
@@ -32,10 +37,10 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.first_start import first_start_env  # noqa: E402
 from common.record import Run, results_dir  # noqa: E402
 
 PROMPT = "Write a very long story about a dragon who learns to cook, with many chapters."
@@ -99,9 +104,15 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=32, help="N1 new tokens (default 32)")
     ap.add_argument("--long", type=int, default=160, help="N2 new tokens (default 160)")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--baseline", default="", help="the src/ folder of another tformer checkout: its chat runs as a "
+                    "fourth contender, alternated with the others (an A/B in one run)")
+    ap.add_argument("--bytecode", choices=("cached", "as-is"), default="cached",
+                    help="cached (default): the children write and reuse Python's bytecode in a private folder, "
+                         "warmed by one untimed run each, as an installed tformer runs; as-is: the environment's "
+                         "setting (PYTHONDONTWRITEBYTECODE=1 compiles every module opening imports, at every start)")
     args = ap.parse_args()
     run = Run()
-    from tformer.interop.builtin import builtin_path, cache_root
+    from tformer.interop.builtin import builtin_path
     from tformer.inference import open_model
 
     path = builtin_path("smollm2")
@@ -109,12 +120,7 @@ def main() -> None:
     rendered = opened.template.render([{"role": "user", "content": PROMPT}])
     ids = opened.template.encode(opened.tokenizer, [{"role": "user", "content": PROMPT}])
     del opened
-    # a fresh cache holding only the built kernels: what a first start after `make install` finds
-    cache = Path(tempfile.mkdtemp(prefix="tformer-front-door-"))
-    for kernel in cache_root().glob("*-*"):
-        if kernel.is_dir() and not kernel.name.startswith("gguf"):
-            (cache / kernel.name).symlink_to(kernel.resolve())
-    env = {**os.environ, "TFORMER_CACHE": str(cache)}
+    env, cache = first_start_env("tformer-front-door-", bytecode=args.bytecode == "cached")
     common = ["--temperature", "0", "--threads", str(args.threads), "--verbose"]
     specs = {
         "tformer chat": lambda n: {"who": "chat", "argv": ["chat", "--prompt", PROMPT, "--max-new-tokens", str(n), *common]},
@@ -122,11 +128,20 @@ def main() -> None:
                                                                    "--max-new-tokens", str(n), *common]},
         "llama.cpp": lambda n: {"who": "llama.cpp", "path": str(path), "ids": ids, "n": n, "threads": args.threads},
     }
+    envs = {name: env for name in specs}
+    if args.baseline:
+        specs["tformer chat (baseline)"] = specs["tformer chat"]
+        paths = [str(Path(args.baseline).resolve())] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                      if p and Path(p).resolve() != Path("src").resolve()]
+        envs["tformer chat (baseline)"] = {**env, "PYTHONPATH": os.pathsep.join(paths)}
+    if args.bytecode == "cached":
+        for name in specs:                    # untimed: writes the bytecode a second start would find
+            child(specs[name](2), envs[name])
     rows = {name: [] for name in specs}
     for r in range(args.rounds):
         order = list(specs) if r % 2 == 0 else list(reversed(specs))
         for name in order:
-            short, long = child(specs[name](args.short), env), child(specs[name](args.long), env)
+            short, long = child(specs[name](args.short), envs[name]), child(specs[name](args.long), envs[name])
             rate = (long["tokens"] - short["tokens"]) / (long["seconds"] - short["seconds"])
             rows[name].append({"rate": rate, "load": statistics.median([short["load"], long["load"]]),
                                "first": short["load"] + short["seconds"],
@@ -149,9 +164,14 @@ def main() -> None:
         "chat / llama.cpp peak RSS": ratio("tformer chat", "llama.cpp", "rss"),
         "float checkpoints written by the first start": converted,
     }
+    if args.baseline:
+        summary["chat / baseline chat load time"] = ratio("tformer chat", "tformer chat (baseline)", "load")
+        summary["chat / baseline chat decode"] = ratio("tformer chat", "tformer chat (baseline)", "rate")
     lines = ["# The front door: tformer chat vs tformer generate vs llama.cpp, SmolLM2-135M-Instruct Q4_1", "",
              f"{args.rounds} rounds, {args.threads} threads, greedy, decode rate from {args.short} and {args.long} new "
-             f"tokens; prompt: {len(ids)} tokens (the chat template around {PROMPT!r}).", "",
+             f"tokens; prompt: {len(ids)} tokens (the chat template around {PROMPT!r}); Python bytecode "
+             f"{'cached (written by one untimed run of each contender)' if args.bytecode == 'cached' else 'as the environment has it'}"
+             + (f"; baseline: tformer at {args.baseline}" if args.baseline else "") + ".", "",
              "| contender | decode tok/s (median) | per round | load s (median) | load + first answer s | peak RSS MiB |",
              "|---|---:|---|---:|---:|---:|"]
     for name in specs:
@@ -165,6 +185,9 @@ def main() -> None:
               f"| chat / llama.cpp, load + the {args.short}-token answer | "
               f"{summary['chat / llama.cpp load to the first answer']:.2f} | (reported) |",
               f"| chat / llama.cpp, peak RSS | {summary['chat / llama.cpp peak RSS']:.2f} | (reported) |",
+              *([f"| chat / baseline chat, load time | {summary['chat / baseline chat load time']:.2f} | (reported) |",
+                 f"| chat / baseline chat, decode | {summary['chat / baseline chat decode']:.2f} | (reported) |"]
+                if args.baseline else []),
               "", f"Float checkpoints the first starts wrote into their fresh cache: {converted or 'none'}."]
     out = results_dir("generation") / f"front_door{'-' + args.tag if args.tag else ''}"
     run.write(out.with_suffix(".md"), "\n".join(lines) + "\n")

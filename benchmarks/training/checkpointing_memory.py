@@ -8,8 +8,8 @@ token, pre-training), AdamW, clip 1.0, fp32 or bf16 autocast. Peak memory is the
 (``os.wait4``); the RSS once the model is built (before the first step) is reported beside it, so the
 part a step adds is visible. s/step is the median of the timed steps.
 
-    PYTHONPATH=src python benchmarks/training/checkpointing_memory.py --shape llama-3.2-1b --layers 8 \
-        --methods lora --batch 4 --context 1024
+    PYTHONPATH=src python benchmarks/training/checkpointing_memory.py --shape llama-3.2-1b --methods lora \
+        --batch 4 --context 1024 --steps 1 --warmup 1 --lock-each
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.child import memory_cells, timed_steps, worker_rows, write_result  # noqa: E402
+from common.child import LOCK_EACH, memory_cells, timed_steps, worker_rows, write_result  # noqa: E402
 from common.record import Run  # noqa: E402
 
 # The public configs' dimensions (config.json of each HF repository), weights random.
@@ -59,6 +59,7 @@ def worker(a) -> dict:
     from tformer.training.config import TrainConfig
     from tformer.training.lora import LoRASpec, add_lora
     from tformer.training.loop import Loop
+    from tformer.machine import busy_cores
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     shape = {**SHAPES[a.shape], **({"n_layers": a.layers} if a.layers else {})}
@@ -71,7 +72,8 @@ def worker(a) -> dict:
     cfg = TrainConfig(precision=a.dtype, checkpointing=a.checkpointing == "on", threads=a.threads, progress=False,
                       lr=LR, weight_decay=0.0, grad_clip=1.0, device="cpu")
     loop = Loop(model.train(), RandomTokens(config.vocab_size, a.batch, a.context, a.labelled), cfg)
-    return {"params": sum(p.numel() for p in model.parameters()), **timed_steps(loop, LR, a.warmup, a.steps)}
+    return {"params": sum(p.numel() for p in model.parameters()), "busy_cores": busy_cores(),
+            **timed_steps(loop, LR, a.warmup, a.steps)}
 
 
 def main() -> None:
@@ -86,6 +88,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--checkpointing", default="off,on", help="which configurations to run (off, on or both)")
+    p.add_argument("--lock-each", action="store_true",
+                   help="run each configuration under the benchmark gate and lock (one hold each), the parent outside")
     p.add_argument("--tag", default="")
     p.add_argument("--worker", nargs=2, metavar=("METHOD", "CHECKPOINTING"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -95,8 +100,8 @@ def main() -> None:
         return
     run = Run()
     rows = worker_rows(__file__, a, ("shape", "layers", "batch", "context", "labelled", "steps", "warmup", "threads",
-                                     "dtype"), [(m, c) for m in a.methods.split(",") for c in ("off", "on")],
-                       ("method", "checkpointing"))
+                                     "dtype"), [(m, c) for m in a.methods.split(",") for c in a.checkpointing.split(",")],
+                       ("method", "checkpointing"), LOCK_EACH if a.lock_each else None)
     run.finish()
     layers = a.layers or SHAPES[a.shape]["n_layers"]
     name = f"checkpointing_memory-{a.shape}-{layers}l-{a.dtype}" + (f"-{a.tag}" if a.tag else "")
@@ -104,12 +109,14 @@ def main() -> None:
              f"Random weights of {a.shape}'s dimensions with {layers} blocks ({rows[0]['params']:,} parameters); "
              f"batch {a.batch} x context {a.context}, targets on the last {a.labelled:.0%} of each row; AdamW lr {LR:g}, "
              f"clip 1.0; {a.threads} threads; {a.warmup} untimed + {a.steps} timed steps, each configuration alone "
-             f"in its own process (peak = the process's max RSS).", "",
-             "| method | checkpointing | trained | RSS once built MB | peak RSS MB | peak on / off | s/step (median) | s/step on / off | losses |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             f"in its own process (peak = the process's max RSS)"
+             + ("; each configuration under the exclusive benchmark lock, one hold each (its own start's load in "
+                "the table; the load lines above are the parent's, outside the lock)" if a.lock_each else "") + ".", "",
+             "| method | checkpointing | other work at its start (cores) | trained | RSS once built MB | peak RSS MB | peak on / off | s/step (median) | s/step on / off | losses |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        off = next(x for x in rows if x["method"] == r["method"] and x["checkpointing"] == "off")
-        lines.append(f"| {r['method']} | {r['checkpointing']} | " + memory_cells(r, off))
+        off = next((x for x in rows if x["method"] == r["method"] and x["checkpointing"] == "off"), r)
+        lines.append(f"| {r['method']} | {r['checkpointing']} | {r['busy_cores']:.2f} | " + memory_cells(r, off))
     write_result(run, name, lines, rows, vars(a))
 
 

@@ -2,7 +2,8 @@
 built-in task's batches, each configuration alone in its own process.
 
 A configuration is the base (``blocks``: the GGUF file's own blocks, QLoRA; ``float``: the same file widened
-to float32, what ``--set qlora=false`` trains on) and activation checkpointing (off / on). Each process opens
+to float32, what ``--set qlora=false`` trains on) and activation checkpointing (off / on / ``trim``: on with
+``--set trim_heap=true``). Each process opens
 the model as ``tformer finetune`` does (:func:`tformer.training.finetune.load_base`), puts LoRA on it, and runs
 ``--warmup`` + ``--steps`` steps of :meth:`tformer.training.loop.Loop._train_step` on
 :class:`~tformer.training.tasks.finetune.FinetuneTask` (the same batches for every configuration); peak memory is
@@ -36,12 +37,12 @@ LR = 1e-3
 
 
 def rss() -> dict[str, float]:
-    """``VmRSS``, ``RssAnon``, ``RssFile`` of this process, MB."""
+    """``VmRSS``, ``RssAnon``, ``RssFile`` and ``VmHWM`` (the peak since the last reset) of this process, MB."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
             key = line.split(":")[0]
-            if key in ("VmRSS", "RssAnon", "RssFile"):
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
                 out[key] = int(line.split()[1]) / 1024
     return out
 
@@ -81,7 +82,8 @@ def worker(a) -> dict:
     torch.set_num_threads(a.threads)
     s = FinetuneSettings(model=a.model, lora_targets="all", lora_r=16, lora_alpha=32, batch_size=a.batch,
                          n_train=200, n_test=8, max_number=999, max_length=96, threads=a.threads, progress=False,
-                         precision="fp32", checkpointing=a.checkpointing == "on", lr=LR, out_dir=None)
+                         precision="fp32", checkpointing=a.checkpointing in ("on", "trim"),
+                         trim_heap=a.checkpointing == "trim", lr=LR, out_dir=None)
     model, tokenizer, template, stops = load_base(a.model, blocks=a.base == "blocks")
     phases["model opened"] = rss()
     torch.manual_seed(0)
@@ -93,9 +95,12 @@ def worker(a) -> dict:
     loop = Loop(model.train(), task, s)
     phases["loop built (optimizer)"] = rss()
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/clear_refs", "w") as f:            # VmHWM := VmRSS: the steps' own peak from here
+        f.write("5")
     saved, sites = saved_for_backward(loop, LR)              # the first warm-up step
     out = {**timed_steps(loop, LR, a.warmup, a.steps, first=1), "rss_built_mb": built}
     phases["after the steps"] = rss()
+    out["steps_peak_mb"] = rss()["VmHWM"]
     out["losses"] = [sites.pop("loss")] + out["losses"]
     return {**out, "phases": phases, "saved_mb": saved, "saved_by_site": sites,
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
@@ -108,7 +113,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--checkpointing", default="off,on")
+    p.add_argument("--checkpointing", default="off,on,trim",
+                   help="off, on, trim (on with trim_heap=true: the heap's free pages handed back before each block)")
     p.add_argument("--rounds", type=int, default=1, help="run the configurations this many times, alternating their order")
     p.add_argument("--tag", default="")
     p.add_argument("--worker", nargs=2, metavar=("BASE", "CHECKPOINTING"), help=argparse.SUPPRESS)
@@ -139,15 +145,16 @@ def main() -> None:
         label = "GGUF blocks (QLoRA)" if r["base"] == "blocks" else "float32 (widened)"
         lines.append(f"| {r['round']} | {label} | {r['checkpointing']} | " + memory_cells(r, ref))
     lines += ["", "Where the memory goes (round 1): resident set after each phase, MB (of it anonymous / file-backed), "
+              "the peak of the steps alone (`VmHWM`, reset once the loop is built: the float base's opening excluded), "
               "and what autograd keeps for the backward in the first step (distinct storages, not the model's).", "",
-              "| base | checkpointing | " + " | ".join(rows[0]["phases"]) + " | peak | kept for the backward | by source line |",
-              "|---|---|" + "---:|" * (len(rows[0]["phases"]) + 2) + "---|"]
+              "| base | checkpointing | " + " | ".join(rows[0]["phases"]) + " | peak | the steps' own peak | kept for the backward | by source line |",
+              "|---|---|" + "---:|" * (len(rows[0]["phases"]) + 3) + "---|"]
     for r in rows:
         if r["round"] == 1:
             cells = [f"{v['VmRSS']:,.0f} ({v['RssAnon']:,.0f} / {v['RssFile']:,.0f})" for v in r["phases"].values()]
             sites = ", ".join(f"{k} {v:g}" for k, v in r["saved_by_site"].items())
             lines.append(f"| {r['base']} | {r['checkpointing']} | " + " | ".join(cells) +
-                         f" | {r['peak_rss_mb']:,.0f} | {r['saved_mb']:,.0f} | {sites} |")
+                         f" | {r['peak_rss_mb']:,.0f} | {r['steps_peak_mb']:,.0f} | {r['saved_mb']:,.0f} | {sites} |")
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
         lines += ["", f"Run with glibc's mmap threshold fixed: MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}."]
     write_result(run, name, lines, rows, vars(a))

@@ -18,7 +18,8 @@ Everything a command would otherwise decide for itself is decided here, once:
   (:func:`choose_path`); chosen when the model is opened, not retried every token.
 - **threads** where none are asked for: torch's count less the cores other processes keep busy while the
   model loads (:class:`tformer.machine.FreeCores`), so a busy neighbour does not make every parallel region
-  wait out its time slices.
+  wait out its time slices. Opening itself runs at one thread, but for the repacks into tiles, which take
+  the cores others left free so far.
 - **stop ids**: the file's end-of-sequence ids together with the chat template's end-of-turn token, so a
   model whose ``eos`` is not its end-of-turn stops at the same token in ``chat`` and ``serve``.
 - **sampling defaults** a GGUF recommends (``general.sampling.*``), for the commands to use where the
@@ -291,6 +292,20 @@ def _collector_paused():
             gc.enable()
 
 
+@contextmanager
+def _threads(n: int):
+    """torch at ``n`` threads inside, its count restored after. Opening runs hundreds of short copies and
+    checks at one: at two each is a parallel region whose second thread, beside a busy neighbour, first
+    waits for a time slice (docs/chat.md, "How fast the front door is"); the repacks into tiles, the one
+    long stretch, take the cores others leave free."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads: int | None = None, *,
                kernels: bool = True) -> OpenedModel:
     """Open a model spec for inference (see the module docstring).
@@ -313,18 +328,19 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
         raise InputError(f"--dtype {dtype} is not a weight format; choose one of {', '.join(known)}.")
     if threads is not None:
         torch.set_num_threads(threads)
-    free = FreeCores() if threads is None else None      # measured while the model loads, not after it
+    free = FreeCores()                                    # measured while the model loads, not after it
     start = time.perf_counter()
     name, source, kind = resolve_source(spec)
-    with _collector_paused():
+    with _collector_paused(), _threads(1):
         parts = _gguf_parts(source, dtype, kernels) if kind == "gguf" else _folder_parts(source, kind, dtype, kernels)
-    model, tokenizer, template, eos, defaults, dtype, why = parts
-    if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
-        raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                              f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
-    stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
-    if free is not None:
+        model, tokenizer, template, eos, defaults, dtype, why = parts
+        if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
+            raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                                  f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
+        stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
+    with _collector_paused(), _threads(free.threads(torch.get_num_threads())):
+        path, path_why = choose_path(model)
+    if threads is None:
         torch.set_num_threads(free.threads(torch.get_num_threads()))   # the cores others leave free now
-    path, path_why = choose_path(model)
     return OpenedModel(model, tokenizer, template, stop, defaults, name, source, dtype, why, path, path_why,
                        time.perf_counter() - start, kind)

@@ -240,3 +240,23 @@ def available_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 2**62
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):                 # not glibc (macOS, musl): nothing to hand back
+        return None
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the operating system (glibc's ``malloc_trim(0)``; nothing where
+    the C library has none). glibc keeps the pages of freed tensors resident for reuse; a training step
+    frees and re-allocates activations of many sizes, so its resident set grows past what is live."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from itertools import compress
 from pathlib import Path
 from typing import Iterable
 
@@ -229,8 +230,7 @@ def checked_gguf_tokens(tokens, token_types, special_ids: dict[str, int | None])
                                    f"never be produced")
             seen[t] = i
     types = list(token_types) if token_types is not None else []
-    if token_types is not None and (len(types) != len(tokens)
-                                    or not all(isinstance(k, int) and not isinstance(k, bool) for k in types)):
+    if token_types is not None and (len(types) != len(tokens) or not set(map(type, types)) <= {int}):   # no bool
         raise gguf_refusal("token_type", f"must hold one integer per token ({len(tokens)}); it holds {len(types)} "
                            f"items")
     for key, i in special_ids.items():
@@ -305,10 +305,11 @@ def gguf_special_tokens(tok, tokens: list[str], types: list[int], bos_id: int | 
     llama.cpp always does), and BOS before / EOS after every encoded text, as asked."""
     from tokenizers import AddedToken, processors
 
+    ids = range(len(types))
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, k in enumerate(types) if k == CONTROL])
+                            for i in compress(ids, map(CONTROL.__eq__, types))])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i, k in enumerate(types) if k == USER_DEFINED])
+                    for i in compress(ids, map(USER_DEFINED.__eq__, types))])
     single = ([f"{tokens[bos_id]}:0"] if add_bos and bos_id is not None else []) + ["$A:0"] + \
         ([f"{tokens[eos_id]}:0"] if add_eos and eos_id is not None else [])
     specials = [(tokens[i], i) for i, flag in ((bos_id, add_bos), (eos_id, add_eos)) if flag and i is not None]

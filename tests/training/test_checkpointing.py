@@ -170,3 +170,49 @@ def test_finetune_with_checkpointing_takes_the_plain_steps(tmp_path):
         assert main(["finetune", "--model", str(base), "--out", str(run), *quick, "--set", f"checkpointing={on}"]) == 0
         losses[on] = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert len(losses["true"]) == 4 and losses["true"] == pytest.approx(losses["false"], rel=TOL)
+
+
+def test_trim_heap_releases_before_each_block_and_changes_no_number(monkeypatch):
+    """``trim_heap``: the heap's free pages handed back before each checkpointed block runs (its forward and
+    its recomputation), the gradients bit-identical to the plain step's."""
+    import tformer.models.stack as stack
+    calls = []
+    monkeypatch.setattr(stack, "release_free_heap", lambda: calls.append(1))
+    model = tiny(dropout=0.1).train()
+    ids, y = lm_batch()
+    plain = grads(model, lambda: model(ids, y)[1])
+    enable_checkpointing(model, trim_heap=True)
+    trimmed = grads(model, lambda: model(ids, y)[1])
+    assert len(calls) == 2 * len(model.blocks)               # the forward's runs and the backward's
+    assert plain[0] == trimmed[0] and all(torch.equal(plain[1][n], trimmed[1][n]) for n in plain[1])
+
+
+def test_release_free_heap_hands_pages_back():
+    """On glibc, freed small allocations stay resident until ``malloc_trim``; after it the resident set falls."""
+    import ctypes
+    from tformer.machine import _malloc_trim, release_free_heap
+    if _malloc_trim() is None:
+        pytest.skip("not glibc: nothing to hand back")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+    def rss_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+    blocks = [libc.malloc(64 * 1024) for _ in range(1600)]   # 100 MB in 64 KB pieces: on the heap, not mmap
+    for b in blocks:
+        libc.memset(b, 1, 64 * 1024)
+    for b in blocks[:-1]:                                    # the last one pins the top: no trim at free
+        libc.free(b)
+    before = rss_mb()
+    release_free_heap()
+    assert rss_mb() < before - 50
+    libc.free(blocks[-1])
+
+
+def test_trim_heap_needs_checkpointing():
+    from tformer.training.config import TrainConfig
+    with pytest.raises(ConfigError, match="trim_heap=true acts on checkpointed blocks only"):
+        TrainConfig(trim_heap=True)

@@ -8,7 +8,8 @@ import sys
 
 EPILOG = """settings (--set KEY=VALUE; tformer.training.finetune.FinetuneSettings): the loop's (lr, min_lr,
 warmup_steps, max_steps, batch_size, grad_accum, weight_decay, precision, eval_interval, log_interval,
-time_limit, seed, device, threads, checkpointing (activation checkpointing per block), ...) and lora_r,
+time_limit, seed, device, threads, checkpointing (activation checkpointing per block), trim_heap (with
+checkpointing: the heap's free pages handed back before each block; lower peak RSS), ...) and lora_r,
 lora_alpha, lora_dropout, lora_targets (q_proj,v_proj by default; comma-separated HF names or 'all'), qlora
 (a GGUF file's blocks as the frozen base; true by default), max_length, val_fraction, eval_exact, merge,
 and for the built-in task n_train, n_test, max_number; preference tuning: objective=dpo, dpo_loss (sigmoid, robust,
@@ -25,6 +26,7 @@ English words or to another number's French words), with held-out preference acc
 examples:
   tformer finetune --model smollm2-ckpt --out runs/fr                  # LoRA on the built-in task
   tformer finetune --model smollm2 --out runs/q --merge                # QLoRA over the Q4_1 file's blocks
+  tformer finetune --model smollm2 --out runs/q --set checkpointing=true --set trim_heap=true   # QLoRA, least memory
   tformer finetune --model hf-folder --data chats.jsonl --method full --set max_steps=500
   tformer finetune --resume --out runs/fr --set max_steps=400          # continue a run exactly
   tformer finetune --model smollm2-ckpt --set objective=dpo --set dpo_beta=0.1 --out runs/dpo   # DPO, built-in pairs

@@ -19,6 +19,7 @@ LIBRARIES = [
     ("tformer.quant.gemv", "load", "float, int8 and int4 one-row products (decoding)"),
     ("tformer.quant.qgemv", "load", "GGUF block products and tiles (decoding)"),
     ("tformer.fused.library", "load", "whole decoder layers in one C++ call (prompts and decoding)"),
+    ("tformer.interop.gguf_strings", "load", "a GGUF header's string arrays (opening a GGUF's vocabulary)"),
 ]
 
 

@@ -236,13 +236,20 @@ def check_sizes(f: GGUFFile, arch: str, hf: dict) -> None:
 
 def check_finite(f: GGUFFile, name: str, a: np.ndarray, kept: bool) -> None:
     """Refuse a weight holding NaN or infinity (every later command refuses the checkpoint it would make):
-    a float tensor's values, or a block-quantised one's f16 scales."""
+    a float tensor's values, or a block-quantised one's f16 scales.
+
+    A scale is read as its 16 bits in place (no copy, no temporary, no float16 arithmetic, which numpy
+    emulates): an f16 is infinite or NaN when its five exponent bits are all ones, that is from 0xFC00 up
+    as uint16 (the negative ones) or from 0x7C00 up as int16 (the positive ones): two maxima find them."""
     if kept:
         fmt = KEPT[f.tensors[name].type]
-        blocks = np.ascontiguousarray(a).reshape(-1, kblocks.maths(fmt).BYTES[fmt])
+        halves = np.ascontiguousarray(a).reshape(-1).view(np.uint16)             # (blocks · BYTES / 2,)
+        step = kblocks.maths(fmt).BYTES[fmt] // 2                                # every format's block is even
         at = SCALE_BYTES.get(fmt, slice(0, 2))
-        scales = blocks[:, at].copy().view(np.float16)
-        bad = ~np.isfinite(scales)
+        scales = [halves[j::step] for j in range(at.start // 2, at.stop // 2)]   # strided views, one per factor
+        if all(s.max() < 0xFC00 and s.view(np.int16).max() < 0x7C00 for s in scales):
+            return
+        bad = np.concatenate([(s | 0x83FF) == 0xFFFF for s in scales])
     else:
         bad = ~np.isfinite(a)
     if bad.any():

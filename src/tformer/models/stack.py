@@ -13,6 +13,7 @@ Parameters keep the names they always had (``tok_emb``, ``pos_emb``, ``type_emb`
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -24,6 +25,7 @@ from tformer.ops.dropout import dropout as cpu_dropout
 from tformer.ops.masks import padding_mask
 from tformer.config import TransformerConfig
 from tformer.errors import InputError
+from tformer.machine import release_free_heap
 from tformer.models.state import InferenceState
 from tformer.models.block import Block
 from tformer.nn.norms import make_norm
@@ -72,8 +74,10 @@ class TransformerStack(nn.Module):
         # tformer.interp's hook function while it runs a model (see Step.hooks); None otherwise.
         self.hooks: Callable[[str, Tensor], Tensor] | None = None
         # Activation checkpointing (training/checkpointing.py sets it): keep each block's input only, run the
-        # block again in the backward. Off by default.
+        # block again in the backward. Off by default. trim_heap: hand the heap's free pages back before each
+        # checkpointed block runs (forward and recomputation), so one block's freed pages are not all kept.
         self.checkpointing = False
+        self.trim_heap = False
 
     def init_weights(self, scale_residual: bool = True) -> None:
         """GPT-2's init: N(0, init_std) everywhere (then a mixer's own ``init_weights()``, if it has one), and (``scale_residual``) the projections that write
@@ -223,8 +227,8 @@ class TransformerStack(nn.Module):
         for i, block in enumerate(self.blocks):
             layer_state = state.layers[i] if state is not None else None
             if recompute:     # saves x (B, T, C) per block; the block's insides are recomputed in the backward
-                x = checkpoint(block, x, step, layer_state, context=context, context_mask=context_mask,
-                               use_reentrant=False)
+                x = checkpoint(functools.partial(_after_trim, block) if self.trim_heap else block, x, step,
+                               layer_state, context=context, context_mask=context_mask, use_reentrant=False)
             else:
                 x = block(x, step, layer_state, context=context, context_mask=context_mask)
             if return_weights:
@@ -295,3 +299,10 @@ class TransformerStack(nn.Module):
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Distinct parameters (a tied head counts once)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+def _after_trim(block: nn.Module, *args, **kwargs):
+    """``block(*args, **kwargs)`` after :func:`~tformer.machine.release_free_heap` (a checkpointed block with
+    ``trim_heap``)."""
+    release_free_heap()
+    return block(*args, **kwargs)

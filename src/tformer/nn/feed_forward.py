@@ -50,6 +50,37 @@ def relu_squared(x: Tensor) -> Tensor:
     return _ReLUSquared.apply(x)
 
 
+class _SiluGate(torch.autograd.Function):
+    """``h = silu(g)·u`` keeping only ``g`` and ``u`` for the backward, where autograd on the expression keeps
+    ``silu(g)`` too (a third ``(…, d_ff)`` tensor per block): the backward computes ``s = silu(g)`` again,
+
+        ∂L/∂u = ∂L/∂h · s        ∂L/∂g = silu'(g) · (∂L/∂h · u)       silu'(g) = σ(g)(1 + g(1 − σ(g)))
+
+    with the ops autograd runs for the expression (``mul``, ``silu_backward``), so the gradients are the same
+    floats. One more pass over ``g`` in the backward. Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, g: Tensor, u: Tensor) -> Tensor:
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        g, u = ctx.saved_tensors
+        gg = torch.ops.aten.silu_backward(grad * u, g) if ctx.needs_input_grad[0] else None
+        gu = grad * F.silu(g) if ctx.needs_input_grad[1] else None
+        return gg, gu
+
+
+def silu_gate(g: Tensor, u: Tensor) -> Tensor:
+    """SwiGLU's gated product ``silu(g) · u`` (both ``(…, d_ff)``); in training :class:`_SiluGate`, which keeps
+    a third less for the backward."""
+    if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad) and g.shape == u.shape:
+        return _SiluGate.apply(g, u)
+    return F.silu(g) * u
+
+
 def gelu_tanh(x: Tensor) -> Tensor:
     """GELU's tanh form (GPT-2's): on a CPU in float32 tformer's kernel (one pass each way;
     :mod:`tformer.ops.activation_cpu`), elsewhere ``F.gelu(x, approximate="tanh")``. Inference takes the
@@ -118,6 +149,8 @@ class SwiGLU(nn.Module):
         self.act = F.silu                              # the gate's activation (GeGLU: GELU)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.act is F.silu:                         # silu recomputed in the backward, not kept (_SiluGate)
+            return self.down(silu_gate(self.gate(x), self.up(x)))
         return self.down(self.act(self.gate(x)) * self.up(x))
 
     def hooked(self, x: Tensor, hook, prefix: str) -> Tensor:

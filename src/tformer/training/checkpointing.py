@@ -22,8 +22,11 @@ from tformer.errors import ConfigError
 from tformer.models.stack import TransformerStack
 
 
-def enable_checkpointing(model: nn.Module) -> int:
+def enable_checkpointing(model: nn.Module, trim_heap: bool = False) -> int:
     """Turn on per-block checkpointing in every transformer stack of ``model``; the number of blocks covered.
+    ``trim_heap``: before each checkpointed block runs (its forward and its recomputation), hand the heap's
+    free pages back to the OS (:func:`tformer.machine.release_free_heap`): the backward's blocks then reuse
+    fresh pages instead of keeping every size freed so far resident (peak RSS, not a number, changes).
 
     Raises:
         ConfigError: ``model`` has no transformer blocks (an RNN seq2seq model).
@@ -33,5 +36,5 @@ def enable_checkpointing(model: nn.Module) -> int:
         raise ConfigError(f"checkpointing=true needs a model made of transformer blocks; this "
                           f"{type(model).__name__} has none: drop --set checkpointing=true.")
     for stack in stacks:
-        stack.checkpointing = True
+        stack.checkpointing, stack.trim_heap = True, trim_heap
     return sum(len(s.blocks) for s in stacks)

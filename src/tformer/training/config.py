@@ -54,6 +54,8 @@ class TrainConfig:
         compile: wrap the model in ``torch.compile``.
         checkpointing: activation checkpointing per block (keep each block's input, recompute the rest in
             the backward: less memory, one more forward; see :mod:`tformer.training.checkpointing`).
+        trim_heap: with ``checkpointing``, hand the C heap's free pages back to the OS before each block runs
+            (glibc ``malloc_trim``): a lower peak RSS for some time (figures: docs/finetune.md).
         threads: torch threads (0 = :func:`tformer.machine.auto_threads`).
         device: ``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda``.
         seed: model init, batch order and sampling.
@@ -97,6 +99,7 @@ class TrainConfig:
     precision: str = "auto"
     compile: bool = False
     checkpointing: bool = False
+    trim_heap: bool = False
     threads: int = 0
     device: str = "auto"
     seed: int = 1337
@@ -177,6 +180,9 @@ def check_train_settings(cfg: "TrainConfig") -> None:
     if cfg.optimizer == "muon" and cfg.strategy == "fsdp":
         raise ConfigError("optimizer='muon' does not run on FSDP shards (Newton–Schulz needs whole matrices); "
                           "use strategy=ddp or optimizer=adamw.")
+    if cfg.trim_heap and not cfg.checkpointing:
+        raise ConfigError("trim_heap=true acts on checkpointed blocks only; add --set checkpointing=true "
+                          "(or drop trim_heap).")
     if cfg.strategy not in STRATEGIES:
         raise ConfigError(f"strategy={cfg.strategy!r} is not known; choose one of {', '.join(STRATEGIES)}.")
     if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):

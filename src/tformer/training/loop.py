@@ -84,7 +84,7 @@ class Loop:
         self.device = self.dist.place(device)
         self.model = model.to(self.device)
         if cfg.checkpointing:                     # before DDP / FSDP wrap the blocks
-            enable_checkpointing(self.model)
+            enable_checkpointing(self.model, trim_heap=cfg.trim_heap)
         self.forward = self.dist.wrap(self.model, cfg.strategy, self.device)   # the model, DDP, or FSDP-sharded
         self.optimizer = self._new_optimizer(self.model)
         if cfg.compile:           # build the training kernels now: a first build inside the trace breaks the graph

@@ -21,9 +21,39 @@ def make_optimizer(model: torch.nn.Module, lr: float, betas: tuple[float, float]
     """
     groups = param_groups(model, weight_decay)
     try:
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+        return AdamW(groups, lr=lr, betas=betas, fused=True)
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+        return AdamW(groups, lr=lr, betas=betas, foreach=True)
+
+
+def _undecorated(method):
+    """``method`` without torch's lazy ``torch._dynamo`` wrappers (``functools.wraps`` keeps the function
+    they wrap as ``__wrapped__``); ``method`` itself where a torch release has none."""
+    return getattr(method, "__wrapped__", method)
+
+
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` (the same update, kernels, state and ``state_dict``) without importing
+    ``torch._dynamo`` when built or stepped: torch 2.13 wraps ``Optimizer.add_param_group`` and ``zero_grad``
+    in ``torch._disable_dynamo`` and ``step`` in ``_use_grad_for_differentiable``, each importing the
+    compiler stack (~70 MB resident) at its first call in eager mode too; here they call the functions those
+    wrappers wrap. Saving or loading its state (``state_dict``) still imports it. Not differentiable
+    (``differentiable=True`` is refused), as tformer's loop never asks for it."""
+
+    def __init__(self, params, **kwargs):
+        if kwargs.get("differentiable"):
+            raise ValueError("tformer's AdamW is not differentiable; use torch.optim.AdamW for that.")
+        super().__init__(params, **kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        _undecorated(torch.optim.Optimizer.add_param_group)(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _undecorated(torch.optim.Optimizer.zero_grad)(self, set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return _undecorated(torch.optim.AdamW.step)(self, closure)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -129,9 +159,9 @@ class MuonAdamW:
                                      weight_decay=weight_decay * lr / muon_lr, momentum=momentum, nesterov=True)
         groups = [{**g, "lr_scale": 1.0} for g in _named_groups(rest, weight_decay)]
         try:
-            self.adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+            self.adamw = AdamW(groups, lr=lr, betas=betas, fused=True)
         except (RuntimeError, TypeError):
-            self.adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+            self.adamw = AdamW(groups, lr=lr, betas=betas, foreach=True)
 
     @property
     def param_groups(self) -> list[dict]:

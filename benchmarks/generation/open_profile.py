@@ -1,0 +1,113 @@
+"""Where opening SmolLM2's Q4_1 GGUF goes: ``open_model("smollm2")`` in fresh processes, timed phase by phase.
+
+Each run is a fresh interpreter (torch and tformer imported before the clock, Python's bytecode cached by
+one untimed run first, a fresh cache holding only the built kernels: what a first start after `make
+install` finds). The phases are the loader's own functions, each wrapped to add up the process's CPU time
+inside it (``time.process_time``: both torch threads, so a parallel region's wait shows too) and its wall
+time; a phase nested in another is counted in both (the table indents it). The whole open is timed the
+same way. Medians over the runs; the minimum beside them, since a busy neighbour only adds.
+
+    flock /tmp/tformer-bench.gate flock /tmp/tformer-bench.lock env PYTHONPATH=src \\
+        .venv/bin/python benchmarks/generation/open_profile.py --runs 9 --tag epyc
+
+Writes benchmarks/results/generation/open_profile[-TAG].md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
+from common.first_start import first_start_env  # noqa: E402
+from common.record import Run, results_dir  # noqa: E402
+
+# (depth, module, function, what it is): the loader's phases, in the order they run
+PHASES = [
+    (0, "tformer.interop.gguf_reader", "GGUFFile.__init__", "the header: metadata and tensor table"),
+    (1, "tformer.interop.gguf_reader", "_Cursor.strings", "its string arrays (tokens, merges)"),
+    (0, "tformer.interop.gguf_import", "load_gguf_file", "the model from the file's blocks"),
+    (1, "tformer.interop.gguf_import", "hf_tensors", "the tensors as views of the file, q and k reordered"),
+    (2, "tformer.interop.gguf_import", "check_finite", "every block's scales finite"),
+    (1, "tformer.interop.llama", "state_from_hf", "q, k and v joined"),
+    (1, "tformer.interop.hf", "build_model", "the modules, weights uninitialised"),
+    (1, "tformer.interop.gguf_import", "install_blocks", "block modules in place of the linears"),
+    (0, "tformer.quant.quantize", "set_precision", "the float layers' kernels"),
+    (0, "tformer.interop.gguf_import", "gguf_tokenizer", "the vocabulary as a tokenizers BPE"),
+    (1, "tformer.tokenizers", "checked_gguf_tokens", "the tokens' checks and their ids"),
+    (1, "tformer.tokenizers", "gguf_special_tokens", "control and user tokens, bos / eos"),
+    (0, "tformer.tokenizers", "ChatTemplate.__init__", "the chat template (jinja2 imported, parsed)"),
+    (0, "tformer.inference", "choose_path", "the whole-layer plan"),
+    (1, "tformer.quant.qgemv", "tiles", "the block matrices repacked into tiles"),
+]
+CHILD = """
+import functools, importlib, json, sys, time
+import torch
+import tformer.cli, tformer.inference as inference
+phases, spent = json.loads(sys.argv[1]), {}
+def wrap(module, qualname):
+    owner = importlib.import_module(module)
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        owner = getattr(owner, part)
+    fn = getattr(owner, parts[-1])
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        c, w = time.process_time(), time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            cpu, wall = spent.get(qualname, (0.0, 0.0))
+            spent[qualname] = (cpu + time.process_time() - c, wall + time.perf_counter() - w)
+    setattr(owner, parts[-1], timed)
+for _, module, qualname, _ in phases:
+    wrap(module, qualname)
+c, w = time.process_time(), time.perf_counter()
+opened = inference.open_model("smollm2")
+spent["open_model"] = (time.process_time() - c, time.perf_counter() - w)
+print(json.dumps(spent))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=9)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    run = Run()
+    env, _ = first_start_env("tformer-open-profile-")
+
+    def child() -> dict:
+        r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(PHASES)], capture_output=True, text=True,
+                           env=env, check=False)
+        if r.returncode:
+            raise SystemExit(f"open_profile: a run failed:\n{r.stderr[-3000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    child()                                                   # untimed: writes the bytecode
+    runs = [child() for _ in range(args.runs)]
+    rows = [(0, "open_model", "the whole open")] + [(d, q, what) for d, _, q, what in PHASES]
+
+    def stat(name, i, f):
+        return f(r.get(name, (0.0, 0.0))[i] for r in runs)
+
+    lines = ["# Where opening SmolLM2-135M-Instruct's Q4_1 GGUF goes, phase by phase", "",
+             f"{args.runs} fresh processes, `open_model(\"smollm2\")` after the imports; CPU = the process's CPU "
+             f"time inside the phase (both torch threads), wall = its clock time; a nested phase (indented) is "
+             f"counted in its parent too.", "",
+             "| phase | what | CPU ms (median) | CPU ms (min) | wall ms (median) |", "|---|---|---:|---:|---:|"]
+    for depth, name, what in rows:
+        lines.append(f"| {'· ' * depth}`{name}` | {what} | {stat(name, 0, statistics.median) * 1e3:.1f} | "
+                     f"{stat(name, 0, min) * 1e3:.1f} | {stat(name, 1, statistics.median) * 1e3:.1f} |")
+    out = results_dir("generation") / f"open_profile{'-' + args.tag if args.tag else ''}"
+    run.write(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    run.write_json(out.with_suffix(".json"), {"runs": runs})
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
