@@ -22,14 +22,16 @@ pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 import tformer.fused as whole  # noqa: E402
-from tformer.generation.step import decode_logits, prefill  # noqa: E402
+from tformer.generation.step import decode_logits  # noqa: E402
 from tformer.interop.gguf_import import load_gguf  # noqa: E402
 from tformer.interop.hf import load_hf  # noqa: E402
 from tformer.quant import qgemv  # noqa: E402
 from tformer.quant.quantize import set_precision  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "interop"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
 import families as F  # noqa: E402
+from quant_models import tiny_gemma  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -127,7 +129,7 @@ def test_a_gemma_style_model_from_the_switches_runs_whole():
     """The switches as ``tformer train --set`` sets them, with a score scale other than 1/sqrt(head_dim) (the
     published Gemmas above have query_pre_attn_scalar = head_dim) and QK-norm beside the soft-cap: whole,
     and equal to the module path to 1e-4 of the logits' scale over a state past the window."""
-    model = switch_model()
+    model = set_precision(tiny_gemma(), "fp32")
     choice = whole.chosen(model)
     assert choice.plan is not None and choice.plan.scale == 0.1, choice.reason
     ids = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(1))
@@ -141,44 +143,3 @@ def test_a_gemma_style_model_from_the_switches_runs_whole():
             steps.append(whole.decode(model, ids[:, t:t + 1], state, r)[0])
         full = model(ids)[0][0, 20:]                            # the module path, no state
     assert F.relative(torch.stack(steps), full) < 1e-4
-
-
-def switch_model():
-    """A 3-layer Gemma-style model (local, global, local; window 8) from the switches, random weights, fp32."""
-    from tformer.config import TransformerConfig
-    from tformer.models import build_model
-
-    torch.manual_seed(0)
-    c = TransformerConfig(vocab_size=96, context_length=64, n_layers=3, d_model=64, n_heads=4, n_kv_heads=2,
-                          head_dim=32, positions="rope", norm="rmsnorm", ffn="geglu", activation="gelu_tanh", bias=False,
-                          embedding_scale=True, norm_unit_offset=True, post_norms=True, attn_scale=0.1,
-                          attn_softcap=5.0, logit_softcap=3.0, sliding_window=8, window_layers=[True, False, True],
-                          rope_base=1e6, rope_local_base=1e4, qk_norm=True, qk_norm_gain=True)
-    model = build_model(c).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    return set_precision(model, "fp32")
-
-
-@pytest.mark.skipif(qgemv.path() not in qgemv.TILE_ROWS, reason="no SIMD tile path on this CPU")
-def test_a_gemma_style_model_on_the_servers_pool_equals_the_module_path():
-    """The static pool (the server's): row 0 left-padded by 3, both rows decoded past the window of 8 with
-    per-row positions; the window is measured on cache indices in both paths."""
-    model = switch_model()
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[0, :3] = 0
-    fused, plain = (model.new_state(2, 32, static=True) for _ in range(2))
-    tok = torch.tensor([[5], [6]])
-    with torch.inference_mode():
-        for s in (fused, plain):
-            prefill(model, ids, s, attention_mask=mask)
-        for _ in range(12):
-            at = fused.valid.sum(-1)                             # (2,) real tokens held: the positions
-            r = whole.route(model, fused, 2, 1, step=True)
-            assert r is not None
-            a = whole.decode(model, tok, fused, r, positions=at[:, None])
-            b = decode_logits(model, tok, plain, positions=at[:, None])
-            assert F.relative(a, b) < 1e-4
-            tok = b.argmax(-1, keepdim=True)
