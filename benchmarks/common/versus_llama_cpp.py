@@ -16,6 +16,7 @@ each row carries the load it ran under.
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -86,7 +87,11 @@ print(json.dumps({"load": t1 - t0, "prefill": t3 - t2, "decode": t4 - t3, "at_ma
 
 
 def child(spec: dict) -> dict:
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True, check=False)
+    env = None
+    if spec.get("src"):                      # another tformer tree first on the path (a before / after run)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([spec["src"], os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True, check=False,
+                       env=env)
     if r.returncode:
         raise SystemExit(f"versus_llama_cpp: a {spec['who']} run failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -102,30 +107,34 @@ def quiet(limit: float = 0.3, patience: float = 10.0) -> float:
     return busy
 
 
-def compare(files: list[Path], threads: list[int], rounds: int, prompt: int, short: int, long: int) -> dict:
+def compare(files: list[Path], threads: list[int], rounds: int, prompt: int, short: int, long: int,
+            before: str | None = None) -> dict:
     """``{"file|threads|who": [row per round]}``, each row the decode and prefill rates, load time, peak
     RSS, how tformer ran (format, path, threads) and the cores others kept busy before and after the run.
 
     One process per row: its decode rate is (long - short) / (time at token ``long`` - time at token
-    ``short``), so load, prompt and the first steps cancel. Each run waits (up to 10 s) for a quiet machine."""
+    ``short``), so load, prompt and the first steps cancel. Each run waits (up to 10 s) for a quiet machine.
+    ``before``: another tformer tree's ``src`` folder, run as ``tformer-before`` in the same rounds (a change's
+    before and after in one alternated run)."""
     rng = random.Random(0)
     ids = [rng.randrange(100, 30000) for _ in range(prompt)]
     rows: dict = {}
     for path in files:
         for t in threads:
             for r in range(rounds):
-                who = ["tformer", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "tformer"]
-                for w in who:
-                    before = quiet()
-                    a = child({"who": w, "path": str(path), "ids": ids, "threads": t, "n": long, "mark": short})
+                who = ["tformer", "llama.cpp"] + (["tformer-before"] if before else [])
+                for w in (who if r % 2 == 0 else who[::-1]):
+                    quiet_before = quiet()
+                    a = child({"who": w, "path": str(path), "ids": ids, "threads": t, "n": long, "mark": short,
+                               "src": before if w == "tformer-before" else None})
                     after = busy_cores()
                     row = {"decode": (long - short) / (a["decode"] - a["at_mark"]), "prefill": prompt / a["prefill"],
                            "load": a["load"], "rss": a["rss"], "how": a["how"],
-                           "busy": [round(before, 2), round(after, 2)]}
+                           "busy": [round(quiet_before, 2), round(after, 2)]}
                     rows.setdefault(f"{path.name}|{t}|{w}", []).append(row)
                     print(f"{path.name} {t}t round {r + 1} {w}: decode {row['decode']:.1f} tok/s, prefill "
                           f"{row['prefill']:.1f} tok/s, load {row['load']:.2f} s, RSS {row['rss'] / 2**20:.0f} MiB, "
-                          f"{before:.2f} / {after:.2f} cores busy before / after; {row['how']}", flush=True)
+                          f"{quiet_before:.2f} / {after:.2f} cores busy before / after; {row['how']}", flush=True)
     return rows
 
 
@@ -134,12 +143,13 @@ HEADER = ["| file | threads | tformer decode | llama.cpp decode | ratio | tforme
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
 
-def summarise(rows: dict, files: list[Path], threads: list[int]) -> tuple[list[str], dict, list[str]]:
-    """(table lines after :data:`HEADER`, medians and ratios per ``"file Nt"``, rounds more than 1.5x apart)."""
+def summarise(rows: dict, files: list[Path], threads: list[int], who: str = "tformer") -> tuple[list[str], dict, list[str]]:
+    """(table lines after :data:`HEADER`, medians and ratios per ``"file Nt"``, rounds more than 1.5x apart),
+    for the runs of ``who`` (``tformer``, or ``tformer-before``) against llama.cpp's."""
     lines, summary, uneven = [], {}, []
     for path in files:
         for t in threads:
-            a, b = rows[f"{path.name}|{t}|tformer"], rows[f"{path.name}|{t}|llama.cpp"]
+            a, b = rows[f"{path.name}|{t}|{who}"], rows[f"{path.name}|{t}|llama.cpp"]
             m = {k: (statistics.median(x[k] for x in a), statistics.median(x[k] for x in b))
                  for k in ("decode", "prefill", "rss", "load")}
             ratio = {k: v[0] / v[1] for k, v in m.items()}
@@ -147,10 +157,10 @@ def summarise(rows: dict, files: list[Path], threads: list[int]) -> tuple[list[s
                                             "llama.cpp": {k: v[1] for k, v in m.items()}, "ratio": ratio,
                                             "how": a[-1]["how"]}
             # a median of 2 rounds is their mean: one slow round moves it (a llama.cpp round at 10 tok/s once did)
-            for who, xs in (("tformer", a), ("llama.cpp", b)):
+            for side, xs in ((who, a), ("llama.cpp", b)):
                 rates = [x["decode"] for x in xs]
                 if max(rates) > 1.5 * min(rates):
-                    uneven.append(f"{path.name} {t}t {who} decode rounds {', '.join(f'{r:.1f}' for r in rates)}")
+                    uneven.append(f"{path.name} {t}t {side} decode rounds {', '.join(f'{r:.1f}' for r in rates)}")
             lines.append(f"| {path.name} | {t} | {m['decode'][0]:.1f} | {m['decode'][1]:.1f} | {ratio['decode']:.2f} | "
                          f"{m['prefill'][0]:.1f} | {m['prefill'][1]:.1f} | {ratio['prefill']:.2f} | "
                          f"{m['rss'][0] / 2**20:.0f} / {m['rss'][1] / 2**20:.0f} | {ratio['rss']:.2f} | "

@@ -44,15 +44,21 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=16)
     ap.add_argument("--long", type=int, default=80)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--before", help="another tformer tree's src folder (e.g. main's), run in the same rounds: "
+                                     "a change's before and after")
     args = ap.parse_args()
     files = list(args.files) + (make(args.make) if args.make else [])
     run = Run()
-    rows = compare(files, args.threads, args.rounds, args.prompt, args.short, args.long)
+    rows = compare(files, args.threads, args.rounds, args.prompt, args.short, args.long, args.before)
     table, summary, uneven = summarise(rows, files, args.threads)
     lines = ["# K-quant GGUF files: tformer vs llama.cpp on the same file", "",
              f"{args.rounds} alternated rounds per file and thread count; prompt {args.prompt} random ids; decode "
              f"rate from {args.short} and {args.long} greedy tokens; medians. Ratios are tformer / llama.cpp "
              "(goals: decode >= 1.2, prefill >= 1.0, RSS <= 1.1, load <= 2).", "", *HEADER, *table]
+    if args.before:
+        old, summary["before"], was = summarise(rows, files, args.threads, "tformer-before")
+        lines += ["", f"Before the change (`{args.before}`), in the same rounds:", "", *HEADER, *old]
+        uneven += was
     lines += uneven_note(uneven)
     out = results_dir("quant") / f"kquant_llama_cpp{'-' + args.tag if args.tag else ''}"
     run.write(out.with_suffix(".md"), "\n".join(lines) + "\n")

@@ -174,10 +174,7 @@ def _matrix(lin, path: str) -> Tensor:
         return lin.row_major()                              # the layer call reads (N, K) rows
     if lin.kquant:
         return lin.blocks                                   # K-quants are read in the file layout
-    t = lin._tiled.get(path)
-    if t is None:
-        t = lin._tiled[path] = qgemv.tiles(lin.blocks, lin.fmt, path)
-    return t
+    return lin.tiles(path)
 
 
 def _bias(lin) -> Tensor | None:

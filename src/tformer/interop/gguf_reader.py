@@ -32,6 +32,7 @@ import numpy as np
 
 from tformer.errors import CheckpointError, InputError
 from tformer.interop import gguf_strings
+from tformer.quant import pages
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -207,6 +208,8 @@ class GGUFFile:
             raise CheckpointError(f"{self.path} is not a file; pass the path of a .gguf model file.")
         # copy-on-write: block tensors are used in place (no copy), and nothing written to them reaches the file
         self.raw = np.memmap(self.path, dtype=np.uint8, mode="c") if self.path.stat().st_size else np.zeros(0, np.uint8)
+        if self.raw.size:            # its pages may be handed back once copied into tiles (never written)
+            pages.register(self.raw.ctypes.data, self.raw.size, self.raw._mmap)
         cur = _Cursor(memoryview(self.raw), self.path)
         head = bytes(self.raw[:4])
         if head != MAGIC:

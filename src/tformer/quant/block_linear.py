@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from tformer.errors import InputError
-from tformer.quant import blocks, kblocks, qgemv
+from tformer.quant import blocks, kblocks, pages, qgemv
 from tformer.quant.tiled import tiled_linear
 
 Tensor = torch.Tensor
@@ -69,12 +69,20 @@ class BlockLinear(nn.Module):
         p = qgemv.path()
         if self.kquant:                                # read in the file layout: no tiles
             return qgemv.kqgemm(self.blocks, self.fmt, x2, self.bias, p)
-        tiled = self._tiled.get(p) if p in qgemv.TILE_ROWS else None
-        if p in qgemv.TILE_ROWS and tiled is None:
-            # the SIMD paths' interleaved rows, made at the first call on a path (the file layout
-            # stays in ``blocks``: what the checks, dequantisation and export read)
-            tiled = self._tiled[p] = qgemv.tiles(self.blocks, self.fmt, p)
-        return qgemv.qgemm(self.blocks, self.fmt, x2, self.bias, p, tiled)             # (M, N) in x's dtype
+        return qgemv.qgemm(self.blocks, self.fmt, x2, self.bias, p, self.tiles(p))      # (M, N) in x's dtype
+
+    def tiles(self, kernel_path: str | None) -> Tensor | None:
+        """The SIMD path's interleaved rows (:func:`tformer.quant.qgemv.tiles`; ``None``: a path that reads
+        the file layout), made at the first call on a path and kept. The file layout stays in ``blocks``
+        (what the checks, dequantisation and export read); where it is a mapped file's pages, they are
+        handed back once copied (:mod:`tformer.quant.pages`), so the weights are held once."""
+        if self.kquant or kernel_path not in qgemv.TILE_ROWS:
+            return None
+        tiled = self._tiled.get(kernel_path)
+        if tiled is None:
+            tiled = self._tiled[kernel_path] = qgemv.tiles(self.blocks, self.fmt, kernel_path,
+                                                           release=pages.mapped(self.blocks))
+        return tiled
 
     def dequantized(self) -> Tensor:
         """The float32 weight ``(N, K)`` the blocks stand for (for checks; the layer never builds it)."""

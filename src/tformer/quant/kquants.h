@@ -45,6 +45,7 @@ struct KRow {
   const int8_t* q;       // (K,)
   const float* d;        // (S,)
   const int16_t* bsums;  // (S, 16)
+  const int16_t* psums;  // (S, 8) bsum_2j + bsum_2j+1: the sums of each 32-code sub-block (q4_k / q5_k's mins)
 };
 
 // M activation rows as Q8_K (ggml's quantize_row_q8_K_ref): per block of 256, max = the value of
@@ -55,10 +56,11 @@ struct Q8K {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> bsums;   // (M, S, 16)
+  std::vector<int16_t> psums;   // (M, S, 8)
 
   void quantize(const float* x, int64_t rows, int64_t k) {
     M = rows, K = k, S = k / 256;
-    q.resize(M * K), d.resize(M * S), bsums.resize(M * S * 16);
+    q.resize(M * K), d.resize(M * S), bsums.resize(M * S * 16), psums.resize(M * S * 8);
     for (int64_t b = 0; b < M * S; ++b) {
       const float* v = x + (b / S) * K + (b % S) * 256;
       int8_t* out = q.data() + b * 256;
@@ -69,6 +71,7 @@ struct Q8K {
         d[b] = 0.0f;
         std::fill(out, out + 256, int8_t(0));
         std::fill(bsums.data() + 16 * b, bsums.data() + 16 * b + 16, int16_t(0));
+        std::fill(psums.data() + 8 * b, psums.data() + 8 * b + 8, int16_t(0));
         continue;
       }
       const float iscale = -127.0f / big;
@@ -82,19 +85,30 @@ struct Q8K {
         for (int e = 0; e < 16; ++e) s += out[16 * g + e];
         bsums[16 * b + g] = static_cast<int16_t>(s);
       }
+      for (int j = 0; j < 8; ++j)                      // |sum of 32 codes| <= 4064: an int16
+        psums[8 * b + j] = static_cast<int16_t>(bsums[16 * b + 2 * j] + bsums[16 * b + 2 * j + 1]);
       d[b] = 1.0f / iscale;
     }
   }
-  KRow row(int64_t m) const { return KRow{q.data() + m * K, d.data() + m * S, bsums.data() + m * S * 16}; }
+  KRow row(int64_t m) const {
+    return KRow{q.data() + m * K, d.data() + m * S, bsums.data() + m * S * 16, psums.data() + m * S * 8};
+  }
 };
 
 // q4_k / q5_k's 12 bytes of 6-bit scales and mins -> sc[8], m[8] (ggml's get_scale_min_k4)
+// The same bytes four at a time, as 32-bit words (each mask keeps every byte's own bits: nothing
+// crosses a byte): sc[0..3] = s[0..3] & 63, m[0..3] = s[4..7] & 63,
+// sc[4..7] = (s[8..11] & 15) | (s[0..3] >> 6) << 4, m[4..7] = (s[8..11] >> 4) | (s[4..7] >> 6) << 4.
 inline void scale_min(const uint8_t* s, uint8_t* sc, uint8_t* m) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63, m[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
-    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
+  constexpr uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+  uint32_t u[3], out[4];
+  std::memcpy(u, s, 12);
+  out[0] = u[0] & six;
+  out[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+  out[2] = u[1] & six;
+  out[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+  std::memcpy(sc, out, 8);
+  std::memcpy(m, out + 2, 8);
 }
 
 // sum_j m_j (bsum_2j + bsum_2j+1): the mins' integer term of a q4_k / q5_k super-block
@@ -163,6 +177,25 @@ float kdot_scalar(const uint8_t* w, const KRow& x, int64_t S) {
 
 #ifdef TFORMER_X86
 // ---------------------------------------------------------------- AVX2 -----------------------
+T_AVX2 inline int32_t hsum_i32x4(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
+  return _mm_cvtsi128_si32(v);
+}
+
+// mins_term from the pair sums (8 u8 mins x s16 sums, one madd): the same integer, in a few instructions
+T_AVX2 inline int32_t mins_term_simd(const uint8_t* m, const int16_t* ps) {
+  const __m128i mv = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+  return hsum_i32x4(_mm_madd_epi16(mv, _mm_loadu_si128(reinterpret_cast<const __m128i*>(ps))));
+}
+
+// q6_offset (16 s8 scales x s16 sums), likewise
+T_AVX2 inline int32_t q6_offset_simd(const int8_t* sc, const int16_t* bs) {
+  const __m256i p = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))),
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
+  return hsum_i32x4(_mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+}
+
 T_AVX2 inline float h2f_k(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -206,7 +239,7 @@ T_AVX2 void kdot_avx2(const uint8_t* w, const KRow* x, int64_t S, float* out) {
       }
       const float dw = h2f_k(w + 208);
       for (int r = 0; r < MR; ++r) {
-        isum[r] = _mm256_sub_epi32(isum[r], _mm256_setr_epi32(32 * q6_offset(sc, x[r].bsums + 16 * s), 0, 0, 0, 0, 0, 0, 0));
+        isum[r] = _mm256_sub_epi32(isum[r], _mm256_setr_epi32(32 * q6_offset_simd(sc, x[r].bsums + 16 * s), 0, 0, 0, 0, 0, 0, 0));
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[r].d[s]), _mm256_cvtepi32_ps(isum[r]), acc[r]);
       }
     } else {
@@ -233,7 +266,7 @@ T_AVX2 void kdot_avx2(const uint8_t* w, const KRow* x, int64_t S, float* out) {
       const float dw = h2f_k(w), mw = h2f_k(w + 2);
       for (int r = 0; r < MR; ++r) {
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[r].d[s]), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-        mins[r] += (mw * x[r].d[s]) * float(mins_term(m, x[r].bsums + 16 * s));
+        mins[r] += (mw * x[r].d[s]) * float(mins_term_simd(m, x[r].psums + 8 * s));
       }
     }
   }
@@ -251,8 +284,8 @@ T_VNNI void kdot_vnni(const uint8_t* w, const KRow* x, int64_t S, float* out) {
   float mins[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = 0.0f;
   for (int64_t s = 0; s < S; ++s, w += bytes) {
-    __m512i isum[MR];
-    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+    __m512i isum[MR], isum2[MR];                       // two chains of dpwssd (even / odd steps), added at the end
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512(), isum2[r] = _mm512_setzero_si512();
     if (F == Q6_K) {
       const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
       // the 16 scales as s16, spread so that s16 lane l of a 64-code step holds group base + l / 8
@@ -270,12 +303,12 @@ T_VNNI void kdot_vnni(const uint8_t* w, const KRow* x, int64_t S, float* out) {
           const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16(int16_t(8 * h + 4 * k)), _mm512_load_si512(LANE_GROUP));
           const __m512i scv = _mm512_permutexvar_epi16(idx, sc16);
           for (int r = 0; r < MR; ++r)
-            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(qs[k], _mm512_loadu_si512(x[r].q + 256 * s + 128 * h + 64 * k)), scv);
+            (k ? isum2 : isum)[r] = _mm512_dpwssd_epi32((k ? isum2 : isum)[r], _mm512_maddubs_epi16(qs[k], _mm512_loadu_si512(x[r].q + 256 * s + 128 * h + 64 * k)), scv);
         }
       }
       const float dw = h2f_k(w + 208);
       for (int r = 0; r < MR; ++r) {
-        isum[r] = _mm512_sub_epi32(isum[r], _mm512_maskz_set1_epi32(1, 32 * q6_offset(sc, x[r].bsums + 16 * s)));
+        isum[r] = _mm512_sub_epi32(_mm512_add_epi32(isum[r], isum2[r]), _mm512_maskz_set1_epi32(1, 32 * q6_offset_simd(sc, x[r].bsums + 16 * s)));
         acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(dw * x[r].d[s]), _mm512_cvtepi32_ps(isum[r]), acc[r]);
       }
     } else {
@@ -294,12 +327,12 @@ T_VNNI void kdot_vnni(const uint8_t* w, const KRow* x, int64_t S, float* out) {
           q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * c), one), 4));
         const __m512i scv = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(sc[2 * c]), _mm512_set1_epi16(sc[2 * c + 1]));
         for (int r = 0; r < MR; ++r)
-          isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[r].q + 256 * s + 64 * c)), scv);
+          (c & 1 ? isum2 : isum)[r] = _mm512_dpwssd_epi32((c & 1 ? isum2 : isum)[r], _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[r].q + 256 * s + 64 * c)), scv);
       }
       const float dw = h2f_k(w), mw = h2f_k(w + 2);
       for (int r = 0; r < MR; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(dw * x[r].d[s]), _mm512_cvtepi32_ps(isum[r]), acc[r]);
-        mins[r] += (mw * x[r].d[s]) * float(mins_term(m, x[r].bsums + 16 * s));
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(dw * x[r].d[s]), _mm512_cvtepi32_ps(_mm512_add_epi32(isum[r], isum2[r])), acc[r]);
+        mins[r] += (mw * x[r].d[s]) * float(mins_term_simd(m, x[r].psums + 8 * s));
       }
     }
   }
@@ -368,6 +401,21 @@ T_AVX2 void q5dot_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) {
   for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]) + mins[r];
 }
 
+// 64 codes of two Q5 blocks (0..31 each): the nibbles of each block's 16 bytes (low then high), and the
+// fifth bits added as 16 where the 64 bits of qh (block 0's then block 1's) say, by a byte mask
+T_VNNI inline __m512i q5_codes2(const uint8_t* b, int64_t bytes, int64_t at) {
+  uint32_t h0, h1;
+  std::memcpy(&h0, b + at, 4);
+  std::memcpy(&h1, b + bytes + at, 4);
+  const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at + 4));
+  const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + bytes + at + 4));
+  const __m512i nib = _mm512_and_si512(
+      _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_srli_epi16(v0, 4), v0)),
+                         _mm256_set_m128i(_mm_srli_epi16(v1, 4), v1), 1),
+      _mm512_set1_epi8(15));
+  return _mm512_mask_add_epi8(nib, (__mmask64(h1) << 32) | h0, nib, _mm512_set1_epi8(16));
+}
+
 // AVX-512: two blocks a step (64 codes), one dpbusd per row; q5_0's -16 s rides in the accumulator's
 // first lane of each block; an odd last block goes through the AVX2 step.
 template <int F, int MR>
@@ -378,7 +426,7 @@ T_VNNI void q5dot_vnni(const uint8_t* w, const XRow* x, int64_t G, float* out) {
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = 0.0f;
   int64_t g = 0;
   for (; g + 2 <= G; g += 2, w += 2 * bytes) {
-    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q5_codes(w, at)), q5_codes(w + bytes, at), 1);
+    const __m512i q = q5_codes2(w, bytes, at);
     const float d0 = h2f_k(w), d1 = h2f_k(w + bytes);
     for (int r = 0; r < MR; ++r) {
       const __m512i init = F == Q5_0 ? _mm512_maskz_set1_epi32(0x0001, -16 * x[r].s[g]) : _mm512_setzero_si512();

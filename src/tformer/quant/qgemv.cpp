@@ -33,6 +33,7 @@
 #include <vector>
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #define TFORMER_ARENA 1
 #endif
 #include "tiles.h"
@@ -345,7 +346,20 @@ at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts
 at::Tensor arena_zeros(int64_t rows, int64_t cols, const at::TensorOptions& opts) { return at::zeros({rows, cols}, opts); }
 #endif
 
-at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R) {
+// Hand back the whole pages of [begin, end) (a mapped file's, never written: they are read again from
+// the page cache if ever touched); the pages it shares with its neighbours stay.
+void release_pages(const uint8_t* begin, const uint8_t* end) {
+#ifdef TFORMER_ARENA
+  static const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page,
+                  e = reinterpret_cast<uintptr_t>(end) / page * page;
+  if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_DONTNEED);
+#endif
+}
+
+// release: blocks are a mapped file's pages (tformer.quant.pages says so), handed back as each run of
+// tiles is copied, so the weights never sit in memory twice (the whole copy at once would double the peak)
+at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R, bool release) {
   TORCH_CHECK(fmt >= 0 && fmt <= 2 && (R == 8 || R == 16), "repack: fmt 0..2 and R 8 or 16");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(1) % BLOCK_BYTES[fmt] == 0, "repack: blocks must be contiguous (N, G*bytes) uint8");
@@ -356,8 +370,11 @@ at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R) {
   uint8_t* dst = out.data_ptr<uint8_t>();
   const bool offset = fmt == Q8_0 && R == 16;
   // tiles are independent: split them between torch's threads (opening a model repacks all of its matrices)
+  constexpr int64_t RUN = 32;                                          // tiles copied between releases
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t n = t0 * R; n < std::min(N, t1 * R); ++n) {
+   for (int64_t c0 = t0; c0 < t1; c0 += RUN) {
+    const int64_t n0 = c0 * R, n1 = std::min(N, std::min(t1, c0 + RUN) * R);
+    for (int64_t n = n0; n < n1; ++n) {
       const int64_t t = n / R, r = n % R;
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* b = src + (n * G + g) * bytes;
@@ -375,6 +392,8 @@ at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R) {
         }
       }
     }
+    if (release) release_pages(src + n0 * G * bytes, src + n1 * G * bytes);
+   }
   });
   return out;
 }
@@ -471,7 +490,7 @@ at::Tensor kqgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, co
 TORCH_LIBRARY(tformer_qgemv, m) {
   m.def("qgemm(Tensor blocks, int fmt, Tensor x, Tensor? bias, int path) -> Tensor");
   m.def("paths() -> int[]");
-  m.def("repack(Tensor blocks, int fmt, int R) -> Tensor");
+  m.def("repack(Tensor blocks, int fmt, int R, bool release=False) -> Tensor");
   m.def("qgemm_tiles(Tensor tiles, int fmt, int N, Tensor x, Tensor? bias, int path) -> Tensor");
   m.def("tile_passes(Tensor[] mats, int[] fmts, int[] ns, Tensor x, int path, int reps) -> float");
   m.def("product_ns(bool reset) -> int");

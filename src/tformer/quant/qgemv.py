@@ -103,15 +103,16 @@ def path() -> str | None:
 TILE_ROWS = {"avx2": 8, "avx512vnni": 16}     # rows interleaved per tile by the SIMD paths (tiles.h)
 
 
-def tiles(packed: Tensor, fmt: str, kernel_path: str) -> Tensor | None:
+def tiles(packed: Tensor, fmt: str, kernel_path: str, release: bool = False) -> Tensor | None:
     """``packed`` repacked for ``kernel_path`` (``TILE_ROWS`` rows interleaved, the same bytes moved:
     see tiles.h), or ``None`` for the scalar path and the torch fallback, which read the file layout.
     The tensor is a view into a shared arena of 2 MB pages, right after the tiles made before it;
-    the arena is freed with the last tensor in it."""
+    the arena is freed with the last tensor in it. ``release``: ``packed`` is a mapped file's pages,
+    handed back as they are copied (only where :func:`tformer.quant.pages.mapped` says so)."""
     op = load()
     if op is None or kernel_path not in TILE_ROWS:
         return None
-    return op.repack(packed, FMT[fmt], TILE_ROWS[kernel_path])
+    return op.repack(packed, FMT[fmt], TILE_ROWS[kernel_path], release)
 
 
 def _op_and_path(kernel_path: str | None):
