@@ -1,9 +1,10 @@
-"""The model families at their published sizes (Llama-3.2-1B, Qwen3-0.6B, Qwen2.5-0.5B, Phi-3.5-mini: full depth,
-full vocabulary, random weights) in tformer against llama.cpp on the same GGUF files: load time, peak RSS,
+"""The model families at their published sizes (Llama-3.2-1B, Qwen3-0.6B, Qwen2.5-0.5B, Gemma-3-270M,
+Gemma-3-1B, Gemma-2-2B, Phi-3.5-mini: full depth, full vocabulary, random weights) in tformer against llama.cpp
+on the same GGUF files: load time, peak RSS,
 prefill and decode tok/s at f16, q8_0 and q4_0, 1 and 2 threads, fresh processes alternated round by round
 (how each is measured: benchmarks/common/versus_llama_cpp.py).
 
-Goal (issue 51): q8_0 and q4_0 decode >= 1.0x llama.cpp's for every family at 2 threads.
+Goal (issues 51, 52): q8_0 and q4_0 decode >= 1.0x llama.cpp's for every family at 2 threads.
 
 The files: ``--make DIR`` writes ``FAMILY-f16.gguf`` with the ``gguf`` package as llama.cpp's converter lays
 it out (tests/interop/families.py ``full_size_gguf``: random weights, the fixture vocabulary padded to the
@@ -35,6 +36,7 @@ from common.versus_llama_cpp import HEADER, compare, summarise, uneven_note  # n
 
 FAMILIES = (
     "llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b-yarn",
+    "gemma-3-270m", "gemma-3-1b", "gemma-2-2b",
     "phi-3.5-mini",
 )
 FORMATS = ("f16", "q8_0", "q4_0")

@@ -23,13 +23,13 @@ from tformer.quant import kernels, qgemv
 from tformer.quant.quantize import set_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
-from quant_models import tiny, tiny_gpt2  # noqa: E402
+from quant_models import tiny, tiny_gemma, tiny_gpt2  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_tiles = pytest.mark.skipif(qgemv.path() not in qgemv.TILE_ROWS, reason="no SIMD tile path on this CPU")
 
 
-SHAPES = {"llama": tiny, "gpt2": tiny_gpt2}
+SHAPES = {"llama": tiny, "gpt2": tiny_gpt2, "gemma": tiny_gemma}
 
 
 def plan_of(model):

@@ -444,6 +444,7 @@ def write_gguf(family: str, model, path: Path, kind: str = "f32", arrays=None) -
 
 FULL_VOCAB = {"llama-3.2-1b": 128256, "llama-3.1-8b": 128256, "qwen3-0.6b": 151936, "qwen2.5-0.5b-yarn": 151936,
               "phi-3.5-mini": 32064}
+FULL_VOCAB.update({"gemma-2-2b": 256000, "gemma-3-270m": 262144, "gemma-3-1b": 262144})   # Gemma's SentencePiece sizes
 
 
 def full_size_gguf(family: str, path: Path, seed: int = 0) -> Path:
@@ -453,16 +454,19 @@ def full_size_gguf(family: str, path: Path, seed: int = 0) -> Path:
     gains 1 + N(0, 0.2), biases N(0, 0.2)), so the peak is the f16 file's size, not a float32 model's."""
     import transformers
 
-    cfg = hf_config(family, layers=PUBLISHED[family][2]["num_hidden_layers"], vocab_size=FULL_VOCAB[family])
+    # gguf_layout: the layer kinds llama.cpp gives the file (the fixture's two-layer list does not fit full depth)
+    cfg = hf_config(family, gguf_layout=True, layers=PUBLISHED[family][2]["num_hidden_layers"],
+                    vocab_size=FULL_VOCAB[family])
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed)
+    gemma = PUBLISHED[family][1].startswith("gemma")
 
     def draw(name: str, t: torch.Tensor) -> np.ndarray:
         x = torch.randn(t.shape, generator=g)
         if t.dim() == 2:
             return x.mul_(0.02).half().numpy()
-        return (x.mul_(0.2) + (0 if name.endswith(".bias") else 1)).numpy()
+        return (x.mul_(0.2) + (0 if name.endswith(".bias") or gemma else 1)).numpy()   # Gemma's w of its 1 + w
 
     return write_gguf(family, model, path, "f16", arrays=draw)
 

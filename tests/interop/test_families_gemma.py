@@ -6,7 +6,8 @@
 - a GGUF file of six Gemma 3 layers (the sixth global, as llama.cpp reads the file) equals transformers;
 - a Gemma-style model built from tformer's own switches (as ``tformer train --set`` builds it) exports to a
   folder transformers loads with equal logits, and ``tformer train --set`` trains one;
-- the whole-layer C++ call refuses Gemma, naming why, so the module path runs.
+- the whole-layer C++ call takes Gemma (its equality with the module path: tests/fused/test_families_fused.py), and
+  the module path, token by token, equals recomputation.
 """
 
 from __future__ import annotations
@@ -171,15 +172,17 @@ def test_tformer_train_builds_and_trains_a_gemma_style_model(tmp_path, capsys):
     assert model.blocks[0].attn_post_norm is not None and model.local_rope is not None
 
 
-def test_the_whole_layer_call_refuses_gemma_and_the_module_path_runs(pair):
-    from tformer.fused.plan import gemma_why_not, why_not
+def test_the_whole_layer_call_takes_gemma_and_the_module_path_is_exact(pair):
+    import copy
+
+    import tformer.fused as whole
     from tformer.generation.step import decode_step, prefill
+    from tformer.quant.quantize import set_precision
 
     family, ours, _ = pair
-    assert why_not(ours)                                            # refused: sqrt(d) embeddings first
-    assert "Gemma's" in gemma_why_not(ours.config) and "the whole-layer call has none" in gemma_why_not(ours.config)
-    plain = build_model(TransformerConfig(**{**GEMMA, "embedding_scale": False})).eval()
-    assert why_not(plain).startswith("Gemma's")                   # the switches alone are refused too
+    assert "DecodeLinear" in whole.chosen(ours).reason             # torch's Linear layers: the module path
+    plan = whole.chosen(set_precision(copy.deepcopy(ours), "fp32")).plan
+    assert plan is not None and plan.windows and plan.logit_softcap == (30.0 if family == "gemma-2-2b" else 0.0)
     ids = torch.tensor([F.prompts()[2]])
     with torch.no_grad():                                           # the module path, token by token: exact
         full = ours(ids)[0][0]

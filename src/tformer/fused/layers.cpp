@@ -2,7 +2,9 @@
 // speculative check, on block-quantised or float weights; fused/run.py drives them): the Llama
 // shape (RMSNorm, GQA attention with rotate-half RoPE, SwiGLU, no biases) or the GPT-2 shape
 // (LayerNorm with biases, learned positions added before the first layer, so no rotation here, a
-// GELU MLP, biases on every product).
+// GELU MLP, biases on every product), with the Gemma 2 / 3 switches: (1 + w) gains (given as 1 + w),
+// a GELU-gated feed-forward, a score scale and soft-cap, norms after the sub-layers, a per-layer sliding
+// window and the windowed layers' own rotary tables. Embedding scale and logit soft-cap are run.py's.
 // Token i belongs to cache row r_i = rows[i] (r_i = i without `rows`: one token per row, a decode
 // step), writes its key and value at cache index w_i = write_index[i], is rotated at position
 // p_i = positions[i] and attends over the keys j <= w_i of its row that valid[r_i, j] marks real (all
@@ -14,11 +16,13 @@
 //   q, k <- q cos[p_i] + rot(q) sin[p_i], rot(u) = [-u_hi, u_lo]   (with RoPE: each head, hs/2 halves)
 //   K[r_i, w_i] <- k, V[r_i, w_i] <- v                          (the cache buffers (rows, nkv, L, hs),
 //                                                                float32, bfloat16 or float16)
-//   o_h = sum_j softmax_j(q_h . K_j / sqrt(hs)) V_j over the real j <= w_i (zero if there is none;
-//                                                                head h reads kv head h / (nh/nkv))
-//   x <- x + o . Wo^T (+ b)
-//   h = norm_ffn(x);  x <- x + (silu(h Wg^T) * (h Wu^T)) . Wd^T        (SwiGLU)
+//   s_j = q_h . K_j scale (scale 1/sqrt(hs) unless given), s_j <- cap tanh(s_j / cap) (with a soft-cap)
+//   o_h = sum_j softmax_j(s_j) V_j over the real j <= w_i, and w_i - j < window in a windowed layer
+//                                          (zero if there is none; head h reads kv head h / (nh/nkv))
+//   x <- x + o . Wo^T (+ b)                 (with post norms: x <- x + norm_post(o . Wo^T))
+//   h = norm_ffn(x);  x <- x + (silu(h Wg^T) * (h Wu^T)) . Wd^T        (SwiGLU; GeGLU: gelu for silu)
 //                 or  x <- x + act(h Wu^T + b) . Wd^T + b,  act GELU (tanh or erf form), ReLU, ReLU^2 or SiLU
+//                                          (with post norms, the product normalised before the add)
 // Every token's key and value is written before any token attends, so several new tokens of one
 // row (a speculative check, a prompt) see each other causally through the cache: token i reads the
 // row's keys up to its own index, which holds the earlier new tokens and not the later ones.
@@ -51,7 +55,9 @@
 namespace {
 
 constexpr int64_t F32 = 3, BF16 = 4, F16 = 5;
-enum Mlp : int64_t { SWIGLU = 0, GELU_TANH = 1, RELU = 2, RELU2 = 3, GELU = 4, SILU = 5 };   // the plain MLP's activation
+enum Mlp : int64_t { SWIGLU = 0, GELU_TANH = 1, RELU = 2, RELU2 = 3, GELU = 4, SILU = 5,   // the plain MLP's activation
+                     GEGLU_TANH = 6, GEGLU = 7 };                                        // gated by GELU (Gemma: tanh form)
+bool gated(int64_t mlp) { return mlp == SWIGLU || mlp >= GEGLU_TANH; }
 
 void rms_norm_rows(const float* x, const float* g, double eps, int64_t M, int64_t C, float* out) {
   for (int64_t m = 0; m < M; ++m) {
@@ -305,11 +311,14 @@ void weighted_sum(const float* p, float inv, const T* V, int64_t s2, int64_t n, 
 #endif
 
 // One query head of one token over keys 0 .. n-1 of its row (K, V: key j at + j s2), the keys
-// `real` marks (all without it): o = softmax(q K^T scale) V, zero if no key is real. p: n floats.
+// `real` marks (all without it): o = softmax(cap(q K^T scale)) V, zero if no key is real, cap(s) =
+// softcap tanh(s / softcap) with softcap > 0 (Gemma 2), else s. p: n floats.
 template <typename T>
 T_ATT void attend_head(const float* q, const T* K, const T* V, int64_t s2, int64_t n, const bool* real,
-                       float scale, int64_t hs, float* p, float* o) {
+                       float scale, float softcap, int64_t hs, float* p, float* o) {
   scores(q, K, s2, n, hs, scale, p);                                    // padding keys too (finite), masked next
+  if (softcap > 0.0f)
+    for (int64_t j = 0; j < n; ++j) p[j] = softcap * std::tanh(p[j] / softcap);   // before the mask, as the module path
   float mx = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     if (real && !real[j]) p[j] = -INFINITY;
@@ -437,18 +446,21 @@ void project_qkv(const Product* W, int64_t parts, const float* h, int64_t N, Act
 }
 
 // The attention of every (token, query head), over caches of element type T
+// (a window > 0: token i reads the keys j with w_i - j < window only, the module path's sliding window,
+// measured on cache indices)
 template <typename T>
 void attend_all(const float* proj, int64_t N, int64_t NQKV, int64_t nh, int64_t group, int64_t hs, const T* kc,
                 const T* vc, int64_t s0, int64_t s1, int64_t s2, int64_t L, const int64_t* wi, const int64_t* ri,
-                const bool* vp, int64_t vs, float* att) {
-  const float scale = 1.0f / std::sqrt(float(hs));
+                const bool* vp, int64_t vs, float scale, float softcap, int64_t window, float* att) {
   const int64_t Q = nh * hs;
   at::parallel_for(0, N * nh, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(L);
     for (int64_t t = i0; t < i1; ++t) {
       const int64_t i = t / nh, hd = t % nh, kvh = hd / group, row = ri ? ri[i] : i;
-      attend_head(proj + i * NQKV + hd * hs, kc + row * s0 + kvh * s1, vc + row * s0 + kvh * s1, s2,
-                  wi[i] + 1, vp ? vp + row * vs : nullptr, scale, hs, p.data(), att + i * Q + hd * hs);
+      const int64_t j0 = window > 0 ? std::max<int64_t>(0, wi[i] + 1 - window) : 0;   // the first key read
+      const int64_t at = row * s0 + kvh * s1 + j0 * s2;
+      attend_head(proj + i * NQKV + hd * hs, kc + at, vc + at, s2, wi[i] + 1 - j0,
+                  vp ? vp + row * vs + j0 : nullptr, scale, softcap, hs, p.data(), att + i * Q + hd * hs);
     }
   });
 }
@@ -466,28 +478,38 @@ void write_kv(const float* proj, int64_t N, int64_t NQKV, int64_t Q, int64_t KV,
   }
 }
 
-// norms: (g_attn, g_ffn) for RMSNorm, (g_attn, b_attn, g_ffn, b_ffn) for LayerNorm, float32 (C,).
-// mats / biases / fmts: (qkv, o, gate, up, down) for SwiGLU, (qkv, o, up, down) for a plain MLP (GELU, ReLU, ReLU², SiLU).
-// dims: (nh, nkv, hs, d_ff, mlp[, qkv parts[, qk]]); parts 1 (one qkv matrix) or 3 (q, k, v apart);
-// qk = 1: QK-norm with gains, whose (hs,) gains follow the norms (gq, gk).
-// cos / sin: the rotary tables, absent for a model without RoPE.
+// norms: (g_attn, g_ffn) for RMSNorm, (g_attn, b_attn, g_ffn, b_ffn) for LayerNorm, float32 (C,); with post
+// norms (RMSNorm only) (g_attn, g_ffn, g_attn_post, g_ffn_post). A gain applied as (1 + w) (Gemma) comes
+// here as 1 + w (the plan adds the 1).
+// mats / biases / fmts: (qkv, o, gate, up, down) for SwiGLU and GeGLU, (qkv, o, up, down) for a plain MLP
+// (GELU, ReLU, ReLU², SiLU).
+// dims: (nh, nkv, hs, d_ff, mlp[, qkv parts[, qk[, post]]]); parts 1 (one qkv matrix) or 3 (q, k, v apart);
+// qk = 1: QK-norm with gains, whose (hs,) gains follow the norms (gq, gk); post = 1: each sub-layer's output
+// normalised before the residual add (Gemma 2 and 3: x <- x + norm_post(f(norm(x)))).
+// cos / sin: the layer's rotary tables, absent for a model without RoPE.
+// window > 0: the layer attends over the keys j with w_i - j < window only; scale: the factor on q . k
+// (0: 1 / sqrt(hs)); softcap > 0: the scores capped to softcap tanh(s / softcap) before the softmax.
 void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
                const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef fmts, at::IntArrayRef dims,
                const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_index,
                const at::Tensor& positions, const c10::optional<at::Tensor>& valid,
                const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cos,
-               const c10::optional<at::Tensor>& sin, int64_t path) {
+               const c10::optional<at::Tensor>& sin, int64_t path, int64_t window, double score_scale,
+               double softcap) {
   TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "layer: this CPU cannot run path ", path);
-  TORCH_CHECK(dims.size() >= 5 && dims.size() <= 7 && dims[4] >= SWIGLU && dims[4] <= SILU,
-              "layer: dims (nh, nkv, hs, d_ff, mlp 0 swiglu | 1 gelu_tanh | 2 relu | 3 relu2 | 4 gelu | 5 silu[, qkv parts[, qk]])");
-  const bool qk = dims.size() == 7 && dims[6] != 0;
+  TORCH_CHECK(dims.size() >= 5 && dims.size() <= 8 && dims[4] >= SWIGLU && dims[4] <= GEGLU,
+              "layer: dims (nh, nkv, hs, d_ff, mlp 0 swiglu | 1 gelu_tanh | 2 relu | 3 relu2 | 4 gelu | 5 silu | "
+              "6 geglu_tanh | 7 geglu[, qkv parts[, qk[, post]]])");
+  const bool qk = dims.size() >= 7 && dims[6] != 0;
+  const bool post = dims.size() == 8 && dims[7] != 0;
   const int64_t nh = dims[0], nkv = dims[1], hs = dims[2], F = dims[3], mlp = dims[4];
   const int64_t parts = dims.size() >= 6 ? dims[5] : 1;               // qkv as one matrix, or q, k, v apart
   TORCH_CHECK(parts == 1 || parts == 3, "layer: qkv comes as 1 matrix or 3 (q, k, v)");
-  const size_t n_mats = (mlp == SWIGLU ? 5 : 4) + (parts - 1);
+  TORCH_CHECK(window >= 0 && score_scale >= 0.0 && softcap >= 0.0, "layer: window, scale and softcap must be >= 0");
+  const size_t n_mats = (gated(mlp) ? 5 : 4) + (parts - 1);
   TORCH_CHECK(mats.size() == n_mats && biases.size() == n_mats && fmts.size() == n_mats,
-              "layer: mats, biases and fmts: (qkv, o, gate, up, down) for SwiGLU, (qkv, o, up, down) otherwise, "
-              "qkv as (q, k, v) with 3 parts");
+              "layer: mats, biases and fmts: (qkv, o, gate, up, down) for SwiGLU and GeGLU, (qkv, o, up, down) "
+              "otherwise, qkv as (q, k, v) with 3 parts");
   for (auto f : fmts)
     TORCH_CHECK((f >= Q8_0 && f <= F16) || is_kquant(f),
                 "layer: a format must be 0-2 (blocks), 3-5 (float32, bfloat16, float16) or 6-10 (q4_k, q5_k, q6_k, q5_0, q5_1)");
@@ -516,11 +538,13 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   const int64_t vs = valid.has_value() ? valid->stride(0) : 0;
   const size_t n_norms = norms.size() - (qk ? 2 : 0);                 // the QK-norm's gains come last
   TORCH_CHECK(norms.size() >= (qk ? 4 : 2) && (n_norms == 2 || n_norms == 4),
-              "layer: norms (g, g) for RMSNorm or (g, b, g, b) for LayerNorm, then (gq, gk) with qk");
+              "layer: norms (g, g) for RMSNorm, (g, b, g, b) for LayerNorm or (g, g, g_post, g_post) with post, "
+              "then (gq, gk) with qk");
+  TORCH_CHECK(!post || n_norms == 4, "layer: post norms need (g_attn, g_ffn, g_attn_post, g_ffn_post)");
   for (size_t i = 0; i < norms.size(); ++i)
     TORCH_CHECK(norms[i].scalar_type() == at::kFloat && norms[i].is_contiguous() && norms[i].numel() == (i < n_norms ? C : hs),
                 "layer: norm weights (C,) float32, QK-norm gains (hs,)");
-  const bool layer_norm = n_norms == 4;
+  const bool layer_norm = n_norms == 4 && !post;
   const bool rope = cos.has_value();
   TORCH_CHECK(rope == sin.has_value(), "layer: give both rotary tables or neither");
   if (rope)
@@ -545,19 +569,20 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
       continue;
     }
     const size_t j = i - (parts - 1);                                   // its place with one qkv matrix
-    const size_t role = mlp == SWIGLU || j < 2 ? j : j + 1;             // a plain MLP has no gate
+    const size_t role = gated(mlp) || j < 2 ? j : j + 1;                // a plain MLP has no gate
     W.push_back(make_product(mats[i], biases.get(i), fmts[i], outs[role], path, names[role]));
   }
   const Product &Wo = W[parts], &Wd = W.back();
   const Product& Wu = W[n_mats - 2];
   for (int64_t i = 0; i < parts; ++i) TORCH_CHECK(W[i].K == C, "layer: the qkv weights' width does not match x");
-  TORCH_CHECK(Wo.K == Q && Wu.K == C && (mlp != SWIGLU || W[parts + 1].K == C) && Wd.K == F,
+  TORCH_CHECK(Wo.K == Q && Wu.K == C && (!gated(mlp) || W[parts + 1].K == C) && Wd.K == F,
               "layer: the weights' widths do not match x and the head layout");
   for (const Product& p : W)
     TORCH_CHECK(!p.blocks() || p.K % 32 == 0, "layer: a block product's input width must be a multiple of 32");
 
   float* xp = x.data_ptr<float>();
   const int64_t group = nh / nkv;
+  const float scale = score_scale > 0.0 ? float(score_scale) : 1.0f / std::sqrt(float(hs));
   std::vector<float> h(N * std::max(C, F)), proj(N * std::max(NQKV, 2 * F)), att(N * Q);
   Acts acts;
   auto norm = [&](int which) {                                         // h = norm_which(x)
@@ -579,13 +604,15 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   }
   auto attention = [&](auto* kc, auto* vc) {
     write_kv(proj.data(), N, NQKV, Q, KV, nkv, hs, kc, vc, s0, s1, s2, wi, ri);
-    attend_all(proj.data(), N, NQKV, nh, group, hs, kc, vc, s0, s1, s2, L, wi, ri, vp, vs, att.data());
+    attend_all(proj.data(), N, NQKV, nh, group, hs, kc, vc, s0, s1, s2, L, wi, ri, vp, vs, scale, float(softcap),
+               window, att.data());
   };
   if (cache_type == at::kFloat) attention(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   else if (cache_type == at::kBFloat16) attention(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   else attention(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
   acts.fresh();
   apply(Wo, att.data(), N, acts, h.data(), path);                     // (N, C)
+  if (post) rms_norm_rows(h.data(), norms[2].data_ptr<float>(), eps, N, C, h.data());   // in place: row by row
   for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 
   // feed-forward sub-layer
@@ -594,10 +621,16 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   float* g = proj.data();
   float* u = proj.data() + N * F;
   const float* act = g;                                                // (N, F): the down product's input
-  if (mlp == SWIGLU) {
+  if (gated(mlp)) {
     apply(W[parts + 1], h.data(), N, acts, g, path);
     apply(Wu, h.data(), N, acts, u, path);                             // h quantised once for both
-    silu_mul(g, u, u, N * F);                                           // silu(g) * u
+    if (mlp == SWIGLU) {
+      silu_mul(g, u, u, N * F);                                         // silu(g) * u
+    } else {                                                            // GeGLU: gelu(g) * u
+      if (mlp == GEGLU_TANH) gelu_tanh(g, N * F);
+      else gelu_erf(g, N * F);
+      for (int64_t i = 0; i < N * F; ++i) u[i] *= g[i];
+    }
     act = u;
   } else {
     apply(Wu, h.data(), N, acts, g, path);
@@ -611,6 +644,7 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   }
   acts.fresh();
   apply(Wd, act, N, acts, h.data(), path);                            // (N, C)
+  if (post) rms_norm_rows(h.data(), norms[3].data_ptr<float>(), eps, N, C, h.data());
   for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 }
 
@@ -618,22 +652,33 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
 // what that saved: docs/inference.md): norms / mats / biases / fmts hold each layer's lists one
 // layer after another, and
 // k_caches / v_caches one cache per layer; x, the indices, the mask and the rotary tables are shared.
+// windows: each layer's window (0: none; an empty list: none anywhere); a windowed layer rotates with the
+// local tables where they are given (Gemma 3's local RoPE base), every other layer with cos / sin.
 void run_layers(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
                 const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef fmts, at::IntArrayRef dims,
                 at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& write_index,
                 const at::Tensor& positions, const c10::optional<at::Tensor>& valid,
                 const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cos,
-                const c10::optional<at::Tensor>& sin, int64_t path) {
+                const c10::optional<at::Tensor>& sin, int64_t path, at::IntArrayRef windows, double score_scale,
+                double softcap, const c10::optional<at::Tensor>& local_cos,
+                const c10::optional<at::Tensor>& local_sin) {
   const size_t layers = k_caches.size();
   TORCH_CHECK(layers > 0 && v_caches.size() == layers && norms.size() % layers == 0 && mats.size() % layers == 0 &&
-                  biases.size() == mats.size() && fmts.size() == mats.size(),
-              "layers: one k and v cache per layer, and the same count of norms and of products in every layer");
+                  biases.size() == mats.size() && fmts.size() == mats.size() &&
+                  (windows.empty() || windows.size() == layers),
+              "layers: one k and v cache per layer, the same count of norms and of products in every layer, "
+              "and one window per layer or none");
+  TORCH_CHECK(local_cos.has_value() == local_sin.has_value() && (!local_cos.has_value() || cos.has_value()),
+              "layers: give both local rotary tables or neither, and the global ones with them");
   const size_t nn = norms.size() / layers, nm = mats.size() / layers;
   for (size_t l = 0; l < layers; ++l) {
     c10::List<c10::optional<at::Tensor>> b;
     for (size_t i = 0; i < nm; ++i) b.push_back(biases.get(l * nm + i));
+    const int64_t window = windows.empty() ? 0 : windows[l];
+    const bool local = window > 0 && local_cos.has_value();
     run_layer(x, norms.slice(l * nn, nn), eps, mats.slice(l * nm, nm), b, fmts.slice(l * nm, nm), dims,
-                 k_caches[l], v_caches[l], write_index, positions, valid, rows, cos, sin, path);
+              k_caches[l], v_caches[l], write_index, positions, valid, rows, local ? local_cos : cos,
+              local ? local_sin : sin, path, window, score_scale, softcap);
   }
 }
 
@@ -644,10 +689,11 @@ int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT
 TORCH_LIBRARY(tformer_fused, m) {
   m.def("layer(Tensor(a!) x, Tensor[] norms, float eps, Tensor[] mats, Tensor?[] biases, int[] fmts, "
         "int[] dims, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor write_index, Tensor positions, Tensor? valid, "
-        "Tensor? rows, Tensor? cos, Tensor? sin, int path) -> ()");
+        "Tensor? rows, Tensor? cos, Tensor? sin, int path, int window=0, float scale=0., float softcap=0.) -> ()");
   m.def("layers(Tensor(a!) x, Tensor[] norms, float eps, Tensor[] mats, Tensor?[] biases, int[] fmts, "
         "int[] dims, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor write_index, Tensor positions, Tensor? valid, "
-        "Tensor? rows, Tensor? cos, Tensor? sin, int path) -> ()");
+        "Tensor? rows, Tensor? cos, Tensor? sin, int path, int[] windows=[], float scale=0., float softcap=0., "
+        "Tensor? local_cos=None, Tensor? local_sin=None) -> ()");
   m.def("product_ns(bool reset) -> int");
 }
 

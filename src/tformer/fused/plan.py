@@ -28,6 +28,7 @@ Tensor = torch.Tensor
 SWITCH = "TFORMER_FUSED_DECODE"        # "0": every model takes the module path (A/B runs, tests)
 FLOAT_FMT = {torch.float32: 3, torch.bfloat16: 4, torch.float16: 5}   # layers.cpp's float formats
 MLP = {"gelu_tanh": 1, "relu": 2, "relu2": 3, "gelu": 4, "silu": 5}     # its plain MLPs' activations (0: SwiGLU)
+GATED = {"gelu_tanh": 6, "gelu": 7}                                     # its GeGLU's gates (Gemma: tanh form)
 # model -> (stamp, Choice): beside the model, not on it (generation leaves a model's attributes as they were)
 _CHOICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -51,7 +52,7 @@ def _product_why_not(lin) -> str | None:
 def why_not(model) -> str | None:
     """``None`` if the whole-layer call implements ``model``'s layers, else the first reason it does not."""
     from tformer.mixers.attention import MultiHeadAttention
-    from tformer.nn.feed_forward import MLP as PlainMLP, SwiGLU
+    from tformer.nn.feed_forward import MLP as PlainMLP, GeGLU, SwiGLU
     from tformer.nn.norms import RMSNorm
 
     if os.environ.get(SWITCH, "1") == "0":
@@ -61,11 +62,10 @@ def why_not(model) -> str | None:
         return "not a decoder LM"
     if c.norm_placement != "pre" or c.positions not in ("rope", "learned"):
         return "needs pre-norm layers and RoPE or learned positions"
-    if c.logit_softcap or c.embedding_norm or c.embedding_scale or getattr(model, "type_emb", None) is not None:
-        return "a soft-cap, an embedding norm or scale, or a token-type table"
-    why = gemma_why_not(c)
-    if why:
-        return why
+    if c.embedding_norm or getattr(model, "type_emb", None) is not None:
+        return "an embedding norm or a token-type table"
+    if c.post_norms and c.norm != "rmsnorm":
+        return "norms after the sub-layers that are not RMSNorm"
     if model.training:
         return "training mode"
     norm_type = RMSNorm if c.norm == "rmsnorm" else torch.nn.LayerNorm
@@ -75,16 +75,20 @@ def why_not(model) -> str | None:
         a, f = b.attn, b.ffn
         if type(a) is not MultiHeadAttention or b.cross_attn is not None:
             return "a layer that is not self-attention"
-        if not (type(f) is SwiGLU or (type(f) is PlainMLP and c.activation in MLP)):
-            return "a feed-forward that is not SwiGLU or a GELU / ReLU / ReLU² / SiLU MLP"
-        if a.window is not None or a.alibi_slopes is not None or (a.rope is None) != (c.positions != "rope"):
-            return "a window or ALiBi"
+        if not (type(f) is SwiGLU or (type(f) is GeGLU and c.activation in GATED)
+                or (type(f) is PlainMLP and c.activation in MLP)):
+            return "a feed-forward that is not SwiGLU, a GELU-gated one or a GELU / ReLU / ReLU² / SiLU MLP"
+        if a.alibi_slopes is not None or (a.rope is None) != (c.positions != "rope"):
+            return "ALiBi"
+        if a.rope is not None and a.rope is not _layer_rope(model, a):
+            return "a layer whose rotary table is neither the model's nor its windowed layers' own"
         why = _qk_norm_why(a, b)
         if why:
             return why
-        if not (type(b.attn_norm) is norm_type and type(b.ffn_norm) is norm_type):
+        norms = [b.attn_norm, b.ffn_norm] + ([b.attn_post_norm, b.ffn_post_norm] if c.post_norms else [])
+        if not all(type(n) is norm_type for n in norms):
             return "a norm that is neither RMSNorm nor LayerNorm"
-        if b.attn_norm.eps != b.ffn_norm.eps:
+        if any(n.eps != b.attn_norm.eps for n in norms):
             return "norms with different eps"
         if isinstance(b.attn_norm, torch.nn.LayerNorm) and not b.attn_norm.elementwise_affine:
             return "a LayerNorm without weights"
@@ -103,15 +107,11 @@ def why_not(model) -> str | None:
     return _qkv_why_not(model, path)
 
 
-def gemma_why_not(c) -> str | None:
-    """Gemma's switches, which ``layers.cpp`` does not implement (the module path runs them), or ``None``."""
-    found = [name for name, on in (("a GELU-gated feed-forward", c.ffn == "geglu"),
-                                   ("RMSNorm gains applied as (1 + w)", c.norm_unit_offset),
-                                   ("an attention score scale or soft-cap", c.attn_scale is not None or c.attn_softcap),
-                                   ("norms after the sub-layers", c.post_norms),
-                                   ("a per-layer window or RoPE base", c.window_layers is not None
-                                    or c.rope_local_base is not None)) if on]
-    return f"Gemma's {', '.join(found)}: the whole-layer call has none of these" if found else None
+def _layer_rope(model, a):
+    """The rotary table layer attention ``a`` should hold: its windowed layers' own (Gemma 3's local base)
+    where the model has one and ``a`` is windowed, else the model's."""
+    local = getattr(model, "local_rope", None)
+    return local if local is not None and a.window is not None else getattr(model, "rope", None)
 
 
 def _split_qkv(model) -> bool:
@@ -147,15 +147,22 @@ def _qk_norm_why(a, b) -> str | None:
     return None
 
 
+def _gain(norm) -> Tensor:
+    """A norm's gain as the call multiplies by it, float32: ``1 + w`` for an RMSNorm that applies its
+    weight as ``(1 + w)`` (Gemma; the sum in float32, as :class:`~tformer.nn.norms.RMSNorm` takes it), else ``w``."""
+    w = norm.weight.detach().float()
+    return (1.0 + w if getattr(norm, "unit_offset", False) else w).contiguous()
+
+
 def _qk_gains(a) -> list[Tensor]:
     """The QK-norm's gains (q, k), float32 (hs,), after the layer's norms; none without QK-norm."""
-    return [a.q_norm.weight.detach().float().contiguous(), a.k_norm.weight.detach().float().contiguous()] \
-        if a.qk_norm else []
+    return [_gain(a.q_norm), _gain(a.k_norm)] if a.qk_norm else []
 
 
 def _norm_weights(norm) -> list[Tensor]:
-    """(g,) for RMSNorm, (g, b) for LayerNorm (b zero where it has none), float32."""
-    g = norm.weight.detach().float().contiguous()
+    """(g,) for RMSNorm (g = 1 + w where it applies its weight so), (g, b) for LayerNorm (b zero where it
+    has none), float32."""
+    g = _gain(norm)
     if isinstance(norm, torch.nn.LayerNorm):
         b = norm.bias.detach().float().contiguous() if norm.bias is not None else torch.zeros_like(g)
         return [g, b]
@@ -215,21 +222,28 @@ class Plan:
         self.path, self.path_id = path, qgemv.PATHS.index(path)
         c = model.config
         first = model.blocks[0]
-        mlp = 0 if hasattr(first.ffn, "gate") else MLP[c.activation]
+        mlp = (GATED[c.activation] if c.ffn == "geglu" else 0) if hasattr(first.ffn, "gate") else MLP[c.activation]
         split = _split_qkv(model)
         q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        # dims: (nh, nkv, hs, d_ff, mlp[, qkv parts[, QK-norm]]), the optional entries only when needed
+        # dims: (nh, nkv, hs, d_ff, mlp[, qkv parts[, QK-norm[, post norms]]]), the optional entries only when needed
         self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, first.ffn.up.out_features, mlp]
-        if split or c.qk_norm:
-            self.dims += [3 if split else 1] + ([1] if c.qk_norm else [])
+        if split or c.qk_norm or c.post_norms:
+            self.dims += [3 if split else 1, int(c.qk_norm)] + ([1] if c.post_norms else [])
         self.eps = float(first.attn_norm.eps)
+        # the attention's switches (Gemma): each layer's window (none: []), the score scale (0: 1/sqrt(hs)), the cap
+        windows = [b.attn.window or 0 for b in model.blocks]
+        self.windows = windows if any(windows) else []
+        self.scale, self.softcap = float(c.attn_scale or 0.0), float(c.attn_softcap or 0.0)
+        # around the layers, in Python (run.py): sqrt(d) on the embeddings, the cap on the head's logits
+        self.embed_scale, self.logit_softcap = float(getattr(model, "embed_scale", 1.0)), float(c.logit_softcap)
         self.layers = []
         names: dict[str, None] = {}                        # the products' formats, in order of appearance
         for b in model.blocks:
             lins = _products(b)
             mats, biases, fmts = _layer_products(lins, path, split, q, kv)
-            self.layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm) + _qk_gains(b.attn), mats, biases,
-                                fmts))
+            post = _norm_weights(b.attn_post_norm) + _norm_weights(b.ffn_post_norm) if c.post_norms else []
+            self.layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm) + post + _qk_gains(b.attn), mats,
+                                biases, fmts))
             names.update((n, None) for lin in lins for n in _names(lin))
         # the same, each list one layer after another: the arguments of tformer_fused::layers
         self.flat = tuple([t for layer in self.layers for t in layer[i]] for i in range(4))
@@ -238,24 +252,28 @@ class Plan:
         floats = [n for n in names if n not in qgemv.FMT]
         self.weights = ", ".join(([", ".join(blocks) + " blocks"] if blocks else [])
                                  + ([", ".join(floats) + " weights"] if floats else []))   # e.g. "q4_1 blocks"
-        self.rope = first.attn.rope
+        self.rope = getattr(model, "rope", None) if c.positions == "rope" else None
+        # the windowed layers' own table (Gemma 3's local base), where some layer uses it
+        self.local_rope = getattr(model, "local_rope", None) if self.windows else None
         self.pos_emb = model.pos_emb if c.positions == "learned" else None
-        self._rotary: tuple = (None, None, None)
+        self._rotary: dict = {}
 
-    def rotary(self) -> tuple[Tensor, Tensor]:
-        """The rotary tables in float32 (a bf16 / fp16 model holds them in its dtype), converted
-        again only when the table grew (``RotaryEmbedding.ensure`` makes a new one)."""
-        cos = self.rope.cos
-        if self._rotary[0] is not cos:
-            pair = (cos, self.rope.sin) if cos.dtype == torch.float32 else (cos.float(), self.rope.sin.float())
-            self._rotary = (cos,) + pair
-        return self._rotary[1], self._rotary[2]
+    def rotary(self, rope=None) -> tuple[Tensor, Tensor]:
+        """A rotary table (default the model's) in float32 (a bf16 / fp16 model holds them in its dtype),
+        converted again only when the table grew (``RotaryEmbedding.ensure`` makes a new one)."""
+        rope = rope if rope is not None else self.rope
+        cos = rope.cos
+        held = self._rotary.get(id(rope))
+        if held is None or held[0] is not cos:
+            pair = (cos, rope.sin) if cos.dtype == torch.float32 else (cos.float(), rope.sin.float())
+            held = self._rotary[id(rope)] = (cos,) + pair
+        return held[1], held[2]
 
 
 class Choice(NamedTuple):
     """How a model's prompts, decode steps and speculative checks run: ``plan`` (whole layers in one
     C++ call) or ``None`` (the module path), and why, in one line: ``"whole layers in one C++ call
-    (avx512vnni kernels, q4_1 blocks)"`` or ``"module path: a window or ALiBi"``."""
+    (avx512vnni kernels, q4_1 blocks)"`` or ``"module path: ALiBi"``."""
     plan: Plan | None
     reason: str
 

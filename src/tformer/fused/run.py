@@ -26,6 +26,7 @@ import torch
 
 from tformer.fused.plan import FLOAT_FMT, Plan, chosen
 from tformer.mixers.kv_cache import KVCache, RowWriter
+from tformer.nn.softcap import softcap
 
 Tensor = torch.Tensor
 # new tokens per row above which a call goes to the module path, whose attention kernel wins on long
@@ -100,23 +101,40 @@ def run_layers(p: Plan, x: Tensor, caches: list[tuple[Tensor, Tensor]], write: T
     ``i`` of cache row ``rows[i]`` (``i`` without ``rows``) writes its key and value at ``write[i]``,
     is rotated at ``at[i]`` and reads the keys ``j <= write[i]`` of its row (those ``valid`` marks real)."""
     cos, sin = p.rotary() if p.rope is not None else (None, None)
+    local_cos, local_sin = p.rotary(p.local_rope) if p.local_rope is not None else (None, None)
     norms, mats, biases, fmts = p.flat
     torch.ops.tformer_fused.layers(x, norms, p.eps, mats, biases, fmts, p.dims, [k for k, _ in caches],
-                                   [v for _, v in caches], write, at, valid, rows, cos, sin, p.path_id)
+                                   [v for _, v in caches], write, at, valid, rows, cos, sin, p.path_id, p.windows,
+                                   p.scale, p.softcap, local_cos, local_sin)
+
+
+def _ensure(p: Plan, length: int, context) -> None:
+    """The rotary tables cover ``length`` positions (a LongRoPE's set: the state's ``context``); the
+    windowed layers' own table too, as the module path grows both."""
+    if p.rope is not None:
+        p.rope.ensure(length, context)
+    if p.local_rope is not None:
+        p.local_rope.ensure(length, context)
 
 
 def _embed(model, p: Plan, ids: Tensor, at: Tensor) -> Tensor:
     """``ids (N,)`` at positions ``at (N,)`` -> the float32 residual stream ``(N, C)``: the token
-    embedding, plus the learned position's where the model has a table."""
-    x = model.tok_emb(ids).float()
+    embedding (times sqrt(d) with ``embedding_scale``, in the model's dtype as the module path takes it),
+    plus the learned position's where the model has a table."""
+    x = model.tok_emb(ids)
+    if p.embed_scale != 1.0:
+        x = x * p.embed_scale
+    x = x.float()
     if p.pos_emb is not None:
         x = x + p.pos_emb(at).float()
     return x.contiguous()
 
 
-def _head(model, x: Tensor) -> Tensor:
-    """Final norm and LM head as modules, in the model's dtype (the layers' stream is float32)."""
-    return model.lm_head(model.final_norm(x.to(model.tok_emb.weight.dtype)))
+def _head(model, p: Plan, x: Tensor) -> Tensor:
+    """Final norm and LM head as modules, in the model's dtype (the layers' stream is float32), then the
+    logits' soft-cap where the model has one (Gemma 2; the module path's :func:`~tformer.nn.softcap.softcap`)."""
+    logits = model.lm_head(model.final_norm(x.to(model.tok_emb.weight.dtype)))
+    return softcap(logits, p.logit_softcap) if p.logit_softcap else logits
 
 
 def forward(model, ids: Tensor, state, r: Route, *, last_index: Tensor | None = None,
@@ -128,8 +146,7 @@ def forward(model, ids: Tensor, state, r: Route, *, last_index: Tensor | None = 
     row see each other causally through the cache)."""
     p, (B, T) = r.plan, ids.shape
     pos = state.length
-    if p.rope is not None:
-        p.rope.ensure(max(pos + T, r.caches[0][0].shape[2]), state.context)   # a LongRoPE's set: the state's
+    _ensure(p, max(pos + T, r.caches[0][0].shape[2]), state.context)          # a LongRoPE's set: the state's
     where = torch.arange(pos, pos + T)
     where = where.repeat(B) if B > 1 else where                                     # (B T,) index = position
     x = _embed(model, p, ids.reshape(B * T), where)                                # (B T, C)
@@ -141,7 +158,7 @@ def forward(model, ids: Tensor, state, r: Route, *, last_index: Tensor | None = 
         x = x[torch.arange(B), last_index][:, None]                                # (B, 1, C)
     elif last_only:
         x = x[:, -1:]
-    return _head(model, x)                                                         # (B, T|1, vocab)
+    return _head(model, p, x)                                                      # (B, T|1, vocab)
 
 
 def decode(model, tokens: Tensor, state, r: Route, positions: Tensor | None = None,
@@ -161,10 +178,9 @@ def decode(model, tokens: Tensor, state, r: Route, positions: Tensor | None = No
         real = attention_mask[:, -1].bool()                                         # (B,)
         state.padded = True                  # as the module path marks it: a mask may hold padding
     state.valid[torch.arange(B), index] = real
-    if p.rope is not None:
-        p.rope.ensure(max(r.caches[0][0].shape[2], state.max_len), state.context)
+    _ensure(p, max(r.caches[0][0].shape[2], state.max_len), state.context)
     at = at.long().contiguous()
     x = _embed(model, p, tokens.reshape(B), at)                                     # (B, C)
     run_layers(p, x, r.caches, index.contiguous(), at, state.valid, None)
     state.index.add_(1)
-    return _head(model, x[:, None])[:, -1]                                          # (B, vocab)
+    return _head(model, p, x[:, None])[:, -1]                                       # (B, vocab)
