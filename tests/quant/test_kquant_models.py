@@ -173,7 +173,7 @@ def test_q5_layers_whole_equal_module_path(monkeypatch, qk_norm):
     model = _q5_model(qk_norm)
     plan = whole.choose(model).plan
     assert plan is not None, whole.chosen(model).reason
-    assert plan.dims[5:] == ([3, 1] if qk_norm else [3])                # (..., mlp, qkv parts[, QK-norm])
+    assert plan.dims[5:] == [3, int(qk_norm)]                # (..., mlp, qkv parts, QK-norm: both once either is needed)
     ids = [i % 61 for i in IDS]                          # the tiny model's vocabulary
     a = _prompt_and_steps(model, True, monkeypatch, ids)
     b = _prompt_and_steps(model, False, monkeypatch, ids)
