@@ -179,7 +179,7 @@ def check_exportable(c: TransformerConfig, model_type: str) -> None:
             embedding_norm=False, type_vocab_size=0, embedding_scale=False)
     if model_type == "qwen2":
         require(c, model_type, bias=False, qkv_bias=True)
-    elif model_type == "mistral":
+    elif model_type in ("mistral", "phi3"):                # no biases anywhere
         require(c, model_type, bias=False, qkv_bias=False)
     else:
         require(c, model_type, sliding_window=None, qkv_bias=c.bias)

@@ -65,7 +65,7 @@ def model_type_for(c: TransformerConfig) -> str | None:
 
 
 def check_exportable(c: TransformerConfig, model_type: str) -> None:
-    llama.check_exportable(c, "mistral")                                  # Llama's switches, no biases (QK-norm: hf.check_plain)
+    llama.check_exportable(c, "phi3")                                     # Llama's switches, no biases (QK-norm: hf.check_plain)
     if c.head_dim * c.n_heads != c.d_model:
         raise refuse("head_dim", c.head_dim, f"Phi3Config has no head_dim field; it must be d_model / n_heads = "
                      f"{c.d_model // c.n_heads}.")
