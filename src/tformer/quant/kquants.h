@@ -488,12 +488,17 @@ const KDotFn<XRow>* q5dot_fns(int64_t path, int64_t fmt) {
 #undef TF_SCALAR_ROWS
 #undef TF_ROWS
 
+}  // namespace
+#include "kprefill.h"
+namespace {
+
 // y (M, N) = act (M, K) . W^T (+ bias) for W (N, n * bytes) rows in fmt (is_kquant), act's M rows quantised
 // as the format reads them (Q8K for q4_k / q5_k / q6_k, QAct for q5_0 / q5_1); rows of W split between torch's
 // threads, ~16 KB of them per task, each passed by the activation rows KMR at a time.
 template <typename Act>
 void kquant_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const Act& a, const float* bias, float* y) {
   const auto start = std::chrono::steady_clock::now();
+  if (path != SCALAR && a.M >= WIDEN_ROWS) return widened(fmt, path, w, N, a, bias, y, start);   // a prompt: kprefill.h
   using Row = decltype(a.row(0));
   const KDotFn<Row>* fns;
   int64_t n;                                                    // (super-)blocks a row

@@ -44,7 +44,8 @@ Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 TILES = SOURCE.with_name("tiles.h")           # activation rounding and tile kernels, shared with fused/layers.cpp
 KQUANTS = SOURCE.with_name("kquants.h")       # the K-quant kernels, shared with fused/layers.cpp
-FILES = (SOURCE, TILES, KQUANTS)              # what the built library depends on
+KPREFILL = SOURCE.with_name("kprefill.h")     # their several-row products on widened tiles (included by kquants.h)
+FILES = (SOURCE, TILES, KQUANTS, KPREFILL)    # what the built library depends on
 PATHS = ("scalar", "avx2", "avx512vnni")      # index = the op's path number
 FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 6, "q5_k": 7, "q6_k": 8, "q5_0": 9, "q5_1": 10}   # the ops' numbers
 FORCED = "TFORMER_QGEMV_PATH"

@@ -1,0 +1,98 @@
+"""Several-row products of the formats read in the file layout (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) on tiles widened
+on the fly (quant/kprefill.h: from ``WIDEN_ROWS`` = 8 activation rows on the avx2 and avx512vnni paths; the scalar
+path keeps the one-row kernels), on every path this CPU runs, each forced.
+
+- against a float64 evaluation of the same quantised arithmetic (``kblocks.reference``, Q8_K / 8-bit block
+  rounding of the activations included): the integer sums are exact, so only float32 rounding separates them;
+  the widened path rounds once per block of 16 / 32 codes instead of once per super-block, still far below the
+  1e-5 · Σ|term| asked (seen <= 0.07 of it), plus half an ulp of the output dtype;
+- against ``gguf.quants.dequantize`` and a float64 product (independent of tformer's maths): the activations'
+  rounding moves each output by at most Σ_e |w_e| · step_e / 2 (step = the block's max|x| / 127), asked with
+  1e-5 · Σ|w x| on top;
+- rows 8 and up give what they would give one at a time, within the same float32 rounding, and two threads
+  give exactly what one gives (each output's sums do not depend on the split).
+"""
+
+import gguf
+import pytest
+import torch
+
+from tformer.quant import kblocks, qgemv
+
+HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+GGUF_TYPE = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
+             "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
+             "q5_1": gguf.GGMLQuantizationType.Q5_1}
+
+
+def runnable(path):
+    if qgemv.load() is None:
+        pytest.skip(f"the block kernels are {qgemv.STATUS.get('state')}")
+    if path not in qgemv.paths():
+        pytest.skip(f"this CPU does not run the {path} path (it runs {', '.join(qgemv.paths())})")
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("path", qgemv.PATHS)
+@pytest.mark.parametrize("fmt", kblocks.FORMATS)
+@pytest.mark.parametrize("n, k, m", [(37, 768, 9), (16, 512, 16), (5, 256, 13)])   # tile and row tails
+def test_prompt_rows_match_float64_reference(path, fmt, n, k, m):
+    runnable(path)
+    g = torch.Generator().manual_seed(n * k + m)
+    packed = kblocks.random_blocks(n, k, fmt, g)
+    x = torch.randn(m, k, generator=g) * 3
+    x[1, :256] = 0                                                     # a zero activation block (scale 0)
+    bias = torch.randn(n, generator=g)
+    for b in (bias, None):
+        for xs in (x, x.bfloat16()):
+            y = qgemv.kqgemm(packed, fmt, xs, b, path)
+            assert y.shape == (m, n) and y.dtype == xs.dtype
+            ref = kblocks.reference(packed, fmt, xs.float(), b)
+            bound = 1e-5 * kblocks.magnitude(packed, fmt, xs.float()) + HALF_ULP[y.dtype] * ref.abs() + 1e-30
+            err = (y.double() - ref).abs()
+            assert bool((err <= bound).all()), float((err / bound).max())
+
+
+def _steps(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Each activation's rounding step: its block's max|x| / 127 (blocks of 256 for Q8_K, 32 for Q5)."""
+    size = 256 if fmt in kblocks.KQUANTS else 32
+    blocks = x.double().reshape(x.shape[0], -1, size)
+    return (blocks.abs().amax(-1, keepdim=True) / 127).expand_as(blocks).reshape(x.shape)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("path", qgemv.PATHS)
+@pytest.mark.parametrize("fmt", kblocks.FORMATS)
+def test_prompt_rows_match_gguf_dequantised_product(path, fmt):
+    runnable(path)
+    g = torch.Generator().manual_seed(7)
+    n, k, m = 21, 512, 11
+    packed = kblocks.random_blocks(n, k, fmt, g)
+    w = torch.from_numpy(gguf.quants.dequantize(packed.numpy(), GGUF_TYPE[fmt])).double()      # (n, k)
+    x = torch.randn(m, k, generator=g)
+    ref = x.double() @ w.T
+    bound = 0.5 * _steps(x, fmt) @ w.abs().T * (1 + 1e-3) + 1e-5 * x.double().abs() @ w.abs().T
+    err = (qgemv.kqgemm(packed, fmt, x, None, path).double() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+@pytest.mark.parametrize("fmt", kblocks.FORMATS)
+def test_prompt_rows_equal_one_row_at_a_time_and_any_thread_count(fmt):
+    path = qgemv.path()
+    if path not in qgemv.TILE_ROWS:
+        pytest.skip("no SIMD path on this CPU: prompts take the one-row kernels")
+    g = torch.Generator().manual_seed(5)
+    packed = kblocks.random_blocks(40, 768, fmt, g)
+    x = torch.randn(12, 768, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = qgemv.kqgemm(packed, fmt, x, None, path)
+        rows = torch.cat([qgemv.kqgemm(packed, fmt, x[i:i + 1], None, path) for i in range(12)])
+        torch.set_num_threads(2)
+        two = qgemv.kqgemm(packed, fmt, x, None, path)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    bound = 1e-5 * kblocks.magnitude(packed, fmt, x) + 1e-30
+    assert bool(((one.double() - rows.double()).abs() <= 2 * bound).all())
