@@ -36,19 +36,26 @@ inline Widen widen_of(int64_t fmt) {
 }
 
 #ifdef TFORMER_X86
-// 32 consecutive codes of row r (code index e0, a multiple of 32) into a widened tile: quad i of them to
-// block (e0 + 4i) / B, quad slot ((e0 + 4i) % B) / 4, row r
-T_AVX2 inline void put32(uint8_t* out, int64_t bb, int64_t R, int64_t B, int64_t r, int64_t e0, __m256i v) {
-  alignas(32) uint32_t t[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(t), v);
-  for (int64_t i = 0; i < 8; ++i) {
-    const int64_t e = e0 + 4 * i;
-    std::memcpy(out + (e / B) * bb + 8 * R + (((e % B) / 4) * R + r) * 4, t + i, 4);
-  }
+// 32 consecutive codes of row r (code index e0, a multiple of 32) into a widened tile of R rows: quad i of
+// them to block (e0 + 4i) / B, quad slot ((e0 + 4i) % B) / 4, row r (strides known at compile time)
+template <int64_t R, int64_t B>
+T_AVX2 inline void put32(uint8_t* out, int64_t r, int64_t e0, __m256i v) {
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  uint8_t* c = out + (e0 / B) * (R * (8 + B)) + 8 * R + 4 * r;       // quad 0 of the block, row r
+  uint8_t* c2 = B == 32 ? c + 16 * R : c + R * (8 + B);                // quad 4: the same block, or the next
+  _mm_storeu_si32(c, lo);
+  _mm_storeu_si32(c + 4 * R, _mm_bsrli_si128(lo, 4));
+  _mm_storeu_si32(c + 8 * R, _mm_bsrli_si128(lo, 8));
+  _mm_storeu_si32(c + 12 * R, _mm_bsrli_si128(lo, 12));
+  _mm_storeu_si32(c2, hi);
+  _mm_storeu_si32(c2 + 4 * R, _mm_bsrli_si128(hi, 4));
+  _mm_storeu_si32(c2 + 8 * R, _mm_bsrli_si128(hi, 8));
+  _mm_storeu_si32(c2 + 12 * R, _mm_bsrli_si128(hi, 12));
 }
 
 // Row r of a tile from one weight row (K codes) in the file layout, in Widen's form: codes, scale, mterm
-T_AVX2 void widen_row(int64_t fmt, const uint8_t* w, int64_t K, int64_t R, int64_t r, int64_t B, uint8_t* out) {
+template <int64_t R>
+T_AVX2 void widen_row(int64_t fmt, const uint8_t* w, int64_t K, int64_t r, int64_t B, uint8_t* out) {
   const int64_t vals = kquant_values(fmt), bytes = kquant_bytes(fmt), bb = R * (8 + B);
   const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
   auto scale = [&](int64_t b) { return reinterpret_cast<float*>(out + b * bb) + r; };
@@ -56,7 +63,7 @@ T_AVX2 void widen_row(int64_t fmt, const uint8_t* w, int64_t K, int64_t R, int64
   for (int64_t s = 0; s < K / vals; ++s, w += bytes) {
     const int64_t e0 = s * vals;
     if (fmt == Q5_0 || fmt == Q5_1) {
-      put32(out, bb, R, B, r, e0, q5_codes(w, fmt == Q5_1 ? 4 : 2));              // kquants.h
+      put32<R, 32>(out, r, e0, q5_codes(w, fmt == Q5_1 ? 4 : 2));              // kquants.h
       *scale(s) = h2f_k(w);
       if (fmt == Q5_1) *mterm(s) = h2f_k(w + 2);
     } else if (fmt == Q6_K) {                         // ggml's order: per half, ql low / ql+32 low / ql high / ql+32 high
@@ -71,10 +78,10 @@ T_AVX2 void widen_row(int64_t fmt, const uint8_t* w, int64_t K, int64_t R, int64
         const __m256i t4 = _mm256_and_si256(qh, _mm256_set1_epi8(0x30));                            // bits 4-5
         const __m256i t6 = _mm256_and_si256(_mm256_srli_epi16(qh, 2), _mm256_set1_epi8(0x30));       // bits 6-7
         const int64_t e = e0 + 128 * h;
-        put32(out, bb, R, B, r, e, _mm256_or_si256(_mm256_and_si256(l0, low), t0));
-        put32(out, bb, R, B, r, e + 32, _mm256_or_si256(_mm256_and_si256(l1, low), t2));
-        put32(out, bb, R, B, r, e + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), t4));
-        put32(out, bb, R, B, r, e + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), t6));
+        put32<R, 16>(out, r, e, _mm256_or_si256(_mm256_and_si256(l0, low), t0));
+        put32<R, 16>(out, r, e + 32, _mm256_or_si256(_mm256_and_si256(l1, low), t2));
+        put32<R, 16>(out, r, e + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), t4));
+        put32<R, 16>(out, r, e + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), t6));
       }
       for (int g = 0; g < 16; ++g) *scale(16 * s + g) = d * float(sc[g]);   // exact: 11 x 8 bits
     } else {                                          // q4_k, q5_k: chunk c = sub-blocks 2c (low) and 2c + 1 (high)
@@ -90,8 +97,8 @@ T_AVX2 void widen_row(int64_t fmt, const uint8_t* w, int64_t K, int64_t R, int64
           lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s0), one), 4));
           hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s1), one), 4));
         }
-        put32(out, bb, R, B, r, e0 + 64 * c, lo);
-        put32(out, bb, R, B, r, e0 + 64 * c + 32, hi);
+        put32<R, 32>(out, r, e0 + 64 * c, lo);
+        put32<R, 32>(out, r, e0 + 64 * c + 32, hi);
       }
       for (int j = 0; j < 8; ++j) *scale(8 * s + j) = d * float(sc[j]), *mterm(8 * s + j) = -dmin * float(m[j]);
     }
@@ -102,7 +109,9 @@ T_AVX2 void widen_row(int64_t fmt, const uint8_t* w, int64_t K, int64_t R, int64
 inline void widen_tile(int64_t fmt, const Widen& f, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t R,
                        int64_t K, uint8_t* out) {
   if (n < R) std::memset(out, 0, (K / f.B) * f.block_bytes(R));
-  for (int64_t r = 0; r < n; ++r) widen_row(fmt, w + r * row_bytes, K, R, r, f.B, out);
+  for (int64_t r = 0; r < n; ++r)
+    if (R == 8) widen_row<8>(fmt, w + r * row_bytes, K, r, f.B, out);
+    else widen_row<16>(fmt, w + r * row_bytes, K, r, f.B, out);
 }
 #endif  // TFORMER_X86
 
