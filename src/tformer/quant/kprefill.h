@@ -226,8 +226,8 @@ inline const WTileFn* wtile_fns(int64_t path, int64_t fmt) {
 #endif  // TFORMER_X86
 
 // From this many activation rows a SIMD path widens tiles (below it, the one-row kernels read the file
-// layout): measured on the project's Zen 4 (docs/inference.md, "GGUF block formats", prefill).
-constexpr int64_t WIDEN_ROWS = 8;
+// layout, whose cost per row is flat): measured on the project's Zen 4 (docs/inference.md, "GGUF block formats").
+constexpr int64_t WIDEN_ROWS = 32;
 
 // y (M, N) = x . W^T (+ bias) over widened tiles (path AVX2 or AVX512VNNI); tiles split between torch's
 // threads, each widening its own into a buffer it keeps for the call.
