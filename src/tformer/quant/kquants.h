@@ -10,7 +10,8 @@
 //   avx512vnni   the same at 512 bits, the scale step as one dpwssd (s16 pairs x s16 scales, added).
 // Codes are unsigned (q6_k's -32 goes through bsums), so no sign tricks; maddubs cannot saturate
 // (2 * 63 * 127 < 2^15). Each row of W is read once per activation row, in the file layout: a weight
-// row (a few KB) stays in L1 while the rows of a prompt pass. Included after tiles.h (its paths, ISA
+// row (a few KB) stays in L1 while the rows pass; from WIDEN_ROWS rows (a prompt) the SIMD paths run
+// kprefill.h's widened tiles instead. Included after tiles.h (its paths, ISA
 // attributes and supports()); internal linkage, like tiles.h.
 // Also here, read the same way (AVX-512: two blocks per dpbusd): Q5_0 / Q5_1 (blocks of 32, a fifth bit per code in 4 bytes qh), llama.cpp's
 // fallback where a row is no multiple of 256, on tiles.h's 8-bit activation blocks of 32 (QAct):

@@ -155,7 +155,8 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
 def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None) -> Tensor:
     """``x (M, K) · Wᵀ + bias`` for ``packed`` K-quant super-blocks (q4_k, q5_k, q6_k; activations quantised to
     Q8_K) or Q5_0 / Q5_1 blocks (activations in 8-bit blocks of 32) (:mod:`tformer.quant.kblocks`), read as
-    the file stores them: ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``."""
+    the file stores them: ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``.
+    From 32 rows (a prompt) the SIMD paths widen each tile of weight rows on the fly (``kprefill.h``)."""
     kblocks.check_format(fmt)
     op, p = _op_and_path(kernel_path)
     if op is None:
