@@ -15,6 +15,7 @@ path keeps the one-row kernels), on every path this CPU runs, each forced.
 - a 40-token prompt of a Q4_K_M file (every position's logits) against the float import and against llama.cpp.
 """
 
+import sys
 from pathlib import Path
 
 import gguf
@@ -25,17 +26,8 @@ from tformer.inference import open_model
 from tformer.interop.gguf_import import load_gguf
 from tformer.quant import kblocks, qgemv
 
-HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
-GGUF_TYPE = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_k": gguf.GGMLQuantizationType.Q5_K,
-             "q6_k": gguf.GGMLQuantizationType.Q6_K, "q5_0": gguf.GGMLQuantizationType.Q5_0,
-             "q5_1": gguf.GGMLQuantizationType.Q5_1}
-
-
-def runnable(path):
-    if qgemv.load() is None:
-        pytest.skip(f"the block kernels are {qgemv.STATUS.get('state')}")
-    if path not in qgemv.paths():
-        pytest.skip(f"this CPU does not run the {path} path (it runs {', '.join(qgemv.paths())})")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_kquants import GGUF_TYPE, check_against_reference, runnable  # noqa: E402
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -43,20 +35,7 @@ def runnable(path):
 @pytest.mark.parametrize("fmt", kblocks.FORMATS)
 @pytest.mark.parametrize("n, k, m", [(37, 768, 33), (16, 512, 32), (5, 256, 35)])   # tile and row tails
 def test_prompt_rows_match_float64_reference(path, fmt, n, k, m):
-    runnable(path)
-    g = torch.Generator().manual_seed(n * k + m)
-    packed = kblocks.random_blocks(n, k, fmt, g)
-    x = torch.randn(m, k, generator=g) * 3
-    x[1, :256] = 0                                                     # a zero activation block (scale 0)
-    bias = torch.randn(n, generator=g)
-    for b in (bias, None):
-        for xs in (x, x.bfloat16()):
-            y = qgemv.kqgemm(packed, fmt, xs, b, path)
-            assert y.shape == (m, n) and y.dtype == xs.dtype
-            ref = kblocks.reference(packed, fmt, xs.float(), b)
-            bound = 1e-5 * _magnitude(packed, fmt, xs.float()) + HALF_ULP[y.dtype] * ref.abs() + 1e-30
-            err = (y.double() - ref).abs()
-            assert bool((err <= bound).all()), float((err / bound).max())
+    check_against_reference(path, fmt, n, k, m, _magnitude)
 
 
 def _magnitude(packed: torch.Tensor, fmt: str, x: torch.Tensor) -> torch.Tensor:
