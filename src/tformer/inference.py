@@ -202,8 +202,8 @@ class _Beside:
     def __init__(self, f):
         self._f, self._items = f, queue.SimpleQueue()
         self._value, self._error = None, None
-        # the thread takes the GIL back after each call outside it: at Python's default 5 ms switch interval
-        # it would wait that long each time behind the opening thread's Python work
+        # the thread takes the GIL back after each call outside it: at Python's default switch interval it would
+        # wait out a whole interval each time behind the opening thread's Python work
         self._interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL)
         self._thread = threading.Thread(target=self._run, name="tformer-open", daemon=True)
