@@ -175,9 +175,9 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
         model = set_precision(load_gguf_file(f, keep_quant=keep, checks=beside), "fp32" if keep else dtype,
                               decode_kernels=kernels)
         # the vocabulary is Python work for this thread: the tiles are made beside it; without one, nothing
-        # would hide them, and the caller makes them here, on the cores others left free
+        # would hide them, and the caller's choose_path makes them, on the cores others left free
         if beside is not None and f.field("tokenizer.ggml.tokens") is not None:
-            beside.plan(model)
+            beside.tile(model)
         tokenizer = gguf_tokenizer(f)
         conf = tokenizer_config(f)
         source = conf.pop("chat_template", None)
@@ -195,13 +195,13 @@ class _Beside:
     """The reads of a GGUF's kept blocks, on a thread of their own while the opening thread runs Python (the
     model's modules, the vocabulary): each matrix's block scales checked
     (:func:`~tformer.interop.gguf_import.check_finite`, the first read of its pages) as ``load_gguf_file``
-    hands it over (:meth:`append`), then, given a model (:meth:`plan`), its path chosen and tiles made
-    (:func:`choose_path`). :meth:`result` waits, and returns the path or raises the refusal (one sentence,
-    as if raised in the opening thread)."""
+    hands it over (:meth:`append`), then, given a model (:meth:`tile`), its layers' tiles made
+    (:func:`tformer.fused.plan.make_tiles`). :meth:`result` waits, and raises the refusal if any (one
+    sentence, as if raised in the opening thread)."""
 
     def __init__(self, f):
         self._f, self._items = f, queue.SimpleQueue()
-        self._value, self._error = None, None
+        self._error = None
         # the thread takes the GIL back after each call outside it: at Python's default switch interval it would
         # wait out a whole interval each time behind the opening thread's Python work
         self._interval = sys.getswitchinterval()
@@ -213,16 +213,17 @@ class _Beside:
         """``(tensor name, blocks)``: what :func:`~tformer.interop.gguf_import.hf_tensors` leaves to check."""
         self._items.put(item)
 
-    def plan(self, model) -> None:
+    def tile(self, model) -> None:
         self._items.put(model)
 
     def _run(self) -> None:
+        from tformer.fused.plan import make_tiles
         from tformer.interop.gguf_import import check_finite
 
         try:
             while (item := self._items.get()) is not None:
                 if not isinstance(item, tuple):
-                    self._value = choose_path(item)
+                    make_tiles(item)           # outside the GIL; the plan, Python, is the opening thread's
                     return
                 check_finite(self._f, item[0], item[1], True)
         except BaseException as e:  # noqa: BLE001  handed to the opening thread, which raises it
@@ -233,13 +234,11 @@ class _Beside:
         self._thread.join()
         sys.setswitchinterval(self._interval)
 
-    def result(self):
-        """The path chosen (``(path, reason)``, or ``None`` where no model was handed over), once every check
-        passed."""
+    def result(self) -> None:
+        """Wait; raise what the thread raised (a file refused)."""
         self.wait()
         if self._error is not None:
             raise self._error
-        return self._value
 
 
 def sampling_defaults(f) -> dict:
@@ -409,12 +408,10 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
                                       f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
             stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
         finally:
-            done = beside.result() if beside is not None else None     # its refusal, if any, comes first
-    if done is not None:
-        path, path_why = done
-    else:
-        with _collector_paused(), _threads(free.threads(torch.get_num_threads())):
-            path, path_why = choose_path(model)
+            if beside is not None:
+                beside.result()                    # its refusal, if any, comes first
+    with _collector_paused(), _threads(free.threads(torch.get_num_threads())):
+        path, path_why = choose_path(model)        # tiles made beside are kept: here only the rest is made
     if threads is None:
         torch.set_num_threads(free.threads(torch.get_num_threads()))   # the cores others leave free now
     return OpenedModel(model, tokenizer, template, stop, defaults, name, source, dtype, why, path, path_why,
