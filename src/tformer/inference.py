@@ -18,9 +18,8 @@ Everything a command would otherwise decide for itself is decided here, once:
   (:func:`choose_path`); chosen when the model is opened, not retried every token.
 - **threads** where none are asked for: torch's count less the cores other processes keep busy while the
   model loads (:class:`tformer.machine.FreeCores`), so a busy neighbour does not make every parallel region
-  wait out its time slices. Opening itself runs at one thread. A GGUF's block scales are checked and its
-  tiles made on a second thread while the first builds the vocabulary (without one: after, on the cores
-  others left free); the model is returned only once both are done.
+  wait out its time slices. Opening itself runs at one thread, but for the repacks into tiles, which take
+  the cores others left free so far.
 - **stop ids**: the file's end-of-sequence ids together with the chat template's end-of-turn token, so a
   model whose ``eos`` is not its end-of-turn stops at the same token in ``chat`` and ``serve``.
 - **sampling defaults** a GGUF recommends (``general.sampling.*``), for the commands to use where the
@@ -35,9 +34,6 @@ from __future__ import annotations
 
 import gc
 import os
-import queue
-import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,7 +45,6 @@ from tformer.errors import CheckpointError, InputError
 from tformer.machine import FreeCores
 
 AUTO = "auto"
-SWITCH_INTERVAL = 1e-4          # seconds: how long a thread waits for the GIL while opening runs two (_Beside)
 # GGUF general.sampling.* key -> the generation option it sets (llama.cpp's names: gguf-py Keys.General)
 SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
                  "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
@@ -152,7 +147,7 @@ def file_formats(formats: set[str]) -> str:
 
 def _gguf_parts(path: Path, dtype: str, kernels: bool):
     """Model, tokenizer, template, eos ids, sampling defaults and the dtype chosen, from a GGUF's own header
-    and blocks; and the :class:`_Beside` reading the kept blocks (``None``: none kept)."""
+    and blocks."""
     from tformer.interop.gguf_import import (gguf_tokenizer, layer_formats, load_gguf_file, stop_token_ids,
                                              tokenizer_config)
     from tformer.interop.gguf_reader import GGUFFile
@@ -170,75 +165,13 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
     else:
         why = f"--dtype {dtype}"
     keep = dtype == file_formats(formats)        # the file's own format(s): each matrix kept as stored, the rest float
-    beside = _Beside(f) if keep else None         # the kept blocks' scales checked on a second thread, as mapped
-    try:
-        model = set_precision(load_gguf_file(f, keep_quant=keep, checks=beside), "fp32" if keep else dtype,
-                              decode_kernels=kernels)
-        # the vocabulary is Python work for this thread: the tiles are made beside it; without one, nothing
-        # would hide them, and the caller's choose_path makes them, on the cores others left free
-        if beside is not None and f.field("tokenizer.ggml.tokens") is not None:
-            beside.tile(model)
-        tokenizer = gguf_tokenizer(f)
-        conf = tokenizer_config(f)
-        source = conf.pop("chat_template", None)
-        special = {k: v for k, v in conf.items() if k.endswith("_token") and isinstance(v, str)}
-        template = ChatTemplate(source, **special) if isinstance(source, str) else None
-    except BaseException:
-        if beside is not None:
-            beside.wait()                          # not left running on a model no one will get
-        raise
-    parts = (model, tokenizer, template, stop_token_ids(f), sampling_defaults(f), dtype, why)
-    return parts, beside
-
-
-class _Beside:
-    """The reads of a GGUF's kept blocks, on a thread of their own while the opening thread runs Python (the
-    model's modules, the vocabulary): each matrix's block scales checked
-    (:func:`~tformer.interop.gguf_import.check_finite`, the first read of its pages) as ``load_gguf_file``
-    hands it over (:meth:`append`), then, given a model (:meth:`tile`), its layers' tiles made
-    (:func:`tformer.fused.plan.make_tiles`). :meth:`result` waits, and raises the refusal if any (one
-    sentence, as if raised in the opening thread)."""
-
-    def __init__(self, f):
-        self._f, self._items = f, queue.SimpleQueue()
-        self._error = None
-        # the thread takes the GIL back after each call outside it: at Python's default switch interval it would
-        # wait out a whole interval each time behind the opening thread's Python work
-        self._interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL)
-        self._thread = threading.Thread(target=self._run, name="tformer-open", daemon=True)
-        self._thread.start()
-
-    def append(self, item: tuple) -> None:
-        """``(tensor name, blocks)``: what :func:`~tformer.interop.gguf_import.hf_tensors` leaves to check."""
-        self._items.put(item)
-
-    def tile(self, model) -> None:
-        self._items.put(model)
-
-    def _run(self) -> None:
-        from tformer.fused.plan import make_tiles
-        from tformer.interop.gguf_import import check_finite
-
-        try:
-            while (item := self._items.get()) is not None:
-                if not isinstance(item, tuple):
-                    make_tiles(item)           # outside the GIL; the plan, Python, is the opening thread's
-                    return
-                check_finite(self._f, item[0], item[1], True)
-        except BaseException as e:  # noqa: BLE001  handed to the opening thread, which raises it
-            self._error = e
-
-    def wait(self) -> None:
-        self._items.put(None)                      # nothing more is coming (ignored once a model came)
-        self._thread.join()
-        sys.setswitchinterval(self._interval)
-
-    def result(self) -> None:
-        """Wait; raise what the thread raised (a file refused)."""
-        self.wait()
-        if self._error is not None:
-            raise self._error
+    model = set_precision(load_gguf_file(f, keep_quant=keep), "fp32" if keep else dtype, decode_kernels=kernels)
+    tokenizer = gguf_tokenizer(f)
+    conf = tokenizer_config(f)
+    source = conf.pop("chat_template", None)
+    special = {k: v for k, v in conf.items() if k.endswith("_token") and isinstance(v, str)}
+    template = ChatTemplate(source, **special) if isinstance(source, str) else None
+    return model, tokenizer, template, stop_token_ids(f), sampling_defaults(f), dtype, why
 
 
 def sampling_defaults(f) -> dict:
@@ -399,19 +332,14 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
     start = time.perf_counter()
     name, source, kind = resolve_source(spec)
     with _collector_paused(), _threads(1):
-        parts, beside = _gguf_parts(source, dtype, kernels) if kind == "gguf" else \
-            (_folder_parts(source, kind, dtype, kernels), None)
+        parts = _gguf_parts(source, dtype, kernels) if kind == "gguf" else _folder_parts(source, kind, dtype, kernels)
         model, tokenizer, template, eos, defaults, dtype, why = parts
-        try:
-            if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
-                raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                                      f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
-            stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
-        finally:
-            if beside is not None:
-                beside.result()                    # its refusal, if any, comes first
+        if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
+            raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                                  f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
+        stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
     with _collector_paused(), _threads(free.threads(torch.get_num_threads())):
-        path, path_why = choose_path(model)        # tiles made beside are kept: here only the rest is made
+        path, path_why = choose_path(model)
     if threads is None:
         torch.set_num_threads(free.threads(torch.get_num_threads()))   # the cores others leave free now
     return OpenedModel(model, tokenizer, template, stop, defaults, name, source, dtype, why, path, path_why,

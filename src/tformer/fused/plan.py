@@ -210,21 +210,6 @@ def _layer_products(lins, path: str, split: bool, q: int, kv: int) -> tuple[list
     return list(mats), list(biases), list(fmts)
 
 
-def make_tiles(model, path: str | None = None) -> None:
-    """Each layer's block products' tiles (:meth:`BlockLinear.tiles`, kept by each layer) made now, in the
-    layer call's order, as :class:`Plan` and the module path would make them at first use: for a thread
-    that makes them while another builds the rest (:func:`tformer.inference.open_model`). ``path``:
-    default :func:`tformer.quant.qgemv.path`."""
-    path = path or qgemv.path()
-    for b in getattr(model, "blocks", ()):
-        if not (hasattr(b, "attn") and hasattr(b, "ffn")):           # not a transformer layer (Mamba)
-            continue
-        for lin in _products(b):
-            for part in lin.parts if isinstance(lin, StackedLinear) else (lin,):
-                if isinstance(part, BlockLinear):
-                    part.tiles(path)
-
-
 def _names(lin) -> list[str]:
     return [_format_name(p) for p in lin.parts] if isinstance(lin, StackedLinear) else [_format_name(lin)]
 

@@ -284,11 +284,9 @@ PHI3_PARTS = {**GGUF_PARTS, "attn.qkv_proj.weight": ("attn_qkv",), "ffn.gate.wei
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")   # gguf_rope's
 
 
-def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False,
-               checks: list | None = None) -> dict[str, torch.Tensor]:
+def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor under its HF name, float32, in HF's layout; with ``keep_quant`` the Q8_0 / Q4_0 /
-    Q4_1 matrices are their file bytes instead, ``(rows, row bytes)`` uint8. With ``checks`` (a list), the
-    block scales' checks are left to the caller: ``(name, blocks)`` appended for :func:`check_finite`."""
+    Q4_1 matrices are their file bytes instead, ``(rows, row bytes)`` uint8."""
     out = {}
     for name in f.tensors:
         if name in ROPE_TENSORS:                     # the RoPE's divisors: config.rope_scaling (gguf_rope)
@@ -301,10 +299,7 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False,
             raise CheckpointError(f"{f.path}: keep_quant cannot keep {name} ({f.tensors[name].type}) as blocks: a gpt2 "
                                   f"file's matrices must be transposed for tformer; load it with keep_quant=False.")
         a = f.blocks(name) if kept else f.array(name)
-        if kept and checks is not None:
-            checks.append((name, a))                # the caller's pass reads them (inference.open_model)
-        else:
-            check_finite(f, name, a, kept)
+        check_finite(f, name, a, kept)
         if arch == "llama" and ".self_attn.q_proj." in target:
             a = llama_rope_unpermute(a, hf["num_attention_heads"])
         elif arch == "llama" and ".self_attn.k_proj." in target:
@@ -390,9 +385,7 @@ def install_blocks(model: torch.nn.Module, kept: dict[str, torch.Tensor], f: GGU
         setattr(parent, child_name, StackedLinear(layers))
 
 
-def load_gguf_file(f: GGUFFile, keep_quant: bool = False, checks: list | None = None) -> torch.nn.Module:
-    """:func:`load_gguf` on an opened file; ``checks``: see :func:`hf_tensors` (the caller must run them
-    before the model computes anything)."""
+def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
     from tformer.interop.hf import build_model, family
     from tformer.nn.embedding import skip_init
 
@@ -405,7 +398,7 @@ def load_gguf_file(f: GGUFFile, keep_quant: bool = False, checks: list | None = 
     if arch != "gpt2":
         config = dataclasses.replace(config, rope_scaling=rope_scaling(f, arch, config))
     config.hf_model_type = hf["model_type"]
-    src = TensorSource(hf_tensors(f, arch, hf, keep_quant, checks), prefix=module.PREFIX)
+    src = TensorSource(hf_tensors(f, arch, hf, keep_quant), prefix=module.PREFIX)
     state = module.state_from_hf(src, config)
     src.check_consumed()
     with skip_init():                                # every weight is loaded below (strictly)
