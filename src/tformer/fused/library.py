@@ -18,7 +18,7 @@ from tformer.quant import gemv, qgemv
 
 SOURCE = Path(__file__).with_name("layers.cpp")
 OPS = SOURCE.parent.parent / "ops"
-FILES = (SOURCE, qgemv.TILES, qgemv.KQUANTS, gemv.HEADER, OPS / "vec_exp.h", OPS / "vec_erf.h")   # what the built library depends on
+FILES = (SOURCE, qgemv.TILES, qgemv.KQUANTS, qgemv.KPREFILL, gemv.HEADER, OPS / "vec_exp.h", OPS / "vec_erf.h")   # what the built library depends on
 STATUS: dict[str, str] = {}                    # "state": "built" | "unavailable: <why>"
 _LOCK = threading.Lock()
 _OP: list = []

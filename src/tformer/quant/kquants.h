@@ -10,7 +10,8 @@
 //   avx512vnni   the same at 512 bits, the scale step as one dpwssd (s16 pairs x s16 scales, added).
 // Codes are unsigned (q6_k's -32 goes through bsums), so no sign tricks; maddubs cannot saturate
 // (2 * 63 * 127 < 2^15). Each row of W is read once per activation row, in the file layout: a weight
-// row (a few KB) stays in L1 while the rows of a prompt pass. Included after tiles.h (its paths, ISA
+// row (a few KB) stays in L1 while the rows pass; from WIDEN_ROWS rows (a prompt) the SIMD paths run
+// kprefill.h's widened tiles instead. Included after tiles.h (its paths, ISA
 // attributes and supports()); internal linkage, like tiles.h.
 // Also here, read the same way (AVX-512: two blocks per dpbusd): Q5_0 / Q5_1 (blocks of 32, a fifth bit per code in 4 bytes qh), llama.cpp's
 // fallback where a row is no multiple of 256, on tiles.h's 8-bit activation blocks of 32 (QAct):
@@ -488,12 +489,17 @@ const KDotFn<XRow>* q5dot_fns(int64_t path, int64_t fmt) {
 #undef TF_SCALAR_ROWS
 #undef TF_ROWS
 
+}  // namespace
+#include "kprefill.h"
+namespace {
+
 // y (M, N) = act (M, K) . W^T (+ bias) for W (N, n * bytes) rows in fmt (is_kquant), act's M rows quantised
 // as the format reads them (Q8K for q4_k / q5_k / q6_k, QAct for q5_0 / q5_1); rows of W split between torch's
 // threads, ~16 KB of them per task, each passed by the activation rows KMR at a time.
 template <typename Act>
 void kquant_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const Act& a, const float* bias, float* y) {
   const auto start = std::chrono::steady_clock::now();
+  if (path != SCALAR && a.M >= WIDEN_ROWS) return widened(fmt, path, w, N, a, bias, y, start);   // a prompt: kprefill.h
   using Row = decltype(a.row(0));
   const KDotFn<Row>* fns;
   int64_t n;                                                    // (super-)blocks a row

@@ -44,7 +44,8 @@ Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("qgemv.cpp")
 TILES = SOURCE.with_name("tiles.h")           # activation rounding and tile kernels, shared with fused/layers.cpp
 KQUANTS = SOURCE.with_name("kquants.h")       # the K-quant kernels, shared with fused/layers.cpp
-FILES = (SOURCE, TILES, KQUANTS)              # what the built library depends on
+KPREFILL = SOURCE.with_name("kprefill.h")     # their several-row products on widened tiles (included by kquants.h)
+FILES = (SOURCE, TILES, KQUANTS, KPREFILL)    # what the built library depends on
 PATHS = ("scalar", "avx2", "avx512vnni")      # index = the op's path number
 FMT = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 6, "q5_k": 7, "q6_k": 8, "q5_0": 9, "q5_1": 10}   # the ops' numbers
 FORCED = "TFORMER_QGEMV_PATH"
@@ -154,7 +155,8 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
 def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None) -> Tensor:
     """``x (M, K) · Wᵀ + bias`` for ``packed`` K-quant super-blocks (q4_k, q5_k, q6_k; activations quantised to
     Q8_K) or Q5_0 / Q5_1 blocks (activations in 8-bit blocks of 32) (:mod:`tformer.quant.kblocks`), read as
-    the file stores them: ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``."""
+    the file stores them: ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``.
+    From 32 rows (a prompt) the SIMD paths widen each tile of weight rows on the fly (``kprefill.h``)."""
     kblocks.check_format(fmt)
     op, p = _op_and_path(kernel_path)
     if op is None:
