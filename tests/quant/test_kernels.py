@@ -365,7 +365,7 @@ def test_a_choice_measured_with_other_kernel_sources_is_not_reused(monkeypatch):
     kernel (a new tile loop, say) the machine measures its choice again instead of keeping one made
     with the old code."""
     now = kernels.machine_key()
-    files = [gemv.SOURCE, gemv.HEADER, qgemv.SOURCE, qgemv.TILES, qgemv.KQUANTS]     # named here, not from the code under test
+    files = [gemv.SOURCE, gemv.HEADER, qgemv.SOURCE, qgemv.TILES, qgemv.KQUANTS, qgemv.SOURCE.with_name("kprefill.h")]     # named here, not from the code under test
     assert f"kernels {kernels.source_digest(files)}" in now
     monkeypatch.setattr(kernels, "_sources", lambda: "000000000000")
     assert kernels.machine_key() != now
