@@ -22,7 +22,7 @@
 
 namespace {
 
-enum KFmt : int64_t { Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10 };   // after the 32-blocks (0-2), floats (3-5)
+enum KFmt : int64_t { Q4_K = 6, Q5_K = 7, Q6_K = 8 };   // after the 32-blocks (0-2), floats (3-5); Q5_0, Q5_1: tiles.h
 constexpr int64_t KBYTES[5] = {144, 176, 210, 22, 24};  // bytes per (super-)block
 constexpr int64_t KVALUES[5] = {256, 256, 256, 32, 32}; // values per (super-)block
 inline bool is_kquant(int64_t fmt) { return fmt >= Q4_K && fmt <= Q5_1; }   // a format read in the file layout
@@ -362,15 +362,6 @@ float q5dot_scalar(const uint8_t* w, const XRow& x, int64_t G) {
 }
 
 #ifdef TFORMER_X86
-// 32 bits -> 32 bytes, byte e = 16 where bit e is set (the fifth bit of code e), else 0
-T_AVX2 inline __m256i fifth_bits(uint32_t qh) {
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(qh)),
-                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                                               0x0101010101010101, 0x0000000000000000));
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-}
-
 // 32 codes of one Q5 block (0..31) in a 256-bit vector
 T_AVX2 inline __m256i q5_codes(const uint8_t* b, int64_t at) {
   uint32_t qh;

@@ -101,6 +101,7 @@ def path() -> str | None:
 
 
 TILE_ROWS = {"avx2": 8, "avx512vnni": 16}     # rows interleaved per tile by the SIMD paths (tiles.h)
+TILED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")   # the formats the SIMD paths read as tiles (blocks of 32)
 
 
 def tiles(packed: Tensor, fmt: str, kernel_path: str, release: bool = False) -> Tensor | None:
@@ -151,12 +152,17 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
     return op.qgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
 
 
-def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None) -> Tensor:
+def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None,
+           tiled: Tensor | None = None) -> Tensor:
     """``x (M, K) · Wᵀ + bias`` for ``packed`` K-quant super-blocks (q4_k, q5_k, q6_k; activations quantised to
-    Q8_K) or Q5_0 / Q5_1 blocks (activations in 8-bit blocks of 32) (:mod:`tformer.quant.kblocks`), read as
-    the file stores them: ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``."""
+    Q8_K, read as the file stores them) or Q5_0 / Q5_1 blocks (activations in 8-bit blocks of 32; on a SIMD path
+    as :func:`tiles`, ``tiled`` or repacked here, else in the file layout) (:mod:`tformer.quant.kblocks`):
+    ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``."""
     kblocks.check_format(fmt)
     op, p = _op_and_path(kernel_path)
     if op is None:
         return kblocks.dot(packed, fmt, x, bias).to(x.dtype)
+    if fmt in TILED and p in TILE_ROWS:
+        t = tiled if tiled is not None else tiles(packed, fmt, p)
+        return op.qgemm_tiles(t, FMT[fmt], packed.shape[0], x, bias, PATHS.index(p))
     return op.kqgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
