@@ -1,4 +1,4 @@
-// Products of GGUF block-quantised weights (Q8_0, Q4_0, Q4_1) with activations quantised to 8-bit
+// Products of GGUF block-quantised weights (Q8_0, Q4_0, Q4_1; Q5_0, Q5_1 as tiles) with activations quantised to 8-bit
 // blocks: y (M, N) = x (M, K) . W (N, K)^T [+ bias (N)], W kept as the file stores it.
 //
 // Per activation row and block of 32: a = max|x|, dx = a / 127, q = rne(x * (127 / a)) in
@@ -463,7 +463,8 @@ double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns
 int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT_NS.load(); }
 
 // The op of the formats read in the file layout (kquants.h): blocks (N, S * bytes) uint8, fmt 6 q4_k |
-// 7 q5_k | 8 q6_k | 9 q5_0 | 10 q5_1, x (M, K) float32|bf16|f16 -> y (M, N) in x's dtype, path 0|1|2.
+// 7 q5_k | 8 q6_k | 9 q5_0 | 10 q5_1 (on a SIMD path as one-off tiles), x (M, K) float32|bf16|f16 -> y (M, N)
+// in x's dtype, path 0|1|2.
 at::Tensor kqgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                   int64_t path) {
   TORCH_CHECK(is_kquant(fmt), "kqgemm: fmt must be 6 (q4_k), 7 (q5_k), 8 (q6_k), 9 (q5_0) or 10 (q5_1)");
@@ -484,7 +485,12 @@ at::Tensor kqgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, co
   if (is_q5(fmt)) {
     QAct a;
     a.quantize(xf.data_ptr<float>(), x.size(0), K);
-    kquant_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bp, yf.data_ptr<float>());
+    if (path == SCALAR) {
+      kquant_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bp, yf.data_ptr<float>());
+    } else {                                                  // the SIMD paths read q5 as tiles: made here, once
+      const at::Tensor t = repack(blocks, fmt, path == AVX2 ? 8 : 16, false);
+      tile_product(tile_matrix(t, fmt, N, path, "kqgemm"), a, bp, yf.data_ptr<float>());
+    }
   } else {
     Q8K a;
     a.quantize(xf.data_ptr<float>(), x.size(0), K);

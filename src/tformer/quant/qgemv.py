@@ -1,7 +1,7 @@
 """Block-quantised products (``qgemv.cpp``), built at first use, with the path picked from the CPU.
 
 ``y (M, N) = x (M, K) · Wᵀ + b`` for ``W`` in GGUF's Q8_0 / Q4_0 / Q4_1 blocks
-(:mod:`tformer.quant.blocks`): the activations are quantised to 8-bit blocks of 32, each block's
+(:mod:`tformer.quant.blocks`; Q5_0 / Q5_1 and the K-quants: :func:`kqgemm`): the activations are quantised to 8-bit blocks of 32, each block's
 dot product is an integer, and one float multiply-add per block scales it. Paths (the same
 arithmetic; they differ only in the float32 summation order):
 
@@ -12,7 +12,8 @@ arithmetic; they differ only in the float32 summation order):
 The two SIMD paths read the weight repacked by :func:`tiles`: 8 (AVX2) or 16 (AVX-512) rows
 interleaved by groups of four codes, so one broadcast of four activation codes and one
 ``maddubs``/``dpbusd`` advance 8 / 16 rows' dot products at once, and a block's 8 / 16 scales are one
-``cvtph`` (tiles.h, "interleaved tiles"): the same bytes moved, made once per layer by BlockLinear.
+``cvtph`` (tiles.h, "interleaved tiles"): the same bytes moved, made once per layer by BlockLinear
+(Q5_0 / Q5_1 too: their fifth bits become byte masks, one per vector of codes).
 Tiles made one after another lie end to end in shared arenas of 2 MB pages (a decode step streams
 them from memory: fewer TLB misses, no 4 KB page breaks in the stream); the kernels prefetch 12 KB
 ahead and take up to 4 activation rows per pass over a tile, so a batch or a prompt loads and
