@@ -1,5 +1,6 @@
 """Shared fixtures."""
 
+import shutil
 import string
 from pathlib import Path
 
@@ -16,6 +17,25 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+# Session fixtures name their folders with this prefix, so the per-module sweep below leaves them alone.
+SESSION_PREFIX = "session-"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sweep_module_temp(tmp_path_factory):
+    """Remove the folders a test module made with ``tmp_path_factory`` once the module is done.
+
+    Model files (GGUFs at full width, converted checkpoints) add up to tens of GB over the whole suite if every
+    module's folders wait for the session to end; CI's disk does not hold that. Function-level ``tmp_path``
+    folders are removed by ``tmp_path_retention_policy = "failed"`` (pyproject.toml) as each test passes."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    for p in set(base.iterdir()) - before:
+        if p.is_dir() and not p.name.startswith(SESSION_PREFIX):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def claims_report(tmp_path_factory):
     """Every claim's quick run, once per session, through ``tformer claims run``: (folder, results)."""
@@ -23,7 +43,7 @@ def claims_report(tmp_path_factory):
 
     from tformer.cli import main
 
-    out = tmp_path_factory.mktemp("claims-report")
+    out = tmp_path_factory.mktemp(SESSION_PREFIX + "claims-report")
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -47,7 +67,7 @@ def smollm2(tmp_path_factory):
     except CheckpointError as e:
         pytest.skip(str(e))
     old = os.environ.get("TFORMER_CACHE")
-    os.environ["TFORMER_CACHE"] = str(tmp_path_factory.mktemp("tformer-cache"))
+    os.environ["TFORMER_CACHE"] = str(tmp_path_factory.mktemp(SESSION_PREFIX + "tformer-cache"))
     try:
         yield path, resolve_model("smollm2")
     finally:

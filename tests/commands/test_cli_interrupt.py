@@ -62,8 +62,10 @@ def test_a_real_sigint_while_a_model_loads(tmp_path):
         sys.exit(main(["chat", "--prompt", "hi"]))
     """)
     env = {**os.environ, "PYTHONPATH": SRC}
+    # a terminal's foreground process starts with SIGINT at its default; a test run launched in the background
+    # (`cmd &` in a script) would hand the child an ignored SIGINT, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "loading"
         time.sleep(0.2)
