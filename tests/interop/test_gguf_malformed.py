@@ -37,17 +37,17 @@ def encode_value(kind: int, value) -> bytes:
     return struct.pack("<IQ", item, len(items)) + b"".join(encode_value(item, v) for v in items)
 
 
-def gguf_bytes(kv: list[tuple[str, int, object]], tensors: list[tuple[str, tuple, np.ndarray | bytes]]) -> bytes:
-    """A GGUF v3 file: metadata ``(key, type, value)`` in order (duplicates allowed), then F32 tensors
-    ``(name, numpy shape, data)`` in order, aligned to 32 bytes."""
+def gguf_bytes(kv: list[tuple[str, int, object]], tensors: list[tuple]) -> bytes:
+    """A GGUF v3 file: metadata ``(key, type, value)`` in order (duplicates allowed), then tensors
+    ``(name, numpy shape, data[, ggml type])`` in order (F32 unless a type is given), aligned to 32 bytes."""
     out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
     for key, kind, value in kv:
         out += encode_value(STR, key) + struct.pack("<I", kind) + encode_value(kind, value)
     blobs, offset = [], 0
-    for name, shape, data in tensors:
+    for name, shape, data, *kind in tensors:
         raw = data if isinstance(data, bytes) else np.ascontiguousarray(data, np.float32).tobytes()
         out += encode_value(STR, name) + struct.pack("<I", len(shape)) + b"".join(
-            struct.pack("<Q", d) for d in reversed(shape)) + struct.pack("<IQ", F32_TYPE, offset)
+            struct.pack("<Q", d) for d in reversed(shape)) + struct.pack("<IQ", kind[0] if kind else F32_TYPE, offset)
         blobs.append((offset, raw))
         offset += -(-len(raw) // 32) * 32
     out += b"\0" * (-len(out) % 32)
@@ -248,3 +248,34 @@ def test_a_rust_panic_while_building_the_vocabulary_is_one_sentence(monkeypatch)
     monkeypatch.setattr(tokenizers.models, "BPE", panics)
     with pytest.raises(CheckpointError, match="cannot be built: range end index"):
         gguf_bpe_tokenizer(TOKENS, MERGES, None, "default")
+
+
+def q8_0_tensors(nan_in: str | None = None) -> list:
+    """:func:`base_tensors` with every layer matrix quantised to Q8_0 by gguf-py (kept as blocks when opened);
+    ``nan_in``: that matrix's third block scale made a NaN."""
+    import gguf
+
+    out = []
+    for name, shape, data in base_tensors():
+        if name.startswith("blk.") and len(shape) == 2:
+            blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0).reshape(-1, 34)      # (blocks, 34)
+            if name == nan_in:
+                blocks[2, :2] = np.array([0x7E00], np.uint16).view(np.uint8)
+            out.append((name, shape, blocks.tobytes(), int(gguf.GGMLQuantizationType.Q8_0)))
+        else:
+            out.append((name, shape, data))
+    return out
+
+
+def test_a_nan_block_scale_is_refused_before_the_first_token(tmp_path, capsys):
+    """A file whose layer matrices are kept as their Q8_0 blocks (``--dtype auto``) and one of whose block scales
+    is a NaN is refused by ``generate`` in one sentence naming the tensor and the count, exit 2; the same file
+    with finite scales generates (gguf-py quantises both)."""
+    (tmp_path / "ok.gguf").write_bytes(gguf_bytes(base_kv(), q8_0_tensors()))
+    assert main(["generate", "--model", str(tmp_path / "ok.gguf"), "--prompt", "ab", "--max-new-tokens", "2",
+                 "--verbose"]) == 0
+    assert "q8_0" in capsys.readouterr().err                               # the blocks were kept as stored
+    (tmp_path / "bad.gguf").write_bytes(gguf_bytes(base_kv(), q8_0_tensors(nan_in="blk.0.ffn_up.weight")))
+    assert main(["generate", "--model", str(tmp_path / "bad.gguf"), "--prompt", "ab", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "blk.0.ffn_up.weight" in err and "1 NaN or infinite block scales" in err, err
