@@ -1,6 +1,6 @@
-"""Several-row products of the formats read in the file layout (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) on tiles widened
-on the fly (quant/kprefill.h: from ``WIDEN_ROWS`` = 32 activation rows on the avx2 and avx512vnni paths; the scalar
-path keeps the one-row kernels), on every path this CPU runs, each forced.
+"""Several-row products (prompts) of the K-quants (Q4_K, Q5_K, Q6_K) on tiles widened on the fly (quant/kprefill.h:
+from ``WIDEN_ROWS`` = 32 activation rows on the avx2 and avx512vnni paths; the scalar path keeps the one-row
+kernels) and of Q5_0 / Q5_1 (tiles.h's tiles on those paths), on every path this CPU runs, each forced.
 
 - against a float64 evaluation of the same quantised arithmetic (``kblocks.reference``, Q8_K / 8-bit block
   rounding of the activations included): the integer sums are exact, so only float32 rounding separates them;

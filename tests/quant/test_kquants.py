@@ -126,3 +126,39 @@ def test_block_linear_runs_kquants_close_to_the_float_weight(fmt):
     assert y.shape == (3, 4, 24)
     assert bool(((y - exact).abs() <= 0.02 * scale).all())
     assert np.array_equal(w.numpy(), gguf.quants.dequantize(packed.numpy(), GGUF_TYPE[fmt]))
+
+
+@pytest.mark.parametrize("path", qgemv.PATHS)
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_1"])
+def test_q5_extreme_codes_do_not_saturate(path, fmt):
+    """Every Q5 code 31 against activations all at ±127 (AVX2 sums one quad's two maddubs in s16:
+    4 · 31 · 127 = 15748 < 2¹⁵), and every code 0 (q5_0's -16 alone)."""
+    runnable(path)
+    g = torch.Generator().manual_seed(2)
+    n, k = 19, 160
+    for byte in (0xFF, 0x00):
+        packed = kblocks.random_blocks(n, k, fmt, g)
+        b = packed.view(n, k // 32, kblocks.BYTES[fmt])
+        b[..., kblocks.BYTES[fmt] - 20:] = byte                              # qh and qs: every bit set (or none)
+        x = torch.where(torch.rand(3, k, generator=g) < 0.5, -1.0, 1.0)
+        ref = kblocks.reference(packed, fmt, x)
+        err = (qgemv.kqgemm(packed, fmt, x, None, path).double() - ref).abs()
+        assert bool((err <= 1e-5 * kblocks.magnitude(packed, fmt, x) + 1e-30).all())
+
+
+@pytest.mark.parametrize("path", ["avx2", "avx512vnni"])
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_1"])
+def test_q5_tiles_hold_the_file_bytes_and_rows_at_a_time_equal_one_row(path, fmt):
+    """Q5 tiles (tiles.h: the file's bytes moved, TILE_ROWS rows interleaved) are as large as the
+    padded file rows; an M-row product over them equals each row's product alone bit for bit."""
+    runnable(path)
+    g = torch.Generator().manual_seed(5)
+    n, k = 37, 192
+    packed = kblocks.random_blocks(n, k, fmt, g)
+    tiled = qgemv.tiles(packed, fmt, path)
+    R = qgemv.TILE_ROWS[path]
+    assert tiled.shape == (-(-n // R), R * packed.shape[1])
+    x = torch.randn(9, k, generator=g)
+    y = qgemv.kqgemm(packed, fmt, x, None, path, tiled)
+    for r in range(9):
+        assert torch.equal(y[r], qgemv.kqgemm(packed, fmt, x[r:r + 1], None, path, tiled)[0])

@@ -333,15 +333,15 @@ T_ATT void attend_head(const float* q, const T* K, const T* V, int64_t s2, int64
   weighted_sum(p, 1.0f / sum, V, s2, n, hs, o);
 }
 
-// One of a layer's matrices, N outputs of K inputs: block tiles (fmt 0-2), a float (N, K) matrix
-// (F32, BF16, F16) or K-quant / Q5 blocks as the file stores them (fmt 6-10, kquants.h), with an
+// One of a layer's matrices, N outputs of K inputs: block tiles (fmt 0-2, 9, 10), a float (N, K) matrix
+// (F32, BF16, F16) or K-quant blocks as the file stores them (fmt 6-8, kquants.h), with an
 // optional float32 bias (N).
 struct Product {
   int64_t fmt = 0, N = 0, K = 0;
   TileMatrix tiles{};
   const void* w = nullptr;
   const float* bias = nullptr;
-  bool blocks() const { return fmt <= Q4_1; }
+  bool blocks() const { return is_tiled(fmt); }
 };
 
 // The width K of a K-quant matrix m (N, S * bytes) uint8, checked.
@@ -359,7 +359,7 @@ Product make_product(const at::Tensor& m, const c10::optional<at::Tensor>& bias,
   if (P.blocks()) {
     P.tiles = tile_matrix(m, fmt, N, path, what);
     P.K = 32 * P.tiles.G;
-  } else if (is_kquant(fmt)) {
+  } else if (is_kquant(fmt)) {                                          // Q4_K .. Q6_K here
     P.K = kquant_matrix(m, fmt, N, what);
     P.w = m.data_ptr();
   } else {
@@ -401,7 +401,7 @@ void float_product(const T* W, const Product& P, const float* x, int64_t M, floa
   });
 }
 
-// One input quantised both ways, each made at its first use: 8-bit blocks of 32 for tiles and Q5_0 / Q5_1,
+// One input quantised both ways, each made at its first use: 8-bit blocks of 32 for tiles (Q5_0 / Q5_1 too),
 // Q8_K for the K-quants (gate and up, or q, k and v, read one quantisation of h).
 struct Acts {
   QAct a;
@@ -422,9 +422,8 @@ struct Acts {
 // quantisation of x already
 void apply(const Product& P, const float* x, int64_t M, Acts& acts, float* y, int64_t path) {
   const auto* w = static_cast<const uint8_t*>(P.w);
-  if (is_q5(P.fmt)) return kquant_product(P.fmt, path, w, P.N, acts.blocks32(x, M, P.K), P.bias, y);
-  if (is_kquant(P.fmt)) return kquant_product(P.fmt, path, w, P.N, acts.q8k(x, M, P.K), P.bias, y);
   if (P.blocks()) return tile_product(P.tiles, acts.blocks32(x, M, P.K), P.bias, y);
+  if (is_kquant(P.fmt)) return kquant_product(P.fmt, path, w, P.N, acts.q8k(x, M, P.K), P.bias, y);
   const bool wide = path == AVX512VNNI;
   if (P.fmt == F32) float_product(static_cast<const float*>(P.w), P, x, M, y, wide);
   else if (P.fmt == BF16) float_product(static_cast<const at::BFloat16*>(P.w), P, x, M, y, wide);

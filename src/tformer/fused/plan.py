@@ -130,7 +130,7 @@ def _qkv_why_not(model, path: str) -> str | None:
         lin = b.attn.qkv_proj
         if isinstance(lin, StackedLinear) and [p.out_features for p in lin.parts] != [q, kv, kv]:
             return "q, k and v stacked other than as q | k | v"
-        tiled = isinstance(lin, BlockLinear) and not lin.kquant
+        tiled = isinstance(lin, BlockLinear) and lin.tiled
         if tiled and (q % qgemv.TILE_ROWS[path] or kv % qgemv.TILE_ROWS[path]):
             return f"q, k and v in different formats beside a tiled qkv whose rows do not split at {qgemv.TILE_ROWS[path]}-row tiles"
     return None
@@ -172,7 +172,7 @@ def _norm_weights(norm) -> list[Tensor]:
 def _matrix(lin, path: str) -> Tensor:
     if not isinstance(lin, BlockLinear):
         return lin.row_major()                              # the layer call reads (N, K) rows
-    if lin.kquant:
+    if not lin.tiled:
         return lin.blocks                                   # K-quants are read in the file layout
     return lin.tiles(path)
 
@@ -197,7 +197,7 @@ def _qkv_parts(lin, path: str, q: int, kv: int) -> list[tuple]:
     if isinstance(lin, StackedLinear):
         return [(_matrix(p, path), _bias(p), _format(p)) for p in lin.parts]
     m, b = _matrix(lin, path), _bias(lin)
-    step = qgemv.TILE_ROWS[path] if isinstance(lin, BlockLinear) and not lin.kquant else 1   # rows per matrix row
+    step = qgemv.TILE_ROWS[path] if isinstance(lin, BlockLinear) and lin.tiled else 1   # rows per matrix row
     cuts = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
     return [(m[a // step:e // step], None if b is None else b[a:e], _format(lin)) for a, e in cuts]
 

@@ -40,7 +40,8 @@ class BlockLinear(nn.Module):
 
     def __init__(self, packed: Tensor, fmt: str, bias: Tensor | None = None):
         super().__init__()
-        self.kquant = fmt in kblocks.BYTES               # read in the file layout by kqgemm, no tiles
+        self.kquant = fmt in kblocks.BYTES               # multiplied by kqgemm (kblocks' maths)
+        self.tiled = fmt in qgemv.TILED                  # read as tiles on a SIMD path (else the file layout)
         self.out_features, self.in_features = kblocks.maths(fmt).packed_shape(packed, fmt, "weights")
         self.fmt = fmt
         if bias is not None and bias.shape != (self.out_features,):
@@ -67,8 +68,8 @@ class BlockLinear(nn.Module):
     def product(self, x2: Tensor) -> Tensor:
         """``x2 (M, K) @ Wᵀ + b`` by the integer block products: ``(M, N)`` in ``x2``'s dtype."""
         p = qgemv.path()
-        if self.kquant:                                # read in the file layout: no tiles
-            return qgemv.kqgemm(self.blocks, self.fmt, x2, self.bias, p)
+        if self.kquant:                                # K-quants in the file layout; Q5_0 / Q5_1 as tiles
+            return qgemv.kqgemm(self.blocks, self.fmt, x2, self.bias, p, self.tiles(p))
         return qgemv.qgemm(self.blocks, self.fmt, x2, self.bias, p, self.tiles(p))      # (M, N) in x's dtype
 
     def tiles(self, kernel_path: str | None) -> Tensor | None:
@@ -76,7 +77,7 @@ class BlockLinear(nn.Module):
         the file layout), made at the first call on a path and kept. The file layout stays in ``blocks``
         (what the checks, dequantisation and export read); where it is a mapped file's pages, they are
         handed back once copied (:mod:`tformer.quant.pages`), so the weights are held once."""
-        if self.kquant or kernel_path not in qgemv.TILE_ROWS:
+        if not self.tiled or kernel_path not in qgemv.TILE_ROWS:
             return None
         tiled = self._tiled.get(kernel_path)
         if tiled is None:

@@ -1,18 +1,18 @@
-// Several-row products (a prompt) of the weights read in the file layout (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K;
-// kquants.h): each tile of R weight rows (8 AVX2, 16 AVX-512) is widened on the fly, in a per-thread
+// Several-row products (a prompt) of the K-quant weights read in the file layout (Q4_K, Q5_K, Q6_K;
+// kquants.h; Q5_0 / Q5_1 are tiles.h's tiles on the SIMD paths, so their prompts run the tile kernels):
+// each tile of R weight rows (8 AVX2, 16 AVX-512) is widened on the fly, in a per-thread
 // buffer of a few ten KB, to one unsigned 8-bit code per weight and float scales per block of B codes,
 // laid out as tiles.h's interleaved tiles, then every activation row passes over it MR at a time. A
 // tile is widened once per product, whatever the number of rows, and no float copy of the weight is
 // ever held. Every format is written as
 //   w_e = scale_b q_e + mterm_b             q_e in [0, 63] unsigned, b the block of B codes holding e
-//   q5_0: B 32, scale d, mterm -16 d          q5_1: B 32, scale d, mterm m
 //   q4_k / q5_k: B 32, scale d sc_j, mterm -dmin m_j      q6_k: B 16, scale d sc_g, mterm -32 d sc_g
-// and per activation row (codes qx, block scale dx, block sum s = sum qx: tiles.h's 8-bit blocks of
-// 32 for q5_0 / q5_1, ggml's Q8_K for the K-quants, whose sums per 16 / 32 codes are its bsums)
+// and per activation row (codes qx, block scale dx, block sum s = sum qx: ggml's Q8_K, whose sums per
+// 16 / 32 codes are its bsums)
 //   y += (scale_b dx_b) float(sum_e q_e qx_e + C s_b) + mterm'_b (dx_b s_b)
-// with the fixed offsets (q5_0's -16, q6_k's -32) kept in the integer sum (C = -16 / -32, mterm' = 0)
+// with q6_k's fixed offset -32 kept in the integer sum (C = -32, mterm' = 0)
 // and the others' mterm in float. The integer sums are those of the one-row kernels; the float steps
-// are per block of B rather than per super-block (q4_k / q5_k / q6_k), so the result differs from the
+// are per block of B rather than per super-block, so the result differs from the
 // one-row path in float32 rounding only. Products of dpbusd (AVX-512 VNNI) or maddubs (AVX2) of the
 // u8 codes and the s8 activations: |sum| <= 32 * 63 * 127, no saturation (maddubs pairs 2 * 63 * 127).
 // Included by kquants.h after its activation types; the scalar path keeps the one-row kernels.
@@ -24,13 +24,12 @@ namespace {
 // The widened tile of R rows: per block b, scale[R] float | mterm[R] float | codes [B/4 quads][R rows][4 bytes]
 struct Widen {
   int64_t B;        // codes per block: 32, or 16 (q6_k)
-  int32_t C;        // the integer offset per activation code (-16 q5_0, -32 q6_k, else 0)
-  bool mterm;       // a float mterm per block (q5_1, q4_k, q5_k)
+  int32_t C;        // the integer offset per activation code (-32 q6_k, else 0)
+  bool mterm;       // a float mterm per block (q4_k, q5_k)
   int64_t block_bytes(int64_t R) const { return R * (8 + B); }
 };
 
 inline Widen widen_of(int64_t fmt) {
-  if (fmt == Q5_0) return {32, -16, false};
   if (fmt == Q6_K) return {16, -32, false};
   return {32, 0, true};
 }
@@ -62,11 +61,7 @@ T_AVX2 void widen_row(int64_t fmt, const uint8_t* w, int64_t K, int64_t r, int64
   auto mterm = [&](int64_t b) { return reinterpret_cast<float*>(out + b * bb) + R + r; };
   for (int64_t s = 0; s < K / vals; ++s, w += bytes) {
     const int64_t e0 = s * vals;
-    if (fmt == Q5_0 || fmt == Q5_1) {
-      put32<R, 32>(out, r, e0, q5_codes(w, fmt == Q5_1 ? 4 : 2));              // kquants.h
-      *scale(s) = h2f_k(w);
-      if (fmt == Q5_1) *mterm(s) = h2f_k(w + 2);
-    } else if (fmt == Q6_K) {                         // ggml's order: per half, ql low / ql+32 low / ql high / ql+32 high
+    if (fmt == Q6_K) {                         // ggml's order: per half, ql low / ql+32 low / ql high / ql+32 high
       const float d = h2f_k(w + 208);
       const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
       for (int h = 0; h < 2; ++h) {
@@ -141,13 +136,6 @@ struct BActs {
       rows[m] = BRow{a.q.data() + m * a.K, d.data() + m * nb, s.data() + m * nb, ds.data() + m * nb};
     }
   }
-  void from_blocks32(const QAct& a) {
-    rows.resize(a.M);
-    for (int64_t m = 0; m < a.M; ++m) {
-      const XRow x = a.row(m);
-      rows[m] = BRow{x.q, x.d, x.s, x.ds};
-    }
-  }
 };
 
 constexpr int WMR = 4;   // activation rows per pass over a widened tile
@@ -215,11 +203,9 @@ T_AVX2 void wtile_avx2(const uint8_t* w, const BRow* x, int64_t nb, float* out) 
 using WTileFn = void (*)(const uint8_t*, const BRow*, int64_t, float*);
 #define TF_W(K, B, C, MT) {&K<B, C, MT, 1>, &K<B, C, MT, 2>, &K<B, C, MT, 3>, &K<B, C, MT, 4>}
 inline const WTileFn* wtile_fns(int64_t path, int64_t fmt) {
-  static const WTileFn vnni[3][WMR] = {TF_W(wtile_vnni, 32, -16, false), TF_W(wtile_vnni, 16, -32, false),
-                                       TF_W(wtile_vnni, 32, 0, true)};
-  static const WTileFn avx2[3][WMR] = {TF_W(wtile_avx2, 32, -16, false), TF_W(wtile_avx2, 16, -32, false),
-                                       TF_W(wtile_avx2, 32, 0, true)};
-  const int i = fmt == Q5_0 ? 0 : fmt == Q6_K ? 1 : 2;
+  static const WTileFn vnni[2][WMR] = {TF_W(wtile_vnni, 16, -32, false), TF_W(wtile_vnni, 32, 0, true)};
+  static const WTileFn avx2[2][WMR] = {TF_W(wtile_avx2, 16, -32, false), TF_W(wtile_avx2, 32, 0, true)};
+  const int i = fmt == Q6_K ? 0 : 1;
   return path == AVX2 ? avx2[i] : vnni[i];
 }
 #undef TF_W
@@ -259,13 +245,12 @@ inline void widened_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t
 
 namespace {
 
-// kquant_product's several-row case: the activations as blocks of B, then widened_product (timed into PRODUCT_NS)
-template <typename Act>
-void widened(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const Act& a, const float* bias, float* y,
-             std::chrono::steady_clock::time_point start) {
+// kquant_product's several-row case for the K-quants: the Q8_K activations as blocks of B, then
+// widened_product (timed into PRODUCT_NS)
+inline void widened(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const Q8K& a, const float* bias, float* y,
+                    std::chrono::steady_clock::time_point start) {
   BActs b;
-  if constexpr (std::is_same_v<Act, Q8K>) b.from_q8k(a, widen_of(fmt).B);
-  else b.from_blocks32(a);
+  b.from_q8k(a, widen_of(fmt).B);
   widened_product(fmt, path, w, N, a.K, b.rows.data(), a.M, bias, y);
   PRODUCT_NS.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count(),
                        std::memory_order_relaxed);

@@ -11,10 +11,12 @@
 // Codes are unsigned (q6_k's -32 goes through bsums), so no sign tricks; maddubs cannot saturate
 // (2 * 63 * 127 < 2^15). Each row of W is read once per activation row, in the file layout: a weight
 // row (a few KB) stays in L1 while the rows pass; from WIDEN_ROWS rows (a prompt) the SIMD paths run
-// kprefill.h's widened tiles instead. Included after tiles.h (its paths, ISA
+// kprefill.h's widened tiles instead. Rows lie end to end, so the SIMD paths prefetch PREFETCH bytes ahead
+// as the tile kernels do (tiles.h). Included after tiles.h (its paths, ISA
 // attributes and supports()); internal linkage, like tiles.h.
-// Also here, read the same way (AVX-512: two blocks per dpbusd): Q5_0 / Q5_1 (blocks of 32, a fifth bit per code in 4 bytes qh), llama.cpp's
-// fallback where a row is no multiple of 256, on tiles.h's 8-bit activation blocks of 32 (QAct):
+// Also here, the scalar path's reading of Q5_0 / Q5_1 in the file layout (blocks of 32, a fifth bit per code in
+// 4 bytes qh: llama.cpp's fallback where a row is no multiple of 256; the SIMD paths read them as tiles.h's
+// tiles), on tiles.h's 8-bit activation blocks of 32 (QAct):
 //   q5_0: d dx (sum q qx - 16 s)        q5_1: d dx sum q qx + m dx s        (s = sum qx of the block)
 #pragma once
 #include <c10/util/Half.h>
@@ -23,7 +25,7 @@
 
 namespace {
 
-enum KFmt : int64_t { Q4_K = 6, Q5_K = 7, Q6_K = 8, Q5_0 = 9, Q5_1 = 10 };   // after the 32-blocks (0-2), floats (3-5)
+enum KFmt : int64_t { Q4_K = 6, Q5_K = 7, Q6_K = 8 };   // after the 32-blocks (0-2), floats (3-5); Q5_0, Q5_1: tiles.h
 constexpr int64_t KBYTES[5] = {144, 176, 210, 22, 24};  // bytes per (super-)block
 constexpr int64_t KVALUES[5] = {256, 256, 256, 32, 32}; // values per (super-)block
 inline bool is_kquant(int64_t fmt) { return fmt >= Q4_K && fmt <= Q5_1; }   // a format read in the file layout
@@ -213,6 +215,7 @@ T_AVX2 void kdot_avx2(const uint8_t* w, const KRow* x, int64_t S, float* out) {
   float mins[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
   for (int64_t s = 0; s < S; ++s, w += bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T1);
     __m256i isum[MR];
     for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     if (F == Q6_K) {
@@ -285,6 +288,7 @@ T_VNNI void kdot_vnni(const uint8_t* w, const KRow* x, int64_t S, float* out) {
   float mins[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = 0.0f;
   for (int64_t s = 0; s < S; ++s, w += bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + o), _MM_HINT_T1);
     __m512i isum[MR], isum2[MR];                       // two chains of dpwssd (even / odd steps), added at the end
     for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512(), isum2[r] = _mm512_setzero_si512();
     if (F == Q6_K) {
@@ -362,95 +366,6 @@ float q5dot_scalar(const uint8_t* w, const XRow& x, int64_t G) {
   return acc + mins;
 }
 
-#ifdef TFORMER_X86
-// 32 bits -> 32 bytes, byte e = 16 where bit e is set (the fifth bit of code e), else 0
-T_AVX2 inline __m256i fifth_bits(uint32_t qh) {
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(qh)),
-                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                                               0x0101010101010101, 0x0000000000000000));
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-}
-
-// 32 codes of one Q5 block (0..31) in a 256-bit vector
-T_AVX2 inline __m256i q5_codes(const uint8_t* b, int64_t at) {
-  uint32_t qh;
-  std::memcpy(&qh, b + at, 4);
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at + 4));
-  const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
-  return _mm256_or_si256(nib, fifth_bits(qh));
-}
-
-template <int F, int MR>
-T_AVX2 void q5dot_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) {
-  constexpr int64_t bytes = KBYTES[F - Q4_K], at = F == Q5_1 ? 4 : 2;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR];
-  float mins[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
-  for (int64_t g = 0; g < G; ++g, w += bytes) {
-    const __m256i q = q5_codes(w, at);
-    const float dw = h2f_k(w);
-    for (int r = 0; r < MR; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].q + 32 * g));
-      __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-      if (F == Q5_0) p = _mm256_sub_epi32(p, _mm256_setr_epi32(16 * x[r].s[g], 0, 0, 0, 0, 0, 0, 0));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[r].d[g]), _mm256_cvtepi32_ps(p), acc[r]);
-      if (F == Q5_1) mins[r] += h2f_k(w + 2) * x[r].ds[g];
-    }
-  }
-  for (int r = 0; r < MR; ++r) out[r] = hsum256(acc[r]) + mins[r];
-}
-
-// 64 codes of two Q5 blocks (0..31 each): the nibbles of each block's 16 bytes (low then high), and the
-// fifth bits added as 16 where the 64 bits of qh (block 0's then block 1's) say, by a byte mask
-T_VNNI inline __m512i q5_codes2(const uint8_t* b, int64_t bytes, int64_t at) {
-  uint32_t h0, h1;
-  std::memcpy(&h0, b + at, 4);
-  std::memcpy(&h1, b + bytes + at, 4);
-  const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at + 4));
-  const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + bytes + at + 4));
-  const __m512i nib = _mm512_and_si512(
-      _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_srli_epi16(v0, 4), v0)),
-                         _mm256_set_m128i(_mm_srli_epi16(v1, 4), v1), 1),
-      _mm512_set1_epi8(15));
-  return _mm512_mask_add_epi8(nib, (__mmask64(h1) << 32) | h0, nib, _mm512_set1_epi8(16));
-}
-
-// AVX-512: two blocks a step (64 codes), one dpbusd per row; q5_0's -16 s rides in the accumulator's
-// first lane of each block; an odd last block goes through the AVX2 step.
-template <int F, int MR>
-T_VNNI void q5dot_vnni(const uint8_t* w, const XRow* x, int64_t G, float* out) {
-  constexpr int64_t bytes = KBYTES[F - Q4_K], at = F == Q5_1 ? 4 : 2;
-  __m512 acc[MR];
-  float mins[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), mins[r] = 0.0f;
-  int64_t g = 0;
-  for (; g + 2 <= G; g += 2, w += 2 * bytes) {
-    const __m512i q = q5_codes2(w, bytes, at);
-    const float d0 = h2f_k(w), d1 = h2f_k(w + bytes);
-    for (int r = 0; r < MR; ++r) {
-      const __m512i init = F == Q5_0 ? _mm512_maskz_set1_epi32(0x0001, -16 * x[r].s[g]) : _mm512_setzero_si512();
-      const __m512i p = _mm512_dpbusd_epi32(
-          F == Q5_0 ? _mm512_mask_set1_epi32(init, 0x0100, -16 * x[r].s[g + 1]) : init, q, _mm512_loadu_si512(x[r].q + 32 * g));
-      const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0 * x[r].d[g]), _mm512_set1_ps(d1 * x[r].d[g + 1]));
-      acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(p), acc[r]);
-      if (F == Q5_1) mins[r] += h2f_k(w + 2) * x[r].ds[g] + h2f_k(w + bytes + 2) * x[r].ds[g + 1];
-    }
-  }
-  float tail[MR];
-  for (int r = 0; r < MR; ++r) tail[r] = 0.0f;
-  if (g < G) {                                                         // an odd last block
-    const XRow* rows = x;
-    XRow last[MR];
-    for (int r = 0; r < MR; ++r)
-      last[r] = XRow{rows[r].q + 32 * g, rows[r].d + g, rows[r].s + g, rows[r].ds + g};
-    q5dot_avx2<F, MR>(w, last, 1, tail);
-  }
-  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) + mins[r] + tail[r];
-}
-#endif
-
 // kernel(w, rows, n, out): activation rows x[0..MR) against one weight row of n (super-)blocks, out[MR];
 // Row is KRow (K-quants, on Q8_K) or XRow (Q5_0 / Q5_1, on tiles.h's blocks of 32). fns[MR - 1].
 template <typename Row>
@@ -476,14 +391,9 @@ const KDotFn<KRow>* kdot_fns(int64_t path, int64_t fmt) {
   return scalar[fmt - Q4_K];
 }
 
-const KDotFn<XRow>* q5dot_fns(int64_t path, int64_t fmt) {
+// the scalar path's: the SIMD paths read Q5_0 / Q5_1 as tiles (tiles.h)
+const KDotFn<XRow>* q5dot_fns(int64_t fmt) {
   static const KDotFn<XRow> scalar[2][KMR] = {TF_SCALAR_ROWS(q5dot_scalar, XRow, Q5_0), TF_SCALAR_ROWS(q5dot_scalar, XRow, Q5_1)};
-#ifdef TFORMER_X86
-  static const KDotFn<XRow> avx2[2][KMR] = {TF_ROWS(q5dot_avx2, Q5_0), TF_ROWS(q5dot_avx2, Q5_1)};
-  static const KDotFn<XRow> vnni[2][KMR] = {TF_ROWS(q5dot_vnni, Q5_0), TF_ROWS(q5dot_vnni, Q5_1)};
-  if (path == AVX2) return avx2[fmt - Q5_0];
-  if (path == AVX512VNNI) return vnni[fmt - Q5_0];
-#endif
   return scalar[fmt - Q5_0];
 }
 #undef TF_SCALAR_ROWS
@@ -499,12 +409,13 @@ namespace {
 template <typename Act>
 void kquant_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, const Act& a, const float* bias, float* y) {
   const auto start = std::chrono::steady_clock::now();
-  if (path != SCALAR && a.M >= WIDEN_ROWS) return widened(fmt, path, w, N, a, bias, y, start);   // a prompt: kprefill.h
+  if constexpr (std::is_same_v<Act, Q8K>)                      // a K-quant prompt: kprefill.h (Q5 prompts come here on the scalar path only)
+    if (path != SCALAR && a.M >= WIDEN_ROWS) return widened(fmt, path, w, N, a, bias, y, start);
   using Row = decltype(a.row(0));
   const KDotFn<Row>* fns;
   int64_t n;                                                    // (super-)blocks a row
   if constexpr (std::is_same_v<Act, Q8K>) fns = kdot_fns(path, fmt), n = a.S;
-  else fns = q5dot_fns(path, fmt), n = a.G;
+  else fns = q5dot_fns(fmt), n = a.G;
   const int64_t row_bytes = n * kquant_bytes(fmt);
   const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
   std::vector<Row> rows(a.M);

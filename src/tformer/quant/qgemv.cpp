@@ -1,4 +1,4 @@
-// Products of GGUF block-quantised weights (Q8_0, Q4_0, Q4_1) with activations quantised to 8-bit
+// Products of GGUF block-quantised weights (Q8_0, Q4_0, Q4_1; Q5_0, Q5_1 as tiles) with activations quantised to 8-bit
 // blocks: y (M, N) = x (M, K) . W (N, K)^T [+ bias (N)], W kept as the file stores it.
 //
 // Per activation row and block of 32: a = max|x|, dx = a / 127, q = rne(x * (127 / a)) in
@@ -360,15 +360,17 @@ void release_pages(const uint8_t* begin, const uint8_t* end) {
 // release: blocks are a mapped file's pages (tformer.quant.pages says so), handed back as each run of
 // tiles is copied, so the weights never sit in memory twice (the whole copy at once would double the peak)
 at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R, bool release) {
-  TORCH_CHECK(fmt >= 0 && fmt <= 2 && (R == 8 || R == 16), "repack: fmt 0..2 and R 8 or 16");
+  TORCH_CHECK(is_tiled(fmt) && (R == 8 || R == 16), "repack: fmt 0..2, 9 or 10 and R 8 or 16");
+  const int64_t bytes = block_bytes(fmt);
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  blocks.size(1) % BLOCK_BYTES[fmt] == 0, "repack: blocks must be contiguous (N, G*bytes) uint8");
-  const int64_t N = blocks.size(0), bytes = BLOCK_BYTES[fmt], G = blocks.size(1) / bytes;
+                  blocks.size(1) % bytes == 0, "repack: blocks must be contiguous (N, G*bytes) uint8");
+  const int64_t N = blocks.size(0), G = blocks.size(1) / bytes;
   const int64_t T = (N + R - 1) / R, tb = tile_block_bytes(fmt, R);
   at::Tensor out = arena_zeros(T, G * tb, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const bool offset = fmt == Q8_0 && R == 16;
+  const int64_t qh_at = fmt == Q5_1 ? 4 : 2;                          // q5: d [m] qh qs
   // tiles are independent: split them between torch's threads (opening a model repacks all of its matrices)
   constexpr int64_t RUN = 32;                                          // tiles copied between releases
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
@@ -381,7 +383,13 @@ at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R, bool release
         uint8_t* o = dst + (t * G + g) * tb;
         std::memcpy(o + 2 * r, b, 2);                                       // d
         int64_t off = 2 * R;
-        if (fmt == Q4_1) { std::memcpy(o + off + 2 * r, b + 2, 2); off += 2 * R; }
+        if (has_min(fmt)) { std::memcpy(o + off + 2 * r, b + 2, 2); off += 2 * R; }
+        if (has_fifth(fmt)) {                  // nibble i of qh -> bits 4r .. 4r + 3 of mask i (tiles.h)
+          uint32_t qh;
+          std::memcpy(&qh, b + qh_at, 4);
+          for (int i = 0; i < 8; ++i) o[off + i * R / 2 + r / 2] |= uint8_t(((qh >> (4 * i)) & 15) << (4 * (r % 2)));
+          off += 4 * R;
+        }
         const uint8_t* qs = b + (fmt == Q8_0 ? 2 : bytes - 16);
         const int quads = fmt == Q8_0 ? 8 : 4;
         for (int j = 0; j < quads; ++j) {                                   // 4 quants at a time
@@ -402,7 +410,7 @@ at::Tensor repack(const at::Tensor& blocks, int64_t fmt, int64_t R, bool release
 // avx512vnni (R 16). x (M, K) -> y (M, N) in x's dtype.
 at::Tensor qgemm_tiles(const at::Tensor& tiles, int64_t fmt, int64_t N, const at::Tensor& x,
                        const c10::optional<at::Tensor>& bias, int64_t path) {
-  TORCH_CHECK(fmt >= 0 && fmt <= 2, "qgemm_tiles: fmt must be 0, 1 or 2");
+  TORCH_CHECK(is_tiled(fmt), "qgemm_tiles: fmt must be 0, 1, 2, 9 or 10");
   TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "qgemm_tiles: this CPU cannot run path ", path);
   const TileMatrix W = tile_matrix(tiles, fmt, N, path, "qgemm_tiles");
   const int64_t K = 32 * W.G;
@@ -435,7 +443,7 @@ double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns
   std::vector<QAct> acts(mats.size());
   int64_t most = 0;
   for (size_t i = 0; i < mats.size(); ++i) {
-    TORCH_CHECK(fmts[i] >= 0 && fmts[i] <= 2, "tile_passes: a format must be 0, 1 or 2");
+    TORCH_CHECK(is_tiled(fmts[i]), "tile_passes: a format must be 0, 1, 2, 9 or 10");
     W.push_back(tile_matrix(mats[i], fmts[i], ns[i], path, "tile_passes"));
     const int64_t K = 32 * W.back().G;
     TORCH_CHECK(K <= Kx, "tile_passes: x is narrower than a matrix");
@@ -455,7 +463,8 @@ double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns
 int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT_NS.load(); }
 
 // The op of the formats read in the file layout (kquants.h): blocks (N, S * bytes) uint8, fmt 6 q4_k |
-// 7 q5_k | 8 q6_k | 9 q5_0 | 10 q5_1, x (M, K) float32|bf16|f16 -> y (M, N) in x's dtype, path 0|1|2.
+// 7 q5_k | 8 q6_k | 9 q5_0 | 10 q5_1 (on a SIMD path as one-off tiles), x (M, K) float32|bf16|f16 -> y (M, N)
+// in x's dtype, path 0|1|2.
 at::Tensor kqgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                   int64_t path) {
   TORCH_CHECK(is_kquant(fmt), "kqgemm: fmt must be 6 (q4_k), 7 (q5_k), 8 (q6_k), 9 (q5_0) or 10 (q5_1)");
@@ -476,7 +485,12 @@ at::Tensor kqgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, co
   if (is_q5(fmt)) {
     QAct a;
     a.quantize(xf.data_ptr<float>(), x.size(0), K);
-    kquant_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bp, yf.data_ptr<float>());
+    if (path == SCALAR) {
+      kquant_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bp, yf.data_ptr<float>());
+    } else {                                                  // the SIMD paths read q5 as tiles: made here, once
+      const at::Tensor t = repack(blocks, fmt, path == AVX2 ? 8 : 16, false);
+      tile_product(tile_matrix(t, fmt, N, path, "kqgemm"), a, bp, yf.data_ptr<float>());
+    }
   } else {
     Q8K a;
     a.quantize(xf.data_ptr<float>(), x.size(0), K);

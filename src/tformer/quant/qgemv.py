@@ -1,7 +1,7 @@
 """Block-quantised products (``qgemv.cpp``), built at first use, with the path picked from the CPU.
 
 ``y (M, N) = x (M, K) · Wᵀ + b`` for ``W`` in GGUF's Q8_0 / Q4_0 / Q4_1 blocks
-(:mod:`tformer.quant.blocks`): the activations are quantised to 8-bit blocks of 32, each block's
+(:mod:`tformer.quant.blocks`; Q5_0 / Q5_1 and the K-quants: :func:`kqgemm`): the activations are quantised to 8-bit blocks of 32, each block's
 dot product is an integer, and one float multiply-add per block scales it. Paths (the same
 arithmetic; they differ only in the float32 summation order):
 
@@ -12,7 +12,8 @@ arithmetic; they differ only in the float32 summation order):
 The two SIMD paths read the weight repacked by :func:`tiles`: 8 (AVX2) or 16 (AVX-512) rows
 interleaved by groups of four codes, so one broadcast of four activation codes and one
 ``maddubs``/``dpbusd`` advance 8 / 16 rows' dot products at once, and a block's 8 / 16 scales are one
-``cvtph`` (tiles.h, "interleaved tiles"): the same bytes moved, made once per layer by BlockLinear.
+``cvtph`` (tiles.h, "interleaved tiles"): the same bytes moved, made once per layer by BlockLinear
+(Q5_0 / Q5_1 too: their fifth bits become byte masks, one per vector of codes).
 Tiles made one after another lie end to end in shared arenas of 2 MB pages (a decode step streams
 them from memory: fewer TLB misses, no 4 KB page breaks in the stream); the kernels prefetch 12 KB
 ahead and take up to 4 activation rows per pass over a tile, so a batch or a prompt loads and
@@ -102,6 +103,7 @@ def path() -> str | None:
 
 
 TILE_ROWS = {"avx2": 8, "avx512vnni": 16}     # rows interleaved per tile by the SIMD paths (tiles.h)
+TILED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")   # the formats the SIMD paths read as tiles (blocks of 32)
 
 
 def tiles(packed: Tensor, fmt: str, kernel_path: str, release: bool = False) -> Tensor | None:
@@ -152,13 +154,18 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
     return op.qgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
 
 
-def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None) -> Tensor:
+def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None,
+           tiled: Tensor | None = None) -> Tensor:
     """``x (M, K) · Wᵀ + bias`` for ``packed`` K-quant super-blocks (q4_k, q5_k, q6_k; activations quantised to
-    Q8_K) or Q5_0 / Q5_1 blocks (activations in 8-bit blocks of 32) (:mod:`tformer.quant.kblocks`), read as
-    the file stores them: ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``.
-    From 32 rows (a prompt) the SIMD paths widen each tile of weight rows on the fly (``kprefill.h``)."""
+    Q8_K, read as the file stores them) or Q5_0 / Q5_1 blocks (activations in 8-bit blocks of 32; on a SIMD path
+    as :func:`tiles`, ``tiled`` or repacked here, else in the file layout) (:mod:`tformer.quant.kblocks`):
+    ``(M, N)`` in x's dtype. ``kernel_path`` forces ``scalar`` / ``avx2`` / ``avx512vnni``. From 32 rows (a
+    prompt) the SIMD paths widen each tile of K-quant weight rows on the fly (``kprefill.h``)."""
     kblocks.check_format(fmt)
     op, p = _op_and_path(kernel_path)
     if op is None:
         return kblocks.dot(packed, fmt, x, bias).to(x.dtype)
+    if fmt in TILED and p in TILE_ROWS:
+        t = tiled if tiled is not None else tiles(packed, fmt, p)
+        return op.qgemm_tiles(t, FMT[fmt], packed.shape[0], x, bias, PATHS.index(p))
     return op.kqgemm(packed, FMT[fmt], x, bias, PATHS.index(p))

@@ -25,9 +25,15 @@
 
 namespace {
 
-enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+// Q5_0 / Q5_1 (9, 10) come after the floats (3-5) and the K-quants (6-8, kquants.h)
+enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 9, Q5_1 = 10 };
 enum Path : int64_t { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
 constexpr int64_t BLOCK_BYTES[3] = {34, 18, 20};
+constexpr int64_t block_bytes(int64_t f) { return f == Q5_0 ? 22 : f == Q5_1 ? 24 : BLOCK_BYTES[f]; }
+constexpr bool is_tiled(int64_t f) { return (f >= Q8_0 && f <= Q4_1) || f == Q5_0 || f == Q5_1; }
+constexpr bool has_fifth(int64_t f) { return f == Q5_0 || f == Q5_1; }
+constexpr bool has_min(int64_t f) { return f == Q4_1 || f == Q5_1; }
+constexpr int tile_index(int64_t f) { return f <= Q4_1 ? int(f) : int(f) - 6; }   // 0..4 in the kernel tables
 
 #ifdef TFORMER_X86
 #define T_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -38,6 +44,15 @@ T_AVX2 inline float hsum256(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// 32 bits -> 32 bytes, byte e = 16 where bit e is set (a Q5 fifth bit), else 0
+T_AVX2 inline __m256i fifth_bits(uint32_t qh) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(qh)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 #endif
 
@@ -81,14 +96,19 @@ void quantize_row(int64_t fmt, const float* x, int64_t K, int8_t* q, float* d, i
 // The SIMD paths run on weights repacked R rows at a time (R = 8 for AVX2, 16 for AVX-512): tile t
 // holds rows tR .. tR + R - 1 (zero rows pad the last tile), and for each block g, in order:
 //   d[R] fp16 | m[R] fp16 (q4_1 only) | codes, as [quad j][row r][4 bytes]
-// where quad j of a row is its codes 4j .. 4j + 3: for q4_0 / q4_1 j = 0..3 and each byte holds code
+//   d[R] fp16 | m[R] fp16 (q4_1, q5_1) | fifth bits (q5_0, q5_1) | codes, as [quad j][row r][4 bytes]
+// where quad j of a row is its codes 4j .. 4j + 3: for q4 / q5 j = 0..3 and each byte holds code
 // 4j + b in its low nibble and code 16 + 4j + b in its high nibble (the file's qs[4j + b], moved);
 // for q8_0 j = 0..7, one code a byte (signed for AVX2; for AVX-512 plus 128, i.e. unsigned).
+// q5's fifth bits (the file's qh, moved) are 8 masks of 4R bits, one per nibble vector (low nibbles
+// of quads 0..3, then high nibbles): bit 4r + b of mask i is bit 4i + b of row r's qh, i.e. the
+// fifth bit of the code in byte b of lane r; a masked byte add of 16 (AVX-512) or fifth_bits (AVX2)
+// makes the codes 0..31. Where a q5_0 code is q - 16, the -16 goes through s, as q4_0's -8 does.
 // A 32-bit lane r of one vector then holds row r's four codes of one quad: the activation's four
 // codes are broadcast to every lane and one dpbusd (or maddubs + madd) adds four products to each
 // row's sum: R rows' dot products with no horizontal sums, and the R scales of a block are one
 // vector (cvtph). Bytes per tile and block: R * BLOCK_BYTES (the same bytes as the file, moved).
-int64_t tile_block_bytes(int64_t fmt, int64_t R) { return R * BLOCK_BYTES[fmt]; }
+int64_t tile_block_bytes(int64_t fmt, int64_t R) { return R * block_bytes(fmt); }
 
 // One activation row against one tile: out[R] = the R rows' products (no bias).
 struct XRow {
@@ -117,7 +137,7 @@ constexpr int MAX_MR = 4;
 #ifdef TFORMER_X86
 template <int F, int MR>
 T_AVX2 void tile_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) {   // out (MR, 8)
-  constexpr int64_t tb = 8 * BLOCK_BYTES[F];
+  constexpr int64_t tb = 8 * block_bytes(F), head = (has_min(F) ? 32 : 16);   // d (and m) of 8 rows
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
@@ -136,8 +156,26 @@ T_AVX2 void tile_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) { 
           idot[r] = _mm256_add_epi32(idot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
         }
       }
+    } else if (has_fifth(F)) {  // codes <= 31: s16 sums of one quad's two maddubs (|.| <= 4 * 31 * 127), then s32
+      uint32_t fifth[8];
+      std::memcpy(fifth, w + head, 32);
+      const uint8_t* c = w + head + 32;
+      for (int r = 0; r < MR; ++r) idot[r] = _mm256_set1_epi32(0);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(wv, low), fifth_bits(fifth[j]));
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(wv, 4), low), fifth_bits(fifth[4 + j]));
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(x[r].q + 32 * g);
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[j])),
+                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[4 + j])));
+          idot[r] = _mm256_add_epi32(idot[r], _mm256_madd_epi16(p, ones));
+        }
+      }
+      if (F == Q5_0)
+        for (int r = 0; r < MR; ++r) idot[r] = _mm256_add_epi32(idot[r], _mm256_set1_epi32(-16 * x[r].s[g]));
     } else {
-      const uint8_t* c = w + (F == Q4_1 ? 32 : 16);
+      const uint8_t* c = w + head;
       __m256i p16[MR];        // 8 maddubs of codes <= 15: |sum| <= 8 * 2 * 15 * 127 < 2^15
       for (int r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
@@ -156,7 +194,7 @@ T_AVX2 void tile_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) { 
     }
     for (int r = 0; r < MR; ++r)
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[r].d[g])), _mm256_cvtepi32_ps(idot[r]), acc[r]);
-    if (F == Q4_1) {
+    if (has_min(F)) {
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
       for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r].ds[g]), acc[r]);
     }
@@ -166,11 +204,12 @@ T_AVX2 void tile_avx2(const uint8_t* w, const XRow* x, int64_t G, float* out) { 
 
 // q4 high nibbles are multiplied in place, as (byte & 0xF0) = 16 hi: a chain of those sums to
 // 16 sum(hi x) exactly (|16 * 15 * 127 * 16| < 2^31), and one arithmetic shift right by 4 per
-// block gives sum(hi x): one AND per 64 bytes instead of a shift and an AND.
+// block gives sum(hi x): one AND per 64 bytes instead of a shift and an AND. (Not for q5: a fifth
+// bit would carry out of the byte.)
 template <int F, int MR>
 T_VNNI void tile_vnni(const uint8_t* w, const XRow* x, int64_t G, float* out) {    // out (MR, 16)
-  constexpr int64_t tb = 16 * BLOCK_BYTES[F];
-  const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8(int8_t(0xF0));
+  constexpr int64_t tb = 16 * block_bytes(F), head = (has_min(F) ? 64 : 32);   // d (and m) of 16 rows
+  const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8(int8_t(0xF0)), sixteen = _mm512_set1_epi8(16);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g, w += tb) {
@@ -189,24 +228,35 @@ T_VNNI void tile_vnni(const uint8_t* w, const XRow* x, int64_t G, float* out) { 
         }
       }
     } else {
-      const uint8_t* c = w + (F == Q4_1 ? 64 : 32);
+      const uint8_t* c = w + head + (has_fifth(F) ? 64 : 0);
+      __mmask64 fifth[8];
+      if (has_fifth(F)) std::memcpy(fifth, w + head, 64);
+      const int32_t off = F == Q4_0 ? -8 : F == Q5_0 ? -16 : 0;
       for (int r = 0; r < MR; ++r)
-        a[r] = F == Q4_0 ? _mm512_set1_epi32(-8 * x[r].s[g]) : _mm512_setzero_si512(), b[r] = _mm512_setzero_si512();
+        a[r] = off ? _mm512_set1_epi32(off * x[r].s[g]) : _mm512_setzero_si512(), b[r] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
         const __m512i wv = _mm512_loadu_si512(c + 64 * j);
-        const __m512i lo = _mm512_and_si512(wv, low), hi16 = _mm512_and_si512(wv, high);
+        __m512i lo = _mm512_and_si512(wv, low), hi;
+        if (has_fifth(F)) {
+          lo = _mm512_mask_add_epi8(lo, fifth[j], lo, sixteen);
+          hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+          hi = _mm512_mask_add_epi8(hi, fifth[4 + j], hi, sixteen);
+        } else {
+          hi = _mm512_and_si512(wv, high);                      // 16 hi
+        }
         for (int r = 0; r < MR; ++r) {
           const int32_t* xq = reinterpret_cast<const int32_t*>(x[r].q + 32 * g);
           a[r] = _mm512_dpbusd_epi32(a[r], lo, _mm512_set1_epi32(xq[j]));
-          b[r] = _mm512_dpbusd_epi32(b[r], hi16, _mm512_set1_epi32(xq[4 + j]));
+          b[r] = _mm512_dpbusd_epi32(b[r], hi, _mm512_set1_epi32(xq[4 + j]));
         }
       }
-      for (int r = 0; r < MR; ++r) b[r] = _mm512_srai_epi32(b[r], 4);
+      if (!has_fifth(F))
+        for (int r = 0; r < MR; ++r) b[r] = _mm512_srai_epi32(b[r], 4);
     }
     for (int r = 0; r < MR; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[r].d[g])),
                                _mm512_cvtepi32_ps(_mm512_add_epi32(a[r], b[r])), acc[r]);
-    if (F == Q4_1) {
+    if (has_min(F)) {
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)));
       for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].ds[g]), acc[r]);
     }
@@ -241,15 +291,13 @@ using TileFns = TileFn[MAX_MR];   // [MR - 1]
 
 const TileFn* tile_fn(int64_t path, int64_t fmt) {
 #ifdef TFORMER_X86
-  static const TileFns avx2[3] = {
-      {&tile_avx2<Q8_0, 1>, &tile_avx2<Q8_0, 2>, &tile_avx2<Q8_0, 3>, &tile_avx2<Q8_0, 4>},
-      {&tile_avx2<Q4_0, 1>, &tile_avx2<Q4_0, 2>, &tile_avx2<Q4_0, 3>, &tile_avx2<Q4_0, 4>},
-      {&tile_avx2<Q4_1, 1>, &tile_avx2<Q4_1, 2>, &tile_avx2<Q4_1, 3>, &tile_avx2<Q4_1, 4>}};
-  static const TileFns vnni[3] = {
-      {&tile_vnni<Q8_0, 1>, &tile_vnni<Q8_0, 2>, &tile_vnni<Q8_0, 3>, &tile_vnni<Q8_0, 4>},
-      {&tile_vnni<Q4_0, 1>, &tile_vnni<Q4_0, 2>, &tile_vnni<Q4_0, 3>, &tile_vnni<Q4_0, 4>},
-      {&tile_vnni<Q4_1, 1>, &tile_vnni<Q4_1, 2>, &tile_vnni<Q4_1, 3>, &tile_vnni<Q4_1, 4>}};
-  return path == AVX2 ? avx2[fmt] : vnni[fmt];
+#define TF_TILE_ROWS(K, F) {&K<F, 1>, &K<F, 2>, &K<F, 3>, &K<F, 4>}
+  static const TileFns avx2[5] = {TF_TILE_ROWS(tile_avx2, Q8_0), TF_TILE_ROWS(tile_avx2, Q4_0), TF_TILE_ROWS(tile_avx2, Q4_1),
+                                  TF_TILE_ROWS(tile_avx2, Q5_0), TF_TILE_ROWS(tile_avx2, Q5_1)};
+  static const TileFns vnni[5] = {TF_TILE_ROWS(tile_vnni, Q8_0), TF_TILE_ROWS(tile_vnni, Q4_0), TF_TILE_ROWS(tile_vnni, Q4_1),
+                                  TF_TILE_ROWS(tile_vnni, Q5_0), TF_TILE_ROWS(tile_vnni, Q5_1)};
+#undef TF_TILE_ROWS
+  return path == AVX2 ? avx2[tile_index(fmt)] : vnni[tile_index(fmt)];
 #else
   return nullptr;
 #endif
