@@ -110,19 +110,12 @@ inline void widen_tile(int64_t fmt, const Widen& f, const uint8_t* w, int64_t ro
 }
 #endif  // TFORMER_X86
 
-// One activation row as blocks of B codes: codes, scale dx per block, sum s per block, dx * s
-struct BRow {
-  const int8_t* q;
-  const float* d;
-  const int32_t* s;
-  const float* ds;
-};
-
-// Q8_K rows (K-quants) seen as blocks of B (16 or 32): dx the super-block's, s its bsums / psums
+// Q8_K rows (K-quants) seen as blocks of B (16 or 32), each row a tiles.h XRow over those blocks: dx the
+// super-block's, s its bsums / psums
 struct BActs {
   std::vector<float> d, ds;
   std::vector<int32_t> s;
-  std::vector<BRow> rows;
+  std::vector<XRow> rows;
   void from_q8k(const Q8K& a, int64_t B) {
     const int64_t nb = a.K / B, per = 256 / B;
     d.resize(a.M * nb), ds.resize(a.M * nb), s.resize(a.M * nb), rows.resize(a.M);
@@ -133,7 +126,7 @@ struct BActs {
         s[i] = B == 16 ? a.bsums[m * a.S * 16 + b] : a.psums[m * a.S * 8 + b];
         ds[i] = d[i] * float(s[i]);
       }
-      rows[m] = BRow{a.q.data() + m * a.K, d.data() + m * nb, s.data() + m * nb, ds.data() + m * nb};
+      rows[m] = XRow{a.q.data() + m * a.K, d.data() + m * nb, s.data() + m * nb, ds.data() + m * nb};
     }
   }
 };
@@ -143,7 +136,7 @@ constexpr int WMR = 4;   // activation rows per pass over a widened tile
 #ifdef TFORMER_X86
 // out (MR, 16): MR activation rows against one widened tile of 16 rows
 template <int B, int C, bool MT, int MR>
-T_VNNI void wtile_vnni(const uint8_t* w, const BRow* x, int64_t nb, float* out) {
+T_VNNI void wtile_vnni(const uint8_t* w, const XRow* x, int64_t nb, float* out) {
   constexpr int64_t bb = 16 * (8 + B);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
@@ -173,7 +166,7 @@ T_VNNI void wtile_vnni(const uint8_t* w, const BRow* x, int64_t nb, float* out) 
 
 // out (MR, 8): the same on a widened tile of 8 rows, maddubs (u8 codes x s8 activations) then madd to s32
 template <int B, int C, bool MT, int MR>
-T_AVX2 void wtile_avx2(const uint8_t* w, const BRow* x, int64_t nb, float* out) {
+T_AVX2 void wtile_avx2(const uint8_t* w, const XRow* x, int64_t nb, float* out) {
   constexpr int64_t bb = 8 * (8 + B);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
@@ -200,7 +193,7 @@ T_AVX2 void wtile_avx2(const uint8_t* w, const BRow* x, int64_t nb, float* out) 
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
-using WTileFn = void (*)(const uint8_t*, const BRow*, int64_t, float*);
+using WTileFn = void (*)(const uint8_t*, const XRow*, int64_t, float*);
 #define TF_W(K, B, C, MT) {&K<B, C, MT, 1>, &K<B, C, MT, 2>, &K<B, C, MT, 3>, &K<B, C, MT, 4>}
 inline const WTileFn* wtile_fns(int64_t path, int64_t fmt) {
   static const WTileFn vnni[2][WMR] = {TF_W(wtile_vnni, 16, -32, false), TF_W(wtile_vnni, 32, 0, true)};
@@ -217,7 +210,7 @@ constexpr int64_t WIDEN_ROWS = 32;
 
 // y (M, N) = x . W^T (+ bias) over widened tiles (path AVX2 or AVX512VNNI); tiles split between torch's
 // threads, each widening its own into a buffer it keeps for the call.
-inline void widened_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, int64_t K, const BRow* rows,
+inline void widened_product(int64_t fmt, int64_t path, const uint8_t* w, int64_t N, int64_t K, const XRow* rows,
                             int64_t M, const float* bias, float* y) {
 #ifdef TFORMER_X86
   const Widen f = widen_of(fmt);
