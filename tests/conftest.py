@@ -32,7 +32,8 @@ def _sweep_module_temp(tmp_path_factory):
     before = set(base.iterdir())
     yield
     for p in set(base.iterdir()) - before:
-        if p.is_dir() and not p.name.startswith(SESSION_PREFIX):
+        # test_*: a test's own tmp_path, removed as it passes and kept (for reading) when it fails
+        if p.is_dir() and not p.name.startswith((SESSION_PREFIX, "test_")):
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -182,7 +182,7 @@ def test_the_whole_layer_call_takes_gemma_and_the_module_path_is_exact(pair):
     family, ours, _ = pair
     assert "DecodeLinear" in whole.chosen(ours).reason             # torch's Linear layers: the module path
     plan = whole.chosen(set_precision(copy.deepcopy(ours), "fp32")).plan
-    assert plan is not None and plan.windows and plan.logit_softcap == (30.0 if family == "gemma-2-2b" else 0.0)
+    assert plan is not None and plan.windows and ours.config.logit_softcap == (30.0 if family == "gemma-2-2b" else 0.0)
     ids = torch.tensor([F.prompts()[2]])
     with torch.no_grad():                                           # the module path, token by token: exact
         full = ours(ids)[0][0]

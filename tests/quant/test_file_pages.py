@@ -75,6 +75,9 @@ def test_tiles_hand_back_the_file_pages_and_the_bytes_stay(path):
 
 
 def test_memory_that_is_no_file_is_never_released(path):
+    kernel = qgemv.path()
+    if kernel not in qgemv.TILE_ROWS:                              # no tiles made: nothing would be released anyway
+        pytest.skip(f"kernel path {kernel} reads the file layout: no tiles")
     f = GGUFFile(path)
     fresh = torch.from_numpy(np.array(f.blocks("w")))              # a copy: anonymous memory
     assert not pages.mapped(fresh)

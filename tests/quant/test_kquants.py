@@ -150,7 +150,8 @@ def test_q5_extreme_codes_do_not_saturate(path, fmt):
 @pytest.mark.parametrize("fmt", ["q5_0", "q5_1"])
 def test_q5_tiles_hold_the_file_bytes_and_rows_at_a_time_equal_one_row(path, fmt):
     """Q5 tiles (tiles.h: the file's bytes moved, TILE_ROWS rows interleaved) are as large as the
-    padded file rows; an M-row product over them equals each row's product alone bit for bit."""
+    padded file rows; an M-row product over them agrees with the float64 reference of the quantised
+    arithmetic and equals each row's product alone bit for bit."""
     runnable(path)
     g = torch.Generator().manual_seed(5)
     n, k = 37, 192
@@ -160,5 +161,7 @@ def test_q5_tiles_hold_the_file_bytes_and_rows_at_a_time_equal_one_row(path, fmt
     assert tiled.shape == (-(-n // R), R * packed.shape[1])
     x = torch.randn(9, k, generator=g)
     y = qgemv.kqgemm(packed, fmt, x, None, path, tiled)
+    err = (y.double() - kblocks.reference(packed, fmt, x)).abs()
+    assert bool((err <= 1e-5 * kblocks.magnitude(packed, fmt, x) + 1e-30).all())
     for r in range(9):
         assert torch.equal(y[r], qgemv.kqgemm(packed, fmt, x[r:r + 1], None, path, tiled)[0])

@@ -222,7 +222,9 @@ class Plan:
         self.path, self.path_id = path, qgemv.PATHS.index(path)
         c = model.config
         first = model.blocks[0]
-        mlp = (GATED[c.activation] if c.ffn == "geglu" else 0) if hasattr(first.ffn, "gate") else MLP[c.activation]
+        from tformer.nn.feed_forward import GeGLU                      # as why_not reads it (the module tier)
+
+        mlp = (GATED[c.activation] if type(first.ffn) is GeGLU else 0) if hasattr(first.ffn, "gate") else MLP[c.activation]
         split = _split_qkv(model)
         q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         # dims: (nh, nkv, hs, d_ff, mlp[, qkv parts[, QK-norm[, post norms]]]), the optional entries only when needed
@@ -234,8 +236,6 @@ class Plan:
         windows = [b.attn.window or 0 for b in model.blocks]
         self.windows = windows if any(windows) else []
         self.scale, self.softcap = float(c.attn_scale or 0.0), float(c.attn_softcap or 0.0)
-        # around the layers, in Python (run.py): sqrt(d) on the embeddings, the cap on the head's logits
-        self.embed_scale, self.logit_softcap = float(getattr(model, "embed_scale", 1.0)), float(c.logit_softcap)
         self.layers = []
         names: dict[str, None] = {}                        # the products' formats, in order of appearance
         for b in model.blocks:

@@ -122,8 +122,8 @@ def _embed(model, p: Plan, ids: Tensor, at: Tensor) -> Tensor:
     embedding (times sqrt(d) with ``embedding_scale``, in the model's dtype as the module path takes it),
     plus the learned position's where the model has a table."""
     x = model.tok_emb(ids)
-    if p.embed_scale != 1.0:
-        x = x * p.embed_scale
+    if model.embed_scale != 1.0:
+        x = x * model.embed_scale
     x = x.float()
     if p.pos_emb is not None:
         x = x + p.pos_emb(at).float()
@@ -134,7 +134,7 @@ def _head(model, p: Plan, x: Tensor) -> Tensor:
     """Final norm and LM head as modules, in the model's dtype (the layers' stream is float32), then the
     logits' soft-cap where the model has one (Gemma 2; the module path's :func:`~tformer.nn.softcap.softcap`)."""
     logits = model.lm_head(model.final_norm(x.to(model.tok_emb.weight.dtype)))
-    return softcap(logits, p.logit_softcap) if p.logit_softcap else logits
+    return softcap(logits, model.config.logit_softcap)                  # unchanged without a cap
 
 
 def forward(model, ids: Tensor, state, r: Route, *, last_index: Tensor | None = None,

@@ -68,9 +68,8 @@ class BlockLinear(nn.Module):
     def product(self, x2: Tensor) -> Tensor:
         """``x2 (M, K) @ Wᵀ + b`` by the integer block products: ``(M, N)`` in ``x2``'s dtype."""
         p = qgemv.path()
-        if self.kquant:                                # K-quants in the file layout; Q5_0 / Q5_1 as tiles
-            return qgemv.kqgemm(self.blocks, self.fmt, x2, self.bias, p, self.tiles(p))
-        return qgemv.qgemm(self.blocks, self.fmt, x2, self.bias, p, self.tiles(p))      # (M, N) in x's dtype
+        product = qgemv.kqgemm if self.kquant else qgemv.qgemm     # kblocks' formats or blocks'; each reads tiles where kept
+        return product(self.blocks, self.fmt, x2, self.bias, p, self.tiles(p))          # (M, N) in x's dtype
 
     def tiles(self, kernel_path: str | None) -> Tensor | None:
         """The SIMD path's interleaved rows (:func:`tformer.quant.qgemv.tiles`; ``None``: a path that reads

@@ -463,11 +463,12 @@ double tile_passes(at::TensorList mats, at::IntArrayRef fmts, at::IntArrayRef ns
 int64_t product_ns(bool reset) { return reset ? PRODUCT_NS.exchange(0) : PRODUCT_NS.load(); }
 
 // The op of the formats read in the file layout (kquants.h): blocks (N, S * bytes) uint8, fmt 6 q4_k |
-// 7 q5_k | 8 q6_k | 9 q5_0 | 10 q5_1 (on a SIMD path as one-off tiles), x (M, K) float32|bf16|f16 -> y (M, N)
-// in x's dtype, path 0|1|2.
+// 7 q5_k | 8 q6_k | 9 q5_0 | 10 q5_1 (scalar path only: the SIMD paths read q5 as tiles, qgemm_tiles),
+// x (M, K) float32|bf16|f16 -> y (M, N) in x's dtype, path 0|1|2.
 at::Tensor kqgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                   int64_t path) {
   TORCH_CHECK(is_kquant(fmt), "kqgemm: fmt must be 6 (q4_k), 7 (q5_k), 8 (q6_k), 9 (q5_0) or 10 (q5_1)");
+  TORCH_CHECK(!is_q5(fmt) || path == SCALAR, "kqgemm: q5_0 / q5_1 on a SIMD path are tiles (qgemm_tiles)");
   TORCH_CHECK(path >= 0 && path <= 2 && supports(path), "kqgemm: this CPU cannot run path ", path);
   const int64_t bytes = kquant_bytes(fmt);
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
@@ -485,12 +486,7 @@ at::Tensor kqgemm(const at::Tensor& blocks, int64_t fmt, const at::Tensor& x, co
   if (is_q5(fmt)) {
     QAct a;
     a.quantize(xf.data_ptr<float>(), x.size(0), K);
-    if (path == SCALAR) {
-      kquant_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bp, yf.data_ptr<float>());
-    } else {                                                  // the SIMD paths read q5 as tiles: made here, once
-      const at::Tensor t = repack(blocks, fmt, path == AVX2 ? 8 : 16, false);
-      tile_product(tile_matrix(t, fmt, N, path, "kqgemm"), a, bp, yf.data_ptr<float>());
-    }
+    kquant_product(fmt, path, blocks.data_ptr<uint8_t>(), N, a, bp, yf.data_ptr<float>());
   } else {
     Q8K a;
     a.quantize(xf.data_ptr<float>(), x.size(0), K);

@@ -149,9 +149,14 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
     if op is None:
         return blocks.dot(packed, fmt, x, bias).to(x.dtype)
     if p in TILE_ROWS:
-        t = tiled if tiled is not None else tiles(packed, fmt, p)
-        return op.qgemm_tiles(t, FMT[fmt], packed.shape[0], x, bias, PATHS.index(p))
+        return _tile_product(op, packed, fmt, x, bias, p, tiled)
     return op.qgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
+
+
+def _tile_product(op, packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None, p: str, tiled: Tensor | None) -> Tensor:
+    """The SIMD path ``p``'s product on tiles: ``tiled``, or made here for this one call."""
+    t = tiled if tiled is not None else tiles(packed, fmt, p)
+    return op.qgemm_tiles(t, FMT[fmt], packed.shape[0], x, bias, PATHS.index(p))
 
 
 def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None,
@@ -166,6 +171,5 @@ def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kern
     if op is None:
         return kblocks.dot(packed, fmt, x, bias).to(x.dtype)
     if fmt in TILED and p in TILE_ROWS:
-        t = tiled if tiled is not None else tiles(packed, fmt, p)
-        return op.qgemm_tiles(t, FMT[fmt], packed.shape[0], x, bias, PATHS.index(p))
+        return _tile_product(op, packed, fmt, x, bias, p, tiled)
     return op.kqgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
