@@ -32,8 +32,10 @@ a :class:`~tformer.quant.block_linear.BlockLinear` (the embedding as a
 :class:`~tformer.quant.block_embedding.BlockEmbedding`, a tied LM head over the same bytes): llama.cpp's
 arithmetic (activations rounded to 8-bit blocks, integer block products), no float copy of those
 weights in the model. The two layout changes are exact on blocks: the RoPE un-permutation moves
-whole rows, and q, k, v are joined row after row; a ``gpt2`` file (whose matrices would have to be
-transposed) is refused with ``keep_quant``.
+whole rows, and q, k, v stay three tensors (views of the file; the un-permuted q and k of a ``llama`` file
+are copies), one ``qkv_proj`` as a :class:`~tformer.quant.block_linear.JoinedLinear` (one format) or a
+:class:`~tformer.quant.block_linear.StackedLinear` (several), never joined into a copy at the open; a
+``gpt2`` file (whose matrices would have to be transposed) is refused with ``keep_quant``.
 Metadata that tformer cannot honour is refused with one sentence naming the key: an architecture
 it does not implement, a RoPE scaling other than these, mixture-of-experts, or any ``{arch}.*`` key it does not know.
 """
