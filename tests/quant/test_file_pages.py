@@ -56,10 +56,14 @@ def path(tmp_path_factory):
     return p
 
 
-def test_tiles_hand_back_the_file_pages_and_the_bytes_stay(path):
+def needs_tiles() -> None:
     kernel = qgemv.path()
-    if kernel not in qgemv.TILE_ROWS:
+    if kernel not in qgemv.TILE_ROWS:                              # no tiles made: nothing would be released anyway
         pytest.skip(f"kernel path {kernel} reads the file layout: no tiles")
+
+
+def test_tiles_hand_back_the_file_pages_and_the_bytes_stay(path):
+    needs_tiles()
     f = GGUFFile(path)
     blocks = torch.from_numpy(np.asarray(f.blocks("w")))
     assert pages.mapped(blocks)
@@ -77,9 +81,7 @@ def test_tiles_hand_back_the_file_pages_and_the_bytes_stay(path):
 
 
 def test_memory_that_is_no_file_is_never_released(path):
-    kernel = qgemv.path()
-    if kernel not in qgemv.TILE_ROWS:                              # no tiles made: nothing would be released anyway
-        pytest.skip(f"kernel path {kernel} reads the file layout: no tiles")
+    needs_tiles()
     f = GGUFFile(path)
     fresh = torch.from_numpy(np.array(f.blocks("w")))              # a copy: anonymous memory
     assert not pages.mapped(fresh)
@@ -89,9 +91,7 @@ def test_memory_that_is_no_file_is_never_released(path):
 
 
 def test_joined_rows_are_tiled_from_the_file_and_no_joined_copy_is_kept(path):
-    kernel = qgemv.path()
-    if kernel not in qgemv.TILE_ROWS:
-        pytest.skip(f"kernel path {kernel} reads the file layout: no tiles")
+    needs_tiles()
     f = GGUFFile(path)
     blocks = torch.from_numpy(np.asarray(f.blocks("w")))
     rows = [blocks[:1024], blocks[1024:1536], blocks[1536:]]          # q, k, v as a file stores them: apart

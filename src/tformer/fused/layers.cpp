@@ -430,8 +430,8 @@ void apply(const Product& P, const float* x, int64_t M, Acts& acts, float* y, in
   else float_product(static_cast<const at::Half*>(P.w), P, x, M, y, wide);
 }
 
-// A layer call's buffers, kept from call to call by the thread that makes the call (thread_scratch:
-// below; the server may call from several threads): a later call writes into pages already touched instead
+// A layer call's buffers, kept from call to call by the thread that makes the call (thread_scratch; the
+// server may call from several threads, each then has its own): a later call writes into pages already touched instead
 // of fresh zeroed ones (the first prompt's page faults, docs/inference.md), grown when a larger call comes.
 // Every element a call reads it has written first in that call, so what an earlier call left there is never read.
 struct Scratch {
@@ -509,13 +509,13 @@ void write_kv(const float* proj, int64_t N, int64_t NQKV, int64_t Q, int64_t KV,
 // cos / sin: the layer's rotary tables, absent for a model without RoPE.
 // window > 0: the layer attends over the keys j with w_i - j < window only; scale: the factor on q . k
 // (0: 1 / sqrt(hs)); softcap > 0: the scores capped to softcap tanh(s / softcap) before the softmax.
-void layer_in(Scratch& scratch, const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
-              const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef fmts, at::IntArrayRef dims,
-              const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_index,
-              const at::Tensor& positions, const c10::optional<at::Tensor>& valid,
-              const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cos,
-              const c10::optional<at::Tensor>& sin, int64_t path, int64_t window, double score_scale,
-              double softcap) {
+void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
+               const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef fmts, at::IntArrayRef dims,
+               const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_index,
+               const at::Tensor& positions, const c10::optional<at::Tensor>& valid,
+               const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cos,
+               const c10::optional<at::Tensor>& sin, int64_t path, int64_t window, double score_scale,
+               double softcap) {
   TORCH_CHECK((path == AVX2 || path == AVX512VNNI) && supports(path), "layer: this CPU cannot run path ", path);
   TORCH_CHECK(dims.size() >= 5 && dims.size() <= 8 && dims[4] >= SWIGLU && dims[4] <= GEGLU,
               "layer: dims (nh, nkv, hs, d_ff, mlp 0 swiglu | 1 gelu_tanh | 2 relu | 3 relu2 | 4 gelu | 5 silu | "
@@ -603,6 +603,7 @@ void layer_in(Scratch& scratch, const at::Tensor& x, at::TensorList norms, doubl
   float* xp = x.data_ptr<float>();
   const int64_t group = nh / nkv;
   const float scale = score_scale > 0.0 ? float(score_scale) : 1.0f / std::sqrt(float(hs));
+  Scratch& scratch = thread_scratch();                                // this thread's, kept between calls
   float* const h = Scratch::at_least(scratch.h, size_t(N * std::max(C, F)));
   float* const proj = Scratch::at_least(scratch.proj, size_t(N * std::max(NQKV, 2 * F)));
   float* const att = Scratch::at_least(scratch.att, size_t(N * Q));
@@ -671,18 +672,6 @@ void layer_in(Scratch& scratch, const at::Tensor& x, at::TensorList norms, doubl
   for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 }
 
-// One layer (the op `layer`), in the calling thread's buffers
-void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
-               const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef fmts, at::IntArrayRef dims,
-               const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_index,
-               const at::Tensor& positions, const c10::optional<at::Tensor>& valid,
-               const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cos,
-               const c10::optional<at::Tensor>& sin, int64_t path, int64_t window, double score_scale,
-               double softcap) {
-  layer_in(thread_scratch(), x, norms, eps, mats, biases, fmts, dims, k_cache, v_cache, write_index, positions, valid, rows,
-           cos, sin, path, window, score_scale, softcap);
-}
-
 // Every layer of a call in one call (one dispatch and no Python loop instead of one call per layer;
 // what that saved: docs/inference.md): norms / mats / biases / fmts hold each layer's lists one
 // layer after another, and
@@ -706,13 +695,12 @@ void run_layers(const at::Tensor& x, at::TensorList norms, double eps, at::Tenso
   TORCH_CHECK(local_cos.has_value() == local_sin.has_value() && (!local_cos.has_value() || cos.has_value()),
               "layers: give both local rotary tables or neither, and the global ones with them");
   const size_t nn = norms.size() / layers, nm = mats.size() / layers;
-  Scratch& scratch = thread_scratch();
   for (size_t l = 0; l < layers; ++l) {
     c10::List<c10::optional<at::Tensor>> b;
     for (size_t i = 0; i < nm; ++i) b.push_back(biases.get(l * nm + i));
     const int64_t window = windows.empty() ? 0 : windows[l];
     const bool local = window > 0 && local_cos.has_value();
-    layer_in(scratch, x, norms.slice(l * nn, nn), eps, mats.slice(l * nm, nm), b, fmts.slice(l * nm, nm), dims,
+    run_layer(x, norms.slice(l * nn, nn), eps, mats.slice(l * nm, nm), b, fmts.slice(l * nm, nm), dims,
               k_caches[l], v_caches[l], write_index, positions, valid, rows, local ? local_cos : cos,
               local ? local_sin : sin, path, window, score_scale, softcap);
   }
