@@ -13,7 +13,7 @@ kernels) and of Q5_0 / Q5_1 (tiles.h's tiles on those paths), on every path this
 - against an independent float64 evaluation in numpy (``gguf.quants.dequantize`` for the weights, ggml's Q8_K
   rounding redone in numpy float32 for the activations), on the SIMD paths (the widened tiles) each forced, on the
   Q4_K_M file's own Q4_K / Q6_K weights and on random blocks of every K-quant: within 1e-4 · Σ|w| |x̂| per output
-  (x̂ the rounded activations; the float32 roundings are ~1e-6 of that, a wrong code or scale is far above it);
+  (x̂ the rounded activations; the float32 roundings stay within ~1e-6 of that, a wrong code or scale is far above it);
 - rows 32 and up give what they would give one at a time, within the same float32 rounding, and two threads
   give exactly what one gives (each output's sums do not depend on the split);
 - a 40-token prompt of a Q4_K_M file (every position's logits) against the float import and against llama.cpp.
