@@ -604,7 +604,7 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   const int64_t group = nh / nkv;
   const float scale = score_scale > 0.0 ? float(score_scale) : 1.0f / std::sqrt(float(hs));
   Scratch& scratch = thread_scratch();                                // this thread's, kept between calls
-  float* const h = Scratch::at_least(scratch.h, size_t(N * std::max(C, F)));
+  float* const h = Scratch::at_least(scratch.h, size_t(N * C));           // (N, C): a norm's or a product's output
   float* const proj = Scratch::at_least(scratch.proj, size_t(N * std::max(NQKV, 2 * F)));
   float* const att = Scratch::at_least(scratch.att, size_t(N * Q));
   Acts& acts = scratch.acts;
