@@ -87,9 +87,11 @@ class BlockLinear(nn.Module):
             return None
         tiled = self._tiled.get(kernel_path)
         if tiled is None:
-            tiled = self._tiled[kernel_path] = qgemv.tiles(self.blocks, self.fmt, kernel_path,
-                                                           release=pages.mapped(self.blocks))
+            tiled = self._tiled[kernel_path] = self._make_tiles(kernel_path)
         return tiled
+
+    def _make_tiles(self, kernel_path: str) -> Tensor | None:
+        return qgemv.tiles(self.blocks, self.fmt, kernel_path, release=pages.mapped(self.blocks))
 
     def dequantized(self) -> Tensor:
         """The float32 weight ``(N, K)`` the blocks stand for (for checks; the layer never builds it)."""
@@ -143,17 +145,12 @@ class JoinedLinear(BlockLinear):
                 pages.release(r)
         return self._joined
 
-    def tiles(self, kernel_path: str | None) -> Tensor | None:
-        """The SIMD path's tiles (:meth:`BlockLinear.tiles`), made from the joined rows (a copy for as long as
-        the repack takes), after which the file's pages are handed back."""
-        if not self.tiled or kernel_path not in qgemv.TILE_ROWS:
-            return None
-        tiled = self._tiled.get(kernel_path)
-        if tiled is None:
-            tiled = self._tiled[kernel_path] = qgemv.tiles(self.blocks, self.fmt, kernel_path)
-            if tiled is not None:
-                for r in self.rows:
-                    pages.release(r)
+    def _make_tiles(self, kernel_path: str) -> Tensor | None:
+        """Tiles made from the joined rows (a copy for as long as the repack takes), then the file's pages handed back."""
+        tiled = qgemv.tiles(self.blocks, self.fmt, kernel_path)
+        if tiled is not None:
+            for r in self.rows:
+                pages.release(r)
         return tiled
 
     def decode_tensors(self) -> list[Tensor]:
