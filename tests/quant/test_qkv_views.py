@@ -10,7 +10,9 @@ Q8_0 / Q4_0 / Q4_1 are gguf-py's quantiser; the K-quant matrices are random byte
   format, a StackedLinear of BlockLinears where they do not; a tiled JoinedLinear holds no joined copy after a
   prompt and decode steps on either path, a K-quant one makes its copy once (and the file's pages go back);
 - the logits (a prompt, then decode steps; the whole-layer call and the module path) equal, bit for bit, those of
-  the same model whose qkv is one BlockLinear over a joined copy of the rows (what the import made before).
+  the same model whose qkv is one BlockLinear over a joined copy of the rows (what the import made before);
+- a Llama file (tformer's own Q8_0 export): q and k are un-permuted copies (RoPE's row order), v the file's; the
+  file's pages the copies were read from are handed back at the open (``/proc/self/pagemap``'s present bits).
 """
 
 from __future__ import annotations
@@ -61,6 +63,30 @@ def files(tmp_path_factory):
             for k, kinds in FILES.items()}
 
 
+@pytest.fixture(scope="module")
+def llama_file(tmp_path_factory):
+    import transformers
+    from tformer.interop.gguf import save_gguf
+    from tformer.interop.hf import load_hf
+    folder = tmp_path_factory.mktemp("qkv_llama")
+    torch.manual_seed(3)
+    shape = {k: v for k, v in SHAPE.items() if k != "tie_word_embeddings"}
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(max_position_embeddings=256, **shape)).save_pretrained(folder)
+    save_gguf(load_hf(folder), folder / "llama.gguf", "q8_0")
+    return folder / "llama.gguf"
+
+
+def present_pages(address: int, nbytes: int) -> int:
+    """Whole pages of ``[address, address + nbytes)`` present in this process (``/proc/self/pagemap``, bit 63)."""
+    import mmap
+    page = mmap.PAGESIZE
+    first, last = -(-address // page), (address + nbytes) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        words = np.frombuffer(f.read((last - first) * 8), dtype=np.uint64)
+    return int(((words >> np.uint64(63)) & np.uint64(1)).sum())
+
+
 def joined_copy(model):
     """``model`` with every layer's qkv one BlockLinear over a joined copy of its rows (the import before)."""
     ref = copy.deepcopy(model)
@@ -107,3 +133,25 @@ def test_qkv_stay_file_views_and_the_logits_are_the_joined_matrix(files, name, m
             joined = lin.file_layout()
             assert lin._joined is joined and lin.file_layout() is joined   # made once
             assert torch.equal(joined, torch.cat([r.clone() for r in lin.rows]))
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="/proc/self/pagemap is Linux's")
+def test_llama_q_and_k_are_copies_whose_file_pages_go_back(llama_file, monkeypatch):
+    from tformer.interop.gguf_reader import GGUFFile
+    model = open_model(str(llama_file), threads=1).model
+    f = GGUFFile(llama_file)
+    for i, b in enumerate(model.blocks):
+        lin = b.attn.qkv_proj
+        assert isinstance(lin, JoinedLinear)
+        q, k, v = lin.rows
+        assert not pages.mapped(q) and not pages.mapped(k) and pages.mapped(v)
+        base = v.data_ptr() - f.tensors[f"blk.{i}.attn_v.weight"].offset       # the model's mapping of the file
+        for p in "qk":
+            t = f.tensors[f"blk.{i}.attn_{p}.weight"]
+            assert t.nbytes >= 4 * 4096 and present_pages(base + t.offset, t.nbytes) == 0   # its pages went back
+    ref = joined_copy(model)
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(0))
+    for fused in ("1", "0"):
+        monkeypatch.setenv("TFORMER_FUSED_DECODE", fused)
+        choose(model), choose(ref)
+        assert torch.equal(logits(model, ids), logits(ref, ids))

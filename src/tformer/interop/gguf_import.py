@@ -54,7 +54,7 @@ from tformer.interop.gguf import CONV1D
 from tformer.interop.gguf_reader import GGUFFile
 from tformer.interop.gguf_rope import ROPE_KEYS, check_rope, rope_scaling
 from tformer.interop.loader import TensorSource
-from tformer.quant import kblocks
+from tformer.quant import kblocks, pages
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gpt2", "gemma2", "gemma3")
 ARCH_MODEL_TYPES = {"gemma3": "gemma3_text"}          # architecture -> HF model_type, where they differ
@@ -312,6 +312,8 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
             a = a - 1                                       # convert_hf_to_gguf.py stored Gemma's gains as 1 + w
         # kept blocks stay the mapped file's pages (copy-on-write: nothing reaches the file); floats are fresh arrays
         out[target] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8 if kept else np.float32))
+        if kept and out[target].data_ptr() != f.blocks(name).ctypes.data:   # a copy (RoPE's rows): the pages it read go back
+            pages.release(torch.from_numpy(f.blocks(name)))
     return out
 
 
