@@ -108,6 +108,16 @@ def logits(model, ids):
     return torch.cat([o.reshape(1, -1) for o in out])
 
 
+def assert_joined_logits(model, monkeypatch) -> None:
+    """``model``'s logits equal :func:`joined_copy`'s bit for bit, on the whole-layer call and on the module path."""
+    ref = joined_copy(model)
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(0))
+    for fused in ("1", "0"):
+        monkeypatch.setenv("TFORMER_FUSED_DECODE", fused)
+        choose(model), choose(ref)
+        assert torch.equal(logits(model, ids), logits(ref, ids))
+
+
 @pytest.mark.parametrize("name", list(FILES))
 def test_qkv_stay_file_views_and_the_logits_are_the_joined_matrix(files, name, monkeypatch):
     model = open_model(str(files[name]), threads=1).model
@@ -118,12 +128,7 @@ def test_qkv_stay_file_views_and_the_logits_are_the_joined_matrix(files, name, m
         assert isinstance(lin, JoinedLinear if q_ == kv_ else StackedLinear)
         assert [p.shape[0] for p in parts] == [256, 128, 128]
         assert all(pages.mapped(p) for p in parts)                  # the file's pages, not a copy
-    ref = joined_copy(model)
-    ids = torch.randint(0, SHAPE["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(0))
-    for fused in ("1", "0"):
-        monkeypatch.setenv("TFORMER_FUSED_DECODE", fused)
-        choose(model), choose(ref)
-        assert torch.equal(logits(model, ids), logits(ref, ids))
+    assert_joined_logits(model, monkeypatch)
     tiles = qgemv.path() in qgemv.TILE_ROWS and qgemv.load() is not None
     for b in model.blocks:
         lin = b.attn.qkv_proj
@@ -149,9 +154,4 @@ def test_llama_q_and_k_are_copies_whose_file_pages_go_back(llama_file, monkeypat
         for p in "qk":
             t = f.tensors[f"blk.{i}.attn_{p}.weight"]
             assert t.nbytes >= 4 * 4096 and present_pages(base + t.offset, t.nbytes) == 0   # its pages went back
-    ref = joined_copy(model)
-    ids = torch.randint(0, SHAPE["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(0))
-    for fused in ("1", "0"):
-        monkeypatch.setenv("TFORMER_FUSED_DECODE", fused)
-        choose(model), choose(ref)
-        assert torch.equal(logits(model, ids), logits(ref, ids))
+    assert_joined_logits(model, monkeypatch)
