@@ -145,9 +145,10 @@ def file_formats(formats: set[str]) -> str:
     return "+".join(sorted(formats))
 
 
-def _gguf_parts(path: Path, dtype: str, kernels: bool):
+def _gguf_parts(path: Path, dtype: str, kernels: bool, prepare):
     """Model, tokenizer, template, eos ids, sampling defaults and the dtype chosen, from a GGUF's own header
-    and blocks."""
+    and blocks; ``prepare(model)`` is called as soon as the model is built (its path chosen, its tiles begun,
+    while the vocabulary and template are read)."""
     from tformer.interop.gguf_import import (gguf_tokenizer, layer_formats, load_gguf_file, stop_token_ids,
                                              tokenizer_config)
     from tformer.interop.gguf_reader import GGUFFile
@@ -166,6 +167,7 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
         why = f"--dtype {dtype}"
     keep = dtype == file_formats(formats)        # the file's own format(s): each matrix kept as stored, the rest float
     model = set_precision(load_gguf_file(f, keep_quant=keep), "fp32" if keep else dtype, decode_kernels=kernels)
+    prepare(model)
     tokenizer = gguf_tokenizer(f)
     conf = tokenizer_config(f)
     source = conf.pop("chat_template", None)
@@ -198,7 +200,7 @@ def require_decoder(model, source) -> None:
                           f"generate, serve and finetune cannot generate with it; {hint}.")
 
 
-def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
+def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool, prepare):
     """The same from a tformer checkpoint or a HuggingFace folder (its ``generation_config.json`` /
     ``config.json`` naming the eos ids)."""
     from tformer.checkpoint import load_generation_defaults, load_model
@@ -217,6 +219,7 @@ def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
         model, eos = load_model(folder), list(load_generation_defaults(folder).get("eos_token_id", []))
     require_decoder(model, folder)
     model = set_precision(model.eval(), dtype, decode_kernels=kernels)
+    prepare(model)
     tokenizer = load_tokenizer(folder / TOKENIZER) if (folder / TOKENIZER).is_file() else None
     return model, tokenizer, load_chat_template(folder), eos, {}, dtype, why
 
@@ -268,13 +271,14 @@ def require_tokenizer(opened: "OpenedModel") -> None:
                           f"with its vocabulary.")
 
 
-def choose_path(model) -> tuple[str, str]:
+def choose_path(model, background: bool = False) -> tuple[str, str]:
     """``(path, reason)``: ``"whole-layer"`` where the model's steps can run its decoder layers in one C++
     call each (:mod:`tformer.fused`), else ``"module"``, with why. Chosen here, once
-    (:func:`tformer.fused.choose` keeps the choice beside the model); generation then only looks it up."""
+    (:func:`tformer.fused.choose` keeps the choice beside the model); generation then only looks it up.
+    ``background``: the plan's tiles are made on a thread of their own and waited for at its first use."""
     from tformer.fused import choose
 
-    choice = choose(model)
+    choice = choose(model, background)
     return ("whole-layer" if choice.plan is not None else "module"), choice.reason
 
 
@@ -331,15 +335,20 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
     free = FreeCores()                                    # measured while the model loads, not after it
     start = time.perf_counter()
     name, source, kind = resolve_source(spec)
+    chosen: list[tuple[str, str]] = []
+
+    def prepare(model) -> None:         # the path chosen as soon as the model is built; its tiles made beside the rest
+        chosen.append(choose_path(model, background=True))
+
     with _collector_paused(), _threads(1):
-        parts = _gguf_parts(source, dtype, kernels) if kind == "gguf" else _folder_parts(source, kind, dtype, kernels)
+        parts = (_gguf_parts(source, dtype, kernels, prepare) if kind == "gguf"
+                 else _folder_parts(source, kind, dtype, kernels, prepare))
         model, tokenizer, template, eos, defaults, dtype, why = parts
         if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
             raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                                   f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
         stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
-    with _collector_paused(), _threads(free.threads(torch.get_num_threads())):
-        path, path_why = choose_path(model)
+    (path, path_why), = chosen
     if threads is None:
         torch.set_num_threads(free.threads(torch.get_num_threads()))   # the cores others leave free now
     return OpenedModel(model, tokenizer, template, stop, defaults, name, source, dtype, why, path, path_why,

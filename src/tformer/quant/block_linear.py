@@ -15,6 +15,8 @@ scales, and each activation by at most half its block's step ``max|x_b| / 254``.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn as nn
 
@@ -23,6 +25,8 @@ from tformer.quant import blocks, kblocks, pages, qgemv
 from tformer.quant.tiled import tiled_linear
 
 Tensor = torch.Tensor
+# held while a layer makes its tiles: the whole-layer plan may make them on a thread of its own (tformer.fused.pending)
+_MAKING = threading.Lock()
 
 
 class BlockLinear(nn.Module):
@@ -80,8 +84,11 @@ class BlockLinear(nn.Module):
             return None
         tiled = self._tiled.get(kernel_path)
         if tiled is None:
-            tiled = self._tiled[kernel_path] = qgemv.tiles(self.blocks, self.fmt, kernel_path,
-                                                           release=pages.mapped(self.blocks))
+            with _MAKING:        # one maker at a time: a plan's background thread and a first call may race
+                tiled = self._tiled.get(kernel_path)
+                if tiled is None:
+                    tiled = self._tiled[kernel_path] = qgemv.tiles(self.blocks, self.fmt, kernel_path,
+                                                                   release=pages.mapped(self.blocks))
         return tiled
 
     def dequantized(self) -> Tensor:
