@@ -15,11 +15,13 @@ Everything a command would otherwise decide for itself is decided here, once:
   (bf16 / fp16 round the weights, so they are asked for, never chosen silently). A named dtype is honoured:
   a GGUF stored in that format keeps its bytes, otherwise the float weights are cast or re-quantised.
 - **the path** each step takes: whole decoder layers in one C++ call, or the module path, with the reason
-  (:func:`choose_path`); chosen when the model is opened, not retried every token.
+  (:func:`choose_path`); chosen when the model is opened, not retried every token. Only its repacks into
+  tiles are left running when the open returns, on a thread of their own that began as soon as the model
+  was built (C++ outside the GIL, beside the vocabulary and template); the first prompt or step waits for
+  them and raises what they raised (:mod:`tformer.fused.pending`).
 - **threads** where none are asked for: torch's count less the cores other processes keep busy while the
   model loads (:class:`tformer.machine.FreeCores`), so a busy neighbour does not make every parallel region
-  wait out its time slices. Opening itself runs at one thread, but for the repacks into tiles, which take
-  the cores others left free so far.
+  wait out its time slices. Opening itself runs at one thread, the repacks on their own thread at one too.
 - **stop ids**: the file's end-of-sequence ids together with the chat template's end-of-turn token, so a
   model whose ``eos`` is not its end-of-turn stops at the same token in ``chat`` and ``serve``.
 - **sampling defaults** a GGUF recommends (``general.sampling.*``), for the commands to use where the
@@ -66,7 +68,7 @@ class OpenedModel:
         source: the GGUF file or checkpoint folder read.
         dtype, dtype_reason: the weights as opened, and why.
         path, path_reason: ``"whole-layer"`` or ``"module"``, and why.
-        seconds: how long opening took (reading, building, the path's preparation).
+        seconds: how long opening took (reading, building, the path chosen; not the tiles still being made).
         kind: ``"gguf"``, ``"checkpoint"`` or ``"hf"``: what ``source`` is.
     """
 
@@ -301,7 +303,7 @@ def _threads(n: int):
     """torch at ``n`` threads inside, its count restored after. Opening runs hundreds of short copies and
     checks at one: at two each is a parallel region whose second thread, beside a busy neighbour, first
     waits for a time slice (docs/chat.md, "How fast the front door is"); the repacks into tiles, the one
-    long stretch, take the cores others leave free."""
+    long stretch, run beside them on a thread of their own, which takes that count at its first repack."""
     threads = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
