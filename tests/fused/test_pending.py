@@ -2,7 +2,7 @@
 background=True)``, what ``open_model`` asks) and waited for at the plan's first use.
 
 Checked: the logits of the deferred plan equal the eager plan's bit for bit (the same tiles, made at
-another time); an error raised while the tiles are made surfaces at the first use, with the frame that
+another time, some by the background thread and the rest by the first use from the other end); an error raised while the tiles are made surfaces at the first use, with the frame that
 raised it, and again at every later use (never a half-made plan); two threads at the first use at once
 both wait and get the same plan, each matrix tiled once; a module-path product racing the background
 thread makes no tile twice; ``open_model`` chooses the path at once and leaves only the tiles pending.
@@ -73,9 +73,10 @@ def test_deferred_tiles_give_the_eager_plans_logits_bit_for_bit(fmt):
     assert whole.choose(eager).plan.ready
     choice = whole.choose(deferred, background=True)
     assert choice.plan is not None and choice.reason == whole.chosen(eager).reason
+    threads = torch.get_num_threads()
     for a, b in zip(run(eager), run(deferred)):
         assert torch.equal(a, b)
-    assert choice.plan.ready
+    assert choice.plan.ready and torch.get_num_threads() == threads     # the first use's own repacks restore it
 
 
 def test_an_error_in_the_background_surfaces_at_the_first_use(monkeypatch):

@@ -264,11 +264,11 @@ class Plan:
         self._q, self._kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         self._layers: list | None = None
         self._gathering = threading.Lock()
-        self._pending = None
+        self._pending, self._tiled = None, []
         if background:
-            tiled = [p for b in model.blocks for lin in _products(b) for p in _parts(lin)
-                     if isinstance(p, BlockLinear) and p.tiled]
-            self._pending = Pending(lambda: [lin.tiles(path) for lin in tiled], "the whole-layer plan's tiles")
+            self._tiled = [p for b in model.blocks for lin in _products(b) for p in _parts(lin)
+                           if isinstance(p, BlockLinear) and p.tiled]
+            self._pending = Pending(lambda: [lin.tiles(path) for lin in self._tiled], "the whole-layer plan's tiles")
         else:
             self._gather()
 
@@ -293,11 +293,23 @@ class Plan:
 
     def _gather(self) -> None:
         """Gather every layer's tensors once (any number of threads may ask at once: one gathers, the others
-        wait); first wait for the background tiles, raising what making them raised."""
+        wait); first the background tiles: the first user makes those not yet made from the last one back
+        (each layer makes its own once, whoever asks first) while the background thread goes on from the
+        front, then waits for it and raises what making them raised."""
         with self._gathering:
             if self._layers is not None:
                 return
             if self._pending is not None:
+                if not self._pending.done:
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(1)               # one core each: the background thread holds the other
+                    try:
+                        for lin in reversed(self._tiled):  # the two meet in the middle; a made one returns at once
+                            if self._pending.done:
+                                break
+                            lin.tiles(self.path)
+                    finally:
+                        torch.set_num_threads(threads)
                 self._pending.wait()
             layers = []
             for b in self._model_blocks:
@@ -306,7 +318,7 @@ class Plan:
                 layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm) + post + _qk_gains(b.attn), mats,
                                biases, fmts))
             self._flat = tuple([t for layer in layers for t in layer[i]] for i in range(4))
-            self._layers, self._model_blocks = layers, None
+            self._layers, self._model_blocks, self._tiled = layers, None, []
 
     def rotary(self, rope=None) -> tuple[Tensor, Tensor]:
         """A rotary table (default the model's) in float32 (a bf16 / fp16 model holds them in its dtype),
