@@ -4,7 +4,8 @@ Read as text only: no benchmark script is imported (they pull in peers, plots an
 Checked: every ``.py`` under benchmarks/ is named in the index; every file under benchmarks/results/
 has a row of the result table; a row's file exists unless the row says it is not yet written; a
 markdown result without the record header (``common/record.py``'s mark) is marked as recorded before
-the header existed; every script that writes a result goes through the record helper; and no test
+the header existed; every script that writes a result goes through the record helper, which alone joins a
+run's ``--tag`` to the file name; and no test
 imports a benchmark script.
 """
 
@@ -77,6 +78,15 @@ def test_scripts_write_results_through_the_record_helper():
         assert not re.search(r"RESULTS[^\n]*write_text|\.md\"\)\.write_text", text), \
             f"{p.relative_to(ROOT)} writes a result without the record header"
     assert "from tformer.machine import busy_cores, cpu_info" in (BENCH / "common" / "record.py").read_text()
+
+
+def test_result_names_take_their_tag_in_one_place():
+    """A script names its result ``<name>[-<tag>]`` through common/record.py (``Run.write_result`` or
+    ``result_name``), never by joining the tag itself."""
+    joined = re.compile(r"""['"]-['"] \+ \w+\.tag|f['"]-\{\w+\.tag\}['"] if \w+\.tag""")
+    offenders = [str(p.relative_to(ROOT)) for p in scripts()
+                 if p.name != "record.py" and joined.search(p.read_text(encoding="utf-8"))]
+    assert not offenders, f"{offenders} join --tag to a result name; call run.write_result(topic, name, tag, ...)"
 
 
 def test_no_test_imports_a_benchmark_script():

@@ -52,16 +52,6 @@ def memory_cells(r: dict, ref: dict) -> str:
             f"{', '.join(f'{v:.4f}' for v in r['losses'])} |")
 
 
-def write_result(run, name: str, lines: list[str], rows: list[dict], settings: dict) -> None:
-    """``benchmarks/results/training/NAME.md`` (the lines) and ``.json`` (the rows and settings), recorded."""
-    from common.record import results_dir
-
-    out = results_dir("training")
-    run.write(out / f"{name}.md", "\n".join(lines))
-    run.write_json(out / f"{name}.json", {"rows": rows, "settings": settings})
-    print("\n".join(lines))
-
-
 def timed_steps(loop, lr: float, warmup: int, steps: int, first: int = 0) -> dict:
     """Inside a worker: ``warmup`` + ``steps`` steps of ``loop._train_step(lr)``; the RSS before them (the model
     built), the timed steps' seconds, every loss, and the trained parameter count; ``first`` steps already run

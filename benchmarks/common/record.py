@@ -8,7 +8,9 @@ rev-parse``, and whether the tree had uncommitted changes), the CPU's model name
 (``tformer.machine.cpu_info``), torch's version and thread count, and the busy cores again.
 
 ``run.write(path, text)`` writes a markdown (or any text) result with that record as a block after
-its title; ``run.write_json(path, obj)`` adds the same record as a dict under the key ``"recorded"``. ``RECORD_MARK`` opens the block, so the index test can tell a recorded file from
+its title; ``run.write_json(path, obj)`` adds the same record as a dict under the key ``"recorded"``;
+``run.write_result(topic, name, tag, text, data)`` does both under the results folder's usual names,
+``<topic>/<name>[-<tag>].md`` and ``.json``. ``RECORD_MARK`` opens the block, so the index test can tell a recorded file from
 one written before the header existed.
 """
 
@@ -45,6 +47,11 @@ def results_dir(topic: str) -> Path:
     path = RESULTS / topic
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def result_name(name: str, tag: str = "") -> str:
+    """A result file's name without its suffix: ``name``, or ``name-tag`` when a run was given a ``--tag``."""
+    return name + (f"-{tag}" if tag else "")
 
 
 def load_note(cores: float) -> str:
@@ -145,4 +152,14 @@ class Run:
         path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps({**obj, "recorded": self.facts()}, indent=indent) + "\n"
         atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        return path
+
+    def write_result(self, topic: str, name: str, tag: str, text: str, data: dict | None = None) -> Path:
+        """Write ``text`` to ``benchmarks/results/<topic>/<name>[-<tag>].md`` (:meth:`write`) and, when
+        ``data`` is given, ``data`` to the same name's ``.json`` (:meth:`write_json`); returns the markdown's
+        path. The suffix is appended, never swapped in: names may hold dots (``qwen2.5``)."""
+        stem, folder = result_name(name, tag), results_dir(topic)
+        path = self.write(folder / f"{stem}.md", text)
+        if data is not None:
+            self.write_json(folder / f"{stem}.json", data)
         return path

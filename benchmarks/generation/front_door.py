@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.first_start import first_start_env  # noqa: E402
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 PROMPT = "Write a very long story about a dragon who learns to cook, with many chapters."
 CHILD = """
@@ -221,9 +221,8 @@ def main() -> None:
                  f"| chat / baseline chat, the whole command | {summary['chat / baseline chat whole command']:.2f} | (reported) |"]
                 if args.baseline else []),
               "", f"Float checkpoints the first starts wrote into their fresh cache: {converted or 'none'}."]
-    out = results_dir("generation") / f"front_door{'-' + args.tag if args.tag else ''}"
-    run.write(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    run.write_json(out.with_suffix(".json"), {"rows": rows, "summary": summary, "prompt_tokens": len(ids)})
+    run.write_result("generation", "front_door", args.tag, "\n".join(lines) + "\n",
+                     {"rows": rows, "summary": summary, "prompt_tokens": len(ids)})
     print("\n".join(lines))
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.first_start import first_start_env  # noqa: E402
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 # (depth, module, function, what it is): the loader's phases, in the order they run
 PHASES = [
@@ -118,9 +118,7 @@ def main() -> None:
     for depth, name, what in rows:
         lines.append(f"| {'· ' * depth}`{name}` | {what} | {stat(name, 0, statistics.median) * 1e3:.1f} | "
                      f"{stat(name, 0, min) * 1e3:.1f} | {stat(name, 1, statistics.median) * 1e3:.1f} |")
-    out = results_dir("generation") / f"open_profile{'-' + args.tag if args.tag else ''}"
-    run.write(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    run.write_json(out.with_suffix(".json"), {"runs": runs})
+    run.write_result("generation", "open_profile", args.tag, "\n".join(lines) + "\n", {"runs": runs})
     print("\n".join(lines))
 
 

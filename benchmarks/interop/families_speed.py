@@ -123,9 +123,8 @@ def main() -> None:
                                                                   f"{x['busy'][1]:.2f})" for x in xs))
     text += uneven_note(uneven)
     threads = "-".join(map(str, args.threads))
-    out = f"families_speed-{args.family}-{'-'.join(args.formats)}-{threads}t{'-' + args.tag if args.tag else ''}"
-    run.write(OUT / f"{out}.md", "\n".join(text) + "\n")       # not with_suffix: the family names hold dots
-    run.write_json(OUT / f"{out}.json", {"rows": rows, "summary": summary, "prompt": args.prompt})
+    run.write_result("interop", f"families_speed-{args.family}-{'-'.join(args.formats)}-{threads}t", args.tag,
+                     "\n".join(text) + "\n", {"rows": rows, "summary": summary, "prompt": args.prompt})
     print("\n".join(text))
 
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/ and quant/
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 from common.versus_llama_cpp import child  # noqa: E402
 
 CONTENDERS = [("tformer", None), ("tformer", 1), ("tformer", 2), ("llama.cpp", None), ("llama.cpp", 2)]
@@ -79,9 +79,7 @@ def main() -> None:
         lines.append(f"| {name} | {med['tformer|default']:.1f} ({chosen}) | {med['tformer|1']:.1f} | {med['tformer|2']:.1f} | "
                      f"{summary[name]['default/best']:.2f} | {med['llama.cpp|default']:.1f} | {med['llama.cpp|2']:.1f} | "
                      f"{summary[name]['default/llama.cpp default']:.2f} |")
-    out = results_dir("quant") / f"busy_threads{'-' + args.tag if args.tag else ''}"
-    run.write(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    run.write_json(out.with_suffix(".json"), {"rows": rows, "summary": summary})
+    run.write_result("quant", "busy_threads", args.tag, "\n".join(lines) + "\n", {"rows": rows, "summary": summary})
     print("\n".join(lines))
 
 

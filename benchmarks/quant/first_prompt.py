@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 CHILD = """
 import json, resource, sys, time, torch
@@ -69,8 +69,7 @@ def main() -> None:
                              f"{c['faults']} | {c['user']:.3f} | {c['sys']:.3f} |")
                 print(lines[-1], flush=True)
     run.finish()
-    out = results_dir("quant") / f"first_prompt{'-' + args.tag if args.tag else ''}.md"
-    print(run.write(out, "\n".join(lines) + "\n").read_text())
+    print(run.write_result("quant", "first_prompt", args.tag, "\n".join(lines) + "\n").read_text())
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 SIZE, HUGE = 128 << 20, 2 << 20
 PROT_RW, MAP_PRIVATE_ANON, MADV_HUGEPAGE = 0x3, 0x22, 14
@@ -66,8 +66,7 @@ def main() -> None:
     for name, xs in rows.items():
         lines.append(f"| {name} | {statistics.median(a for a, _ in xs) * 1e3:.1f} | "
                      f"{' / '.join(f'{a * 1e3:.0f}' for a, _ in xs)} | {statistics.median(b for _, b in xs) * 1e3:.1f} |")
-    out = results_dir("quant") / f"first_touch{'-' + args.tag if args.tag else ''}.md"
-    run.write(out, "\n".join(lines) + "\n")
+    run.write_result("quant", "first_touch", args.tag, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

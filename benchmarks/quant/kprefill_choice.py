@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 SHAPES = {"q5_0": (4864, 896), "q5_1": (4864, 896), "q4_k": (896, 4864), "q5_k": (896, 4864), "q6_k": (896, 4864)}
 
@@ -73,8 +73,7 @@ def main() -> None:
             lines.append(f"| {fmt} | {n} x {k} | {m} | {r['fp32']:.1f} | {r['bf16']:.1f} | {r['q8']:.1f} | {r['file']:.1f} |")
             print(lines[-1], flush=True)
     run.finish()
-    out = results_dir("quant") / f"kprefill_choice{'-' + args.tag if args.tag else ''}.md"
-    print(run.write(out, "\n".join(lines) + "\n").read_text())
+    print(run.write_result("quant", "kprefill_choice", args.tag, "\n".join(lines) + "\n").read_text())
 
 
 if __name__ == "__main__":

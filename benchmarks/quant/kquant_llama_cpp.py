@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 from common.versus_llama_cpp import HEADER, compare, summarise, uneven_note  # noqa: E402
 
 
@@ -60,9 +60,8 @@ def main() -> None:
         lines += ["", f"Before the change (`{args.before}`), in the same rounds:", "", *HEADER, *old]
         uneven += was
     lines += uneven_note(uneven)
-    out = results_dir("quant") / f"kquant_llama_cpp{'-' + args.tag if args.tag else ''}"
-    run.write(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    run.write_json(out.with_suffix(".json"), {"rows": rows, "summary": summary, "prompt": args.prompt})
+    run.write_result("quant", "kquant_llama_cpp", args.tag, "\n".join(lines) + "\n",
+                     {"rows": rows, "summary": summary, "prompt": args.prompt})
     print("\n".join(lines))
 
 

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.measure import read_bandwidth  # noqa: E402
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 
 def main() -> None:
@@ -109,10 +109,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     run.finish()
-    name = "kquant_step_profile" + (f"-{args.tag}" if args.tag else "")
-    run.write(results_dir("quant") / f"{name}.md", text)
-    run.write_json(results_dir("quant") / f"{name}.json", {"threads": args.threads, "seconds": r, "alone": alone,
-                                                          "file": str(args.file)})
+    run.write_result("quant", "kquant_step_profile", args.tag, text,
+                     {"threads": args.threads, "seconds": r, "alone": alone, "file": str(args.file)})
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from tformer.quant import blocks, gemv, qgemv
 from tformer.quant.quantize import DecodeLinear, Int4Linear, Int8Linear, weight_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 SHAPES = {"gpt2 fc 768->3072": (3072, 768), "gpt2 proj 3072->768": (768, 3072),
           "smollm2 up 576->1536": (1536, 576), "smollm2 down 1536->576": (576, 1536),
@@ -169,9 +169,11 @@ def main() -> None:
             if r["shape"] == shape:
                 lines.append(f"| {r['kernel']} | {r['bytes']} | {r['us']:.1f} | {r['gbs']:.1f} | {r['speedup']:.2f} |")
     text = "\n".join(lines) + "\n"
-    out = Path(args.out) if args.out else results_dir("quant") / f"qgemv{'-' + args.tag if args.tag else ''}.md"
-    run.write(out, text)
-    run.write_json(out.with_suffix(".json"), dict(meta=meta, rows=rows))
+    if args.out:
+        out = run.write(args.out, text)
+        run.write_json(out.with_suffix(".json"), dict(meta=meta, rows=rows))
+    else:
+        out = run.write_result("quant", "qgemv", args.tag, text, dict(meta=meta, rows=rows))
     print(out.read_text(encoding="utf-8"))
 
 

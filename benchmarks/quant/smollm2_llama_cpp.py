@@ -52,7 +52,7 @@ from tformer.quant import qgemv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
 from common.measure import read_bandwidth  # noqa: E402
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 FILES = Path("/tmp/tformer-gguf-smollm2")
 FORMATS = ("q8_0", "q4_0", "q4_1")
@@ -208,9 +208,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     run.finish()
-    name = "smollm2_llama_cpp" + (f"-{args.tag}" if args.tag else "")
-    run.write(results_dir("quant") / f"{name}.md", text)
-    run.write_json(results_dir("quant") / f"{name}.json", out)
+    run.write_result("quant", "smollm2_llama_cpp", args.tag, text, out)
 
 
 if __name__ == "__main__":

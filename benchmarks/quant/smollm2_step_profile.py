@@ -35,7 +35,7 @@ import tformer.fused as whole
 from tformer.quant import qgemv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 
 @torch.inference_mode()
@@ -135,9 +135,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     run.finish()
-    name = "smollm2_step_profile" + (f"-{args.tag}" if args.tag else "")
-    run.write(results_dir("quant") / f"{name}.md", text)
-    run.write_json(results_dir("quant") / f"{name}.json", {"threads": args.threads, "seconds": r})
+    run.write_result("quant", "smollm2_step_profile", args.tag, text, {"threads": args.threads, "seconds": r})
 
 
 if __name__ == "__main__":

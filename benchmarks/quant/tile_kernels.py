@@ -45,7 +45,7 @@ from tformer.extensions import cache_dir
 from tformer.quant import blocks, qgemv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import ROOT, Run, results_dir  # noqa: E402
+from common.record import ROOT, Run  # noqa: E402
 
 LAYERS = 30
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate": (1536, 576), "up": (1536, 576), "down": (576, 1536)}
@@ -171,9 +171,7 @@ def main() -> None:
             line += f" {r['ref_us']:.0f} | {r['ref_gbs']:.1f} | {r['x_ref']:.2f} |"
         lines.append(line)
     text = "\n".join(lines) + "\n"
-    name = "tile_kernels" + (f"-{args.tag}" if args.tag else "")
-    run.write(results_dir("quant") / f"{name}.md", text)
-    run.write_json(results_dir("quant") / f"{name}.json", dict(rows=rows, against=args.against))
+    run.write_result("quant", "tile_kernels", args.tag, text, dict(rows=rows, against=args.against))
     print(text)
 
 

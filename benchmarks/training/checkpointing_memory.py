@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.child import LOCK_EACH, memory_cells, timed_steps, worker_rows, write_result  # noqa: E402
+from common.child import LOCK_EACH, memory_cells, timed_steps, worker_rows  # noqa: E402
 from common.record import Run  # noqa: E402
 
 # The public configs' dimensions (config.json of each HF repository), weights random.
@@ -104,7 +104,6 @@ def main() -> None:
                        ("method", "checkpointing"), LOCK_EACH if a.lock_each else None)
     run.finish()
     layers = a.layers or SHAPES[a.shape]["n_layers"]
-    name = f"checkpointing_memory-{a.shape}-{layers}l-{a.dtype}" + (f"-{a.tag}" if a.tag else "")
     lines = [f"# Activation checkpointing: peak memory and step time ({a.shape} shape, {layers} layers, {a.dtype})", "",
              f"Random weights of {a.shape}'s dimensions with {layers} blocks ({rows[0]['params']:,} parameters); "
              f"batch {a.batch} x context {a.context}, targets on the last {a.labelled:.0%} of each row; AdamW lr {LR:g}, "
@@ -117,7 +116,9 @@ def main() -> None:
     for r in rows:
         off = next((x for x in rows if x["method"] == r["method"] and x["checkpointing"] == "off"), r)
         lines.append(f"| {r['method']} | {r['checkpointing']} | {r['busy_cores']:.2f} | " + memory_cells(r, off))
-    write_result(run, name, lines, rows, vars(a))
+    run.write_result("training", f"checkpointing_memory-{a.shape}-{layers}l-{a.dtype}", a.tag, "\n".join(lines),
+                     {"rows": rows, "settings": vars(a)})
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 from tformer.ops import activation_cpu, attention_cpu  # noqa: E402
 from tformer.training.trainer import Trainer  # noqa: E402
 
@@ -303,8 +303,7 @@ def main() -> int:
     if args.only_gemm:
         run = Run()
         lines = ["# The float32 GEMM libraries at a 4L/128 training step's shapes", "", *gemm_lines(args)]
-        name = "cpu_kernels-gemm" + (f"-{args.tag}" if args.tag else "")
-        run.write(results_dir("training") / f"{name}.md", "\n".join(lines) + "\n")
+        run.write_result("training", "cpu_kernels-gemm", args.tag, "\n".join(lines) + "\n")
         print("\n".join(lines))
         return 0
     if attention_cpu.load() is None or activation_cpu.load() is None:
@@ -370,8 +369,7 @@ def main() -> int:
                       "both programs run the same products through the same library."]
         print("\n".join(lines[-7:]), flush=True)
     lines += ["", *gemm_lines(args)]
-    name = "cpu_kernels" + (f"-{args.tag}" if args.tag else "")
-    run.write(results_dir("training") / f"{name}.md", "\n".join(lines) + "\n")
+    run.write_result("training", "cpu_kernels", args.tag, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

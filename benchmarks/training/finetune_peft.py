@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 LR = 1e-4
 
@@ -156,13 +156,13 @@ def main() -> None:
         print(json.dumps(pair(a) if a.impl == "pair" else worker(a)))
         return
     from tformer.machine import bf16_supported, cpu_info
-    name = f"finetune_peft-{a.dtype}" + (f"-{a.tag}" if a.tag else "")
+    name = f"finetune_peft-{a.dtype}"
     run = Run()
     if a.dtype == "bf16" and not bf16_supported("cpu"):
         run.finish()
-        run.write(results_dir("training") / f"{name}.md",
-                  f"# Fine-tuning steps (bf16)\n\nSkipped: {cpu_info()} has no native bf16 (AVX-512-BF16 or AMX); "
-                  f"bf16 autocast would be emulated and say nothing about either implementation.")
+        run.write_result("training", name, a.tag,
+                         f"# Fine-tuning steps (bf16)\n\nSkipped: {cpu_info()} has no native bf16 (AVX-512-BF16 or AMX); "
+                         f"bf16 autocast would be emulated and say nothing about either implementation.")
         return
     rows, pairs = [], {}
 
@@ -212,9 +212,7 @@ def main() -> None:
         best = min(pr["times"]["peft"]) / min(pr["times"]["tformer"])
         lines.append(f"| {method} | **speed ratio tformer / reference** | **{ratio:.2f}×** (median of per-step pairs) | "
                      f"| **{best:.2f}×** (best steps) | **{mem[0] / mem[1]:.2f}×** (memory) | | | |")
-    out = results_dir("training")
-    run.write(out / f"{name}.md", "\n".join(lines))
-    run.write_json(out / f"{name}.json", {"rows": rows, "pairs": pairs, "settings": vars(a)})
+    run.write_result("training", name, a.tag, "\n".join(lines), {"rows": rows, "pairs": pairs, "settings": vars(a)})
     print("\n".join(lines))
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 
 
 def main() -> None:
@@ -66,8 +66,7 @@ def main() -> None:
              "| question | reference | tformer | llama.cpp | equal |", "|---|---|---|---|---|"]
     for (prompt, ref), x, y, c in zip(questions, ours, theirs, test):
         lines.append(f"| {c[0]['content']} | {ref} | {x} | {y} | {'yes' if x == y else 'no'} |")
-    name = "qlora_llama_cpp" + (f"-{a.tag}" if a.tag else "")
-    run.write(results_dir("training") / f"{name}.md", "\n".join(lines))
+    run.write_result("training", "qlora_llama_cpp", a.tag, "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.child import memory_cells, timed_steps, worker_rows, write_result  # noqa: E402
+from common.child import memory_cells, timed_steps, worker_rows  # noqa: E402
 from common.record import Run  # noqa: E402
 
 LR = 1e-3
@@ -131,7 +131,6 @@ def main() -> None:
                              [(b, c) for c in a.checkpointing.split(",") for b in bases], ("base", "checkpointing")):
             rows.append({"round": k + 1, **r})
     run.finish()
-    name = "qlora_memory" + (f"-{a.tag}" if a.tag else "")
     lines = ["# QLoRA (the GGUF file's blocks) against LoRA over the float32 base: peak memory and s/step", "",
              f"{a.model}; LoRA r=16 alpha=32 on all seven projections; the built-in task's batches of {a.batch} "
              f"(shared prefix on), fp32, AdamW lr {LR:g}; {a.threads} threads; {a.warmup} untimed + {a.steps} timed "
@@ -157,7 +156,8 @@ def main() -> None:
                          f" | {r['peak_rss_mb']:,.0f} | {r['steps_peak_mb']:,.0f} | {r['saved_mb']:,.0f} | {sites} |")
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
         lines += ["", f"Run with glibc's mmap threshold fixed: MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}."]
-    write_result(run, name, lines, rows, vars(a))
+    run.write_result("training", "qlora_memory", a.tag, "\n".join(lines), {"rows": rows, "settings": vars(a)})
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import Run, results_dir  # noqa: E402
+from common.record import Run  # noqa: E402
 from tformer.training.trainer import Trainer  # noqa: E402
 
 SHAPE = dict(n_layers=4, n_heads=4, d_model=128, context_length=64, dropout=0.0, bias=False, batch_size=12,
@@ -155,8 +155,7 @@ def main() -> int:
     small = trainer({**TINY, **kind}, args.data, args.threads, tmp, "tiny")
     tiny = phases(small, args.tiny_steps)
     text = report(args, times, plain, timed, tiny)
-    path = results_dir("training") / f"step_ops{'-' + args.tag if args.tag else ''}.md"
-    run.write(path, text)
+    path = run.write_result("training", "step_ops", args.tag, text)
     print(text)
     print(f"wrote {path}")
     return 0

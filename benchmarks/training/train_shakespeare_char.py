@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/, for common/
-from common.record import Run, load_note, results_dir  # noqa: E402
+from common.record import Run, load_note, result_name, results_dir  # noqa: E402
 from common.record import commit  # noqa: E402
 from tformer.machine import busy_cores, cpu_info  # noqa: E402
 
@@ -211,7 +211,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # so a timed-out hold kills the run it started
     global STATE, NAME, RUN
     RUN = Run(measure_load=False)
-    NAME = "train_shakespeare_char" + (f"-{args.tag}" if args.tag else "")
+    NAME = result_name("train_shakespeare_char", args.tag)
     STATE = RESULTS / f"{NAME}.json"
     os.environ["OMP_NUM_THREADS"] = str(args.threads)           # nanoGPT keeps torch's default, which reads it
     data = args.data or str(find_default("data", "tinyshakespeare.txt"))

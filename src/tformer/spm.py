@@ -51,7 +51,7 @@ def merges_from_scores(tokens: list[str], scores: list[float], types: list[int])
 def gguf_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_types: list[int] | None, *,
                        add_space_prefix: bool = True, bos_id: int | None = None, eos_id: int | None = None,
                        unk_id: int | None = None, add_bos: bool = True, add_eos: bool = False,
-                       rstrip: frozenset[int] = frozenset()):
+                       name: str | None = None):
     """A SentencePiece-style vocabulary as a GGUF file stores it, as an
     :class:`~tformer.tokenizers.HFTokenizer` that tokenizes as llama.cpp does (see the module docstring).
 
@@ -63,8 +63,8 @@ def gguf_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_type
         add_space_prefix: ``tokenizer.ggml.add_space_prefix`` (Llama 2, Phi-3: yes; Gemma: no).
         bos_id, eos_id, unk_id, add_bos, add_eos: the special ids, and which are put around every
             encoded text (llama.cpp adds BOS to such a vocabulary unless the file says not to).
-        rstrip: ids of the special tokens that take the whitespace after them away (Phi-3's,
-            :func:`~tformer.tokenizers.llama_cpp_rstrip`).
+        name: the file's ``general.name``, which decides the special tokens that take the whitespace after
+            them away (Phi-3's, :func:`~tformer.tokenizers.llama_cpp_rstrip`).
     Raises:
         CheckpointError: tokens, scores or types missing or not one per token, a token twice, or a
             special id outside the vocabulary, naming the GGUF key.
@@ -91,4 +91,4 @@ def gguf_spm_tokenizer(tokens: list[str], scores: list[float] | None, token_type
     tok.normalizer = normalizers.Sequence(([normalizers.Prepend(SPACE)] if add_space_prefix else []) + spaces)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
                                     + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
-    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos, rstrip)
+    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos, name)

@@ -254,7 +254,7 @@ def _merge_fault(merges: list[str], vocab: dict[str, int]) -> str | None:
 
 def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str, *,
                        bos_id: int | None = None, eos_id: int | None = None, add_bos: bool = False,
-                       add_eos: bool = False, rstrip: frozenset[int] = frozenset()) -> HFTokenizer:
+                       add_eos: bool = False, name: str | None = None) -> HFTokenizer:
     """A byte-level BPE vocabulary as a GGUF file stores it, as a ``tokenizers`` object.
 
     Args:
@@ -264,7 +264,8 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
             matched whole and left out of decoded text, user-defined ones (4) plain added tokens.
         pre: ``tokenizer.ggml.pre``, one of :data:`GGUF_PRE_SPLITS`.
         bos_id, add_bos, eos_id, add_eos: the token put before / after every encoded text, if asked.
-        rstrip: ids of the added tokens that take the whitespace after them away (:func:`llama_cpp_rstrip`).
+        name: the file's ``general.name``, which decides the tokens that take the whitespace after them away
+            (:func:`llama_cpp_rstrip`).
     Raises:
         CheckpointError: an unknown ``pre``, or a vocabulary the ``tokenizers`` library would crash on or
             silently misread (no tokens, a token twice, a merge of unknown tokens or without a space,
@@ -296,18 +297,19 @@ def gguf_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[i
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in GGUF_PRE_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos, rstrip)
+    return gguf_special_tokens(tok, tokens, types, bos_id, add_bos, eos_id, add_eos, name)
 
 
 def gguf_special_tokens(tok, tokens: list[str], types: list[int], bos_id: int | None, add_bos: bool,
-                        eos_id: int | None, add_eos: bool, rstrip: frozenset[int] = frozenset()) -> HFTokenizer:
+                        eos_id: int | None, add_eos: bool, name: str | None = None) -> HFTokenizer:
     """A GGUF vocabulary's ``tokenizers`` object finished: its control tokens (type 3) as special tokens (matched
     whole, left out of decoded text), its user-defined ones (4) as plain added tokens (matched whole, as
-    llama.cpp always does), those of ids in ``rstrip`` taking the whitespace after them away
-    (:func:`llama_cpp_rstrip`), and BOS before / EOS after every encoded text, as asked."""
+    llama.cpp always does), those that the file's ``general.name`` makes take the whitespace after them away
+    (:func:`llama_cpp_rstrip`), and BOS before / EOS after every encoded text, as asked. ``tokens`` and
+    ``types`` are :func:`checked_gguf_tokens`' (the builders check them first)."""
     from tokenizers import AddedToken, processors
 
-    ids = range(len(types))
+    ids, rstrip = range(len(types)), llama_cpp_rstrip(name, tokens, types)
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False, rstrip=i in rstrip)
                             for i in compress(ids, map(CONTROL.__eq__, types))])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False, rstrip=i in rstrip)

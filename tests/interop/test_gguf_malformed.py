@@ -131,6 +131,9 @@ def damaged(case: str) -> bytes:
         kv = replace(kv, "tokenizer.ggml.token_type", ARR, (I32, [1] * 40))
     elif case == "token_type_shorter":
         kv = replace(kv, "tokenizer.ggml.token_type", ARR, (I32, [1] * 5))
+    elif case == "phi3_token_type_longer":               # Phi-3's rstrip rule reads the types: only after their check
+        kv = replace(kv, "general.name", STR, "Phi-3 mini")
+        kv = replace(kv, "tokenizer.ggml.token_type", ARR, (I32, [1] * 35 + [3] * 5))
     elif case == "tokens_not_strings":
         kv = replace(kv, "tokenizer.ggml.tokens", ARR, (I32, list(range(32))))
     elif case == "merges_not_list":
@@ -178,7 +181,8 @@ CASES = {   # case -> words the one sentence must hold
     "duplicate_tokens": "tokenizer.ggml.tokens",
     "missing_tokens": "tokenizer.ggml.tokens", "bos_out_of_range": "tokenizer.ggml.bos_token_id",
     "eos_out_of_range": "tokenizer.ggml.eos_token_id", "token_type_longer": "tokenizer.ggml.token_type",
-    "token_type_shorter": "tokenizer.ggml.token_type", "tokens_not_strings": "tokenizer.ggml.tokens",
+    "token_type_shorter": "tokenizer.ggml.token_type", "phi3_token_type_longer": "tokenizer.ggml.token_type",
+    "tokens_not_strings": "tokenizer.ggml.tokens",
     "merges_not_list": "tokenizer.ggml.merges", "chat_template_not_string": "tokenizer.chat_template",
     "tokenizer_model_not_string": "tokenizer.ggml.model",
     "duplicate_tensor": "blk.0.attn_q.weight", "duplicate_key": "tokenizer.chat_template",

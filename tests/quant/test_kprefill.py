@@ -10,6 +10,10 @@ kernels) and of Q5_0 / Q5_1 (tiles.h's tiles on those paths), on every path this
 - against ``gguf.quants.dequantize`` and a float64 product (independent of tformer's maths): the activations'
   rounding moves each output by at most Σ_e |w_e| · step_e / 2 (step = the block's max|x| / 127), asked with
   1e-5 · Σ|w x| on top;
+- against an independent float64 evaluation in numpy (``gguf.quants.dequantize`` for the weights, ggml's Q8_K
+  rounding redone in numpy float32 for the activations), on the SIMD paths (the widened tiles) each forced, on the
+  Q4_K_M file's own Q4_K / Q6_K weights and on random blocks of every K-quant: within 1e-4 · Σ|w| |x̂| per output
+  (x̂ the rounded activations; the float32 roundings stay within ~1e-6 of that, a wrong code or scale is far above it);
 - rows 32 and up give what they would give one at a time, within the same float32 rounding, and two threads
   give exactly what one gives (each output's sums do not depend on the split);
 - a 40-token prompt of a Q4_K_M file (every position's logits) against the float import and against llama.cpp.
@@ -19,6 +23,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +71,53 @@ def test_prompt_rows_match_gguf_dequantised_product(path, fmt):
     bound = 0.5 * _steps(x, fmt) @ w.abs().T * (1 + 1e-3) + 1e-5 * x.double().abs() @ w.abs().T
     err = (qgemv.kqgemm(packed, fmt, x, None, path).double() - ref).abs()
     assert bool((err <= bound).all()), float((err / bound).max())
+
+
+def _q8k_numpy(x: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_q8_K_ref in numpy, then back to values: per block of 256, iscale = -127 / (the signed
+    value of largest magnitude, the first such) in float32, codes rne(iscale · x) capped at 127, d = 1 / iscale;
+    returns codes · d, ``(M, K)`` float64 (an all-zero block stays zero)."""
+    M, K = x.shape
+    b = x.astype(np.float32).reshape(M, K // 256, 256)
+    big = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)                # (M, S, 1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(big == 0, np.float32(0), np.float32(-127) / big).astype(np.float32)
+        d = np.where(iscale == 0, np.float32(0), np.float32(1) / iscale).astype(np.float32)
+    q = np.minimum(np.rint(b * iscale), 127)                                        # float32 product, half to even
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(M, K)
+
+
+WIDE_ROWS = 42                            # WIDEN_ROWS (32) and up, with a tail of 2 rows past the passes of 4
+
+
+def _weights_of_the_file():
+    """The Q4_K_M file's weights as ``(name, fmt, packed (N, bytes))``: its real Q4_K and Q6_K blocks."""
+    reader = gguf.GGUFReader(FILE)
+    fmts = {gguf.GGMLQuantizationType.Q4_K: "q4_k", gguf.GGMLQuantizationType.Q6_K: "q6_k"}
+    return [(t.name, fmts[t.tensor_type], torch.from_numpy(np.array(t.data)))
+            for t in reader.tensors if t.tensor_type in fmts and t.name.startswith("blk.0.")]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("path", list(qgemv.TILE_ROWS))
+def test_widened_prompt_products_match_numpy_float64(path):
+    """kprefill.h's widened tiles (``WIDE_ROWS`` rows, each SIMD path forced) against numpy: weights by
+    ``gguf.quants.dequantize``, activations by ``_q8k_numpy``, the product and bias in float64."""
+    runnable(path)
+    g = torch.Generator().manual_seed(11)
+    cases = [(name, fmt, packed, None) for name, fmt, packed in _weights_of_the_file()]
+    cases += [(f"random {fmt}", fmt, kblocks.random_blocks(37, 768, fmt, g), torch.randn(37, generator=g))
+              for fmt in kblocks.KQUANTS]                                           # 37: a tile tail on both paths
+    assert {c[1] for c in cases} == set(kblocks.KQUANTS)
+    for name, fmt, packed, bias in cases:
+        w = gguf.quants.dequantize(packed.numpy(), GGUF_TYPE[fmt]).astype(np.float64)   # (N, K)
+        x = torch.randn(WIDE_ROWS, w.shape[1], generator=g) * 2
+        x[3, :256] = 0                                                              # an all-zero Q8_K block
+        xq = _q8k_numpy(x.numpy())
+        ref = xq @ w.T + (bias.double().numpy() if bias is not None else 0)
+        got = qgemv.kqgemm(packed, fmt, x, bias, path).double().numpy()
+        err, bound = np.abs(got - ref), 1e-4 * (np.abs(xq) @ np.abs(w).T) + 1e-30
+        assert got.shape == ref.shape and (err <= bound).all(), (name, float((err / bound).max()))
 
 
 @pytest.mark.parametrize("fmt", kblocks.FORMATS)

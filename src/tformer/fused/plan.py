@@ -22,6 +22,7 @@ import torch
 
 import tformer.fused.library as library
 from tformer.fused.pending import Pending
+from tformer.nn.norms import RMSNorm
 from tformer.quant import qgemv
 from tformer.quant.block_linear import BlockLinear, StackedLinear
 from tformer.quant.quantize import DecodeLinear
@@ -150,10 +151,10 @@ def _qk_norm_why(a, b) -> str | None:
 
 
 def _gain(norm) -> Tensor:
-    """A norm's gain as the call multiplies by it, float32: ``1 + w`` for an RMSNorm that applies its
-    weight as ``(1 + w)`` (Gemma; the sum in float32, as :class:`~tformer.nn.norms.RMSNorm` takes it), else ``w``."""
-    w = norm.weight.detach().float()
-    return (1.0 + w if getattr(norm, "unit_offset", False) else w).contiguous()
+    """A norm's gain as the call multiplies by it, float32: :meth:`~tformer.nn.norms.RMSNorm.gain` (``1 + w``
+    for Gemma's), else the LayerNorm's ``w``."""
+    g = norm.gain() if isinstance(norm, RMSNorm) else norm.weight.float()
+    return g.detach().contiguous()
 
 
 def _qk_gains(a) -> list[Tensor]:

@@ -432,7 +432,7 @@ def gguf_tokenizer(f: GGUFFile):
     file's ``tokenizer.ggml.pre``, or SentencePiece-style (``llama``: Llama 2, Gemma, Phi-3; see
     :mod:`tformer.spm`), tokenizing as llama.cpp does."""
     from tformer.spm import gguf_spm_tokenizer
-    from tformer.tokenizers import gguf_bpe_tokenizer, llama_cpp_rstrip
+    from tformer.tokenizers import gguf_bpe_tokenizer
 
     kind = f.field("tokenizer.ggml.model", "none")
     if kind == "none":
@@ -443,24 +443,21 @@ def gguf_tokenizer(f: GGUFFile):
                          "the tokenizer separately.")
     tokens = f.field("tokenizer.ggml.tokens")
     ids = {k: f.field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos")}
-    types = f.field("tokenizer.ggml.token_type")
-    rstrip = frozenset()                        # a damaged list is refused below, naming its key
-    if isinstance(tokens, list) and isinstance(types, list) and len(types) == len(tokens):
-        rstrip = llama_cpp_rstrip(f.field("general.name"), tokens, types)
+    types, name = f.field("tokenizer.ggml.token_type"), f.field("general.name")
     try:
         if kind == "gpt2":
             tok = gguf_bpe_tokenizer(
                 tokens=tokens, merges=f.field("tokenizer.ggml.merges", []),
                 token_types=types, pre=f.field("tokenizer.ggml.pre", "default"),
                 bos_id=ids["bos"], add_bos=bool(f.field("tokenizer.ggml.add_bos_token", False)),
-                eos_id=ids["eos"], add_eos=bool(f.field("tokenizer.ggml.add_eos_token", False)), rstrip=rstrip)
+                eos_id=ids["eos"], add_eos=bool(f.field("tokenizer.ggml.add_eos_token", False)), name=name)
         else:                                   # llama.cpp adds BOS to these unless the file says not to
             tok = gguf_spm_tokenizer(
                 tokens, f.field("tokenizer.ggml.scores"), types,
                 add_space_prefix=bool(f.field("tokenizer.ggml.add_space_prefix", True)),
                 bos_id=ids["bos"], eos_id=ids["eos"], unk_id=f.field("tokenizer.ggml.unknown_token_id"),
                 add_bos=bool(f.field("tokenizer.ggml.add_bos_token", True)),
-                add_eos=bool(f.field("tokenizer.ggml.add_eos_token", False)), rstrip=rstrip)
+                add_eos=bool(f.field("tokenizer.ggml.add_eos_token", False)), name=name)
     except CheckpointError as e:
         raise CheckpointError(f"{f.path}: {e}") from None
     for key in ("eot_token_id", "padding_token_id", "unknown_token_id"):

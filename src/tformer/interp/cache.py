@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from tformer.errors import InputError
+from tformer.nn.norms import RMSNorm
 
 Tensor = torch.Tensor
 
@@ -101,7 +102,8 @@ def centre_and_scale(norm: nn.Module, x: Tensor, scale: Tensor) -> Tensor:
     x = x.float()
     if isinstance(norm, nn.LayerNorm):
         x = x - x.mean(-1, keepdim=True)
-    w = norm.weight.float() if getattr(norm, "weight", None) is not None else 1.0
-    if getattr(norm, "unit_offset", False):
-        w = 1.0 + w                                          # Gemma's gain, stored as w
+    if isinstance(norm, RMSNorm):
+        w = norm.gain()                                      # 1 + w for Gemma's
+    else:
+        w = norm.weight.float() if getattr(norm, "weight", None) is not None else 1.0
     return x / scale * w

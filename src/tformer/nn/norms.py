@@ -26,13 +26,20 @@ class RMSNorm(nn.Module):
         self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
+    def gain(self) -> Tensor:
+        """The gain ``g`` the normed vector is multiplied by, float32 ``(dim,)``: ``1 + w`` with ``unit_offset``
+        (the sum in float32), else ``w``. The one home of that rule: the forward, the fused plan and the
+        logit attribution read it here."""
+        w = self.weight.float()
+        return 1.0 + w if self.unit_offset else w
+
     def forward(self, x: Tensor) -> Tensor:
         # Compute in fp32 for stability under bf16, as Llama does.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return normed.to(x.dtype) * self.weight
+            return (normed * self.gain()).to(x.dtype)        # Gemma's: the product in float32, then rounded
+        return normed.to(x.dtype) * self.weight              # Llama's: rounded, then the weight in its own dtype
 
 
 def make_norm(config: TransformerConfig) -> nn.Module:
