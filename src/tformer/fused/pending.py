@@ -11,8 +11,8 @@ banner and the user's typing go on beside them, and :meth:`Pending.wait` is the 
 
 ``wait`` is safe from any number of threads at once (each joins the same thread) and raises the
 work's exception (its traceback kept) in every caller, every time, so a failed build never looks
-built. The thread is not a daemon: a process interrupted while it runs exits once the work in hand
-is done (a few repacks), never in the middle of a C++ call.
+built. The thread is not a daemon: a process interrupted while it runs exits once the work is done
+(the repacks left), never in the middle of a C++ call.
 """
 
 from __future__ import annotations
