@@ -15,6 +15,9 @@ scales, and each activation by at most half its block's step ``max|x_b| / 254``.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -23,6 +26,18 @@ from tformer.quant import blocks, kblocks, pages, qgemv
 from tformer.quant.tiled import tiled_linear
 
 Tensor = torch.Tensor
+# layer -> the lock held while it makes its tiles: the whole-layer plan makes them on a thread of its own
+# (tformer.fused.pending) while a first call may ask for them; one lock a layer, so two threads make two at once
+_MAKING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MAKING_GUARD = threading.Lock()
+
+
+def _making(layer) -> threading.Lock:
+    with _MAKING_GUARD:
+        lock = _MAKING.get(layer)
+        if lock is None:
+            lock = _MAKING[layer] = threading.Lock()
+        return lock
 
 
 class BlockLinear(nn.Module):
@@ -80,8 +95,11 @@ class BlockLinear(nn.Module):
             return None
         tiled = self._tiled.get(kernel_path)
         if tiled is None:
-            tiled = self._tiled[kernel_path] = qgemv.tiles(self.blocks, self.fmt, kernel_path,
-                                                           release=pages.mapped(self.blocks))
+            with _making(self):  # one maker a layer: a plan's background thread and a first call may race
+                tiled = self._tiled.get(kernel_path)
+                if tiled is None:
+                    tiled = self._tiled[kernel_path] = qgemv.tiles(self.blocks, self.fmt, kernel_path,
+                                                                   release=pages.mapped(self.blocks))
         return tiled
 
     def dequantized(self) -> Tensor:
