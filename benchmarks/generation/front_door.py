@@ -12,7 +12,12 @@ generate print "n tokens in t s"; llama.cpp is timed around its prompt and decod
 time to open the model in-process (chat's "model loaded in", i.e. ``open_model``; llama.cpp's
 ``Llama(...)`` constructor), after the interpreter and libraries are imported; llama.cpp maps the file
 and reads its pages at the first evaluation, so "to the first answer" (load + the N1-token answer, prompt
-included) is reported beside it, where both have read every weight. Peak RSS: the process's
+included) is reported beside it, where both have read every weight, and "the whole command" (tformer's
+``main(argv)`` from parsing to the printed answer; llama.cpp's constructor to its last token), which also
+counts what runs between the open and the answer's timer (the template, the prompt's ids): tformer makes
+its tiles on a second thread beside those, so only this column shows all of their cost. System time:
+``getrusage``'s kernel CPU seconds, inside the load and for the whole process (the first writes into fresh
+memory cost this VM far more some runs than others, with the same fault count). Peak RSS: the process's
 own high-water mark (``VmHWM``; ``ru_maxrss`` would keep this parent's across ``exec``); tformer's includes
 torch's libraries, the llama.cpp process imports no torch. llama.cpp decodes N greedy tokens after the same prompt ids (the chat template
 rendered and encoded by tformer), taking the argmax of its logits (no Python sampler).
@@ -45,8 +50,11 @@ from common.record import Run  # noqa: E402
 
 PROMPT = "Write a very long story about a dragon who learns to cook, with many chapters."
 CHILD = """
-import json, sys, time
+import json, resource, sys, time
 args = json.loads(sys.argv[1])
+
+def sys_time():                  # system (kernel) CPU seconds of this process so far: the first writes' page faults
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
 
 def peak_rss():                  # VmHWM: this process's own peak (ru_maxrss keeps the parent's across exec)
     for line in open("/proc/self/status"):
@@ -57,10 +65,10 @@ if args["who"] == "llama.cpp":
     import llama_cpp
     import numpy as np
     n_ctx = len(args["ids"]) + args["n"] + 8
-    t1 = time.perf_counter()
+    s1, t1 = sys_time(), time.perf_counter()
     llm = llama_cpp.Llama(model_path=args["path"], n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                           n_threads=args["threads"], n_threads_batch=args["threads"], verbose=False)
-    t2 = time.perf_counter()
+    t2, s2 = time.perf_counter(), sys_time()
     vocab = llm.n_vocab()
 
     def last():
@@ -72,20 +80,33 @@ if args["who"] == "llama.cpp":
     for _ in range(args["n"] - 1):
         llm.eval([last()])
     seconds = time.perf_counter() - start
-    print(json.dumps({"tokens": args["n"], "seconds": seconds, "load": t2 - t1,
-                      "rss": peak_rss()}))
+    print(json.dumps({"tokens": args["n"], "seconds": seconds, "load": t2 - t1, "whole": time.perf_counter() - t1,
+                      "sys_load": s2 - s1, "sys": sys_time(), "rss": peak_rss()}))
 else:
     import contextlib, io, re
+    import tformer.inference
     from tformer.cli import main
+    opening, marks = tformer.inference.open_model, {}
+
+    def timed_open(*a, **kw):    # the system time inside the open (the commands import open_model when they run)
+        s = sys_time()
+        try:
+            return opening(*a, **kw)
+        finally:
+            marks["sys_load"] = sys_time() - s
+
+    tformer.inference.open_model = timed_open
     err = io.StringIO()
+    t1 = time.perf_counter()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         rc = main(args["argv"])
+    whole = time.perf_counter() - t1
     assert rc == 0, err.getvalue()
     text = err.getvalue()
     m = re.search(r"(\\d+) tokens in ([\\d.]+) s", text)
     load = re.search(r"opened in ([\\d.]+) s", text)
     print(json.dumps({"tokens": int(m.group(1)), "seconds": float(m.group(2)), "load": float(load.group(1)),
-                      "rss": peak_rss()}))
+                      "whole": whole, "sys_load": marks["sys_load"], "sys": sys_time(), "rss": peak_rss()}))
 """
 
 
@@ -144,9 +165,13 @@ def main() -> None:
             short, long = child(specs[name](args.short), envs[name]), child(specs[name](args.long), envs[name])
             rate = (long["tokens"] - short["tokens"]) / (long["seconds"] - short["seconds"])
             rows[name].append({"rate": rate, "load": statistics.median([short["load"], long["load"]]),
-                               "first": short["load"] + short["seconds"],
+                               "first": short["load"] + short["seconds"], "whole": short["whole"],
+                               "sys_load": statistics.median([short["sys_load"], long["sys_load"]]),
+                               "sys": short["sys"],
                                "rss": max(short["rss"], long["rss"]), "tokens": [short["tokens"], long["tokens"]]})
-            print(f"round {r + 1} {name}: {rate:.1f} tok/s, load {rows[name][-1]['load']:.2f} s, "
+            print(f"round {r + 1} {name}: {rate:.1f} tok/s, load {rows[name][-1]['load']:.2f} s "
+                  f"(system {rows[name][-1]['sys_load']:.3f} s), first {rows[name][-1]['first']:.2f} s, "
+                  f"whole {rows[name][-1]['whole']:.2f} s (system {rows[name][-1]['sys']:.3f} s), "
                   f"RSS {rows[name][-1]['rss'] / 2**20:.0f} MiB, tokens {rows[name][-1]['tokens']}", flush=True)
     converted = sorted(p.name for p in (cache / "gguf").iterdir()) if (cache / "gguf").is_dir() else []
 
@@ -167,17 +192,22 @@ def main() -> None:
     if args.baseline:
         summary["chat / baseline chat load time"] = ratio("tformer chat", "tformer chat (baseline)", "load")
         summary["chat / baseline chat decode"] = ratio("tformer chat", "tformer chat (baseline)", "rate")
+        summary["chat / baseline chat load + first answer"] = ratio("tformer chat", "tformer chat (baseline)", "first")
+        summary["chat / baseline chat whole command"] = ratio("tformer chat", "tformer chat (baseline)", "whole")
     lines = ["# The front door: tformer chat vs tformer generate vs llama.cpp, SmolLM2-135M-Instruct Q4_1", "",
              f"{args.rounds} rounds, {args.threads} threads, greedy, decode rate from {args.short} and {args.long} new "
              f"tokens; prompt: {len(ids)} tokens (the chat template around {PROMPT!r}); Python bytecode "
              f"{'cached (written by one untimed run of each contender)' if args.bytecode == 'cached' else 'as the environment has it'}"
              + (f"; baseline: tformer at {args.baseline}" if args.baseline else "") + ".", "",
-             "| contender | decode tok/s (median) | per round | load s (median) | load + first answer s | peak RSS MiB |",
-             "|---|---:|---|---:|---:|---:|"]
+             "| contender | decode tok/s (median) | per round | load s (median) | loads per round | system s in the load "
+             f"| load + first answer s | the whole command, {args.short}-token answer s (its system s) | peak RSS MiB |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|"]
     for name in specs:
         rounds = " / ".join(f"{x['rate']:.1f}" for x in rows[name])
-        lines.append(f"| {name} | {med(name, 'rate'):.1f} | {rounds} | "
-                     f"{med(name, 'load'):.2f} | {med(name, 'first'):.2f} | {med(name, 'rss') / 2**20:.0f} |")
+        loads = " / ".join(f"{x['load']:.3f}" for x in rows[name])
+        lines.append(f"| {name} | {med(name, 'rate'):.1f} | {rounds} | {med(name, 'load'):.3f} | {loads} | "
+                     f"{med(name, 'sys_load'):.3f} | {med(name, 'first'):.3f} | {med(name, 'whole'):.3f} "
+                     f"({med(name, 'sys'):.3f}) | {med(name, 'rss') / 2**20:.0f} |")
     lines += ["", "| ratio (median of per-round ratios) | value | goal |", "|---|---:|---|",
               f"| chat / generate, decode | {summary['chat / generate decode']:.2f} | >= 0.9 |",
               f"| chat / llama.cpp, decode | {summary['chat / llama.cpp decode']:.2f} | >= 1.0 |",
@@ -186,7 +216,9 @@ def main() -> None:
               f"{summary['chat / llama.cpp load to the first answer']:.2f} | (reported) |",
               f"| chat / llama.cpp, peak RSS | {summary['chat / llama.cpp peak RSS']:.2f} | (reported) |",
               *([f"| chat / baseline chat, load time | {summary['chat / baseline chat load time']:.2f} | (reported) |",
-                 f"| chat / baseline chat, decode | {summary['chat / baseline chat decode']:.2f} | (reported) |"]
+                 f"| chat / baseline chat, decode | {summary['chat / baseline chat decode']:.2f} | (reported) |",
+                 f"| chat / baseline chat, load + first answer | {summary['chat / baseline chat load + first answer']:.2f} | (reported) |",
+                 f"| chat / baseline chat, the whole command | {summary['chat / baseline chat whole command']:.2f} | (reported) |"]
                 if args.baseline else []),
               "", f"Float checkpoints the first starts wrote into their fresh cache: {converted or 'none'}."]
     run.write_result("generation", "front_door", args.tag, "\n".join(lines) + "\n",

@@ -41,11 +41,17 @@ PHASES = [
     (1, "tformer.tokenizers", "checked_gguf_tokens", "the tokens' checks and their ids"),
     (1, "tformer.tokenizers", "gguf_special_tokens", "control and user tokens, bos / eos"),
     (0, "tformer.tokenizers", "ChatTemplate.__init__", "the chat template (jinja2 imported, parsed)"),
-    (0, "tformer.inference", "choose_path", "the whole-layer plan"),
-    (1, "tformer.quant.qgemv", "tiles", "the block matrices repacked into tiles"),
+    (0, "tformer.inference", "choose_path", "the whole-layer plan (its tiles begun on a second thread)"),
+    (1, "tformer.fused.plan", "why_not", "the model's checks and the kernels' libraries loaded"),
+    (1, "tformer.fused.plan", "Plan.__init__", "what the plan decides, the tiles' thread started"),
+    (0, "tformer.quant.qgemv", "tiles", "(second thread, beside the above) the block matrices repacked into tiles"),
 ]
+# the whole open's rows, timed by the child itself
+OPEN = [(0, "open_model", "the whole open"), (1, "open_model system", "its system (kernel) CPU time, getrusage"),
+        (0, "first use wait", "(after the open) the first use's wait for the tiles, were it at once"),
+        (0, "open + first use", "the open and that wait")]
 CHILD = """
-import functools, importlib, json, sys, time
+import functools, importlib, json, resource, sys, time
 import torch
 import tformer.cli, tformer.inference as inference
 phases, spent = json.loads(sys.argv[1]), {}
@@ -66,9 +72,17 @@ def wrap(module, qualname):
     setattr(owner, parts[-1], timed)
 for _, module, qualname, _ in phases:
     wrap(module, qualname)
-c, w = time.process_time(), time.perf_counter()
+def system():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+c, w, s = time.process_time(), time.perf_counter(), system()
 opened = inference.open_model("smollm2")
 spent["open_model"] = (time.process_time() - c, time.perf_counter() - w)
+spent["open_model system"] = (system() - s, 0.0)
+from tformer.fused import chosen
+c2, w2 = time.process_time(), time.perf_counter()
+chosen(opened.model).plan.flat     # what the first prefill or step waits for (the plan's tiles)
+spent["first use wait"] = (time.process_time() - c2, time.perf_counter() - w2)
+spent["open + first use"] = (time.process_time() - c, time.perf_counter() - w)
 print(json.dumps(spent))
 """
 
@@ -90,15 +104,16 @@ def main() -> None:
 
     child()                                                   # untimed: writes the bytecode
     runs = [child() for _ in range(args.runs)]
-    rows = [(0, "open_model", "the whole open")] + [(d, q, what) for d, _, q, what in PHASES]
+    rows = OPEN + [(d, q, what) for d, _, q, what in PHASES]
 
     def stat(name, i, f):
         return f(r.get(name, (0.0, 0.0))[i] for r in runs)
 
     lines = ["# Where opening SmolLM2-135M-Instruct's Q4_1 GGUF goes, phase by phase", "",
              f"{args.runs} fresh processes, `open_model(\"smollm2\")` after the imports; CPU = the process's CPU "
-             f"time inside the phase (both torch threads), wall = its clock time; a nested phase (indented) is "
-             f"counted in its parent too.", "",
+             f"time inside the phase (every thread: a phase beside the tiles' thread counts its CPU too), wall = its "
+             f"clock time; a nested phase (indented) is counted in its parent too; the tiles are made on a second "
+             f"thread, so their row overlaps the phases after the plan.", "",
              "| phase | what | CPU ms (median) | CPU ms (min) | wall ms (median) |", "|---|---|---:|---:|---:|"]
     for depth, name, what in rows:
         lines.append(f"| {'· ' * depth}`{name}` | {what} | {stat(name, 0, statistics.median) * 1e3:.1f} | "

@@ -15,11 +15,13 @@ Everything a command would otherwise decide for itself is decided here, once:
   (bf16 / fp16 round the weights, so they are asked for, never chosen silently). A named dtype is honoured:
   a GGUF stored in that format keeps its bytes, otherwise the float weights are cast or re-quantised.
 - **the path** each step takes: whole decoder layers in one C++ call, or the module path, with the reason
-  (:func:`choose_path`); chosen when the model is opened, not retried every token.
+  (:func:`choose_path`); chosen when the model is opened, not retried every token. Only its repacks into
+  tiles are left running when the open returns, on a thread of their own that began as soon as the model
+  was built (C++ outside the GIL, beside the vocabulary and template); the first prompt or step waits for
+  them and raises what they raised (:mod:`tformer.fused.pending`).
 - **threads** where none are asked for: torch's count less the cores other processes keep busy while the
   model loads (:class:`tformer.machine.FreeCores`), so a busy neighbour does not make every parallel region
-  wait out its time slices. Opening itself runs at one thread, but for the repacks into tiles, which take
-  the cores others left free so far.
+  wait out its time slices. Opening itself runs at one thread, the repacks on their own thread at one too.
 - **stop ids**: the file's end-of-sequence ids together with the chat template's end-of-turn token, so a
   model whose ``eos`` is not its end-of-turn stops at the same token in ``chat`` and ``serve``.
 - **sampling defaults** a GGUF recommends (``general.sampling.*``), for the commands to use where the
@@ -66,7 +68,7 @@ class OpenedModel:
         source: the GGUF file or checkpoint folder read.
         dtype, dtype_reason: the weights as opened, and why.
         path, path_reason: ``"whole-layer"`` or ``"module"``, and why.
-        seconds: how long opening took (reading, building, the path's preparation).
+        seconds: how long opening took (reading, building, the path chosen; not the tiles still being made).
         kind: ``"gguf"``, ``"checkpoint"`` or ``"hf"``: what ``source`` is.
     """
 
@@ -145,9 +147,10 @@ def file_formats(formats: set[str]) -> str:
     return "+".join(sorted(formats))
 
 
-def _gguf_parts(path: Path, dtype: str, kernels: bool):
+def _gguf_parts(path: Path, dtype: str, kernels: bool, prepare):
     """Model, tokenizer, template, eos ids, sampling defaults and the dtype chosen, from a GGUF's own header
-    and blocks."""
+    and blocks; ``prepare(model)`` is called as soon as the model is built (its path chosen, its tiles begun,
+    while the vocabulary and template are read)."""
     from tformer.interop.gguf_import import (gguf_tokenizer, layer_formats, load_gguf_file, stop_token_ids,
                                              tokenizer_config)
     from tformer.interop.gguf_reader import GGUFFile
@@ -166,6 +169,7 @@ def _gguf_parts(path: Path, dtype: str, kernels: bool):
         why = f"--dtype {dtype}"
     keep = dtype == file_formats(formats)        # the file's own format(s): each matrix kept as stored, the rest float
     model = set_precision(load_gguf_file(f, keep_quant=keep), "fp32" if keep else dtype, decode_kernels=kernels)
+    prepare(model)
     tokenizer = gguf_tokenizer(f)
     conf = tokenizer_config(f)
     source = conf.pop("chat_template", None)
@@ -198,7 +202,7 @@ def require_decoder(model, source) -> None:
                           f"generate, serve and finetune cannot generate with it; {hint}.")
 
 
-def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
+def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool, prepare):
     """The same from a tformer checkpoint or a HuggingFace folder (its ``generation_config.json`` /
     ``config.json`` naming the eos ids)."""
     from tformer.checkpoint import load_generation_defaults, load_model
@@ -217,6 +221,7 @@ def _folder_parts(folder: Path, kind: str, dtype: str, kernels: bool):
         model, eos = load_model(folder), list(load_generation_defaults(folder).get("eos_token_id", []))
     require_decoder(model, folder)
     model = set_precision(model.eval(), dtype, decode_kernels=kernels)
+    prepare(model)
     tokenizer = load_tokenizer(folder / TOKENIZER) if (folder / TOKENIZER).is_file() else None
     return model, tokenizer, load_chat_template(folder), eos, {}, dtype, why
 
@@ -268,13 +273,14 @@ def require_tokenizer(opened: "OpenedModel") -> None:
                           f"with its vocabulary.")
 
 
-def choose_path(model) -> tuple[str, str]:
+def choose_path(model, background: bool = False) -> tuple[str, str]:
     """``(path, reason)``: ``"whole-layer"`` where the model's steps can run its decoder layers in one C++
     call each (:mod:`tformer.fused`), else ``"module"``, with why. Chosen here, once
-    (:func:`tformer.fused.choose` keeps the choice beside the model); generation then only looks it up."""
+    (:func:`tformer.fused.choose` keeps the choice beside the model); generation then only looks it up.
+    ``background``: the plan's tiles are made on a thread of their own and waited for at its first use."""
     from tformer.fused import choose
 
-    choice = choose(model)
+    choice = choose(model, background)
     return ("whole-layer" if choice.plan is not None else "module"), choice.reason
 
 
@@ -297,7 +303,7 @@ def _threads(n: int):
     """torch at ``n`` threads inside, its count restored after. Opening runs hundreds of short copies and
     checks at one: at two each is a parallel region whose second thread, beside a busy neighbour, first
     waits for a time slice (docs/chat.md, "How fast the front door is"); the repacks into tiles, the one
-    long stretch, take the cores others leave free."""
+    long stretch, run beside them on a thread of their own, which takes that count at its first repack."""
     threads = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -331,15 +337,20 @@ def open_model(spec: str | os.PathLike | None = None, dtype: str = AUTO, threads
     free = FreeCores()                                    # measured while the model loads, not after it
     start = time.perf_counter()
     name, source, kind = resolve_source(spec)
+    chosen: list[tuple[str, str]] = []
+
+    def prepare(model) -> None:         # the path chosen as soon as the model is built; its tiles made beside the rest
+        chosen.append(choose_path(model, background=True))
+
     with _collector_paused(), _threads(1):
-        parts = _gguf_parts(source, dtype, kernels) if kind == "gguf" else _folder_parts(source, kind, dtype, kernels)
+        parts = (_gguf_parts(source, dtype, kernels, prepare) if kind == "gguf"
+                 else _folder_parts(source, kind, dtype, kernels, prepare))
         model, tokenizer, template, eos, defaults, dtype, why = parts
         if tokenizer is not None and tokenizer.vocab_size > getattr(model.config, "vocab_size", tokenizer.vocab_size):
             raise CheckpointError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                                   f"{model.config.vocab_size}; the checkpoint is inconsistent; use another one.")
         stop = sorted(set(int(i) for i in eos) | set(end_of_turn_ids(template, tokenizer)))
-    with _collector_paused(), _threads(free.threads(torch.get_num_threads())):
-        path, path_why = choose_path(model)
+    (path, path_why), = chosen
     if threads is None:
         torch.set_num_threads(free.threads(torch.get_num_threads()))   # the cores others leave free now
     return OpenedModel(model, tokenizer, template, stop, defaults, name, source, dtype, why, path, path_why,

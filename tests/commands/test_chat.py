@@ -131,7 +131,7 @@ def test_interactive_chat_in_a_terminal(smollm2, tmp_path):
     env = {"PYTHONPATH": SRC, "TFORMER_CACHE": os.environ["TFORMER_CACHE"], "HOME": str(tmp_path),
            "TERM": "xterm", "PATH": os.environ.get("PATH", "")}
     term = Terminal(f"tformer-chat-{os.getpid()}", [sys.executable, "-m", "tformer", "chat", "--temperature", "0",
-                                                    "--max-new-tokens", "400", "--threads", "1"], env)
+                                                    "--max-new-tokens", "2000", "--threads", "1"], env)
     try:
         term.wait(lambda s: "loaded in" in s and prompts(s) == 1, 180, "the banner and the first prompt")
         term.type("What is the capital of France? Answer in one word.")
@@ -141,7 +141,7 @@ def test_interactive_chat_in_a_terminal(smollm2, tmp_path):
 
         term.type("Write a very long story about a dragon who learns to cook, with many chapters.")
         term.wait(lambda s: len(s.split("many chapters.", 1)[-1].strip()) > 20, 180, "the story to begin")
-        term.keys("C-c")
+        term.keys("C-c")            # 2,000 new tokens at most: the story cannot end before a slow poll sends this
         screen = term.wait(lambda s: "[stopped]" in s and prompts(s) == 3, 60, "Ctrl-C to stop the answer")
         assert term.alive()
 

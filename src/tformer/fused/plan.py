@@ -14,12 +14,14 @@ checks them (:func:`tformer.fused.run.route`).
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from typing import NamedTuple
 
 import torch
 
 import tformer.fused.library as library
+from tformer.fused.pending import Pending
 from tformer.nn.norms import RMSNorm
 from tformer.quant import qgemv
 from tformer.quant.block_linear import BlockLinear, StackedLinear
@@ -211,46 +213,47 @@ def _layer_products(lins, path: str, split: bool, q: int, kv: int) -> tuple[list
     return list(mats), list(biases), list(fmts)
 
 
+def _parts(lin) -> list:
+    """A product's layers: a StackedLinear's parts, else itself."""
+    return list(lin.parts) if isinstance(lin, StackedLinear) else [lin]
+
+
 def _names(lin) -> list[str]:
-    return [_format_name(p) for p in lin.parts] if isinstance(lin, StackedLinear) else [_format_name(lin)]
+    return [_format_name(p) for p in _parts(lin)]
 
 
 class Plan:
     """What each layer's call reads, gathered once per model and kernel path (the tiles BlockLinear
-    makes at its first call, made here if no call came yet; a float weight as the layer holds it)."""
+    makes at its first call, made here if no call came yet; a float weight as the layer holds it).
 
-    def __init__(self, model, path: str):
+    ``background``: the tiles are made on a thread of their own from now (:class:`~tformer.fused.pending.Pending`)
+    and the plan's matrices gathered at its first use (:attr:`flat`, :attr:`layers`), which waits for
+    them and raises what making them raised; what the plan decides (dims, formats, the reason) is
+    known at once either way."""
+
+    def __init__(self, model, path: str, background: bool = False):
         self.path, self.path_id = path, qgemv.PATHS.index(path)
         c = model.config
         first = model.blocks[0]
         from tformer.nn.feed_forward import GeGLU                      # as why_not reads it (the module tier)
 
         mlp = (GATED[c.activation] if type(first.ffn) is GeGLU else 0) if hasattr(first.ffn, "gate") else MLP[c.activation]
-        split = _split_qkv(model)
-        q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        self._split = _split_qkv(model)
         # dims: (nh, nkv, hs, d_ff, mlp[, qkv parts[, QK-norm[, post norms]]]), the optional entries only when needed
         self.dims = [c.n_heads, c.n_kv_heads, c.head_dim, first.ffn.up.out_features, mlp]
-        if split or c.qk_norm or c.post_norms:
-            self.dims += [3 if split else 1, int(c.qk_norm)] + ([1] if c.post_norms else [])
+        if self._split or c.qk_norm or c.post_norms:
+            self.dims += [3 if self._split else 1, int(c.qk_norm)] + ([1] if c.post_norms else [])
         self.eps = float(first.attn_norm.eps)
         # the attention's switches (Gemma): each layer's window (none: []), the score scale (0: 1/sqrt(hs)), the cap
         windows = [b.attn.window or 0 for b in model.blocks]
         self.windows = windows if any(windows) else []
         self.scale, self.softcap = float(c.attn_scale or 0.0), float(c.attn_softcap or 0.0)
-        self.layers = []
         names: dict[str, None] = {}                        # the products' formats, in order of appearance
         for b in model.blocks:
-            lins = _products(b)
-            mats, biases, fmts = _layer_products(lins, path, split, q, kv)
-            post = _norm_weights(b.attn_post_norm) + _norm_weights(b.ffn_post_norm) if c.post_norms else []
-            self.layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm) + post + _qk_gains(b.attn), mats,
-                                biases, fmts))
-            names.update((n, None) for lin in lins for n in _names(lin))
-        # the same, each list one layer after another: the arguments of tformer_fused::layers
-        self.flat = tuple([t for layer in self.layers for t in layer[i]] for i in range(4))
-        self.floats = any(f in FLOAT_FMT.values() for layer in self.layers for f in layer[3])
+            names.update((n, None) for lin in _products(b) for n in _names(lin))
         blocks = [n for n in names if n in qgemv.FMT]
         floats = [n for n in names if n not in qgemv.FMT]
+        self.floats = bool(floats)
         self.weights = ", ".join(([", ".join(blocks) + " blocks"] if blocks else [])
                                  + ([", ".join(floats) + " weights"] if floats else []))   # e.g. "q4_1 blocks"
         self.rope = getattr(model, "rope", None) if c.positions == "rope" else None
@@ -258,6 +261,65 @@ class Plan:
         self.local_rope = getattr(model, "local_rope", None) if self.windows else None
         self.pos_emb = model.pos_emb if c.positions == "learned" else None
         self._rotary: dict = {}
+        self._model_blocks, self._post_norms = list(model.blocks), c.post_norms
+        self._q, self._kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        self._layers: list | None = None
+        self._gathering = threading.Lock()
+        self._pending, self._tiled = None, []
+        if background:
+            self._tiled = [p for b in model.blocks for lin in _products(b) for p in _parts(lin)
+                           if isinstance(p, BlockLinear) and p.tiled]
+            self._pending = Pending(lambda: [lin.tiles(path) for lin in self._tiled], "the whole-layer plan's tiles")
+        else:
+            self._gather()
+
+    @property
+    def layers(self) -> list:
+        """Per layer ``(norm weights, matrices, biases, formats)``, waiting for the tiles the first time."""
+        if self._layers is None:
+            self._gather()
+        return self._layers
+
+    @property
+    def flat(self) -> tuple:
+        """The same, each list one layer after another: the arguments of ``tformer_fused::layers``."""
+        if self._layers is None:
+            self._gather()
+        return self._flat
+
+    @property
+    def ready(self) -> bool:
+        """Whether the plan's tiles are made (no first use will wait for them, nor raise)."""
+        return self._layers is not None or (self._pending is not None and self._pending.succeeded)
+
+    def _gather(self) -> None:
+        """Gather every layer's tensors once (any number of threads may ask at once: one gathers, the others
+        wait); first the background tiles: the first user makes those not yet made from the last one back
+        (each layer makes its own once, whoever asks first) while the background thread goes on from the
+        front, then waits for it and raises what making them raised."""
+        with self._gathering:
+            if self._layers is not None:
+                return
+            if self._pending is not None:
+                if not self._pending.done:
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(1)               # one core each: the background thread holds the other
+                    try:
+                        for lin in reversed(self._tiled):  # the two meet in the middle; a made one returns at once
+                            if self._pending.done:
+                                break
+                            lin.tiles(self.path)
+                    finally:
+                        torch.set_num_threads(threads)
+                self._pending.wait()
+            layers = []
+            for b in self._model_blocks:
+                mats, biases, fmts = _layer_products(_products(b), self.path, self._split, self._q, self._kv)
+                post = _norm_weights(b.attn_post_norm) + _norm_weights(b.ffn_post_norm) if self._post_norms else []
+                layers.append((_norm_weights(b.attn_norm) + _norm_weights(b.ffn_norm) + post + _qk_gains(b.attn), mats,
+                               biases, fmts))
+            self._flat = tuple([t for layer in layers for t in layer[i]] for i in range(4))
+            self._layers, self._model_blocks, self._tiled = layers, None, []
 
     def rotary(self, rope=None) -> tuple[Tensor, Tensor]:
         """A rotary table (default the model's) in float32 (a bf16 / fp16 model holds them in its dtype),
@@ -287,12 +349,13 @@ def _stamp(model) -> tuple:
     return getattr(model, "training", None), first
 
 
-def choose(model) -> Choice:
+def choose(model, background: bool = False) -> Choice:
     """Make ``model``'s choice now (and keep it): reads ``TFORMER_FUSED_DECODE`` and the kernel path,
-    gathers the plan where the model passes. Call it again after changing either."""
+    gathers the plan where the model passes. Call it again after changing either. ``background``: the
+    plan's tiles are made on their own thread, waited for at the plan's first use (:class:`Plan`)."""
     why = why_not(model)
     if why is None:
-        plan = Plan(model, qgemv.path())
+        plan = Plan(model, qgemv.path(), background)
         choice = Choice(plan, f"whole layers in one C++ call ({plan.path} kernels, {plan.weights})")
     else:
         choice = Choice(None, f"module path: {why}")

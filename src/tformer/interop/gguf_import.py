@@ -240,18 +240,23 @@ def check_finite(f: GGUFFile, name: str, a: np.ndarray, kept: bool) -> None:
     """Refuse a weight holding NaN or infinity (every later command refuses the checkpoint it would make):
     a float tensor's values, or a block-quantised one's f16 scales.
 
-    A scale is read as its 16 bits in place (no copy, no temporary, no float16 arithmetic, which numpy
-    emulates): an f16 is infinite or NaN when its five exponent bits are all ones, that is from 0xFC00 up
-    as uint16 (the negative ones) or from 0x7C00 up as int16 (the positive ones): two maxima find them."""
+    A scale is read as its 16 bits (no float16 arithmetic, which numpy emulates): an f16 is infinite or NaN
+    when its five exponent bits are all ones, so ``bits | 0x83FF`` (every other bit set) is 0xFFFF exactly
+    for those, and one maximum finds them. The scales are gathered by one strided pass (both factors of a
+    block at once, as one uint32, where they are adjacent and aligned) into a compact copy, which the
+    maximum then reads: the file's blocks are read once."""
     if kept:
         fmt = KEPT[f.tensors[name].type]
-        halves = np.ascontiguousarray(a).reshape(-1).view(np.uint16)             # (blocks · BYTES / 2,)
-        step = kblocks.maths(fmt).BYTES[fmt] // 2                                # every format's block is even
+        flat = np.ascontiguousarray(a).reshape(-1)                                 # (blocks · BYTES,) uint8
+        size = kblocks.maths(fmt).BYTES[fmt]                                       # every format's block is even
         at = SCALE_BYTES.get(fmt, slice(0, 2))
-        scales = [halves[j::step] for j in range(at.start // 2, at.stop // 2)]   # strided views, one per factor
-        if all(s.max() < 0xFC00 and s.view(np.int16).max() < 0x7C00 for s in scales):
+        if at.stop - at.start == 4 and size % 4 == 0 and at.start % 4 == 0:       # d and m as one uint32
+            bits = [np.bitwise_or(flat.view(np.uint32)[at.start // 4::size // 4], 0x83FF83FF).view(np.uint16)]
+        else:
+            bits = [np.bitwise_or(flat.view(np.uint16)[j::size // 2], 0x83FF) for j in range(at.start // 2, at.stop // 2)]
+        if all(b.max() < 0xFFFF for b in bits):
             return
-        bad = np.concatenate([(s | 0x83FF) == 0xFFFF for s in scales])
+        bad = np.concatenate([b == 0xFFFF for b in bits])
     else:
         bad = ~np.isfinite(a)
     if bad.any():

@@ -15,6 +15,9 @@ scales, and each activation by at most half its block's step ``max|x_b| / 254``.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -23,6 +26,18 @@ from tformer.quant import blocks, kblocks, pages, qgemv
 from tformer.quant.tiled import tiled_linear
 
 Tensor = torch.Tensor
+# layer -> the lock held while it makes its tiles: the whole-layer plan makes them on a thread of its own
+# (tformer.fused.pending) while a first call may ask for them; one lock a layer, so two threads make two at once
+_MAKING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MAKING_GUARD = threading.Lock()
+
+
+def _making(layer) -> threading.Lock:
+    with _MAKING_GUARD:
+        lock = _MAKING.get(layer)
+        if lock is None:
+            lock = _MAKING[layer] = threading.Lock()
+        return lock
 
 
 class BlockLinear(nn.Module):
@@ -87,7 +102,10 @@ class BlockLinear(nn.Module):
             return None
         tiled = self._tiled.get(kernel_path)
         if tiled is None:
-            tiled = self._tiled[kernel_path] = self._make_tiles(kernel_path)
+            with _making(self):  # one maker a layer: a plan's background thread and a first call may race
+                tiled = self._tiled.get(kernel_path)
+                if tiled is None:
+                    tiled = self._tiled[kernel_path] = self._make_tiles(kernel_path)
         return tiled
 
     def _make_tiles(self, kernel_path: str) -> Tensor | None:
@@ -140,9 +158,11 @@ class JoinedLinear(BlockLinear):
     def file_layout(self) -> Tensor:
         """The rows joined once and kept (a kernel reads them every call); the file's pages handed back."""
         if self._joined is None:
-            self._joined = torch.cat(self.rows)
-            for r in self.rows:
-                pages.release(r)
+            with _making(self):                                 # the plan's gathering and a first call may race
+                if self._joined is None:
+                    self._joined = torch.cat(self.rows)
+                    for r in self.rows:
+                        pages.release(r)
         return self._joined
 
     def _make_tiles(self, kernel_path: str) -> Tensor | None:
