@@ -123,6 +123,9 @@ class BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} blocks"
 
 
+_JOINING = threading.local()       # per thread: the buffer JoinedLinear joins its rows in to make their tiles
+
+
 class JoinedLinear(BlockLinear):
     """A :class:`BlockLinear` whose rows are held as several tensors in one format, joined only where a
     kernel reads the file layout: a GGUF's q, k and v (one ``qkv_proj``), each a view of the mapped file.
@@ -166,8 +169,14 @@ class JoinedLinear(BlockLinear):
         return self._joined
 
     def _make_tiles(self, kernel_path: str) -> Tensor | None:
-        """Tiles made from the joined rows (a copy for as long as the repack takes), then the file's pages handed back."""
-        tiled = qgemv.tiles(self.blocks, self.fmt, kernel_path)
+        """Tiles made from the rows joined into this thread's buffer (reused layer after layer: a model's opening
+        touches its pages once), then the file's pages handed back."""
+        n, width = self.out_features, self.rows[0].shape[1]
+        held = getattr(_JOINING, "buffer", None)
+        if held is None or held.numel() < n * width:
+            held = _JOINING.buffer = torch.empty(n * width, dtype=torch.uint8)
+        joined = torch.cat(self.rows, out=held[:n * width].view(n, width))             # (N, row bytes)
+        tiled = qgemv.tiles(joined, self.fmt, kernel_path)
         if tiled is not None:
             for r in self.rows:
                 pages.release(r)
