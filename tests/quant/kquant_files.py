@@ -41,8 +41,9 @@ def qwen2(seed: int = 0, **shape):
     return model
 
 
-def write_gguf(model, path: Path) -> Path:
-    """``model`` as a qwen2 GGUF: matrices f16, vectors f32, no tokenizer (ids only)."""
+def write_gguf(model, path: Path, encode=None) -> Path:
+    """``model`` as a qwen2 GGUF: matrices f16, vectors f32, no tokenizer (ids only); ``encode(gguf name,
+    float32 matrix)`` -> ``(bytes, GGMLQuantizationType)`` stores a matrix in another type instead."""
     import gguf
 
     c = model.config
@@ -55,8 +56,12 @@ def write_gguf(model, path: Path) -> Path:
     for k, v in model.state_dict().items():
         if k == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        a = v.detach().numpy()
-        w.add_tensor(names.get_name(k, try_suffixes=(".weight", ".bias")), a.astype(np.float16 if a.ndim == 2 else np.float32))
+        a, name = v.detach().numpy(), names.get_name(k, try_suffixes=(".weight", ".bias"))
+        if encode is not None and a.ndim == 2:
+            data, kind = encode(name, a.astype(np.float32))
+            w.add_tensor(name, data, raw_dtype=kind)
+        else:
+            w.add_tensor(name, a.astype(np.float16 if a.ndim == 2 else np.float32))
     finish(w)
     return path
 

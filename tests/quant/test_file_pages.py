@@ -6,7 +6,9 @@
 - the bytes still read back as the file's (a released page is mapped again from the page cache): the
   layer dequantises to ``gguf.quants.dequantize`` of the file, and its products equal a copy's;
 - memory that is not a registered mapping (a fresh copy) is never released: ``pages.mapped`` says no,
-  and after its tiles are made it still holds the file's bytes.
+  and after its tiles are made it still holds the file's bytes;
+- a JoinedLinear over row ranges of the file (a GGUF's q, k and v) does the same: its tiles made, the
+  mapping's resident bytes fall likewise and no joined copy is kept; its products equal one matrix's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ gguf = pytest.importorskip("gguf", reason="the optional extra 'gguf' is not inst
 
 from tformer.interop.gguf_reader import GGUFFile  # noqa: E402
 from tformer.quant import pages, qgemv  # noqa: E402
-from tformer.quant.block_linear import BlockLinear  # noqa: E402
+from tformer.quant.block_linear import BlockLinear, JoinedLinear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
 N, K = 2048, 1024                      # 2.1 MB of Q8_0 blocks: 530 pages
@@ -54,10 +56,14 @@ def path(tmp_path_factory):
     return p
 
 
-def test_tiles_hand_back_the_file_pages_and_the_bytes_stay(path):
+def needs_tiles() -> None:
     kernel = qgemv.path()
-    if kernel not in qgemv.TILE_ROWS:
+    if kernel not in qgemv.TILE_ROWS:                              # no tiles made: nothing would be released anyway
         pytest.skip(f"kernel path {kernel} reads the file layout: no tiles")
+
+
+def test_tiles_hand_back_the_file_pages_and_the_bytes_stay(path):
+    needs_tiles()
     f = GGUFFile(path)
     blocks = torch.from_numpy(np.asarray(f.blocks("w")))
     assert pages.mapped(blocks)
@@ -75,12 +81,26 @@ def test_tiles_hand_back_the_file_pages_and_the_bytes_stay(path):
 
 
 def test_memory_that_is_no_file_is_never_released(path):
-    kernel = qgemv.path()
-    if kernel not in qgemv.TILE_ROWS:                              # no tiles made: nothing would be released anyway
-        pytest.skip(f"kernel path {kernel} reads the file layout: no tiles")
+    needs_tiles()
     f = GGUFFile(path)
     fresh = torch.from_numpy(np.array(f.blocks("w")))              # a copy: anonymous memory
     assert not pages.mapped(fresh)
     lin = BlockLinear(fresh, "q8_0")
     lin(torch.randn(2, K))
     assert torch.equal(lin.blocks, torch.from_numpy(np.asarray(f.blocks("w"))))
+
+
+def test_joined_rows_are_tiled_from_the_file_and_no_joined_copy_is_kept(path):
+    needs_tiles()
+    f = GGUFFile(path)
+    blocks = torch.from_numpy(np.asarray(f.blocks("w")))
+    rows = [blocks[:1024], blocks[1024:1536], blocks[1536:]]          # q, k, v as a file stores them: apart
+    lin = JoinedLinear(rows, "q8_0")
+    assert int(blocks.sum()) > 0 and resident(blocks.data_ptr()) >= blocks.numel()
+    x = torch.randn(3, K)
+    y = lin(x)
+    assert lin._joined is None                                     # the tiles are all it reads
+    assert resident(blocks.data_ptr()) < 0.05 * blocks.numel()     # the file's pages handed back
+    copy = BlockLinear(blocks.clone(), "q8_0")
+    assert torch.equal(copy(x), y)
+    assert torch.equal(lin.blocks, copy.blocks)                    # the rows still read as the file's

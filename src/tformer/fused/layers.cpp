@@ -430,16 +430,37 @@ void apply(const Product& P, const float* x, int64_t M, Acts& acts, float* y, in
   else float_product(static_cast<const at::Half*>(P.w), P, x, M, y, wide);
 }
 
+// A layer call's buffers, kept from call to call by the thread that makes the call (thread_scratch; the
+// server may call from several threads, each then has its own): a later call writes into pages already touched instead
+// of fresh zeroed ones (the first prompt's page faults, docs/inference.md), grown when a larger call comes.
+// Every element a call reads it has written first in that call, so what an earlier call left there is never read.
+struct Scratch {
+  std::vector<float> h, proj, att, y;
+  Acts acts;
+  static float* at_least(std::vector<float>& v, size_t n) {
+    if (v.size() < n) {
+      std::vector<float>().swap(v);          // not resize: the old contents need no copy
+      v.resize(n);
+    }
+    return v.data();
+  }
+};
+
+Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
 // proj (N, NQKV) = h . [Wq | Wk | Wv]^T: one product, or three (q, k and v stored in different formats)
-// whose outputs are laid side by side
+// whose outputs are laid side by side (through y, (N, the widest part))
 void project_qkv(const Product* W, int64_t parts, const float* h, int64_t N, Acts& acts, float* proj, int64_t NQKV,
-                 int64_t path) {
+                 int64_t path, std::vector<float>& y_buf) {
   if (parts == 1) return apply(W[0], h, N, acts, proj, path);
-  std::vector<float> y(N * W[0].N);
+  float* y = Scratch::at_least(y_buf, size_t(N * W[0].N));
   int64_t at = 0;
   for (int64_t p = 0; p < parts; ++p) {
-    apply(W[p], h, N, acts, y.data(), path);
-    for (int64_t i = 0; i < N; ++i) std::memcpy(proj + i * NQKV + at, y.data() + i * W[p].N, W[p].N * sizeof(float));
+    apply(W[p], h, N, acts, y, path);
+    for (int64_t i = 0; i < N; ++i) std::memcpy(proj + i * NQKV + at, y + i * W[p].N, W[p].N * sizeof(float));
     at += W[p].N;
   }
 }
@@ -582,47 +603,51 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
   float* xp = x.data_ptr<float>();
   const int64_t group = nh / nkv;
   const float scale = score_scale > 0.0 ? float(score_scale) : 1.0f / std::sqrt(float(hs));
-  std::vector<float> h(N * std::max(C, F)), proj(N * std::max(NQKV, 2 * F)), att(N * Q);
-  Acts acts;
+  Scratch& scratch = thread_scratch();                                // this thread's, kept between calls
+  float* const h = Scratch::at_least(scratch.h, size_t(N * C));           // (N, C): a norm's or a product's output
+  float* const proj = Scratch::at_least(scratch.proj, size_t(N * std::max(NQKV, 2 * F)));
+  float* const att = Scratch::at_least(scratch.att, size_t(N * Q));
+  Acts& acts = scratch.acts;
+  acts.fresh();
   auto norm = [&](int which) {                                         // h = norm_which(x)
-    if (layer_norm) layer_norm_rows(xp, norms[2 * which].data_ptr<float>(), norms[2 * which + 1].data_ptr<float>(), eps, N, C, h.data());
-    else rms_norm_rows(xp, norms[which].data_ptr<float>(), eps, N, C, h.data());
+    if (layer_norm) layer_norm_rows(xp, norms[2 * which].data_ptr<float>(), norms[2 * which + 1].data_ptr<float>(), eps, N, C, h);
+    else rms_norm_rows(xp, norms[which].data_ptr<float>(), eps, N, C, h);
   };
 
   // attention sub-layer: every token's key and value into the cache first, then every token attends
   norm(0);
-  project_qkv(W.data(), parts, h.data(), N, acts, proj.data(), NQKV, path);   // (N, NQKV): q heads, k heads, v heads
-  if (qk) qk_norm_heads(proj.data(), N, NQKV, nh, nkv, hs, norms[n_norms].data_ptr<float>(),
+  project_qkv(W.data(), parts, h, N, acts, proj, NQKV, path, scratch.y);   // (N, NQKV): q heads, k heads, v heads
+  if (qk) qk_norm_heads(proj, N, NQKV, nh, nkv, hs, norms[n_norms].data_ptr<float>(),
                         norms[n_norms + 1].data_ptr<float>(), eps);
   if (rope) {
     const float* cp = cos->data_ptr<float>();
     const float* sp = sin->data_ptr<float>();
     for (int64_t i = 0; i < N; ++i)
       for (int64_t j = 0; j < nh + nkv; ++j)                              // q, k rotated
-        rope_head(proj.data() + i * NQKV + j * hs, cp + pi[i] * hs, sp + pi[i] * hs, hs);
+        rope_head(proj + i * NQKV + j * hs, cp + pi[i] * hs, sp + pi[i] * hs, hs);
   }
   auto attention = [&](auto* kc, auto* vc) {
-    write_kv(proj.data(), N, NQKV, Q, KV, nkv, hs, kc, vc, s0, s1, s2, wi, ri);
-    attend_all(proj.data(), N, NQKV, nh, group, hs, kc, vc, s0, s1, s2, L, wi, ri, vp, vs, scale, float(softcap),
-               window, att.data());
+    write_kv(proj, N, NQKV, Q, KV, nkv, hs, kc, vc, s0, s1, s2, wi, ri);
+    attend_all(proj, N, NQKV, nh, group, hs, kc, vc, s0, s1, s2, L, wi, ri, vp, vs, scale, float(softcap),
+               window, att);
   };
   if (cache_type == at::kFloat) attention(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   else if (cache_type == at::kBFloat16) attention(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
   else attention(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>());
   acts.fresh();
-  apply(Wo, att.data(), N, acts, h.data(), path);                     // (N, C)
-  if (post) rms_norm_rows(h.data(), norms[2].data_ptr<float>(), eps, N, C, h.data());   // in place: row by row
+  apply(Wo, att, N, acts, h, path);                     // (N, C)
+  if (post) rms_norm_rows(h, norms[2].data_ptr<float>(), eps, N, C, h);   // in place: row by row
   for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 
   // feed-forward sub-layer
   norm(1);
   acts.fresh();
-  float* g = proj.data();
-  float* u = proj.data() + N * F;
+  float* g = proj;
+  float* u = proj + N * F;
   const float* act = g;                                                // (N, F): the down product's input
   if (gated(mlp)) {
-    apply(W[parts + 1], h.data(), N, acts, g, path);
-    apply(Wu, h.data(), N, acts, u, path);                             // h quantised once for both
+    apply(W[parts + 1], h, N, acts, g, path);
+    apply(Wu, h, N, acts, u, path);                             // h quantised once for both
     if (mlp == SWIGLU) {
       silu_mul(g, u, u, N * F);                                         // silu(g) * u
     } else {                                                            // GeGLU: gelu(g) * u
@@ -632,7 +657,7 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
     }
     act = u;
   } else {
-    apply(Wu, h.data(), N, acts, g, path);
+    apply(Wu, h, N, acts, g, path);
     switch (mlp) {
       case GELU_TANH: gelu_tanh(g, N * F); break;
       case GELU: gelu_erf(g, N * F); break;
@@ -642,8 +667,8 @@ void run_layer(const at::Tensor& x, at::TensorList norms, double eps, at::Tensor
     }
   }
   acts.fresh();
-  apply(Wd, act, N, acts, h.data(), path);                            // (N, C)
-  if (post) rms_norm_rows(h.data(), norms[3].data_ptr<float>(), eps, N, C, h.data());
+  apply(Wd, act, N, acts, h, path);                            // (N, C)
+  if (post) rms_norm_rows(h, norms[3].data_ptr<float>(), eps, N, C, h);
   for (int64_t i = 0; i < N * C; ++i) xp[i] += h[i];
 }
 

@@ -176,7 +176,7 @@ def _matrix(lin, path: str) -> Tensor:
     if not isinstance(lin, BlockLinear):
         return lin.row_major()                              # the layer call reads (N, K) rows
     if not lin.tiled:
-        return lin.blocks                                   # K-quants are read in the file layout
+        return lin.file_layout()                            # K-quants are read in the file layout
     return lin.tiles(path)
 
 

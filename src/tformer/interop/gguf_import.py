@@ -32,8 +32,10 @@ a :class:`~tformer.quant.block_linear.BlockLinear` (the embedding as a
 :class:`~tformer.quant.block_embedding.BlockEmbedding`, a tied LM head over the same bytes): llama.cpp's
 arithmetic (activations rounded to 8-bit blocks, integer block products), no float copy of those
 weights in the model. The two layout changes are exact on blocks: the RoPE un-permutation moves
-whole rows, and q, k, v are joined row after row; a ``gpt2`` file (whose matrices would have to be
-transposed) is refused with ``keep_quant``.
+whole rows, and q, k, v stay three tensors (views of the file; the un-permuted q and k of a ``llama`` file
+are copies), one ``qkv_proj`` as a :class:`~tformer.quant.block_linear.JoinedLinear` (one format) or a
+:class:`~tformer.quant.block_linear.StackedLinear` (several), never joined into a copy at the open; a
+``gpt2`` file (whose matrices would have to be transposed) is refused with ``keep_quant``.
 Metadata that tformer cannot honour is refused with one sentence naming the key: an architecture
 it does not implement, a RoPE scaling other than these, mixture-of-experts, or any ``{arch}.*`` key it does not know.
 """
@@ -52,7 +54,7 @@ from tformer.interop.gguf import CONV1D
 from tformer.interop.gguf_reader import GGUFFile
 from tformer.interop.gguf_rope import ROPE_KEYS, check_rope, rope_scaling
 from tformer.interop.loader import TensorSource
-from tformer.quant import kblocks
+from tformer.quant import kblocks, pages
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gpt2", "gemma2", "gemma3")
 ARCH_MODEL_TYPES = {"gemma3": "gemma3_text"}          # architecture -> HF model_type, where they differ
@@ -315,9 +317,21 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
             a = a - 1                                       # convert_hf_to_gguf.py stored Gemma's gains as 1 + w
         # kept blocks stay the mapped file's pages (copy-on-write: nothing reaches the file); floats are fresh arrays
         out[target] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8 if kept else np.float32))
-        if kept and ".self_attn." in target and not target.endswith(("o_proj.weight", "qkv_proj.weight")) and \
-                len(qkv_types(f, name)) > 1:
-            out[target] = out[target].reshape(-1)      # q, k, v in different formats: joined as bytes, split again
+        if kept and out[target].data_ptr() != f.blocks(name).ctypes.data:   # a copy (RoPE's rows): the pages it read go back
+            pages.release(torch.from_numpy(f.blocks(name)))
+    return out
+
+
+def split_qkv_rows(tensors: dict[str, torch.Tensor], n_layers: int, prefix: str) -> dict[str, list[torch.Tensor]]:
+    """Take each layer's q, k and v kept as blocks out of ``tensors`` (HF names) and leave zero-width stand-ins
+    ``(rows, 0)`` in their place, so that the family's converter joins their rows only (no copy of the bytes);
+    returns state name (``blocks.{i}.attn.qkv_proj.weight``) -> the three, for :func:`install_blocks`."""
+    out = {}
+    for i in range(n_layers):
+        names = [f"{prefix}layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"]
+        if all(n in tensors and tensors[n].dtype == torch.uint8 for n in names):
+            out[f"blocks.{i}.attn.qkv_proj.weight"] = [tensors[n] for n in names]
+            tensors.update({n: tensors[n][:, :0] for n in names})
     return out
 
 
@@ -354,12 +368,15 @@ def layer_formats(f: GGUFFile) -> set[str]:
     return {KEPT.get(t.type, t.type) for name, t in f.tensors.items() if name.startswith("blk.") and len(t.shape) == 2}
 
 
-def install_blocks(model: torch.nn.Module, kept: dict[str, torch.Tensor], f: GGUFFile) -> None:
+def install_blocks(model: torch.nn.Module, kept: dict[str, torch.Tensor], f: GGUFFile,
+                   qkv_rows: dict[str, list[torch.Tensor]] | None = None) -> None:
     """Replace the modules whose ``weight`` is in ``kept`` (state name -> file bytes) by block modules:
-    ``nn.Linear`` -> BlockLinear (a StackedLinear of them where q, k and v differ in format),
-    ``nn.Embedding`` -> BlockEmbedding; one buffer for tied matrices."""
+    ``nn.Linear`` -> BlockLinear, ``nn.Embedding`` -> BlockEmbedding; one buffer for tied matrices. A
+    ``qkv_proj`` whose q, k and v are in ``qkv_rows`` (:func:`split_qkv_rows`) keeps the three as they are
+    (views of the file, never joined into a copy): a JoinedLinear where they share a format, else a
+    StackedLinear of three BlockLinears."""
     from tformer.quant.block_embedding import BlockEmbedding
-    from tformer.quant.block_linear import BlockLinear, StackedLinear
+    from tformer.quant.block_linear import BlockLinear, JoinedLinear, StackedLinear
 
     for key, packed in kept.items():
         path, _, leaf = key.rpartition(".")
@@ -378,16 +395,16 @@ def install_blocks(model: torch.nn.Module, kept: dict[str, torch.Tensor], f: GGU
             setattr(parent, child_name, BlockEmbedding(packed, parts[0][1]))
             continue
         bias = child.bias.detach() if child.bias is not None else None
-        if packed.dim() == 2:
+        rows = (qkv_rows or {}).get(key)
+        if rows is None:
             setattr(parent, child_name, BlockLinear(packed, parts[0][1], bias))
-            continue
-        layers, start, at = [], 0, 0                    # bytes of q, k, v one after another
-        for n, fmt in parts:
-            size = n * kblocks.row_bytes(fmt, child.in_features)
-            layers.append(BlockLinear(packed[start:start + size].view(n, -1), fmt,
-                                      None if bias is None else bias[at:at + n]))
-            start, at = start + size, at + n
-        setattr(parent, child_name, StackedLinear(layers))
+        elif len({fmt for _, fmt in parts}) == 1:
+            setattr(parent, child_name, JoinedLinear(rows, parts[0][1], bias))
+        else:
+            ends = np.cumsum([0] + [n for n, _ in parts])
+            setattr(parent, child_name, StackedLinear([
+                BlockLinear(r, fmt, None if bias is None else bias[a:e])
+                for r, (_, fmt), a, e in zip(rows, parts, ends[:-1], ends[1:])]))
 
 
 def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
@@ -403,7 +420,9 @@ def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
     if arch != "gpt2":
         config = dataclasses.replace(config, rope_scaling=rope_scaling(f, arch, config))
     config.hf_model_type = hf["model_type"]
-    src = TensorSource(hf_tensors(f, arch, hf, keep_quant), prefix=module.PREFIX)
+    tensors = hf_tensors(f, arch, hf, keep_quant)
+    qkv_rows = split_qkv_rows(tensors, config.n_layers, module.PREFIX)
+    src = TensorSource(tensors, prefix=module.PREFIX)
     state = module.state_from_hf(src, config)
     src.check_consumed()
     with skip_init():                                # every weight is loaded below (strictly)
@@ -416,7 +435,7 @@ def load_gguf_file(f: GGUFFile, keep_quant: bool = False) -> torch.nn.Module:
             if set(missing) != set(kept) or unexpected:
                 raise RuntimeError(f"size mismatch: missing {sorted(set(missing) - set(kept))[:3]}, "
                                    f"unexpected {unexpected[:3]}")
-            install_blocks(model, kept, f)
+            install_blocks(model, kept, f, qkv_rows)
         else:
             model.load_state_dict(state, strict=True)
     except RuntimeError as e:

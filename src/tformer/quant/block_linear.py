@@ -83,8 +83,15 @@ class BlockLinear(nn.Module):
     def product(self, x2: Tensor) -> Tensor:
         """``x2 (M, K) @ Wᵀ + b`` by the integer block products: ``(M, N)`` in ``x2``'s dtype."""
         p = qgemv.path()
-        product = qgemv.kqgemm if self.kquant else qgemv.qgemm     # kblocks' formats or blocks'; each reads tiles where kept
-        return product(self.blocks, self.fmt, x2, self.bias, p, self.tiles(p))          # (M, N) in x's dtype
+        tiled = self.tiles(p)
+        if tiled is not None:                                      # a SIMD path's tiles: the file layout is not read
+            return qgemv.tile_product(tiled, self.fmt, self.out_features, x2, self.bias, p)        # (M, N) in x's dtype
+        product = qgemv.kqgemm if self.kquant else qgemv.qgemm     # kblocks' formats or blocks'
+        return product(self.file_layout(), self.fmt, x2, self.bias, p)                  # (M, N) in x's dtype
+
+    def file_layout(self) -> Tensor:
+        """What a kernel that reads the file layout (the K-quants, the scalar path) reads: ``blocks``."""
+        return self.blocks
 
     def tiles(self, kernel_path: str | None) -> Tensor | None:
         """The SIMD path's interleaved rows (:func:`tformer.quant.qgemv.tiles`; ``None``: a path that reads
@@ -98,9 +105,11 @@ class BlockLinear(nn.Module):
             with _making(self):  # one maker a layer: a plan's background thread and a first call may race
                 tiled = self._tiled.get(kernel_path)
                 if tiled is None:
-                    tiled = self._tiled[kernel_path] = qgemv.tiles(self.blocks, self.fmt, kernel_path,
-                                                                   release=pages.mapped(self.blocks))
+                    tiled = self._tiled[kernel_path] = self._make_tiles(kernel_path)
         return tiled
+
+    def _make_tiles(self, kernel_path: str) -> Tensor | None:
+        return qgemv.tiles(self.blocks, self.fmt, kernel_path, release=pages.mapped(self.blocks))
 
     def dequantized(self) -> Tensor:
         """The float32 weight ``(N, K)`` the blocks stand for (for checks; the layer never builds it)."""
@@ -112,6 +121,69 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} blocks"
+
+
+_JOINING = threading.local()       # per thread: the buffer JoinedLinear joins its rows in to make their tiles
+
+
+class JoinedLinear(BlockLinear):
+    """A :class:`BlockLinear` whose rows are held as several tensors in one format, joined only where a
+    kernel reads the file layout: a GGUF's q, k and v (one ``qkv_proj``), each a view of the mapped file.
+    On a SIMD path the tiles are made from the rows and the file's pages handed back, so the weights are
+    held once (as tiles), not also as a joined copy; a path that reads the file layout (the K-quants, the
+    scalar path) joins them once and keeps that (the file's pages handed back). Checks, export and LoRA
+    read :attr:`blocks`, joined for them (a copy per read) where no joined copy is kept.
+
+    Args:
+        rows: ``(n_i, in_features/32 · BYTES[fmt])`` uint8 tensors, in output order.
+        fmt, bias: as :class:`BlockLinear`'s (``bias`` over all ``sum n_i`` outputs).
+    """
+
+    def __init__(self, rows: list[Tensor], fmt: str, bias: Tensor | None = None):
+        nn.Module.__init__(self)
+        self.rows = [r.contiguous() for r in rows]
+        self._joined: Tensor | None = None                # the file layout, where a kernel reads it
+        shapes = [kblocks.maths(fmt).packed_shape(r, fmt, "weights") for r in self.rows]
+        if len({k for _, k in shapes}) != 1:
+            raise InputError(f"joined rows must share their width; got {[k for _, k in shapes]}.")
+        self.kquant, self.tiled, self.fmt = fmt in kblocks.BYTES, fmt in qgemv.TILED, fmt
+        self.out_features, self.in_features = sum(n for n, _ in shapes), shapes[0][1]
+        if bias is not None and bias.shape != (self.out_features,):
+            raise InputError(f"the bias is {tuple(bias.shape)} but the weight has {self.out_features} outputs.")
+        self.register_buffer("bias", bias.detach().float().contiguous() if bias is not None else None)
+        self._tiled: dict[str, Tensor | None] = {}
+
+    @property
+    def blocks(self) -> Tensor:
+        """``(N, row bytes)`` uint8, the rows joined: the copy a kernel reads where one is kept, else a new one."""
+        return self._joined if self._joined is not None else torch.cat(self.rows)
+
+    def file_layout(self) -> Tensor:
+        """The rows joined once and kept (a kernel reads them every call); the file's pages handed back."""
+        if self._joined is None:
+            with _making(self):                                 # the plan's gathering and a first call may race
+                if self._joined is None:
+                    self._joined = torch.cat(self.rows)
+                    for r in self.rows:
+                        pages.release(r)
+        return self._joined
+
+    def _make_tiles(self, kernel_path: str) -> Tensor | None:
+        """Tiles made from the rows joined into this thread's buffer (reused layer after layer: a model's opening
+        touches its pages once), then the file's pages handed back."""
+        n, width = self.out_features, self.rows[0].shape[1]
+        held = getattr(_JOINING, "buffer", None)
+        if held is None or held.numel() < n * width:
+            held = _JOINING.buffer = torch.empty(n * width, dtype=torch.uint8)
+        joined = torch.cat(self.rows, out=held[:n * width].view(n, width))             # (N, row bytes)
+        tiled = qgemv.tiles(joined, self.fmt, kernel_path)
+        if tiled is not None:
+            for r in self.rows:
+                pages.release(r)
+        return tiled
+
+    def decode_tensors(self) -> list[Tensor]:
+        return [t for t in (*self.rows, self.bias) if t is not None]
 
 
 class StackedLinear(nn.Module):

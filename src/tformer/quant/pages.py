@@ -22,8 +22,8 @@ _MAPPED: list[tuple[int, int, "weakref.ref"]] = []
 
 
 def register(start: int, length: int, owner: mmap.mmap) -> None:
-    """Record a file mapping of ``length`` bytes at address ``start``, owned by the mmap ``owner``
-    (mapped copy-on-write and never written: see the module docstring)."""
+    """Record a file mapping of ``length`` bytes at address ``start`` (the first byte of the mmap ``owner``,
+    its owner; mapped copy-on-write and never written: see the module docstring)."""
     _MAPPED[:] = [m for m in _MAPPED if m[2]() is not None]
     _MAPPED.append((start, start + length, weakref.ref(owner)))
 
@@ -36,3 +36,21 @@ def mapped(t: torch.Tensor) -> bool:
     end = begin + t.numel() * t.element_size()
     return any(start <= begin and end <= stop and ref() is not None and not ref().closed
                for start, stop, ref in _MAPPED)
+
+
+def release(t: torch.Tensor) -> bool:
+    """Hand back the whole pages of ``t``'s bytes (``madvise(MADV_DONTNEED)``; the pages shared with a
+    neighbour at either end stay) where :func:`mapped` vouches for them; whether it did."""
+    if not mapped(t):
+        return False
+    begin = t.data_ptr()
+    end = begin + t.numel() * t.element_size()
+    for start, stop, ref in _MAPPED:
+        owner = ref()
+        if owner is not None and not owner.closed and start <= begin and end <= stop:
+            first = -(-(begin - start) // mmap.PAGESIZE) * mmap.PAGESIZE          # offsets of whole pages inside
+            last = (end - start) // mmap.PAGESIZE * mmap.PAGESIZE
+            if last > first:
+                owner.madvise(mmap.MADV_DONTNEED, first, last - first)
+            return True
+    return False

@@ -156,7 +156,13 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
 def _tile_product(op, packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None, p: str, tiled: Tensor | None) -> Tensor:
     """The SIMD path ``p``'s product on tiles: ``tiled``, or made here for this one call."""
     t = tiled if tiled is not None else tiles(packed, fmt, p)
-    return op.qgemm_tiles(t, FMT[fmt], packed.shape[0], x, bias, PATHS.index(p))
+    return tile_product(t, fmt, packed.shape[0], x, bias, p)
+
+
+def tile_product(tiled: Tensor, fmt: str, rows: int, x: Tensor, bias: Tensor | None, kernel_path: str) -> Tensor:
+    """``x (M, K) · Wᵀ + bias`` -> ``(M, rows)`` from ``tiled`` (:func:`tiles` of W on ``kernel_path``) alone:
+    what a layer that keeps its tiles runs, the file layout not read."""
+    return load().qgemm_tiles(tiled, FMT[fmt], rows, x, bias, PATHS.index(kernel_path))
 
 
 def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kernel_path: str | None = None,
