@@ -104,7 +104,7 @@ def test_own_ticks_count_the_children_this_process_waited_for():
 
 def test_open_model_without_threads_takes_the_free_cores(monkeypatch):
     """open_model(threads=None) sets torch's threads to what a FreeCores made before the load says, given
-    torch's count; with ``threads`` it sets that (the tiles, made last, still take the free cores only)."""
+    torch's count; with ``threads`` it sets that and asks nothing (the tiles take one thread of their own)."""
     from pathlib import Path
 
     import tformer.inference as inference
@@ -122,43 +122,37 @@ def test_open_model_without_threads_takes_the_free_cores(monkeypatch):
     try:
         torch.set_num_threads(2)
         inference.open_model(gguf)
-        assert asked == [2, 2] and torch.get_num_threads() == 1     # the tiles' threads, then the model's
+        assert asked == [2] and torch.get_num_threads() == 1        # the model's threads
         inference.open_model(gguf, threads=2)
-        assert asked == [2, 2, 2] and torch.get_num_threads() == 2  # the tiles' only
+        assert asked == [2] and torch.get_num_threads() == 2        # asked for: nothing measured
     finally:
         torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("free", [1, 2])
-def test_open_model_opens_at_one_thread_and_tiles_on_the_free_cores(monkeypatch, free):
+def test_open_model_opens_at_one_thread_and_leaves_the_tiles_to_their_own(monkeypatch):
     """Opening runs at one torch thread (each short copy or check at two would be a parallel region that
-    waits for a busy neighbour's time slice), the repacks into tiles (``choose_path``) at the cores others
-    left free, and the count asked for is back once the model is open."""
+    waits for a busy neighbour's time slice); the path is chosen inside it, its tiles left to their own
+    thread (``choose_path(..., background=True)``); afterwards the count asked for is back."""
     from pathlib import Path
 
     import tformer.inference as inference
 
     seen, choose, parts = [], inference.choose_path, inference._gguf_parts
 
-    class Free:
-        def threads(self, default):
-            return min(default, free)
-
-    def recording(model):
-        seen.append(("tiles", torch.get_num_threads()))
-        return choose(model)
+    def recording(model, background=False):
+        seen.append(("path", torch.get_num_threads(), background))
+        return choose(model, background)
 
     def reading(*args):
         seen.append(("read", torch.get_num_threads()))
         return parts(*args)
 
-    monkeypatch.setattr(inference, "FreeCores", Free)
     monkeypatch.setattr(inference, "choose_path", recording)
     monkeypatch.setattr(inference, "_gguf_parts", reading)
     gguf = Path(__file__).parent / "data" / "qwen2-tiny-q4_k_m.gguf"
     n = torch.get_num_threads()
     try:
         inference.open_model(gguf, threads=2)
-        assert seen == [("read", 1), ("tiles", free)] and torch.get_num_threads() == 2
+        assert seen == [("read", 1), ("path", 1, True)] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(n)
