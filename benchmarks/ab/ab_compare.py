@@ -113,6 +113,13 @@ generate(m, ids, 4, temperature=0)
 t0 = time.perf_counter(); generate(m, ids, 1, temperature=0); prefill = time.perf_counter() - t0
 t = time.perf_counter(); generate(m, ids, 65, temperature=0); report(64 / (time.perf_counter() - t - prefill))
 """,
+    "decode SmolLM2-135M Q4_1 as opened (open_model, prompt 32, 256 new): tok/s": """
+from tformer.inference import open_model
+m = open_model("smollm2").model; ids = torch.randint(0, 49152, (1, 32))
+generate(m, ids, 4, temperature=0)                    # the first use: waits for tiles still being made
+t0 = time.perf_counter(); generate(m, ids, 1, temperature=0); prefill = time.perf_counter() - t0
+t = time.perf_counter(); generate(m, ids, 257, temperature=0); report(256 / (time.perf_counter() - t - prefill))
+""",
     "serve pool SmolLM2-135M Q4_1 (4 rows, prompt 100, 40 steps): tok/s": """
 from tformer.interop.builtin import builtin_path
 from tformer.interop.gguf_import import load_gguf
