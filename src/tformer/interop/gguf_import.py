@@ -305,7 +305,7 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
         if kept and arch == "gpt2" and target.endswith(CONV1D):
             raise CheckpointError(f"{f.path}: keep_quant cannot keep {name} ({f.tensors[name].type}) as blocks: a gpt2 "
                                   f"file's matrices must be transposed for tformer; load it with keep_quant=False.")
-        a = f.blocks(name) if kept else f.array(name)
+        a = stored = f.blocks(name) if kept else f.array(name)
         check_finite(f, name, a, kept)
         if arch == "llama" and ".self_attn.q_proj." in target:
             a = llama_rope_unpermute(a, hf["num_attention_heads"])
@@ -317,8 +317,8 @@ def hf_tensors(f: GGUFFile, arch: str, hf: dict, keep_quant: bool = False) -> di
             a = a - 1                                       # convert_hf_to_gguf.py stored Gemma's gains as 1 + w
         # kept blocks stay the mapped file's pages (copy-on-write: nothing reaches the file); floats are fresh arrays
         out[target] = torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8 if kept else np.float32))
-        if kept and out[target].data_ptr() != f.blocks(name).ctypes.data:   # a copy (RoPE's rows): the pages it read go back
-            pages.release(torch.from_numpy(f.blocks(name)))
+        if kept and out[target].data_ptr() != stored.ctypes.data:   # a copy (RoPE's rows): the pages it read go back
+            pages.release(torch.from_numpy(stored))
     return out
 
 

@@ -28,29 +28,33 @@ def register(start: int, length: int, owner: mmap.mmap) -> None:
     _MAPPED.append((start, start + length, weakref.ref(owner)))
 
 
-def mapped(t: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes lie wholly inside a registered file mapping that is still open."""
+def _mapping(t: torch.Tensor) -> tuple[mmap.mmap, int, int] | None:
+    """The open registered mapping that holds all of ``t``'s bytes, and their offsets ``[begin, end)`` in it."""
     if t.device.type != "cpu" or not t.is_contiguous():
-        return False
-    begin = t.data_ptr()
-    end = begin + t.numel() * t.element_size()
-    return any(start <= begin and end <= stop and ref() is not None and not ref().closed
-               for start, stop, ref in _MAPPED)
-
-
-def release(t: torch.Tensor) -> bool:
-    """Hand back the whole pages of ``t``'s bytes (``madvise(MADV_DONTNEED)``; the pages shared with a
-    neighbour at either end stay) where :func:`mapped` vouches for them; whether it did."""
-    if not mapped(t):
-        return False
+        return None
     begin = t.data_ptr()
     end = begin + t.numel() * t.element_size()
     for start, stop, ref in _MAPPED:
         owner = ref()
         if owner is not None and not owner.closed and start <= begin and end <= stop:
-            first = -(-(begin - start) // mmap.PAGESIZE) * mmap.PAGESIZE          # offsets of whole pages inside
-            last = (end - start) // mmap.PAGESIZE * mmap.PAGESIZE
-            if last > first:
-                owner.madvise(mmap.MADV_DONTNEED, first, last - first)
-            return True
-    return False
+            return owner, begin - start, end - start
+    return None
+
+
+def mapped(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes lie wholly inside a registered file mapping that is still open."""
+    return _mapping(t) is not None
+
+
+def release(t: torch.Tensor) -> bool:
+    """Hand back the whole pages of ``t``'s bytes (``madvise(MADV_DONTNEED)``; the pages shared with a
+    neighbour at either end stay) where :func:`mapped` vouches for them; whether it did."""
+    found = _mapping(t)
+    if found is None:
+        return False
+    owner, begin, end = found
+    first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE                # whole pages inside [begin, end)
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        owner.madvise(mmap.MADV_DONTNEED, first, last - first)
+    return True

@@ -149,11 +149,11 @@ def qgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kerne
     if op is None:
         return blocks.dot(packed, fmt, x, bias).to(x.dtype)
     if p in TILE_ROWS:
-        return _tile_product(op, packed, fmt, x, bias, p, tiled)
+        return _tile_product(packed, fmt, x, bias, p, tiled)
     return op.qgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
 
 
-def _tile_product(op, packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None, p: str, tiled: Tensor | None) -> Tensor:
+def _tile_product(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None, p: str, tiled: Tensor | None) -> Tensor:
     """The SIMD path ``p``'s product on tiles: ``tiled``, or made here for this one call."""
     t = tiled if tiled is not None else tiles(packed, fmt, p)
     return tile_product(t, fmt, packed.shape[0], x, bias, p)
@@ -177,5 +177,5 @@ def kqgemm(packed: Tensor, fmt: str, x: Tensor, bias: Tensor | None = None, kern
     if op is None:
         return kblocks.dot(packed, fmt, x, bias).to(x.dtype)
     if fmt in TILED and p in TILE_ROWS:
-        return _tile_product(op, packed, fmt, x, bias, p, tiled)
+        return _tile_product(packed, fmt, x, bias, p, tiled)
     return op.kqgemm(packed, FMT[fmt], x, bias, PATHS.index(p))
